@@ -1,0 +1,55 @@
+"""Time-scoped leases with fencing tokens, stored in PostgreSQL, for Django.
+
+The public API is re-exported here. Model classes are loaded lazily (PEP 562) because Django
+imports this package before its app registry is ready.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from .exceptions import (
+    EpochMismatchError,
+    InvalidInputError,
+    LapsedError,
+    LeaseError,
+    LeaseLostError,
+    LeaseTimeoutError,
+    NotAcquirableError,
+    NotOwnerError,
+)
+from .managers import Grant, LeaseManager, LeaseState
+
+if TYPE_CHECKING:
+    from .models import Lease
+
+try:
+    __version__ = version("pg-lease-django")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "EpochMismatchError",
+    "Grant",
+    "InvalidInputError",
+    "LapsedError",
+    "Lease",
+    "LeaseError",
+    "LeaseLostError",
+    "LeaseManager",
+    "LeaseState",
+    "LeaseTimeoutError",
+    "NotAcquirableError",
+    "NotOwnerError",
+]
+
+_LAZY_MODELS = {"Lease": "models"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_MODELS:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_LAZY_MODELS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

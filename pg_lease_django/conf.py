@@ -1,0 +1,23 @@
+"""``PG_LEASE_*`` settings, each read at call time through one small typed function."""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+
+def listen_enabled() -> bool:
+    """``PG_LEASE_LISTEN`` (bool, default ``True``): blocking acquire LISTENs for releases.
+
+    Turn it off behind a transaction-pooling PgBouncer, where LISTEN does not work; waiters then
+    poll every ``PG_LEASE_POLL_INTERVAL`` seconds (and at the holder's expiry).
+    """
+    return bool(getattr(settings, "PG_LEASE_LISTEN", True))
+
+
+def poll_interval() -> float:
+    """``PG_LEASE_POLL_INTERVAL`` (float seconds, default ``0.5``): longest sleep of a waiter.
+
+    A waiter re-tries at the holder's expiry, on a release notification, or after this long,
+    whichever comes first.
+    """
+    return float(getattr(settings, "PG_LEASE_POLL_INTERVAL", 0.5))

@@ -1,0 +1,104 @@
+"""Every error the app raises. Each carries the lease it concerns and the spec's cause name."""
+
+from __future__ import annotations
+
+__all__ = [
+    "EpochMismatchError",
+    "InvalidInputError",
+    "LapsedError",
+    "LeaseError",
+    "LeaseLostError",
+    "LeaseTimeoutError",
+    "NotAcquirableError",
+    "NotOwnerError",
+]
+
+
+class LeaseError(Exception):
+    """Base of every lease error.
+
+    Attributes:
+        code: the cause name from the spec (``not_owner``, ``lapsed``, ...).
+        key, owner, epoch: the lease the failed call was about, as the caller gave them.
+    """
+
+    code = "lease_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        owner: str | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.owner = owner
+        self.epoch = epoch
+
+
+class NotAcquirableError(LeaseError):
+    """The key is held by another owner.
+
+    Raised where a denial must be an exception (``hold()``); ``acquire()`` returns ``None`` instead.
+    Recover by trying later or waiting (``blocking=True``).
+    """
+
+    code = "not_acquirable"
+
+
+class LeaseTimeoutError(LeaseError):
+    """A blocking acquire did not get the lease within its wait bound.
+
+    Carries ``sqlstate = "57014"`` (query_canceled), the code the SQL-level blocking acquire raises.
+    Nothing was acquired and no transaction or lock is left behind; retry or give up.
+    """
+
+    code = "timeout"
+    sqlstate = "57014"
+
+
+class LeaseLostError(LeaseError):
+    """The caller does not hold the lease it named: stop acting on its behalf.
+
+    Base of :class:`NotOwnerError`, :class:`LapsedError` and :class:`EpochMismatchError`. Any work
+    guarded by the old epoch will be rejected; re-acquire (getting a new epoch) to continue.
+    """
+
+
+class NotOwnerError(LeaseLostError):
+    """Renew/release by a caller that holds no live lease on the key.
+
+    The key is unknown, free, or held by a different owner. Stop; re-acquire to continue.
+    """
+
+    code = "not_owner"
+
+
+class LapsedError(LeaseLostError):
+    """Renew/release by the most recent holder after its lease expired (server clock).
+
+    Others may already have acquired the key. Stop; re-acquire (new epoch) to continue.
+    """
+
+    code = "lapsed"
+
+
+class EpochMismatchError(LeaseLostError):
+    """Renew/release with an epoch that is not the current one.
+
+    The lease moved on (typically a self-takeover by a restarted worker with the same identity).
+    Stop; the caller's epoch is fenced for good.
+    """
+
+    code = "epoch_mismatch"
+
+
+class InvalidInputError(LeaseError, ValueError):
+    """Bad argument: empty/over-long/NUL-containing key or owner, bad TTL, bad epoch, wrong type.
+
+    Raised before any SQL is sent, so nothing changed. Fix the call; retrying will not help.
+    """
+
+    code = "invalid_input"

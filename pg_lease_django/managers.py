@@ -1,0 +1,260 @@
+"""LeaseManager: the four operations, each one call of a SQL function in one round trip."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+from django.db import connections, models, router
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from . import conf
+from .exceptions import (
+    EpochMismatchError,
+    InvalidInputError,
+    LapsedError,
+    LeaseLostError,
+    LeaseTimeoutError,
+    NotOwnerError,
+)
+from .validation import Seconds, check_epoch, check_name, check_ttl, to_timedelta
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from .models import Lease
+
+#: Channel the release function notifies, with the key as payload.
+NOTIFY_CHANNEL = "pg_lease_django"
+#: Longest wait accepted by a blocking acquire.
+MAX_WAIT = timedelta(days=365)
+
+_LOST_ERRORS: dict[str, type[LeaseLostError]] = {
+    "not_owner": NotOwnerError,
+    "lapsed": LapsedError,
+    "epoch_mismatch": EpochMismatchError,
+}
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A successful acquire.
+
+    Attributes:
+        key: the lease key.
+        owner: the owner identity it was granted to.
+        epoch: the fencing token; present it to renew, release and guarded writes.
+        expires_at: server time at which the lease lapses unless renewed.
+        server_time: the server clock at the grant (``expires_at - server_time`` is the TTL).
+    """
+
+    key: str
+    owner: str
+    epoch: int
+    expires_at: datetime
+    server_time: datetime
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """What :meth:`LeaseManager.inspect` saw, computed from the server clock.
+
+    Attributes:
+        key: the lease key.
+        status: ``"free"``, ``"held"`` or ``"lapsed"`` (expired, not yet taken over).
+        owner: the holder; the former holder when lapsed; None when free.
+        epoch: the current epoch (0 for a key never acquired).
+        expires_at: expiry of the current or lapsed grant; None when free.
+        server_time: the server clock when the state was read.
+    """
+
+    key: str
+    status: Literal["free", "held", "lapsed"]
+    owner: str | None
+    epoch: int
+    expires_at: datetime | None
+    server_time: datetime
+
+    @property
+    def held(self) -> bool:
+        """True when someone holds the lease at ``server_time``."""
+        return self.status == "held"
+
+
+class LeaseManager(models.Manager["Lease"]):
+    """Acquire, renew, release and inspect leases.
+
+    Every method is one SQL statement (one round trip). Outside ``atomic()`` it commits on its own;
+    inside, it is part of the caller's transaction and rolls back with it. Use
+    ``Lease.objects.db_manager(alias)`` for another database; by default the router's write
+    database for :class:`Lease` is used.
+    """
+
+    def _connection(self) -> BaseDatabaseWrapper:
+        return connections[self._db or router.db_for_write(self.model, **self._hints)]
+
+    def _call(self, sql: str, params: Sequence[Any]) -> tuple[Any, ...]:
+        with self._connection().cursor() as cursor:
+            cursor.execute(sql, params)
+            row = cursor.fetchone()
+        assert row is not None
+        return tuple(row)
+
+    def acquire(
+        self,
+        key: str,
+        owner: str,
+        ttl: Seconds,
+        *,
+        blocking: bool = False,
+        timeout: Seconds | None = None,
+    ) -> Grant | None:
+        """Acquire ``key`` for ``owner`` for ``ttl`` (seconds or timedelta).
+
+        Granted when the key is free, lapsed, or already held by ``owner`` (a self-takeover: the
+        grant has a new epoch, which fences the owner's earlier incarnation).
+
+        Args:
+            key: the lease key (1-255 UTF-8 bytes, no NUL).
+            owner: the caller's identity, unique among concurrent clients.
+            ttl: how long the grant lasts without renewal, on the server clock.
+            blocking: wait until the key can be acquired instead of returning None.
+            timeout: with ``blocking=True``, the longest wait (seconds or timedelta).
+
+        Returns:
+            A :class:`Grant`, or None when another owner holds the key (non-blocking only).
+
+        Raises:
+            InvalidInputError: bad argument; nothing was sent.
+            LeaseTimeoutError: ``blocking=True`` and ``timeout`` passed.
+        """
+        check_name("key", key)
+        check_name("owner", owner)
+        ttl_delta = check_ttl(ttl)
+        if not isinstance(blocking, bool):
+            raise InvalidInputError(f"blocking must be a bool, not {type(blocking).__name__}", key=key, owner=owner)
+        if timeout is not None and not blocking:
+            raise InvalidInputError("timeout only applies with blocking=True", key=key, owner=owner)
+        wait = None if timeout is None else to_timedelta("timeout", timeout, minimum=timedelta(0), maximum=MAX_WAIT)
+        if not blocking:
+            return self._try_acquire(key, owner, ttl_delta)[0]
+        return self._wait_and_acquire(key, owner, ttl_delta, wait)
+
+    def _try_acquire(self, key: str, owner: str, ttl: timedelta) -> tuple[Grant | None, tuple[Any, ...]]:
+        row = self._call("SELECT * FROM pg_lease_acquire(%s, %s, %s)", [key, owner, ttl])
+        granted, _key, row_owner, epoch, expires_at, server_time = row
+        grant = Grant(key, row_owner, epoch, expires_at, server_time) if granted else None
+        return grant, row
+
+    def _wait_and_acquire(self, key: str, owner: str, ttl: timedelta, wait: timedelta | None) -> Grant:
+        """Retry until granted: on a release notification, at the holder's expiry, or every poll interval.
+
+        Between attempts no transaction or snapshot is held (outside ``atomic()``), and a refused
+        attempt takes no lock. Inside ``atomic()`` LISTEN would only start at commit, so it polls.
+        """
+        deadline = None if wait is None else time.monotonic() + wait.total_seconds()
+        connection = self._connection()
+        listen = conf.listen_enabled() and not connection.in_atomic_block
+        with self._listening(connection, listen):
+            while True:
+                grant, row = self._try_acquire(key, owner, ttl)
+                if grant is not None:
+                    return grant
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise LeaseTimeoutError(
+                        f"lease {key!r} still held by {row[2]!r} after waiting {wait}", key=key, owner=owner
+                    )
+                holder_expires_at, server_time = row[4], row[5]
+                pause = min(max((holder_expires_at - server_time).total_seconds(), 0.0), conf.poll_interval())
+                if deadline is not None:
+                    pause = min(pause, deadline - now)
+                if listen:
+                    self._wait_for_release(connection, key, pause)
+                else:
+                    time.sleep(pause)
+
+    @contextmanager
+    def _listening(self, connection: BaseDatabaseWrapper, listen: bool) -> Iterator[None]:
+        if not listen:
+            yield
+            return
+        with connection.cursor() as cursor:
+            cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        try:
+            yield
+        finally:
+            try:
+                with connection.cursor() as cursor:
+                    cursor.execute(f"UNLISTEN {NOTIFY_CHANNEL}")
+            except BaseException:
+                # Interrupted mid-wait: the connection state is unknown; closing it is the only
+                # way to be sure no LISTEN outlives the wait.
+                connection.close()
+                raise
+
+    @staticmethod
+    def _wait_for_release(connection: BaseDatabaseWrapper, key: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        raw = connection.connection
+        while (remaining := deadline - time.monotonic()) > 0:
+            for notify in raw.notifies(timeout=remaining, stop_after=1):
+                if notify.payload == key:
+                    return
+
+    def renew(self, key: str, owner: str, epoch: int, ttl: Seconds) -> datetime:
+        """Extend a live lease held by ``(owner, epoch)`` to server now + ``ttl``.
+
+        Returns:
+            The new ``expires_at`` (server clock).
+
+        Raises:
+            NotOwnerError: the key is unknown, free, or held by another owner.
+            LapsedError: ``owner`` held it but it expired; re-acquire to continue.
+            EpochMismatchError: ``owner`` holds it under another epoch.
+            InvalidInputError: bad argument; nothing was sent.
+        """
+        check_name("key", key)
+        check_name("owner", owner)
+        check_epoch(epoch)
+        ttl_delta = check_ttl(ttl)
+        outcome, expires_at, _server_time = self._call(
+            "SELECT * FROM pg_lease_renew(%s, %s, %s, %s)", [key, owner, epoch, ttl_delta]
+        )
+        self._raise_unless_ok(outcome, "renew", key, owner, epoch)
+        return expires_at  # type: ignore[no-any-return]
+
+    def release(self, key: str, owner: str, epoch: int) -> None:
+        """Free a live lease held by ``(owner, epoch)``; the epoch goes up, fencing the holder.
+
+        Raises:
+            NotOwnerError, LapsedError, EpochMismatchError: as for :meth:`renew`; nothing changed.
+            InvalidInputError: bad argument; nothing was sent.
+        """
+        check_name("key", key)
+        check_name("owner", owner)
+        check_epoch(epoch)
+        outcome, _epoch, _server_time = self._call("SELECT * FROM pg_lease_release(%s, %s, %s)", [key, owner, epoch])
+        self._raise_unless_ok(outcome, "release", key, owner, epoch)
+
+    def inspect(self, key: str) -> LeaseState:
+        """Return the state of ``key`` at the server clock (lazy expiry). Never raises for an unknown key.
+
+        Advisory only: the state may change right after it is read. Guard actions with the epoch.
+        """
+        check_name("key", key)
+        _key, status, owner, epoch, expires_at, _acquired_at, server_time = self._call(
+            "SELECT * FROM pg_lease_inspect(%s)", [key]
+        )
+        return LeaseState(key, status, owner, epoch, expires_at, server_time)
+
+    @staticmethod
+    def _raise_unless_ok(outcome: str, operation: str, key: str, owner: str, epoch: int) -> None:
+        if outcome == "ok":
+            return
+        error = _LOST_ERRORS[outcome]
+        raise error(f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch)

@@ -1,0 +1,58 @@
+"""The lease table: one row per key, kept forever so its epoch never restarts."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from django.db import models
+from django.db.models import F, Func, IntegerField, Q
+from django.db.models.lookups import Range
+
+from .managers import LeaseManager
+
+
+def _octet_length(field: str) -> Func:
+    return Func(F(field), function="octet_length", output_field=IntegerField())
+
+
+class Lease(models.Model):
+    """A time-scoped lease on a named resource, with its fencing epoch.
+
+    Use :attr:`Lease.objects` (a :class:`LeaseManager`) to acquire, renew, release and inspect.
+    Rows are written only by the SQL functions the migrations install; never edit them by hand:
+    an epoch that goes backwards un-fences stale holders.
+
+    Columns: ``key`` (primary key), ``owner`` (None when free), ``epoch`` (fencing token, never
+    decreases), ``acquired_at`` and ``expires_at`` (server clock; None when free). A row whose
+    ``expires_at`` has passed is *lapsed*, evaluated lazily on access.
+    """
+
+    key = models.TextField(primary_key=True)
+    owner = models.TextField(null=True, blank=True)
+    epoch = models.BigIntegerField(default=0)
+    acquired_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    objects: ClassVar[LeaseManager] = LeaseManager()
+
+    class Meta:
+        db_table = "pg_lease_django_lease"
+        ordering = ["key"]
+        permissions = [("force_release_lease", "Can force-release a lease")]
+        # No index on owner, epoch or expires_at: renewals must stay HOT updates.
+        constraints = [
+            models.CheckConstraint(condition=Range(_octet_length("key"), (1, 255)), name="pg_lease_key_length"),
+            models.CheckConstraint(
+                condition=Q(owner__isnull=True) | Range(_octet_length("owner"), (1, 255)),
+                name="pg_lease_owner_length",
+            ),
+            models.CheckConstraint(condition=Q(epoch__gte=0), name="pg_lease_epoch_non_negative"),
+            models.CheckConstraint(
+                condition=Q(owner__isnull=True, expires_at__isnull=True, acquired_at__isnull=True)
+                | Q(owner__isnull=False, expires_at__isnull=False, acquired_at__isnull=False),
+                name="pg_lease_held_fields_together",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.key

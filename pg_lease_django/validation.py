@@ -1,0 +1,65 @@
+"""Input rules, checked in Python before any SQL is sent (the SQL functions check them again)."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+from .exceptions import InvalidInputError
+
+#: Longest key or owner identity, in UTF-8 bytes (also a CHECK constraint on the table).
+MAX_NAME_BYTES = 255
+#: Shortest TTL accepted. Anything shorter lapses before the statement that grants it returns.
+MIN_TTL = timedelta(milliseconds=1)
+#: Longest TTL accepted. A lease is meant to be renewed; a longer bound is a bug, not a lease.
+MAX_TTL = timedelta(days=365)
+#: Largest epoch PostgreSQL's bigint can hold.
+MAX_EPOCH = 2**63 - 1
+
+Seconds = int | float | timedelta
+
+
+def check_name(kind: str, value: object) -> str:
+    """Return ``value`` if it is a usable key or owner identity, else raise InvalidInputError."""
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{kind} must be a str, not {type(value).__name__}")
+    if not value:
+        raise InvalidInputError(f"{kind} must not be empty")
+    if "\x00" in value:
+        raise InvalidInputError(f"{kind} must not contain NUL characters")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"{kind} is not valid Unicode text: {exc.reason}") from None
+    if size > MAX_NAME_BYTES:
+        raise InvalidInputError(f"{kind} is {size} bytes long; the limit is {MAX_NAME_BYTES} (UTF-8)")
+    return value
+
+
+def to_timedelta(kind: str, value: object, *, minimum: timedelta, maximum: timedelta) -> timedelta:
+    """Convert seconds or a timedelta to a timedelta within [minimum, maximum]."""
+    if isinstance(value, bool) or not isinstance(value, int | float | timedelta):
+        raise InvalidInputError(f"{kind} must be a number of seconds or a timedelta, not {type(value).__name__}")
+    if isinstance(value, timedelta):
+        delta = value
+    else:
+        if not math.isfinite(value) or not -1e12 < value < 1e12:
+            raise InvalidInputError(f"{kind} must be a finite number of seconds, got {value!r}")
+        delta = timedelta(seconds=value)
+    if not minimum <= delta <= maximum:
+        raise InvalidInputError(f"{kind} must be between {minimum} and {maximum}, got {delta}")
+    return delta
+
+
+def check_ttl(value: object) -> timedelta:
+    """Return the TTL as a timedelta, or raise InvalidInputError."""
+    return to_timedelta("ttl", value, minimum=MIN_TTL, maximum=MAX_TTL)
+
+
+def check_epoch(value: object) -> int:
+    """Return ``value`` if it can be a granted epoch (an int from 1 up), else raise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"epoch must be an int, not {type(value).__name__}")
+    if not 1 <= value <= MAX_EPOCH:
+        raise InvalidInputError(f"epoch must be between 1 and {MAX_EPOCH}, got {value}")
+    return value

