@@ -62,7 +62,10 @@ class LocalServer:
         if self.user:
             command = ["runuser", "-u", self.user, "--", *command]
         env = {**os.environ, **self.extra_env}
-        return subprocess.run(command, check=check, capture_output=True, text=True, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+        return done
 
     @property
     def port(self) -> int:
@@ -95,6 +98,12 @@ class LocalServer:
         if self.is_running():
             self._run("pg_ctl", "-D", str(self.datadir), "-w", "-m", mode, "stop")
 
+    def destroy(self) -> None:
+        """Stop at once and delete the data directory."""
+        self.stop("immediate")
+        shutil.rmtree(self.datadir, ignore_errors=True)
+        self.port_file.unlink(missing_ok=True)
+
     def restart(self, mode: str = "fast", *settings: str) -> None:
         """Stop (``mode="immediate"`` is a crash: no shutdown checkpoint) and start again, same port."""
         port = self.port
@@ -104,6 +113,16 @@ class LocalServer:
         options += [f"-c {setting}" for setting in settings]
         log = self.datadir / "server.log"
         self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start")
+
+
+def throwaway_datadir(name: str) -> Path:
+    """A fresh data directory under the repository's ``.pgdata`` (readable by the server's user,
+    unlike pytest's private temporary folders)."""
+    import uuid
+
+    path = REPO / ".pgdata" / "throwaway" / f"{name}-{uuid.uuid4().hex[:8]}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def database_url() -> str:

@@ -263,7 +263,7 @@ SET search_path = pg_catalog, {s}, pg_temp
 AS $$
 BEGIN
   RAISE EXCEPTION 'lease rows are never deleted (it would reset the epoch of %)', OLD.key
-    USING ERRCODE = '55000', HINT = 'Release the lease instead; its epoch must keep increasing.';
+    USING ERRCODE = '23001', HINT = 'Release the lease instead; its epoch must keep increasing.';
 END $$;
 
 CREATE TRIGGER pg_lease_forbid_delete BEFORE DELETE ON {t}

@@ -1,0 +1,99 @@
+"""The table's shape decides correctness (logged, never deleted) and speed (HOT renewals)."""
+
+from __future__ import annotations
+
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.test import override_settings
+
+from pg_lease_django import Lease
+from pg_lease_django.checks import check_database_is_postgresql
+
+pytestmark = pytest.mark.django_db
+
+
+def fetch(sql: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params or [])
+        return list(cursor.fetchall())
+
+
+def test_table_is_logged_with_fillfactor_for_hot_updates() -> None:
+    [(persistence, options)] = fetch(
+        "SELECT relpersistence, reloptions FROM pg_class WHERE oid = 'pg_lease_django_lease'::regclass"
+    )
+    assert persistence == "p", "an UNLOGGED table is truncated after a crash, resetting epochs"
+    fillfactor = int(next(o for o in options if o.startswith("fillfactor=")).split("=")[1])
+    assert 50 <= fillfactor <= 70
+
+
+def test_only_the_key_is_indexed() -> None:
+    """An index on owner, epoch or expires_at would make every renewal a non-HOT update."""
+    indexed = fetch(
+        """SELECT DISTINCT a.attname FROM pg_index i
+           JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+           WHERE i.indrelid = 'pg_lease_django_lease'::regclass"""
+    )
+    assert indexed == [("key",)]
+    [(primary_key,)] = fetch(
+        """SELECT pg_get_indexdef(indexrelid) FROM pg_index
+           WHERE indrelid = 'pg_lease_django_lease'::regclass AND indisprimary"""
+    )
+    assert "(key)" in primary_key
+
+
+def test_named_constraints_exist() -> None:
+    names = {row[0] for row in fetch("SELECT conname FROM pg_constraint WHERE conrelid = 'pg_lease_django_lease'::regclass")}
+    assert {"pg_lease_key_length", "pg_lease_owner_length", "pg_lease_epoch_non_negative"} <= names
+
+
+def test_lease_rows_cannot_be_deleted(key: str) -> None:
+    from django.db import IntegrityError, transaction
+
+    Lease.objects.acquire(key, "w1", ttl=30)
+    with pytest.raises(IntegrityError, match="never deleted"), transaction.atomic():
+        Lease.objects.filter(key=key).delete()
+    assert Lease.objects.inspect(key).epoch == 1
+
+
+def test_renewals_are_hot_updates(key: str) -> None:
+    grant = Lease.objects.acquire(key, "w1", ttl=30)
+    assert grant is not None
+    [(ctid_before,)] = fetch("SELECT ctid::text FROM pg_lease_django_lease WHERE key = %s", [key])
+    for _ in range(20):
+        Lease.objects.renew(key, "w1", grant.epoch, ttl=30)
+    # A HOT chain stays on the same heap page: the page number of ctid must not change.
+    [(ctid_after,)] = fetch("SELECT ctid::text FROM pg_lease_django_lease WHERE key = %s", [key])
+    assert ctid_before.strip("()").split(",")[0] == ctid_after.strip("()").split(",")[0]
+
+
+def test_functions_are_security_invoker_with_pinned_search_path() -> None:
+    rows = fetch(
+        """SELECT proname, prosecdef, proconfig FROM pg_proc
+           WHERE starts_with(proname, 'pg_lease_') AND pronamespace = current_schema()::regnamespace"""
+    )
+    assert {r[0] for r in rows} >= {"pg_lease_acquire", "pg_lease_renew", "pg_lease_release", "pg_lease_inspect"}
+    for name, security_definer, config in rows:
+        assert not security_definer, name
+        assert any(c.startswith("search_path=pg_catalog,") for c in config or []), name
+
+
+def test_migrations_are_in_sync_with_models() -> None:
+    out = StringIO()
+    call_command("makemigrations", "--check", "--dry-run", stdout=out)  # exits non-zero on drift
+
+
+def test_system_check_refuses_a_non_postgresql_lease_database() -> None:
+    class RouteLeasesToSqlite:
+        def db_for_write(self, model: Any, **hints: Any) -> str | None:
+            return "sqlite" if model._meta.app_label == "pg_lease_django" else None
+
+    assert check_database_is_postgresql() == []
+    with override_settings(DATABASE_ROUTERS=[RouteLeasesToSqlite()]):
+        [error] = check_database_is_postgresql()
+    assert error.id == "pg_lease_django.E001"
+    assert error.hint

@@ -1,0 +1,90 @@
+"""Bad input: a typed error before any SQL is sent, and nothing changes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from pg_lease_django import InvalidInputError, Lease
+
+pytestmark = pytest.mark.django_db
+
+BAD_NAMES: list[Any] = ["", "x" * 256, "é" * 128, "nul\x00byte", "\ud800", None, 7, b"bytes", ["k"]]
+BAD_TTLS: list[Any] = [0, -1, 0.0001, float("nan"), float("inf"), 1e300, timedelta(days=366), timedelta(0), True, "30", None]
+BAD_EPOCHS: list[Any] = [0, -1, 1.5, "1", None, True, 2**63]
+
+
+def table_contents() -> list[tuple[Any, ...]]:
+    return list(Lease.objects.order_by("key").values_list("key", "owner", "epoch", "expires_at"))
+
+
+@pytest.fixture
+def held(key: str) -> str:
+    assert Lease.objects.acquire(key, "w1", ttl=30) is not None
+    return key
+
+
+def assert_rejected(call: Any, django_assert_num_queries: Any) -> None:
+    before = table_contents()
+    with django_assert_num_queries(0), pytest.raises(InvalidInputError) as info:
+        call()
+    assert info.value.code == "invalid_input"
+    assert isinstance(info.value, ValueError)
+    assert table_contents() == before
+
+
+@pytest.mark.parametrize("bad", BAD_NAMES)
+def test_bad_keys_and_owners(bad: Any, held: str, django_assert_num_queries: Any) -> None:
+    assert_rejected(lambda: Lease.objects.acquire(bad, "w1", 30), django_assert_num_queries)
+    assert_rejected(lambda: Lease.objects.acquire(held, bad, 30), django_assert_num_queries)
+    assert_rejected(lambda: Lease.objects.renew(bad, "w1", 1, 30), django_assert_num_queries)
+    assert_rejected(lambda: Lease.objects.renew(held, bad, 1, 30), django_assert_num_queries)
+    assert_rejected(lambda: Lease.objects.release(bad, "w1", 1), django_assert_num_queries)
+    assert_rejected(lambda: Lease.objects.release(held, bad, 1), django_assert_num_queries)
+    assert_rejected(lambda: Lease.objects.inspect(bad), django_assert_num_queries)
+
+
+@pytest.mark.parametrize("bad", BAD_TTLS)
+def test_bad_ttls(bad: Any, held: str, django_assert_num_queries: Any) -> None:
+    assert_rejected(lambda: Lease.objects.acquire(held, "w2", bad), django_assert_num_queries)
+    assert_rejected(lambda: Lease.objects.renew(held, "w1", 1, bad), django_assert_num_queries)
+
+
+@pytest.mark.parametrize("bad", BAD_EPOCHS)
+def test_bad_epochs(bad: Any, held: str, django_assert_num_queries: Any) -> None:
+    assert_rejected(lambda: Lease.objects.renew(held, "w1", bad, 30), django_assert_num_queries)
+    assert_rejected(lambda: Lease.objects.release(held, "w1", bad), django_assert_num_queries)
+
+
+def test_limits_are_inclusive(key: str) -> None:
+    longest = "k" * 255
+    assert Lease.objects.acquire(longest, "o" * 255, ttl=timedelta(days=365)) is not None
+    assert Lease.objects.acquire(key, "w1", ttl=0.001) is not None
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("sql", "params"),
+    [
+        ("SELECT pg_lease_acquire(%s, 'w', '30 s')", [""]),
+        ("SELECT pg_lease_acquire(%s, 'w', '30 s')", ["x" * 256]),
+        ("SELECT pg_lease_acquire('k', %s, '30 s')", [None]),
+        ("SELECT pg_lease_acquire('k', 'w', %s)", [timedelta(0)]),
+        ("SELECT pg_lease_acquire('k', 'w', %s)", [timedelta(days=400)]),
+        ("SELECT pg_lease_acquire('k', 'w', '30 s', %s)", [timedelta(seconds=-1)]),
+        ("SELECT pg_lease_renew('k', 'w', %s, '30 s')", [0]),
+        ("SELECT pg_lease_release('k', 'w', %s)", [-3]),
+        ("SELECT pg_lease_inspect(%s)", [""]),
+    ],
+)
+def test_sql_functions_reject_bad_input_with_22023(sql: str, params: list[Any], raw_connect: Any) -> None:
+    conn = raw_connect()
+    before = conn.execute("SELECT count(*), coalesce(sum(epoch), 0) FROM pg_lease_django_lease").fetchone()
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+        conn.execute(sql, params)
+    assert info.value.sqlstate == "22023"
+    assert "invalid_input" in str(info.value)
+    assert conn.execute("SELECT count(*), coalesce(sum(epoch), 0) FROM pg_lease_django_lease").fetchone() == before
