@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -26,7 +26,7 @@ from .validation import Seconds, check_epoch, check_name, check_ttl, to_timedelt
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from .models import Lease
+    from .models import Lease  # noqa: F401  (named in the Manager["Lease"] base)
 
 #: Channel the release function notifies, with the key as payload.
 NOTIFY_CHANNEL = "pg_lease_django"
@@ -95,7 +95,7 @@ class LeaseManager(models.Manager["Lease"]):
     """
 
     def _connection(self) -> BaseDatabaseWrapper:
-        return connections[self._db or router.db_for_write(self.model, **self._hints)]
+        return connections[self._db or router.db_for_write(self.model)]
 
     def _call(self, sql: str, params: Sequence[Any]) -> tuple[Any, ...]:
         with self._connection().cursor() as cursor:
@@ -103,6 +103,17 @@ class LeaseManager(models.Manager["Lease"]):
             row = cursor.fetchone()
         assert row is not None
         return tuple(row)
+
+    @overload
+    def acquire(self, key: str, owner: str, ttl: Seconds, *, blocking: Literal[False] = False) -> Grant | None: ...
+    @overload
+    def acquire(
+        self, key: str, owner: str, ttl: Seconds, *, blocking: Literal[True], timeout: Seconds | None = None
+    ) -> Grant: ...
+    @overload
+    def acquire(
+        self, key: str, owner: str, ttl: Seconds, *, blocking: bool, timeout: Seconds | None = None
+    ) -> Grant | None: ...
 
     def acquire(
         self,
@@ -257,4 +268,6 @@ class LeaseManager(models.Manager["Lease"]):
         if outcome == "ok":
             return
         error = _LOST_ERRORS[outcome]
-        raise error(f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch)
+        raise error(
+            f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch
+        )

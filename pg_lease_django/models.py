@@ -28,7 +28,7 @@ class Lease(models.Model):
     """
 
     key = models.TextField(primary_key=True)
-    owner = models.TextField(null=True, blank=True)
+    owner = models.TextField(null=True, blank=True)  # noqa: DJ001  (NULL means free; "" is not an owner)
     epoch = models.BigIntegerField(default=0)
     acquired_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
@@ -43,7 +43,7 @@ class Lease(models.Model):
         constraints = [
             models.CheckConstraint(condition=Range(_octet_length("key"), (1, 255)), name="pg_lease_key_length"),
             models.CheckConstraint(
-                condition=Q(owner__isnull=True) | Range(_octet_length("owner"), (1, 255)),
+                condition=Q(owner__isnull=True) | Q(Range(_octet_length("owner"), (1, 255))),
                 name="pg_lease_owner_length",
             ),
             models.CheckConstraint(condition=Q(epoch__gte=0), name="pg_lease_epoch_non_negative"),

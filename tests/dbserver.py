@@ -75,7 +75,10 @@ class LocalServer:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
 
     def is_running(self) -> bool:
-        return self.datadir.exists() and self._run("pg_ctl", "-D", str(self.datadir), "status", check=False).returncode == 0
+        return (
+            self.datadir.exists()
+            and self._run("pg_ctl", "-D", str(self.datadir), "status", check=False).returncode == 0
+        )
 
     def init(self) -> None:
         if (self.datadir / "PG_VERSION").exists():

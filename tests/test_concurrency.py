@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -9,7 +10,7 @@ import psycopg
 import pytest
 from django.db import connection
 
-from pg_lease_django import Grant, Lease, LapsedError
+from pg_lease_django import Grant, LapsedError, Lease
 from tests.conftest import Background, conninfo, wait_until, wait_until_blocked
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -59,7 +60,7 @@ def test_takeover_races_over_many_rounds_keep_one_winner_and_rising_epochs(key: 
     assert epochs == list(range(1, len(history) + 1)), epochs
     grant_times = [g.server_time for g in history]
     assert grant_times == sorted(grant_times)
-    for earlier, later in zip(history, history[1:], strict=False):
+    for earlier, later in itertools.pairwise(history):
         assert later.server_time >= earlier.expires_at, "a takeover before the previous grant lapsed"
 
 
@@ -68,7 +69,9 @@ def test_renew_in_flight_beats_a_takeover_that_must_wait_for_it(key: str, raw_co
     grant = Lease.objects.acquire(key, "holder", ttl=1)
     assert grant is not None
     renewer = raw_connect(autocommit=False)
-    assert renewer.execute("SELECT outcome FROM pg_lease_renew(%s, 'holder', %s, '30 s')", [key, grant.epoch]).fetchone() == ("ok",)
+    assert renewer.execute(
+        "SELECT outcome FROM pg_lease_renew(%s, 'holder', %s, '30 s')", [key, grant.epoch]
+    ).fetchone() == ("ok",)
     observer = raw_connect()
     wait_until(
         lambda: observer.execute("SELECT clock_timestamp() > %s", [grant.expires_at]).fetchone() == (True,),
@@ -76,7 +79,9 @@ def test_renew_in_flight_beats_a_takeover_that_must_wait_for_it(key: str, raw_co
     )
     taker = raw_connect()
     taker_pid = taker.info.backend_pid
-    attempt = Background(lambda: taker.execute("SELECT granted, owner FROM pg_lease_acquire(%s, 'taker', '30 s')", [key]).fetchone())
+    attempt = Background(
+        lambda: taker.execute("SELECT granted, owner FROM pg_lease_acquire(%s, 'taker', '30 s')", [key]).fetchone()
+    )
     attempt.start()
     wait_until_blocked(observer, taker_pid)
     renewer.commit()
@@ -108,7 +113,9 @@ def test_two_takers_serialise_on_the_row_lock_and_the_second_sees_the_first(key:
     first = raw_connect(autocommit=False)
     assert first.execute("SELECT granted FROM pg_lease_acquire(%s, 'first', '30 s')", [key]).fetchone() == (True,)
     second = raw_connect()
-    attempt = Background(lambda: second.execute("SELECT granted, owner FROM pg_lease_acquire(%s, 'second', '30 s')", [key]).fetchone())
+    attempt = Background(
+        lambda: second.execute("SELECT granted, owner FROM pg_lease_acquire(%s, 'second', '30 s')", [key]).fetchone()
+    )
     attempt.start()
     wait_until_blocked(raw_connect(), second.info.backend_pid)
     first.commit()
@@ -122,7 +129,11 @@ def test_two_takers_when_the_first_rolls_back_the_second_wins(key: str, raw_conn
     first = raw_connect(autocommit=False)
     first.execute("SELECT granted FROM pg_lease_acquire(%s, 'first', '30 s')", [key])
     second = raw_connect()
-    attempt = Background(lambda: second.execute("SELECT granted, owner, epoch FROM pg_lease_acquire(%s, 'second', '30 s')", [key]).fetchone())
+    attempt = Background(
+        lambda: second.execute(
+            "SELECT granted, owner, epoch FROM pg_lease_acquire(%s, 'second', '30 s')", [key]
+        ).fetchone()
+    )
     attempt.start()
     wait_until_blocked(raw_connect(), second.info.backend_pid)
     first.rollback()
@@ -133,7 +144,9 @@ def test_concurrent_inserts_of_a_new_key_wait_for_each_other(key: str, raw_conne
     first = raw_connect(autocommit=False)
     first.execute("SELECT granted FROM pg_lease_acquire(%s, 'first', '30 s')", [key])
     second = raw_connect()
-    attempt = Background(lambda: second.execute("SELECT granted, owner FROM pg_lease_acquire(%s, 'second', '30 s')", [key]).fetchone())
+    attempt = Background(
+        lambda: second.execute("SELECT granted, owner FROM pg_lease_acquire(%s, 'second', '30 s')", [key]).fetchone()
+    )
     attempt.start()
     wait_until_blocked(raw_connect(), second.info.backend_pid)
     first.commit()

@@ -44,8 +44,12 @@ def test_refused_renew_and_release_take_no_transaction_id(key: str, raw_connect:
     grant = Lease.objects.acquire(key, "holder", ttl=30)
     assert grant is not None
     conn = raw_connect(autocommit=False)
-    assert conn.execute("SELECT outcome FROM pg_lease_renew(%s, 'intruder', %s, '30 s')", [key, grant.epoch]).fetchone() == ("not_owner",)
-    assert conn.execute("SELECT outcome FROM pg_lease_release(%s, 'holder', %s)", [key, grant.epoch + 1]).fetchone() == ("epoch_mismatch",)
+    assert conn.execute(
+        "SELECT outcome FROM pg_lease_renew(%s, 'intruder', %s, '30 s')", [key, grant.epoch]
+    ).fetchone() == ("not_owner",)
+    assert conn.execute(
+        "SELECT outcome FROM pg_lease_release(%s, 'holder', %s)", [key, grant.epoch + 1]
+    ).fetchone() == ("epoch_mismatch",)
     assert conn.execute("SELECT pg_current_xact_id_if_assigned()").fetchone() == (None,)
     conn.rollback()
 
@@ -54,7 +58,9 @@ def run_django(url: str, code: str) -> Any:
     """Run ``code`` in a fresh Python process with Django set up on ``url``; return its JSON output."""
     env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "tests.settings"}
     script = "import django, json; django.setup()\nfrom pg_lease_django import Lease\n" + code
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -61,7 +61,7 @@ def test_renew_extends_without_changing_epoch(key: str) -> None:
 def test_release_frees_and_bumps_epoch_then_reacquire_bumps_again(key: str) -> None:
     grant = Lease.objects.acquire(key, "w1", ttl=30)
     assert grant is not None
-    assert Lease.objects.release(key, "w1", grant.epoch) is None
+    Lease.objects.release(key, "w1", grant.epoch)
     state = Lease.objects.inspect(key)
     assert (state.status, state.owner, state.epoch, state.expires_at) == ("free", None, 2, None)
     assert not state.held
@@ -209,7 +209,14 @@ def test_grants_are_durable_even_when_synchronous_commit_is_off(key: str) -> Non
 @pytest.mark.django_db(transaction=True)
 def test_keys_and_owners_round_trip_verbatim(raw_connect) -> None:  # type: ignore[no-untyped-def]
     conn = raw_connect()
-    for name in ["it's", "'; DROP TABLE pg_lease_django_lease; --", "back\\slash", "🔒 lease", "\u202eRTL\u202c", "%s %(x)s"]:
+    for name in [
+        "it's",
+        "'; DROP TABLE pg_lease_django_lease; --",
+        "back\\slash",
+        "🔒 lease",
+        "\u202eRTL\u202c",
+        "%s %(x)s",
+    ]:
         grant = Lease.objects.acquire(name, name, ttl=30)
         assert grant is not None and (grant.key, grant.owner) == (name, name)
         assert Lease.objects.inspect(name).owner == name

@@ -47,7 +47,9 @@ def test_only_the_key_is_indexed() -> None:
 
 
 def test_named_constraints_exist() -> None:
-    names = {row[0] for row in fetch("SELECT conname FROM pg_constraint WHERE conrelid = 'pg_lease_django_lease'::regclass")}
+    names = {
+        row[0] for row in fetch("SELECT conname FROM pg_constraint WHERE conrelid = 'pg_lease_django_lease'::regclass")
+    }
     assert {"pg_lease_key_length", "pg_lease_owner_length", "pg_lease_epoch_non_negative"} <= names
 
 

@@ -13,7 +13,19 @@ from pg_lease_django import InvalidInputError, Lease
 pytestmark = pytest.mark.django_db
 
 BAD_NAMES: list[Any] = ["", "x" * 256, "é" * 128, "nul\x00byte", "\ud800", None, 7, b"bytes", ["k"]]
-BAD_TTLS: list[Any] = [0, -1, 0.0001, float("nan"), float("inf"), 1e300, timedelta(days=366), timedelta(0), True, "30", None]
+BAD_TTLS: list[Any] = [
+    0,
+    -1,
+    0.0001,
+    float("nan"),
+    float("inf"),
+    1e300,
+    timedelta(days=366),
+    timedelta(0),
+    True,
+    "30",
+    None,
+]
 BAD_EPOCHS: list[Any] = [0, -1, 1.5, "1", None, True, 2**63]
 
 

@@ -307,7 +307,7 @@ def drop_functions(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> 
 class Migration(migrations.Migration):
     initial = True
 
-    dependencies: list[tuple[str, str]] = []
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
@@ -329,7 +329,7 @@ class Migration(migrations.Migration):
                         name="pg_lease_key_length",
                     ),
                     models.CheckConstraint(
-                        condition=Q(owner__isnull=True) | Range(octet_length("owner"), (1, 255)),
+                        condition=Q(owner__isnull=True) | Q(Range(octet_length("owner"), (1, 255))),
                         name="pg_lease_owner_length",
                     ),
                     models.CheckConstraint(condition=Q(epoch__gte=0), name="pg_lease_epoch_non_negative"),

@@ -1,0 +1,45 @@
+# Every target bootstraps its own virtualenv in .venv (Python 3.11+; override with PYTHON=...).
+# Database: DATABASE_URL when set, otherwise an embedded PostgreSQL 18 started on demand.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-fast lint type migrations-check check demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test,lint]"
+	touch $(STAMP)
+
+## make test: the whole suite on a real PostgreSQL.
+test: venv
+	$(BIN)/python -m pytest
+
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow" -x
+
+lint: venv
+	$(BIN)/ruff check pg_lease_django tests demo benchmarks
+	$(BIN)/ruff format --check pg_lease_django tests demo benchmarks
+
+type: venv
+	$(BIN)/mypy pg_lease_django tests demo
+
+migrations-check: venv
+	DJANGO_SETTINGS_MODULE=tests.settings $(BIN)/python -m django makemigrations --check --dry-run
+
+check: lint type migrations-check test
+
+## make demo: worker processes contend for one lease; one is killed; another takes over.
+demo: venv
+	$(BIN)/python -m demo
+
+bench: venv
+	$(BIN)/python benchmarks/handoff.py
+
+clean:
+	rm -rf $(VENV) .pgdata .mypy_cache .ruff_cache .pytest_cache

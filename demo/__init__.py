@@ -1,0 +1,1 @@
+"""`make demo`: worker processes contend for one lease; the holder is killed; another takes over."""

@@ -1,0 +1,10 @@
+"""Minimal settings for the demo: DATABASE_URL, else the embedded PostgreSQL."""
+
+from tests.dbserver import database_settings
+
+SECRET_KEY = "demo-only"
+USE_TZ = True
+TIME_ZONE = "UTC"
+DATABASES = {"default": database_settings()}
+INSTALLED_APPS = ["pg_lease_django"]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
