@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+import psycopg
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from .models import Lease  # noqa: F401  (named in the Manager["Lease"] base)
+
+logger = logging.getLogger(__name__)
 
 #: Channel the release function notifies, with the key as payload.
 NOTIFY_CHANNEL = "pg_lease_django"
@@ -169,7 +173,9 @@ class LeaseManager(models.Manager["Lease"]):
         """
         deadline = None if wait is None else time.monotonic() + wait.total_seconds()
         connection = self._connection()
-        listen = conf.listen_enabled() and not connection.in_atomic_block
+        # LISTEN inside a transaction takes effect only at its commit: inside atomic() (or with
+        # autocommit off) a waiter could never hear a release, so it polls.
+        listen = conf.listen_enabled() and connection.get_autocommit()
         with self._listening(connection, listen):
             while True:
                 grant, row = self._try_acquire(key, owner, ttl)
@@ -180,6 +186,7 @@ class LeaseManager(models.Manager["Lease"]):
                     raise LeaseTimeoutError(
                         f"lease {key!r} still held by {row[2]!r} after waiting {wait}", key=key, owner=owner
                     )
+                # Sleep until the holder's expiry (server clock), a poll interval, or our deadline.
                 holder_expires_at, server_time = row[4], row[5]
                 pause = min(max((holder_expires_at - server_time).total_seconds(), 0.0), conf.poll_interval())
                 if deadline is not None:
@@ -191,25 +198,58 @@ class LeaseManager(models.Manager["Lease"]):
 
     @contextmanager
     def _listening(self, connection: BaseDatabaseWrapper, listen: bool) -> Iterator[None]:
-        if not listen:
-            yield
-            return
-        with connection.cursor() as cursor:
-            cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        """LISTEN for the wait (if ``listen``); on every way out leave no LISTEN and no running statement.
+
+        Cleanup never replaces the exception in flight (the timeout, a database error, or an
+        interrupt such as KeyboardInterrupt, an exception from a signal handler, a cancellation).
+        """
         try:
-            yield
-        finally:
-            try:
+            if listen:
                 with connection.cursor() as cursor:
-                    cursor.execute(f"UNLISTEN {NOTIFY_CHANNEL}")
-            except BaseException:
-                # Interrupted mid-wait: the connection state is unknown; closing it is the only
-                # way to be sure no LISTEN outlives the wait.
+                    cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            yield
+        except BaseException:
+            self._abandon_statement(connection)
+            if listen:
+                self._unlisten(connection)
+            raise
+        if listen:
+            self._unlisten(connection)
+
+    @staticmethod
+    def _abandon_statement(connection: BaseDatabaseWrapper) -> None:
+        # psycopg cancels the running statement on KeyboardInterrupt only. Any other exception
+        # raised while an attempt runs (say from a signal handler, while the attempt waits for a
+        # row lock) leaves the attempt running on the server: it could still commit a grant that
+        # nobody receives, and the connection cannot send anything else. Cancel it and drop the
+        # connection (Django reconnects on next use; inside atomic() the transaction is lost).
+        raw = connection.connection
+        if raw is None or raw.info.transaction_status != psycopg.pq.TransactionStatus.ACTIVE:
+            return
+        logger.warning("blocking acquire interrupted mid-statement: cancelling it and closing the connection")
+        with suppress(Exception):
+            raw.cancel_safe(timeout=5.0)
+        with suppress(Exception):
+            connection.close()
+
+    @staticmethod
+    def _unlisten(connection: BaseDatabaseWrapper) -> None:
+        if connection.connection is None:  # closed: the server dropped the LISTEN with the session
+            return
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(f"UNLISTEN {NOTIFY_CHANNEL}")
+        except Exception:
+            # Closing the session is the only other way to be sure no LISTEN outlives the wait;
+            # a grant already obtained stays valid.
+            logger.warning("UNLISTEN after a blocking acquire failed: closing the connection", exc_info=True)
+            with suppress(Exception):
                 connection.close()
-                raise
 
     @staticmethod
     def _wait_for_release(connection: BaseDatabaseWrapper, key: str, seconds: float) -> None:
+        # psycopg queues notifications that arrive during an attempt and yields them here first,
+        # so a release that commits between our refused attempt and this wait is not missed.
         deadline = time.monotonic() + seconds
         raw = connection.connection
         while (remaining := deadline - time.monotonic()) > 0:
