@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 
 def listen_enabled() -> bool:
@@ -18,6 +21,12 @@ def poll_interval() -> float:
     """``PG_LEASE_POLL_INTERVAL`` (float seconds, default ``0.5``): longest sleep of a waiter.
 
     A waiter re-tries at the holder's expiry, on a release notification, or after this long,
-    whichever comes first.
+    whichever comes first. Without LISTEN it is the handoff latency to expect after a release.
+
+    Raises:
+        ImproperlyConfigured: the setting is not a positive, finite number of seconds.
     """
-    return float(getattr(settings, "PG_LEASE_POLL_INTERVAL", 0.5))
+    value = getattr(settings, "PG_LEASE_POLL_INTERVAL", 0.5)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ImproperlyConfigured(f"PG_LEASE_POLL_INTERVAL must be a positive number of seconds, got {value!r}")
+    return float(value)

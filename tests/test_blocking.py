@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import OperationalError, connection, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
@@ -583,3 +584,10 @@ def test_sql_blocking_acquire_wakes_on_release_and_at_lapse(key: str, raw_connec
     assert row is not None and row[:2] == (True, "holder")
     expires_at = observer.execute("SELECT %s::timestamptz + interval '1 s'", [granted_at]).fetchone()[0]  # type: ignore[index]
     assert 0 <= (row[2] - expires_at).total_seconds() < 0.2
+
+
+@pytest.mark.parametrize("interval", [0, -1, float("inf"), "0.5", True])
+def test_a_poll_interval_that_is_not_a_positive_number_is_refused(key: str, interval: Any) -> None:
+    Lease.objects.acquire(key, "holder", ttl=60)
+    with override_settings(PG_LEASE_POLL_INTERVAL=interval), pytest.raises(ImproperlyConfigured):
+        Lease.objects.acquire(key, "waiter", ttl=30, blocking=True, timeout=1)
