@@ -31,6 +31,9 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 __all__ = [
     "EpochMismatchError",
+    "FencedManager",
+    "FencedModel",
+    "FencedQuerySet",
     "Grant",
     "InvalidInputError",
     "LapsedError",
@@ -42,9 +45,18 @@ __all__ = [
     "LeaseTimeoutError",
     "NotAcquirableError",
     "NotOwnerError",
+    "UnfencedWriteError",
+    "unfenced_writes",
 ]
 
-_LAZY_MODELS = {"Lease": "models"}
+_LAZY_MODELS = {
+    "FencedManager": "fencing",
+    "FencedModel": "fencing",
+    "FencedQuerySet": "fencing",
+    "Lease": "models",
+    "UnfencedWriteError": "exceptions",
+    "unfenced_writes": "fencing",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -25,5 +25,35 @@ def check_database_is_postgresql(app_configs: Any = None, **kwargs: Any) -> list
     ]
 
 
+def check_fenced_models_share_the_lease_database(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.E002: a FencedModel must be written to the database that holds the leases.
+
+    Its fence check runs inside its own write statement, against the lease table of that database.
+    """
+    from .fencing import FencedModel
+
+    lease = apps.get_model("pg_lease_django", "Lease")
+    lease_alias = router.db_for_write(lease)
+    configs = apps.get_app_configs() if app_configs is None else app_configs
+    errors: list[checks.CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel):
+                continue
+            alias = router.db_for_write(model)
+            if alias != lease_alias:
+                errors.append(
+                    checks.Error(
+                        f"{model._meta.label} is a FencedModel routed to database {alias!r}, "
+                        f"but leases are routed to {lease_alias!r}: its fence could not see the leases.",
+                        hint="Route the model and the pg_lease_django app to the same database (DATABASE_ROUTERS).",
+                        obj=model,
+                        id="pg_lease_django.E002",
+                    )
+                )
+    return errors
+
+
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
+    checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)

@@ -11,6 +11,7 @@ __all__ = [
     "LeaseTimeoutError",
     "NotAcquirableError",
     "NotOwnerError",
+    "UnfencedWriteError",
 ]
 
 
@@ -102,3 +103,14 @@ class InvalidInputError(LeaseError, ValueError):
     """
 
     code = "invalid_input"
+
+
+class UnfencedWriteError(LeaseError):
+    """A write to a FencedModel named no lease to guard it.
+
+    Raised before anything is sent. Pass ``fence=grant`` (querysets: ``.fenced(grant)``); a write
+    that deliberately bypasses fencing (admin edit, data repair, fixtures) opts out explicitly with
+    ``unfenced=True``, ``.unfenced()`` or ``with unfenced_writes():``.
+    """
+
+    code = "unfenced"
