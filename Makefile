@@ -27,7 +27,7 @@ lint: venv
 	$(BIN)/ruff format --check pg_lease_django tests demo benchmarks
 
 type: venv
-	$(BIN)/mypy pg_lease_django tests demo
+	$(BIN)/mypy pg_lease_django tests demo benchmarks
 
 migrations-check: venv
 	DJANGO_SETTINGS_MODULE=tests.settings $(BIN)/python -m django makemigrations --check --dry-run

@@ -18,10 +18,12 @@ from .exceptions import (
     LeaseTimeoutError,
     NotAcquirableError,
     NotOwnerError,
+    UnfencedWriteError,
 )
 from .managers import Grant, LeaseManager, LeaseState
 
 if TYPE_CHECKING:
+    from .fencing import FencedManager, FencedModel, FencedQuerySet, unfenced_writes
     from .models import Lease
 
 try:
@@ -54,7 +56,6 @@ _LAZY_MODELS = {
     "FencedModel": "fencing",
     "FencedQuerySet": "fencing",
     "Lease": "models",
-    "UnfencedWriteError": "exceptions",
     "unfenced_writes": "fencing",
 }
 
