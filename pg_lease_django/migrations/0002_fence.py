@@ -38,7 +38,7 @@ BEGIN
   PERFORM pg_lease_check_epoch(p_epoch);
   -- Unlocked look first: a stale fence (the common rejection) takes no lock and never waits,
   -- so a fenced-out writer cannot delay the new holder's renewals or a takeover. The look is only
-  -- a filter for "worth locking"; pg_lease_verdict decides, once (each call costs ~20 us).
+  -- a filter for "worth locking"; pg_lease_verdict decides, once.
   SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key;
   IF cur.owner = p_owner AND cur.epoch = p_epoch AND cur.expires_at > clock_timestamp() THEN
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR SHARE;
