@@ -311,3 +311,42 @@ class LeaseManager(models.Manager["Lease"]):
         raise error(
             f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch
         )
+
+    def force_release(self, key: str, *, epoch: int | None = None) -> int:
+        """Free ``key`` whoever holds it (the operator override); the epoch goes up, fencing the holder.
+
+        For humans and scripts breaking a stuck lease (``manage.py leases release --force``, the
+        admin's "Force release" action), never for workers: they release with their own
+        ``(owner, epoch)``. Works on held and lapsed leases. Pass the ``epoch`` you looked at so
+        that a lease which changed hands since is not freed behind your back.
+
+        Args:
+            key: the lease key.
+            epoch: release only if this is still the current epoch; None releases any holder.
+
+        Returns:
+            The new epoch (the released one plus one).
+
+        Raises:
+            NotOwnerError: nothing to release: the key is free or was never acquired.
+            EpochMismatchError: ``epoch`` was given and the lease has moved on; ``owner`` is the
+                current holder. Look again before releasing.
+            InvalidInputError: bad argument; nothing was sent.
+        """
+        check_name("key", key)
+        if epoch is not None:
+            check_epoch(epoch)
+        outcome, owner, current_epoch, _server_time = self._call(
+            "SELECT * FROM pg_lease_force_release(%s, %s)", [key, epoch]
+        )
+        if outcome == "ok":
+            return current_epoch  # type: ignore[no-any-return]
+        if outcome == "epoch_mismatch":
+            raise EpochMismatchError(
+                f"lease {key!r} has moved on: its epoch is {current_epoch} (held by {owner!r}), not {epoch}",
+                key=key,
+                owner=owner,
+                epoch=epoch,
+            )
+        what = "was never acquired" if outcome == "not_found" else f"is already free (epoch {current_epoch})"
+        raise NotOwnerError(f"lease {key!r} {what}: nothing to release", key=key, epoch=epoch)
