@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 ## make test: the whole suite on a real PostgreSQL.
 test: venv
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow" -x

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -16,11 +18,28 @@ _counter = itertools.count()
 
 
 def conninfo(alias: str = "default") -> str:
-    """libpq conninfo for the (test) database behind ``alias``."""
+    """libpq conninfo for the (test) database behind ``alias``.
+
+    Behind PgBouncer (``DIRECT_DATABASE_URL`` set by .ci/with-pgbouncer) the tests' own
+    orchestration connections go straight to the server, so backend pids and locks they observe
+    are real; the code under test still goes through the pooler.
+    """
     s = connections[alias].settings_dict
+    host, port = s["HOST"] or None, s["PORT"] or None
+    direct = os.environ.get("DIRECT_DATABASE_URL")
+    if direct:
+        parts = urlsplit(direct)
+        host, port = parts.hostname, str(parts.port or 5432)
     return psycopg.conninfo.make_conninfo(
-        dbname=s["NAME"], user=s["USER"], password=s["PASSWORD"] or None, host=s["HOST"] or None, port=s["PORT"] or None
+        dbname=s["NAME"], user=s["USER"], password=s["PASSWORD"] or None, host=host, port=port
     )
+
+
+#: Tests that need the session of Django's own connection (its backend pid, LISTEN) cannot run
+#: through a transaction-pooling PgBouncer, which hands each transaction another server session.
+needs_session = pytest.mark.skipif(
+    bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER")), reason="needs a server session; PgBouncer pools transactions"
+)
 
 
 @pytest.fixture

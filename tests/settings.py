@@ -1,5 +1,7 @@
 """Settings for the test suite: a real PostgreSQL (DATABASE_URL, else the embedded server)."""
 
+import os
+
 from tests.dbserver import database_settings
 
 SECRET_KEY = "tests-only"
@@ -46,3 +48,7 @@ TEMPLATES = [
     }
 ]
 ROOT_URLCONF = "tests.urls"
+
+# Behind PgBouncer in transaction pooling mode (.ci/with-pgbouncer) LISTEN does not work: poll.
+BEHIND_PGBOUNCER = bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER"))
+PG_LEASE_LISTEN = not BEHIND_PGBOUNCER

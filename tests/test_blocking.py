@@ -23,7 +23,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from pg_lease_django import Grant, InvalidInputError, Lease, LeaseTimeoutError
-from tests.conftest import Background, row_snapshot, wait_until
+from tests.conftest import Background, needs_session, row_snapshot, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -213,6 +213,7 @@ def test_timeout_raises_57014_within_bound_and_leaves_nothing_behind(
 # --- wake-ups ----------------------------------------------------------------------------------
 
 
+@needs_session  # relies on LISTEN, which transaction pooling breaks
 def test_wakes_on_release_long_before_the_poll_interval(key: str, raw_connect: Connect) -> None:
     observer = raw_connect()
     with override_settings(PG_LEASE_POLL_INTERVAL=NEVER):
@@ -283,6 +284,7 @@ def test_notifications_for_other_keys_neither_grant_nor_stretch_the_timeout(key:
 # --- many waiters ------------------------------------------------------------------------------
 
 
+@needs_session  # relies on LISTEN, which transaction pooling breaks
 def test_one_release_has_exactly_one_winner_and_the_others_keep_waiting(key: str, raw_connect: Connect) -> None:
     observer = raw_connect()
     with override_settings(PG_LEASE_POLL_INTERVAL=NEVER):
@@ -308,6 +310,7 @@ def test_one_release_has_exactly_one_winner_and_the_others_keep_waiting(key: str
     assert (state.owner, state.epoch) == (winner.owner, winner.result.epoch)
 
 
+@needs_session  # relies on LISTEN, which transaction pooling breaks
 def test_a_chain_of_handoffs_serves_every_waiter_through_notifications(key: str, raw_connect: Connect) -> None:
     """Each waiter releases as soon as it is granted; with polling off in effect, every turn needs a notification."""
     observer = raw_connect()
