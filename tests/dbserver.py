@@ -14,6 +14,7 @@ import pwd
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -154,3 +155,32 @@ def database_settings(url: str | None = None, **overrides: Any) -> dict[str, Any
         "PORT": str(parts.port or ""),
         **overrides,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.dbserver run [--bindir DIR] -- COMMAND...``: COMMAND against a throwaway server.
+
+    Starts a fresh server (the embedded binaries, or those in ``--bindir``), runs COMMAND with
+    ``DATABASE_URL`` pointing at it, then stops and deletes it. Exits with COMMAND's status.
+    """
+    import argparse
+
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="python -m tests.dbserver", usage="%(prog)s run [--bindir DIR] -- COMMAND...")
+    parser.add_argument("action", choices=["run"])
+    parser.add_argument("--bindir", type=Path, default=None)
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1 :]
+    if not command:
+        parser.error("give a COMMAND after --")
+    server = LocalServer(throwaway_datadir("run"), args.bindir)
+    server.start()
+    try:
+        return subprocess.run(command, env={**os.environ, "DATABASE_URL": server.url()}).returncode
+    finally:
+        server.destroy()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
