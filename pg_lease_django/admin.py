@@ -1,0 +1,251 @@
+"""The Lease admin: read-only, states from the server clock, and a guarded "Force release" action.
+
+Nobody edits a lease by hand (an owner, epoch or expiry typed into a form would break fencing);
+the only write is the force-release action, which goes through :meth:`LeaseManager.force_release`
+so the epoch goes up and the holder is fenced.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.auth import get_permission_codename
+from django.core.exceptions import BadRequest, PermissionDenied
+from django.db.models import CharField, DateTimeField, DurationField, ExpressionWrapper, F, Func, QuerySet
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from .exceptions import EpochMismatchError, NotOwnerError
+from .management import describe_expiry
+from .models import Lease
+
+__all__ = ["LeaseAdmin", "ServerNow", "StateFilter", "lease_state"]
+
+_BADGE_COLOURS = {
+    "held": ("#1e6b30", "#dcf1e1"),
+    "lapsed": ("#7a4b00", "#fcefd3"),
+    "free": ("#4a4a4a", "#ececec"),
+}
+
+
+if TYPE_CHECKING:
+    _LeaseModelAdmin = admin.ModelAdmin[Lease]
+else:  # ModelAdmin is generic only in django-stubs
+    _LeaseModelAdmin = admin.ModelAdmin
+
+
+class ServerNow(Func):
+    """The database server's clock, read once per statement: ``(SELECT clock_timestamp())``.
+
+    An uncorrelated sub-select is evaluated once (an InitPlan), so every row of a page is judged
+    against the same instant; ``clock_timestamp()`` rather than ``now()``, which is frozen at the
+    start of the transaction.
+    """
+
+    template = "(SELECT clock_timestamp())"
+    output_field = DateTimeField()
+
+
+def lease_state() -> Func:
+    """``pg_lease_status(owner, expires_at, server now)``: the lease functions' own status rule, in SQL."""
+    return Func(F("owner"), F("expires_at"), ServerNow(), function="pg_lease_status", output_field=CharField())
+
+
+class StateFilter(admin.SimpleListFilter):
+    """Filter the changelist by state (held / lapsed / free), evaluated in SQL on the server clock."""
+
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]) -> list[tuple[str, str]]:
+        """The three states."""
+        return [("held", "held"), ("lapsed", "lapsed"), ("free", "free")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        """Keep the leases in the chosen state (the queryset carries the ``state`` annotation)."""
+        if self.value() in {"held", "lapsed", "free"}:
+            return queryset.filter(state=self.value())
+        return queryset
+
+
+@admin.register(Lease)
+class LeaseAdmin(_LeaseModelAdmin):
+    """Read-only view of the lease table with a permission-gated "Force release" action.
+
+    The changelist costs a fixed number of queries whatever the page size: state and "expires in"
+    are annotations computed by PostgreSQL (see :func:`lease_state`). Force release needs the
+    ``pg_lease_django.force_release_lease`` permission; without it the action is not offered.
+    """
+
+    list_display = ("key", "state_badge", "owner", "epoch", "expires_in_display", "acquired_at")
+    list_filter = (StateFilter,)
+    search_fields = ("key", "owner")
+    ordering = ("key",)
+    list_per_page = 100
+    # On a filtered page, skip the extra COUNT(*) over the whole table (100k rows and more).
+    show_full_result_count = False
+    actions = ["force_release"]
+    fields = (
+        "key",
+        "state_badge",
+        "owner",
+        "epoch",
+        "acquired_at",
+        "expires_at",
+        "expires_in_display",
+        "usage",
+    )
+    readonly_fields = fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Lease]:
+        """Leases annotated with ``state`` and ``expires_in``, both from the server clock."""
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                state=lease_state(),
+                expires_in=ExpressionWrapper(F("expires_at") - ServerNow(), output_field=DurationField()),
+            )
+        )
+
+    # -- read-only ---------------------------------------------------------------------------------
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        """Never: leases are created by acquiring them."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Lease | None = None) -> bool:
+        """Never: a hand-edited owner, epoch or expiry would break fencing."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Lease | None = None) -> bool:
+        """Never: deleting a row would restart its epoch (and the database refuses it)."""
+        return False
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        """Whether the user holds ``pg_lease_django.force_release_lease``."""
+        codename = get_permission_codename("force_release", self.opts)
+        return request.user.has_perm(f"{self.opts.app_label}.{codename}")
+
+    # -- columns -------------------------------------------------------------------------------------
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, obj: Lease) -> SafeString:
+        """The state as a coloured badge."""
+        state = str(getattr(obj, "state", None) or "?")
+        colour, background = _BADGE_COLOURS.get(state, ("#000", "#fff"))
+        return format_html(
+            '<span class="pg-lease-state pg-lease-state-{}" style="color:{};background:{};'
+            'padding:1px 8px;border-radius:8px;font-weight:600">{}</span>',
+            state,
+            colour,
+            background,
+            state,
+        )
+
+    @admin.display(description="expires", ordering="expires_at")
+    def expires_in_display(self, obj: Lease) -> str:
+        """When the lease lapses, relative to the server clock (``in 29s``, ``lapsed 3m 05s ago``)."""
+        expires_in: timedelta | None = getattr(obj, "expires_in", None)
+        return describe_expiry(str(getattr(obj, "state", None) or "free"), expires_in)
+
+    @admin.display(description="how to use this key")
+    def usage(self, obj: Lease) -> SafeString:
+        """Snippets that use this key from Python, the shell and SQL."""
+        python_key = json.dumps(obj.key, ensure_ascii=False)
+        sql_key = "'" + obj.key.replace("'", "''") + "'"
+        snippet = (
+            "from pg_lease_django import Lease\n\n"
+            f'grant = Lease.objects.acquire({python_key}, "my-worker-id", ttl=30)\n'
+            "if grant is not None:  # None: another owner holds it\n"
+            "    ...  # pass grant.epoch to guarded writes: obj.save(fence=grant)\n"
+            "    Lease.objects.release(grant.key, grant.owner, grant.epoch)\n\n"
+            f"$ python manage.py leases show {shlex.quote(obj.key)}\n"
+            f"$ python manage.py leases release {shlex.quote(obj.key)} --force --epoch {obj.epoch}\n\n"
+            f"SELECT * FROM pg_lease_inspect({sql_key});"
+        )
+        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', snippet)
+
+    # -- force release -------------------------------------------------------------------------------
+
+    @admin.action(permissions=["force_release"], description="Force release selected leases")
+    def force_release(self, request: HttpRequest, queryset: QuerySet[Lease]) -> TemplateResponse | None:
+        """Show a confirmation page, then free the confirmed leases through the manager.
+
+        The page lists each lease with its owner and epoch; confirming releases each one only if its
+        epoch is still the one shown (a lease that changed hands meanwhile is left alone and
+        reported). Each release is recorded as a LogEntry on the lease.
+        """
+        if not self.has_force_release_permission(request):  # the action list already hides it
+            raise PermissionDenied
+        leases = list(queryset)
+        if request.POST.get("post") == "yes":
+            self._force_release_confirmed(request, leases, queryset.db)
+            return None
+        return TemplateResponse(
+            request,
+            "admin/pg_lease_django/lease/force_release_confirmation.html",
+            {
+                **self.admin_site.each_context(request),
+                "title": "Force release leases",
+                "subtitle": None,
+                "opts": self.opts,
+                "leases": [
+                    {
+                        "lease": lease,
+                        "state": self.state_badge(lease),
+                        "expires": self.expires_in_display(lease),
+                        "confirmed": f"{lease.epoch}:{lease.key}",
+                    }
+                    for lease in leases
+                ],
+                "releasable": sum(1 for lease in leases if lease.owner is not None),
+                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                "media": self.media,
+            },
+        )
+
+    def _force_release_confirmed(self, request: HttpRequest, leases: list[Lease], using: str) -> None:
+        confirmed: dict[str, int] = {}
+        for value in request.POST.getlist("confirmed"):
+            epoch_text, sep, key = value.partition(":")
+            if not sep or not epoch_text.isdigit():
+                raise BadRequest("malformed force-release confirmation")
+            confirmed[key] = int(epoch_text)
+        manager = Lease.objects.db_manager(using)
+        released: list[str] = []
+        skipped: list[str] = []
+        for lease in leases:
+            epoch = confirmed.get(lease.key)
+            if epoch is None:  # free when the page was shown, or not on it
+                continue
+            try:
+                new_epoch = manager.force_release(lease.key, epoch=epoch)
+            except EpochMismatchError as exc:
+                skipped.append(f"{lease.key!r} changed hands after you confirmed (now held by {exc.owner!r})")
+                continue
+            except NotOwnerError:
+                skipped.append(f"{lease.key!r} was already free")
+                continue
+            self.log_change(
+                request,
+                lease,
+                f"Force-released: was held by {lease.owner!r} at epoch {epoch}; new epoch {new_epoch}.",
+            )
+            released.append(f"{lease.key!r} (epoch {epoch} \N{RIGHTWARDS ARROW} {new_epoch})")
+        if released:
+            noun = "lease" if len(released) == 1 else "leases"
+            self.message_user(
+                request, f"Force-released {len(released)} {noun}: {', '.join(released)}.", messages.SUCCESS
+            )
+        if skipped:
+            self.message_user(request, f"Not released: {'; '.join(skipped)}.", messages.WARNING)
+        if not released and not skipped:
+            self.message_user(request, "Nothing to release: the selected leases are free.", messages.INFO)
