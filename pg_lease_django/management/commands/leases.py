@@ -24,13 +24,12 @@ import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.utils import timezone
 
 from pg_lease_django.exceptions import EpochMismatchError, InvalidInputError, NotOwnerError
 from pg_lease_django.management import describe_expiry
@@ -47,19 +46,26 @@ EXIT_ALREADY_FREE = 6
 
 STATES = ("held", "lapsed", "free")
 
+# Times leave the server as ISO 8601 text in UTC, always with microseconds: the stable JSON form,
+# and ~20x cheaper for 100k rows than parsing timestamps into datetimes only to print them again.
+_ISO = """'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'"""
+
 # One statement for list and show. The server clock is read once (a MATERIALIZED CTE), so every
 # row's state and "expires in" are relative to the same instant. pg_lease_status is inlined by
 # the planner; no per-row function call, no per-row query. count(*) OVER () gives the number of
 # matching rows even when --limit cuts the output.
-_SELECT = """
+_SELECT = f"""
 WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS now)
 SELECT l.key, pg_lease_status(l.owner, l.expires_at, clock.now), l.owner, l.epoch,
-       l.acquired_at, l.expires_at, l.expires_at - clock.now, clock.now, count(*) OVER ()
-  FROM {table} l CROSS JOIN clock
- WHERE {where}
+       to_char(l.acquired_at AT TIME ZONE 'UTC', {_ISO}), to_char(l.expires_at AT TIME ZONE 'UTC', {_ISO}),
+       extract(epoch FROM l.expires_at - clock.now)::float8, to_char(clock.now AT TIME ZONE 'UTC', {_ISO}),
+       count(*) OVER ()
+  FROM {{table}} l CROSS JOIN clock
+ WHERE {{where}}
  ORDER BY l.key
- {limit}
+ {{limit}}
 """
+_NOW = f"SELECT to_char(clock_timestamp() AT TIME ZONE 'UTC', {_ISO})"
 
 # Collations in which text sorts by code point (UTF-8 byte order), so that every key starting
 # with a prefix lies in one contiguous range of the primary-key index.
@@ -75,20 +81,20 @@ class LeaseRow:
         state: ``"held"``, ``"lapsed"`` or ``"free"``.
         owner: the holder (the former holder when lapsed), None when free.
         epoch: the current epoch.
-        acquired_at: when the current or lapsed grant was made; None when free.
-        expires_at: when it lapses (lapsed); None when free.
-        expires_in: ``expires_at`` minus ``server_time`` (negative when lapsed); None when free.
-        server_time: the server clock the state was computed at.
+        acquired_at: when the current or lapsed grant was made (ISO 8601, UTC); None when free.
+        expires_at: when it lapses (lapsed) (ISO 8601, UTC); None when free.
+        expires_in: seconds from ``server_time`` to ``expires_at`` (negative when lapsed); None when free.
+        server_time: the server clock the state was computed at (ISO 8601, UTC).
     """
 
     key: str
     state: str
     owner: str | None
     epoch: int
-    acquired_at: datetime | None
-    expires_at: datetime | None
-    expires_in: timedelta | None
-    server_time: datetime
+    acquired_at: str | None
+    expires_at: str | None
+    expires_in: float | None
+    server_time: str
 
     def as_json(self) -> dict[str, Any]:
         """The stable JSON form: these field names, ISO 8601 times, ``expires_in_seconds`` as a float."""
@@ -97,21 +103,20 @@ class LeaseRow:
             "state": self.state,
             "owner": self.owner,
             "epoch": self.epoch,
-            "acquired_at": _iso(self.acquired_at),
-            "expires_at": _iso(self.expires_at),
-            "expires_in_seconds": None if self.expires_in is None else self.expires_in.total_seconds(),
+            "acquired_at": self.acquired_at,
+            "expires_at": self.expires_at,
+            "expires_in_seconds": self.expires_in,
         }
 
+    @property
+    def expiry(self) -> str:
+        """When it expires, for people: ``in 29s``, ``lapsed 3m 05s ago``, ``-``."""
+        return describe_expiry(self.state, None if self.expires_in is None else timedelta(seconds=self.expires_in))
 
-def _iso(value: datetime | None) -> str | None:
-    return None if value is None else value.isoformat()
 
-
-def _shown(value: datetime | None) -> str:
-    """A time for people: the current time zone, to the second."""
-    if value is None:
-        return "-"
-    return timezone.localtime(value).isoformat(sep=" ", timespec="seconds")
+def _shown(iso: str | None) -> str:
+    """A time for people: UTC, to the second (``2026-05-01 12:00:03Z``)."""
+    return "-" if iso is None else f"{iso[:10]} {iso[11:19]}Z"
 
 
 def prefix_upper_bound(prefix: str) -> str | None:
@@ -287,7 +292,7 @@ class Command(BaseCommand):
 
     def _fetch(
         self, alias: str, where: Sequence[str], params: Sequence[Any], limit: int | None = None
-    ) -> tuple[list[LeaseRow], int, datetime]:
+    ) -> tuple[list[LeaseRow], int, str]:
         connection = connections[alias]
         table = connection.ops.quote_name(Lease._meta.db_table)
         sql = _SELECT.format(
@@ -302,7 +307,7 @@ class Command(BaseCommand):
             if raw:
                 total, server_time = raw[0][8], raw[0][7]
             else:
-                cursor.execute("SELECT clock_timestamp()")
+                cursor.execute(_NOW)
                 (server_time,) = cursor.fetchone()
                 total = 0
         rows = [LeaseRow(*row[:8]) for row in raw]
@@ -364,7 +369,7 @@ class Command(BaseCommand):
 
         rows, total, server_time = self._fetch(alias, where, params, limit)
         if options.get("json"):
-            document = {"server_time": _iso(server_time), "count": total, "leases": [r.as_json() for r in rows]}
+            document = {"server_time": server_time, "count": total, "leases": [r.as_json() for r in rows]}
             self.stdout.write(json.dumps(document, indent=2, ensure_ascii=False))
             return
         self._table(rows)
@@ -383,7 +388,7 @@ class Command(BaseCommand):
                 row.state,
                 row.owner or "-",
                 str(row.epoch),
-                describe_expiry(row.state, row.expires_in),
+                row.expiry,
                 _shown(row.acquired_at),
             )
             for row in rows
@@ -418,13 +423,9 @@ class Command(BaseCommand):
         if row is None:
             raise CommandError(f"no lease with key {key!r} (never acquired)", returncode=EXIT_NOT_FOUND)
         if options.get("json"):
-            self.stdout.write(json.dumps({**row.as_json(), "server_time": _iso(row.server_time)}, indent=2))
+            self.stdout.write(json.dumps({**row.as_json(), "server_time": row.server_time}, indent=2))
             return
-        expires = (
-            "-"
-            if row.expires_at is None
-            else f"{_shown(row.expires_at)} ({describe_expiry(row.state, row.expires_in)})"
-        )
+        expires = "-" if row.expires_at is None else f"{_shown(row.expires_at)} ({row.expiry})"
         facts = [
             ("key", row.key),
             ("state", self._state_style(row.state, row.state)),
@@ -448,7 +449,7 @@ class Command(BaseCommand):
             raise CommandError(
                 f"lease {key!r} is already free (epoch {row.epoch}): nothing to release", returncode=EXIT_ALREADY_FREE
             )
-        holder = f"{row.state} by {row.owner!r}, expires {describe_expiry(row.state, row.expires_in)}"
+        holder = f"{row.state} by {row.owner!r}, expires {row.expiry}"
         if expected is not None and expected != row.epoch:
             raise CommandError(
                 f"lease {key!r} has moved on: its epoch is {row.epoch} ({holder}), not {expected}; nothing released",
