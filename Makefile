@@ -31,15 +31,24 @@ type: venv
 
 migrations-check: venv
 	DJANGO_SETTINGS_MODULE=tests.settings $(BIN)/python -m django makemigrations --check --dry-run
+	DJANGO_SETTINGS_MODULE=demo.settings $(BIN)/python -m django makemigrations --check --dry-run demo
 
 check: lint type migrations-check test
 
-## make demo: worker processes contend for one lease; one is killed; another takes over.
+## make demo: three workers, a fenced counter, a frozen holder, a kill -9 and a force release; writes a chart.
 demo: venv
 	$(BIN)/python -m demo
 
-bench: venv
-	$(BIN)/python benchmarks/handoff.py
+bench:
+	@# A virtualenv of its own (.venvs/bench): the project plus the peer libraries, never in .venv.
+	test -x .venvs/bench/bin/python || $(PYTHON) -m venv .venvs/bench
+	.venvs/bench/bin/python -m pip install --quiet --upgrade pip
+	.venvs/bench/bin/python -m pip install --quiet -e ".[test]"
+	.venvs/bench/bin/python -m pip install --quiet -r benchmarks/requirements-peers.txt || \
+	  for req in $$(sed 's/#.*//' benchmarks/requirements-peers.txt); do \
+	    .venvs/bench/bin/python -m pip install --quiet "$$req" || echo "bench: $$req could not be installed"; \
+	  done
+	.venvs/bench/bin/python benchmarks/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pgdata .mypy_cache .ruff_cache .pytest_cache

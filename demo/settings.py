@@ -6,5 +6,5 @@ SECRET_KEY = "demo-only"
 USE_TZ = True
 TIME_ZONE = "UTC"
 DATABASES = {"default": database_settings()}
-INSTALLED_APPS = ["pg_lease_django"]
+INSTALLED_APPS = ["pg_lease_django", "demo"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

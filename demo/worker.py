@@ -1,4 +1,7 @@
-"""One demo worker: wait for the lease, hold it with heartbeats, report every event as JSON."""
+"""One demo worker: wait for the lease, then read -> work -> fenced write, renewing between units.
+
+Every step is printed as a JSON line for the conductor (``python -m demo``) to collect.
+"""
 
 from __future__ import annotations
 
@@ -12,31 +15,31 @@ from typing import Any
 import django
 
 KEY = "demo:nightly-report"
-TTL = 2.0
+TTL = 1.5  # seconds; renewed after every unit of work
+WORK = 0.3  # seconds per unit of work, between reading the counter and writing it back
+NAME = sys.argv[1] if len(sys.argv) > 1 else f"worker-{os.getpid()}"
 
 
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, "worker": NAME, **fields}, default=str), flush=True)
+    print(json.dumps({"event": event, "worker": NAME, "mono": time.monotonic(), **fields}, default=str), flush=True)
 
 
 class Stop(Exception):
-    pass
+    """SIGTERM: finish cleanly, releasing our own epoch."""
 
 
 def on_sigterm(signum: int, frame: Any) -> None:
     raise Stop
 
 
-NAME = sys.argv[1] if len(sys.argv) > 1 else f"worker-{os.getpid()}"
-
-
 def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "demo.settings")
     django.setup()
-    from pg_lease_django import Lease, LeaseLostError, LeaseTimeoutError
+    from demo.models import JobCounter
+    from pg_lease_django import Grant, Lease, LeaseLostError, LeaseTimeoutError
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    grant = None
+    grant: Grant | None = None
     try:
         emit("started", pid=os.getpid())
         while True:
@@ -45,14 +48,24 @@ def main() -> None:
             except LeaseTimeoutError:
                 continue
             emit("acquired", epoch=grant.epoch, server_time=grant.server_time, expires_at=grant.expires_at)
-            try:
-                while True:
-                    time.sleep(TTL / 4)  # the "work" between heartbeats
+            while grant is not None:
+                counter = JobCounter.objects.get(name="demo")
+                emit("read", epoch=grant.epoch, value=counter.value)
+                time.sleep(WORK)  # the work; a SIGSTOP here models a GC pause or a frozen VM
+                counter.value += 1
+                try:
+                    counter.save(fence=grant)  # lands only while this grant is the live lease
+                except LeaseLostError as exc:
+                    emit("rejected", epoch=grant.epoch, value=counter.value, cause=exc.code)
+                    grant = None
+                    continue
+                emit("write", epoch=grant.epoch, value=counter.value)
+                try:
                     expires_at = Lease.objects.renew(KEY, NAME, grant.epoch, ttl=TTL)
                     emit("renewed", epoch=grant.epoch, expires_at=expires_at)
-            except LeaseLostError as exc:
-                emit("lost", epoch=grant.epoch, cause=exc.code)
-                grant = None
+                except LeaseLostError as exc:
+                    emit("lost", epoch=grant.epoch, cause=exc.code)
+                    grant = None
     except Stop:
         if grant is not None:
             try:
