@@ -319,3 +319,9 @@ def test_force_release_is_csrf_protected(operator: User, trio: dict[str, str]) -
     response = client.post(changelist_url(), {**data, "csrfmiddlewaretoken": token})
     assert response.status_code == 302
     assert Lease.objects.inspect(trio["held"]).epoch == 2
+
+
+def test_state_filter_counts(viewer: User, trio: dict[str, str]) -> None:
+    html = login(viewer).get(changelist_url("_facets=True")).content.decode()
+    for state in ("held", "lapsed", "free"):
+        assert re.search(rf">\s*{state} \(1\)\s*<", html), state
