@@ -20,7 +20,9 @@ from .exceptions import (
     NotOwnerError,
     UnfencedWriteError,
 )
+from .jobs import HeldLease, Holding, current_lease, exit_on_signals, hold, leased
 from .managers import Grant, LeaseManager, LeaseState
+from .signals import lease_acquired, lease_lost, lease_released
 
 if TYPE_CHECKING:
     from .fencing import FencedManager, FencedModel, FencedQuerySet, unfenced_writes
@@ -37,6 +39,8 @@ __all__ = [
     "FencedModel",
     "FencedQuerySet",
     "Grant",
+    "HeldLease",
+    "Holding",
     "InvalidInputError",
     "LapsedError",
     "Lease",
@@ -48,6 +52,13 @@ __all__ = [
     "NotAcquirableError",
     "NotOwnerError",
     "UnfencedWriteError",
+    "current_lease",
+    "exit_on_signals",
+    "hold",
+    "lease_acquired",
+    "lease_lost",
+    "lease_released",
+    "leased",
     "unfenced_writes",
 ]
 

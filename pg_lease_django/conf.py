@@ -30,3 +30,21 @@ def poll_interval() -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
         raise ImproperlyConfigured(f"PG_LEASE_POLL_INTERVAL must be a positive number of seconds, got {value!r}")
     return float(value)
+
+
+def safety_margin() -> float:
+    """``PG_LEASE_SAFETY_MARGIN`` (float, a fraction of the TTL, default ``0.1``): trust-window margin.
+
+    A holder (``hold()``, ``@leased``) trusts itself for ``ttl * (1 - margin)`` after sending the
+    acquire or renewal that succeeded (its own monotonic clock), so it stops before the server can
+    let anyone else in. The margin absorbs clock-rate differences between the holder and the
+    server and the gap between ``check()`` and the action it guards. ``0`` trusts right up to the
+    server's expiry.
+
+    Raises:
+        ImproperlyConfigured: the setting is not a number in ``[0, 1)``.
+    """
+    value = getattr(settings, "PG_LEASE_SAFETY_MARGIN", 0.1)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not 0 <= value < 1:
+        raise ImproperlyConfigured(f"PG_LEASE_SAFETY_MARGIN must be a fraction of the TTL in [0, 1), got {value!r}")
+    return float(value)

@@ -110,11 +110,16 @@ def resolve_fence(fence: Fence | None, key: str | Callable[[], str], *, unfenced
     if fence is None:
         if unfenced or _unfenced_writes.get():
             return None
-        # A later issue (hold()/leased) resolves the current lease here before refusing.
-        raise UnfencedWriteError(
-            "write to a FencedModel without a fence: pass fence=grant (querysets: .fenced(grant)), or opt out "
-            "explicitly with unfenced=True / .unfenced() / unfenced_writes()"
-        )
+        # Inside hold()/@leased, the active lease of the write's key is the fence (innermost first).
+        from .jobs import current_lease
+
+        if current_lease() is not None and (lease_key := key() if callable(key) else key):
+            fence = current_lease(lease_key)
+        if fence is None:
+            raise UnfencedWriteError(
+                "write to a FencedModel without a fence: pass fence=grant (querysets: .fenced(grant)), hold its "
+                "lease with hold()/@leased, or opt out explicitly with unfenced=True / .unfenced() / unfenced_writes()"
+            )
     if unfenced:
         raise InvalidInputError("pass either a fence or unfenced=True, not both")
     lease_key = check_name("key", key() if callable(key) else key)

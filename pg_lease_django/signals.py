@@ -1,0 +1,31 @@
+"""Signals sent by ``hold()`` and ``@leased``. The sender is always :class:`~pg_lease_django.HeldLease`.
+
+Receivers are called with ``send_robust``: an exception in a receiver is logged (logger
+``pg_lease_django.jobs``) and never breaks the hold, its heartbeat or its release.
+
+``lease_acquired(sender, lease)``
+    The hold got its lease and its heartbeat is running. Sent in the thread that entered the hold
+    (for async code, a worker thread), before the job starts.
+
+``lease_released(sender, lease, freed)``
+    The hold ended without losing the lease. ``freed`` is True when the lease was released (the
+    key is free now); False when it was left to lapse on its own: kept until ``hold_at_least``
+    (``lease.expires_at`` says until when), or the release failed (it lapses at its expiry).
+    Sent in the thread that left the hold.
+
+``lease_lost(sender, lease, error)``
+    The lease was lost while held: ``error`` is the :class:`~pg_lease_django.LeaseLostError`
+    subclass ``lease.check()`` raises from now on. Sent once, right after ``on_lost``, from the
+    heartbeat thread (or, when a hold ends after its trust window ran out before the heartbeat
+    noticed, from the thread leaving it). Not followed by ``lease_released``.
+"""
+
+from __future__ import annotations
+
+from django.dispatch import Signal
+
+__all__ = ["lease_acquired", "lease_lost", "lease_released"]
+
+lease_acquired = Signal()
+lease_released = Signal()
+lease_lost = Signal()
