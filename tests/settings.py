@@ -24,6 +24,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django.contrib.staticfiles",
     "pg_lease_django",
     "tests.testapp",
 ]
@@ -48,6 +49,7 @@ TEMPLATES = [
     }
 ]
 ROOT_URLCONF = "tests.urls"
+STATIC_URL = "static/"
 
 # Behind PgBouncer in transaction pooling mode (.ci/with-pgbouncer) LISTEN does not work: poll.
 BEHIND_PGBOUNCER = bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER"))

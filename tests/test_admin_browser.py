@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import django.contrib.admin
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import User
@@ -50,17 +49,7 @@ def keep(screenshot: Path) -> None:
 
 @pytest.fixture
 def server(request: pytest.FixtureRequest, settings: Any) -> Any:
-    """pytest-django's live_server, serving the admin's CSS and JavaScript.
-
-    tests/settings.py sets no STATIC_URL (the live server's static-files handler cannot work
-    without one) and does not install django.contrib.staticfiles.
-    """
-    if not settings.STATIC_URL:
-        settings.STATIC_URL = "/static/"
-    if "django.contrib.staticfiles" not in settings.INSTALLED_APPS and not settings.STATIC_ROOT:
-        # Without the staticfiles app the live server serves STATIC_ROOT as is: point it at the
-        # admin's own static folder, which has the admin/ prefix the pages ask for.
-        settings.STATIC_ROOT = str(Path(django.contrib.admin.__file__).parent / "static")
+    """pytest-django's live_server (static files come from django.contrib.staticfiles)."""
     # Requested here (not as an argument, which would start it first: it is session-scoped), so
     # pytest-django does not add its host to ALLOWED_HOSTS for us.
     server = request.getfixturevalue("live_server")
