@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -349,11 +350,39 @@ def test_backend_terminated_during_a_blocking_wait_raises_djangos_operational_er
     assert isinstance(thread.error, django.db.OperationalError), repr(thread.error)
 
 
-def test_terminated_heartbeat_connection() -> None:
-    """The heartbeat (``hold()``) belongs to another issue; this fault is tested once it exists."""
-    if not hasattr(pg_lease_django, "hold"):
+def test_terminated_heartbeat_connection_is_replaced_and_the_lease_kept(key: str) -> None:
+    """pg_terminate_backend of a ``hold()`` heartbeat connection, three times in a row: the heartbeat
+    reconnects and renews within the trust window, so the lease stays held at the same epoch and is
+    not declared lost; leaving the block releases it. Never a second holder, never a new epoch."""
+    hold = getattr(pg_lease_django, "hold", None)
+    if hold is None:
         pytest.skip("pg_lease_django.hold does not exist yet: no heartbeat connection to terminate")
-    pytest.skip("pg_lease_django.hold exists now: write the heartbeat termination test against its API")
+    with hold(key, ttl=1.5) as lease, psycopg.connect(test_db_url(), autocommit=True) as admin:
+        epoch = lease.epoch
+        name = f"pg_lease_django {lease.owner}"[:63]
+
+        def heartbeat_pid() -> int | None:
+            row = admin.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s",
+                [name],
+            ).fetchone()
+            return None if row is None else int(row[0])
+
+        def renewed_after(expires_at: datetime) -> bool:
+            state = Lease.objects.inspect(key)
+            return state.expires_at is not None and state.expires_at > expires_at
+
+        for _ in range(3):
+            wait_until(lambda: heartbeat_pid() is not None, what="the heartbeat connection")
+            admin.execute("SELECT pg_terminate_backend(%s)", [heartbeat_pid()])
+            expires_at = Lease.objects.inspect(key).expires_at
+            assert expires_at is not None
+            wait_until(lambda: renewed_after(expires_at), what="a renewal after the termination")  # noqa: B023
+        state = Lease.objects.inspect(key)
+        assert (state.status, state.owner, state.epoch) == ("held", lease.owner, epoch)
+        assert not lease.lost
+    after = Lease.objects.inspect(key)
+    assert (after.status, after.epoch) == ("free", epoch + 1)
 
 
 @pytest.mark.slow
