@@ -250,7 +250,8 @@ class Heartbeat(threading.Thread):
         for attempt in (1, 2):
             try:
                 self.connection.release(lease.key, lease.owner, lease.epoch, timeout=max(self.interval, 1.0))
-            except LeaseLostError:
+            except LeaseLostError as exc:
+                lease._declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
                 return "gone"
             except Exception:
                 if attempt == 2:

@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 
 from pg_lease_django import (
@@ -375,6 +375,21 @@ def test_trust_window_ends_before_the_server_lets_anyone_else_in(
     assert signals.of(key) == [("acquired", lease.epoch), ("lost", LapsedError)]
     # Lost by its own clock, not by a verdict: the exit still released its own (owner, epoch) if it could.
     assert Lease.objects.inspect(key).status in ("free", "lapsed")
+
+
+def test_a_transaction_kept_open_after_a_fenced_write_holds_off_renewals(key: str, raw_connect: Connect) -> None:
+    # The fenced write keeps the lease row locked FOR SHARE until commit (that is what stops a
+    # takeover in between); a renewal must lock the row for update, so it waits too. A job that
+    # keeps such a transaction open longer than the trust window loses its lease.
+    admin = raw_connect()
+    with hold(key, ttl=1.5, renew_every=0.1) as lease, transaction.atomic():
+        Invoice(account=key).save()
+        assert lease.wait_lost(timeout=5)
+        assert isinstance(lease.error, LapsedError)
+        # Nobody else could take the lease meanwhile: an acquire waits for the same row lock.
+        row = admin.execute("SELECT owner, epoch FROM pg_lease_django_lease WHERE key = %s", [key]).fetchone()
+        assert row == (lease.owner, lease.epoch)
+    assert Invoice.objects.filter(account=key, lease_epoch=lease.epoch).count() == 1  # accepted while held
 
 
 # ---- async -----------------------------------------------------------------------------------
