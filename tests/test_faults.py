@@ -542,3 +542,30 @@ def _counter(url: str, key: str) -> int:
         row = conn.execute("SELECT amount FROM testapp_invoice WHERE account = %s", [key]).fetchone()
     assert row is not None
     return int(row[0])
+
+
+@pytest.mark.slow
+def test_server_clock_steps_while_workers_run(faketime_server: tuple[LocalServer, Path]) -> None:
+    """Workers run while the server clock jumps forward by 2 x the longest TTL, then back by one TTL,
+    twice. Safety holds throughout (epochs, real-time order, fencing, counters, server record);
+    only the clock-dependent properties (grant times, no overlap in server time) may be reported."""
+    server, offset = faketime_server
+    ttl = 0.3
+    steps: list[str] = []
+
+    def step_clock(stress: Run) -> None:
+        for round_ in range(2):
+            wanted = 100 + 150 * round_
+            wait_until(lambda: len(stress.history()) > wanted, timeout=60, what="workers to get going")  # noqa: B023
+            shift = 2 * ttl * (round_ + 1) - ttl * round_  # +0.6 s, then +0.9 s (net of the step back)
+            _step(offset, f"+{shift:g}s")
+            steps.append(f"+{shift:g}s")
+            time.sleep(1.0)  # part of the scenario: run with the clock ahead
+            _step(offset, f"+{shift - ttl:g}s")
+            steps.append(f"+{shift - ttl:g}s")
+            time.sleep(1.0)
+
+    result = run(Config(server.url(), seed=15, workers=5, keys=2, seconds=10, ttl_max=ttl), during=step_clock)
+    assert len(steps) == 4
+    assert result.report.safe, result.describe()
+    print(f"clock violations under the steps: {sorted(v.kind for v in result.report.clock_violations)}")
