@@ -5,7 +5,6 @@ Nothing here is public API; :mod:`pg_lease_django.jobs` is.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import threading
@@ -62,11 +61,9 @@ class LeaseConnection:
     """
 
     def __init__(self, alias: str, *, owner: str, io_timeout: float) -> None:
-        settings = copy.deepcopy(connections[alias].settings_dict)
-        settings["AUTOCOMMIT"] = True
-        settings["ATOMIC_REQUESTS"] = False
-        settings["CONN_MAX_AGE"] = 0
-        options: dict[str, Any] = settings.setdefault("OPTIONS", {})
+        source = connections[alias].settings_dict  # the test database's name during tests
+        options: dict[str, Any] = dict(source.get("OPTIONS") or {})
+        settings = {**source, "OPTIONS": options, "AUTOCOMMIT": True, "ATOMIC_REQUESTS": False, "CONN_MAX_AGE": 0}
         options.pop("pool", None)
         options["application_name"] = f"pg_lease_django {owner}"[:63]
         whole = max(1, math.ceil(io_timeout))
