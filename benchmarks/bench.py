@@ -82,6 +82,8 @@ FLOOR_RELEASE = f"""
 UPDATE {TABLE} SET owner = NULL, epoch = epoch + 1, acquired_at = NULL, expires_at = NULL
  WHERE key = %s AND owner = %s AND epoch = %s AND expires_at > clock_timestamp()
 RETURNING epoch"""
+# The floor's release plus the notification pg_lease_release sends (the scale-out stage compares both).
+FLOOR_RELEASE_NOTIFY = FLOOR_RELEASE.replace("RETURNING epoch", "RETURNING epoch, pg_notify('pg_lease_django', key)")
 FLOOR_INSPECT = f"SELECT owner, epoch, expires_at, clock_timestamp() FROM {TABLE} WHERE key = %s"
 
 # The upsert a lock row is often written as: one statement for new and existing keys. On a held key
@@ -728,7 +730,8 @@ def task_cycles(kind: str, key: str, owner: str, start_at: float, seconds: float
         else:
             row = raw.execute(FLOOR_ACQUIRE, [owner, TTL, key, owner]).fetchone()
             assert row is not None
-            assert raw.execute(FLOOR_RELEASE, [key, owner, row[0]]).fetchone() is not None
+            release = FLOOR_RELEASE_NOTIFY if kind == "floor-notify" else FLOOR_RELEASE
+            assert raw.execute(release, [key, owner, row[0]]).fetchone() is not None
         done += 1
     return done, time.perf_counter() - started, os.getpid()
 
@@ -781,36 +784,73 @@ def task_close(pause: float) -> int:
     return os.getpid()
 
 
-def scale_out(report: Report, pool: Any, seconds: float, repeats: int, owner: str) -> None:
-    """Distinct keys from 1, 2, 4, 8 processes; manager and floor interleaved per process count."""
+def sample_waits(conn: psycopg.Connection[Any], until: Callable[[], bool]) -> dict[str, int]:
+    """What this database's active backends wait on, sampled every 20 ms until ``until()``."""
+    counts: dict[str, int] = defaultdict(int)
+    while not until():
+        for (event,) in conn.execute(
+            """SELECT coalesce(wait_event_type || ':' || wait_event, 'CPU') FROM pg_stat_activity
+                WHERE datname = current_database() AND state = 'active' AND pid <> pg_backend_pid()"""
+        ):
+            counts[event] += 1
+        time.sleep(0.02)
+    return dict(counts)
+
+
+SCALE_KINDS = {
+    "manager": "Lease.objects",
+    "floor": "floor UPDATEs",
+    "floor-notify": "floor UPDATEs + pg_notify",
+}
+
+
+def scale_out(report: Report, pool: Any, database: dict[str, Any], seconds: float, repeats: int, owner: str) -> None:
+    """Distinct keys from 1, 2, 4, 8 processes; the variants interleaved per process count.
+
+    With 8 processes, what the backends wait on is sampled: it names the bottleneck.
+    """
     rates: dict[tuple[str, int], list[float]] = defaultdict(list)
+    waits: dict[str, dict[str, int]] = {}
+    observer = psycopg.connect(conninfo(database), autocommit=True)
     for _ in range(repeats):
         for procs in (1, 2, 4, 8):
-            for kind in ("manager", "floor"):
+            for kind in SCALE_KINDS:
                 start_at = time.time() + 0.3
                 args = [(kind, f"bench:scale:{kind}:{i}", f"{owner}-{i}", start_at, seconds) for i in range(procs)]
-                results = pool.starmap(task_cycles, args, chunksize=1)
+                pending = pool.starmap_async(task_cycles, args, chunksize=1)
+                if procs == 8:
+                    _sleep_until(start_at + 0.2)
+                    for event, count in sample_waits(observer, pending.ready).items():
+                        waits.setdefault(kind, defaultdict(int))[event] += count
+                results = pending.get(timeout=seconds + 120)
                 if len({pid for *_, pid in results}) != procs:
                     report.details.setdefault("warnings", []).append(f"scale-out {procs}: a worker ran two tasks")
                 rates[(kind, procs)].append(sum(done / spent for done, spent, _ in results))
-    for kind in ("manager", "floor"):
+    observer.close()
+    for kind, label in SCALE_KINDS.items():
         base = statistics.median(rates[(kind, 1)])
         for procs in (1, 2, 4, 8):
             rate = statistics.median(rates[(kind, procs)])
             target = procs == 8 and kind == "manager"
-            label = "Lease.objects" if kind == "manager" else "floor UPDATEs"
+            note = ""
+            if procs == 8:
+                total = sum(waits[kind].values()) or 1
+                top = sorted(waits[kind].items(), key=lambda item: -item[1])[:3]
+                note = "waits: " + ", ".join(f"{event} {count / total:.0%}" for event, count in top)
             report.add(
                 Row(
                     "scale-out",
-                    f"{label} acq+rel, {procs} proc{'s' if procs > 1 else ''}, distinct keys",
+                    f"{label} acq+rel, {procs} proc{'s' if procs > 1 else ''}",
                     rate,
                     ratio=rate / base,
                     vs="1 process",
                     target=">= 2.5x" if target else "",
                     met=(rate / base >= 2.5) if target else None,
+                    note=note,
                 )
             )
     report.details["scale_out_cycles_per_s"] = {f"{k}:{n}": v for (k, n), v in rates.items()}
+    report.details["scale_out_waits_8_procs"] = waits
 
 
 def wal_lsn(conn: psycopg.Connection[Any]) -> str:
@@ -1270,7 +1310,7 @@ def main() -> None:
             pool.starmap(time.sleep, [(0.2,)] * 8, chunksize=1)  # all workers up and Django set up
             if "scale" in only:
                 with stage("scale-out: distinct keys, 1/2/4/8 processes", timings):
-                    scale_out(report, pool, 1.5 if quick else 3.0, 1 if quick else 2, owner)
+                    scale_out(report, pool, database, 1.5 if quick else 2.5, 1 if quick else 2, owner)
             if "contention" in only:
                 with stage("contention: 8 clients on one held key", timings):
                     renewals += contention(report, pool, database, 2.0 if quick else 4.0, owner)
