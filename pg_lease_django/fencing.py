@@ -322,7 +322,8 @@ class FencedQuerySet(models.QuerySet[_M]):
     def _token(self) -> FenceToken | None:
         if self._pg_lease_token is not None:
             return self._pg_lease_token
-        return resolve_fence(None, "", unfenced=self._pg_lease_unfenced)
+        # Inside hold(), a class-level lease_key lets the current lease fence the queryset too.
+        return resolve_fence(None, getattr(self.model, "lease_key", None) or "", unfenced=self._pg_lease_unfenced)
 
     def _write_connection(self) -> BaseDatabaseWrapper:
         alias: str | None = self._db  # type: ignore[attr-defined]

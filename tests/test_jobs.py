@@ -42,11 +42,12 @@ from pg_lease_django import (
     lease_lost,
     lease_released,
     leased,
+    unfenced_writes,
 )
 from pg_lease_django.jobs import Holding
 from tests.conftest import wait_until
 from tests.dbserver import REPO
-from tests.testapp.models import Entry, Invoice
+from tests.testapp.models import Entry, Invoice, Report
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -628,3 +629,12 @@ def test_composes_with_django_tasks(key: str) -> None:
     assert Lease.objects.acquire(f"{key}:add", "elsewhere", ttl=30) is not None
     result = jobs_tasks.add_under_lease.enqueue(2, 3, key=key)
     assert result.return_value is None  # busy: skipped
+
+
+@pytest.mark.django_db(transaction=True)
+def test_queryset_writes_inside_hold_use_the_current_lease_for_a_class_level_key() -> None:
+    with unfenced_writes():
+        Report.objects.create(title="draft")
+    with hold(Report.lease_key, ttl=30) as lease:
+        assert Report.objects.filter(title="draft").update(title="final") == 1
+    assert Report.objects.get(title="final").lease_epoch == lease.epoch
