@@ -5,10 +5,10 @@ psql scripts or services in other languages (see docs/sql.md).
 """
 
 from django.db import migrations, models
-from django.db.backends.base.schema import BaseDatabaseSchemaEditor
-from django.db.migrations.state import StateApps
 from django.db.models import F, Func, IntegerField, Q
 from django.db.models.lookups import Range
+
+from ._sql import schema_sql
 
 
 def octet_length(field: str) -> Func:
@@ -288,24 +288,6 @@ DROP FUNCTION IF EXISTS {s}.pg_lease_status(text, timestamptz, timestamptz);
 """
 
 
-def _run(template: str, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    connection = schema_editor.connection
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT current_schema()")
-        (schema,) = cursor.fetchone()
-    quote = connection.ops.quote_name
-    sql = template.format(s=quote(schema), t=f"{quote(schema)}.{quote('pg_lease_django_lease')}")
-    schema_editor.execute(sql, params=None)  # no params: the % in RAISE formats is literal
-
-
-def create_functions(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    _run(FUNCTIONS_SQL, schema_editor)
-
-
-def drop_functions(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    _run(DROP_SQL, schema_editor)
-
-
 class Migration(migrations.Migration):
     initial = True
 
@@ -349,5 +331,5 @@ class Migration(migrations.Migration):
             "ALTER TABLE pg_lease_django_lease SET (fillfactor = 60)",
             "ALTER TABLE pg_lease_django_lease RESET (fillfactor)",
         ),
-        migrations.RunPython(create_functions, drop_functions),
+        schema_sql(FUNCTIONS_SQL, DROP_SQL),
     ]

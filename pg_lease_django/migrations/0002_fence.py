@@ -6,8 +6,8 @@ statement wrote nothing why. All three use ``pg_lease_verdict`` (0001): one rule
 """
 
 from django.db import migrations
-from django.db.backends.base.schema import BaseDatabaseSchemaEditor
-from django.db.migrations.state import StateApps
+
+from ._sql import schema_sql
 
 # {s} is the quoted schema the migration runs in (see 0001); {t} the quoted lease table.
 FUNCTIONS_SQL = r"""
@@ -95,25 +95,7 @@ DROP FUNCTION IF EXISTS {s}.pg_lease_fence(text, text, bigint);
 """
 
 
-def _run(template: str, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    connection = schema_editor.connection
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT current_schema()")
-        (schema,) = cursor.fetchone()
-    quote = connection.ops.quote_name
-    sql = template.format(s=quote(schema), t=f"{quote(schema)}.{quote('pg_lease_django_lease')}")
-    schema_editor.execute(sql, params=None)  # no params: the % in RAISE formats is literal
-
-
-def create_functions(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    _run(FUNCTIONS_SQL, schema_editor)
-
-
-def drop_functions(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    _run(DROP_SQL, schema_editor)
-
-
 class Migration(migrations.Migration):
     dependencies = [("pg_lease_django", "0001_initial")]
 
-    operations = [migrations.RunPython(create_functions, drop_functions)]
+    operations = [schema_sql(FUNCTIONS_SQL, DROP_SQL)]

@@ -1,0 +1,35 @@
+"""How the migrations install SQL functions (a private helper; the migration loader skips ``_`` modules).
+
+Templates name ``{s}``, the quoted schema the migration runs in, and ``{t}``, the quoted lease
+table in it: every function pins ``search_path`` to that schema, so a caller's search_path cannot
+redirect the table or the helpers.
+"""
+
+from __future__ import annotations
+
+from django.db import migrations
+from django.db.backends.base.schema import BaseDatabaseSchemaEditor
+from django.db.migrations.state import StateApps
+
+
+def run_template(template: str, schema_editor: BaseDatabaseSchemaEditor) -> None:
+    """Execute ``template`` with ``{s}``/``{t}`` filled in for the current schema."""
+    connection = schema_editor.connection
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_schema()")
+        (schema,) = cursor.fetchone()
+    quote = connection.ops.quote_name
+    sql = template.format(s=quote(schema), t=f"{quote(schema)}.{quote('pg_lease_django_lease')}")
+    schema_editor.execute(sql, params=None)  # no params: the % in RAISE formats is literal
+
+
+def schema_sql(forward: str, backward: str) -> migrations.RunPython:
+    """A migration operation running ``forward`` (and ``backward`` when unapplied) via run_template."""
+
+    def apply(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
+        run_template(forward, schema_editor)
+
+    def revert(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
+        run_template(backward, schema_editor)
+
+    return migrations.RunPython(apply, revert)
