@@ -404,7 +404,9 @@ def single_connection(report: Report, rounds: int, block: float, owner: str) -> 
             "floor (ops/s)",
             ">= 0.8x",
             acquire_release_ratio >= 0.8,
-            f"{statements['acquire']}+{statements['release']} statements; vs functions {ratio(manager, function):.2f}x",
+            f"{statements['acquire']}+{statements['release']} statements; "
+            f"vs functions {ratio(manager, function):.2f}x; "
+            f"p50 latency ratio {floor.cycle_ms(0.5) / manager.cycle_ms(0.5):.2f}x",
         )
     )
     for step in ("acquire", "release"):
@@ -470,7 +472,8 @@ def single_connection(report: Report, rounds: int, block: float, owner: str) -> 
             "floor (ops/s)",
             ">= 0.8x",
             renew_ratio >= 0.8,
-            f"{renew_statements} statement; vs function {ratio(renew['manager'], renew['function']):.2f}x",
+            f"{renew_statements} statement; vs function {ratio(renew['manager'], renew['function']):.2f}x; "
+            f"p50 latency ratio {renew['floor'].p('op', 0.5) / renew['manager'].p('op', 0.5):.2f}x",
         )
     )
 
@@ -502,6 +505,11 @@ def single_connection(report: Report, rounds: int, block: float, owner: str) -> 
     )
     for name, key in held_keys.items():
         Lease.objects.release(key, owner, epochs[name])
+    report.details["block_rates"] = {
+        f"{group}:{name}": [round(rate, 1) for rate in entry.rates]
+        for group, table in (("acquire+release", series), ("renew", renew), ("inspect", inspect))
+        for name, entry in table.items()
+    }
     report.details["statements_per_call"] = {
         "acquire": statements["acquire"],
         "release": statements["release"],
@@ -557,7 +565,8 @@ def fenced_save(report: Report, rounds: int, block: float, owner: str) -> None:
             "plain save (time)",
             "<= 1.3x",
             cost <= 1.3,
-            f"{statements['fenced']} vs {statements['plain']} statements",
+            f"{statements['fenced']} vs {statements['plain']} statements; p50 ratio "
+            f"{series['fenced'].p('op', 0.5) / series['plain'].p('op', 0.5):.2f}x",
         )
     )
 
@@ -932,46 +941,53 @@ def contention(report: Report, pool: Any, database: dict[str, Any], seconds: flo
         "+ %s)", "+ interval '30 s')"
     )
     variants = ["baseline", "manager", "upsert-python"]
+    runs = list(variants)
     if pgbench_path() is not None:
         variants += ["function-pgbench", "upsert-pgbench"]
+        # Two half-length runs each, in ABBA order, so a drift in machine load hits both alike.
+        runs += ["function-pgbench", "upsert-pgbench", "upsert-pgbench", "function-pgbench"]
     figures: dict[str, dict[str, float]] = {}
+    kind_renewals: dict[str, list[float]] = defaultdict(list)
     our_renewals: list[float] = []
-    for kind in variants:
+    for kind in runs:
+        length = seconds / 2 if kind.endswith("pgbench") else seconds
         start_at = time.time() + 0.3
         pending: Any = None
         if kind in ("manager", "upsert-python"):
             task_kind = "manager" if kind == "manager" else "upsert"
-            args = [(task_kind, key, f"{owner}-w{i}", start_at, seconds) for i in range(8)]
+            args = [(task_kind, key, f"{owner}-w{i}", start_at, length) for i in range(8)]
             pending = pool.starmap_async(task_attempts, args, chunksize=1)
         elif kind != "baseline":
             sql = function_sql if kind == "function-pgbench" else upsert_sql
             executor = concurrent.futures.ThreadPoolExecutor(1)
-            pending = executor.submit(pgbench_rate, database, sql, 8, seconds)
+            pending = executor.submit(pgbench_rate, database, sql, 8, length)
             executor.shutdown(wait=False)
         _sleep_until(start_at)
         since = wal_lsn(observer)
         renewals: list[float] = []
-        end = time.perf_counter() + seconds
+        end = time.perf_counter() + length
         while time.perf_counter() < end:  # the holder renews every 10 ms
             started = time.perf_counter()
             Lease.objects.renew(key, holder, grant.epoch, 600)
             renewals.append((time.perf_counter() - started) * 1000)
             time.sleep(0.01)
         written = wal_bytes(observer, since)
-        attempts_per_s = granted = 0.0
+        attempts = granted = 0.0
         if kind in ("manager", "upsert-python"):
-            results = pending.get(timeout=seconds + 120)
-            attempts_per_s = sum(r for r, _ in results) / seconds
+            results = pending.get(timeout=length + 120)
+            attempts = sum(r for r, _ in results)
             granted = sum(g for _, g in results)
         elif pending is not None:
-            attempts_per_s = pending.result(timeout=seconds + 120) or 0.0
-        figures[kind] = {
-            "attempts_per_s": attempts_per_s,
-            "granted": granted,
-            "wal_bytes": written,
-            "renew_p50_ms": percentile(renewals, 0.5),
-            "renew_p99_ms": percentile(renewals, 0.99),
-        }
+            attempts = (pending.result(timeout=length + 120) or 0.0) * length
+        f = figures.setdefault(kind, {"attempts": 0.0, "seconds": 0.0, "granted": 0.0, "wal_bytes": 0.0})
+        f["attempts"] += attempts
+        f["seconds"] += length
+        f["granted"] += granted
+        f["wal_bytes"] += written
+        f["attempts_per_s"] = f["attempts"] / f["seconds"]
+        kind_renewals[kind] += renewals
+        f["renew_p50_ms"] = percentile(kind_renewals[kind], 0.5)
+        f["renew_p99_ms"] = percentile(kind_renewals[kind], 0.99)
         if not kind.startswith("upsert"):
             our_renewals += renewals
     footprints = {
@@ -984,8 +1000,7 @@ def contention(report: Report, pool: Any, database: dict[str, Any], seconds: flo
     base_wal_per_s = figures["baseline"]["wal_bytes"] / seconds
     for kind in variants[1:]:
         f = figures[kind]
-        attempts = max(f["attempts_per_s"] * seconds, 1)
-        f["wal_per_attempt"] = max(0.0, f["wal_bytes"] - base_wal_per_s * seconds) / attempts
+        f["wal_per_attempt"] = max(0.0, f["wal_bytes"] - base_wal_per_s * f["seconds"]) / max(f["attempts"], 1)
     labels = {
         "manager": "Lease.objects.acquire, 8 procs",
         "upsert-python": "upsert attempt (psycopg), 8 procs",
@@ -1253,7 +1268,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=STAGES, help="run only these stages")
     args = parser.parse_args()
     quick = args.quick
-    rounds, block = (4, 0.25) if quick else (8, 0.4)
+    rounds, block = (6, 0.2) if quick else (16, 0.2)
     soak_renewals = args.soak_renewals or (40_000 if quick else 200_000)
 
     total_started = time.perf_counter()
