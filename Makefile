@@ -52,3 +52,21 @@ bench:
 
 clean:
 	rm -rf $(VENV) .pgdata .mypy_cache .ruff_cache .pytest_cache
+
+## make docs: the documentation site (MkDocs, Material, mkdocstrings) built strictly into site/, in .venv-docs.
+DOCS_VENV ?= .venv-docs
+DOCS_REQUIREMENTS := "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.26,<2" "ruff>=0.6"
+
+.PHONY: docs docs-serve
+
+$(DOCS_VENV)/.installed:
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install --quiet $(DOCS_REQUIREMENTS)
+	touch $@
+
+docs: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs serve --strict

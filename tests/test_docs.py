@@ -1,0 +1,250 @@
+"""Every ```python block of README.md and docs/*.md runs here, against the real test database.
+
+One test per page. A page's blocks run in order in one shared namespace, so a page can build on
+its earlier blocks; every page starts from a fresh namespace holding only these stand-ins:
+
+- ``batches()``: an iterator of small batches (lists of ints) for loops over work;
+- ``process(batch, **kwargs)``: does nothing with a batch (the job's real work);
+- ``Invoice``, ``Report``: the test app's fenced models (``tests/testapp/models.py``); ``Invoice``
+  is guarded by one lease per account (``get_lease_key()`` returns ``account``), ``Report`` by the
+  class-level ``lease_key = "testapp-reports"``;
+- a fixture file ``invoices.json`` (one Invoice) that ``loaddata`` finds.
+
+A block that cannot run (a ``settings.py`` excerpt, a model class that needs an app of its own, a
+call signature, an endless loop) is skipped only when the nearest non-blank line before it is a
+marker comment, with a reason::
+
+    <!-- docs-test: skip (a settings.py excerpt) -->
+    <!-- docs-test: needs django.tasks (Django 6.0+) -->   (skipped where the module is missing)
+
+Blocks with a top-level ``await`` / ``async with`` run in an event loop. Line numbers in
+tracebacks are the Markdown file's. The run/skip counts of every page are printed at the end of
+the module.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import inspect
+import json
+import re
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.test import override_settings
+
+from tests.testapp.models import Invoice, Report
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
+_MARKER = re.compile(r"^\s*<!--\s*docs-test:(?P<body>.*?)-->\s*$")
+_MARKER_BODY = re.compile(r"^\s*(?:(?P<skip>skip)|needs\s+(?P<module>[\w.]+))\s+\((?P<reason>[^()]*\S[^()]*)\)\s*$")
+_PYTHON = {"python", "py"}
+_SIGNALS = [signal.SIGTERM, signal.SIGHUP]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced ```python block: where its code starts, its dedented source, and its marker."""
+
+    line: int  # 1-based line of the first line of code
+    source: str
+    skip: bool = False  # <!-- docs-test: skip (reason) -->
+    needs_module: str | None = None  # <!-- docs-test: needs module (reason) -->
+    reason: str = ""
+
+    def skipped_because(self) -> str | None:
+        """Why this block does not run here, or None when it runs."""
+        if self.skip:
+            return self.reason
+        if self.needs_module is not None and not _importable(self.needs_module):
+            return f"needs {self.needs_module}: {self.reason}"
+        return None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _rel(page: Path) -> str:
+    return str(page.relative_to(REPO))
+
+
+def python_blocks(page: Path) -> list[Block]:
+    """The page's ```python blocks, with their markers.
+
+    Raises:
+        ValueError: a malformed marker, a marker that does not sit right before a python block, or
+            an unclosed fence.
+    """
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    pending: tuple[int, re.Match[str]] | None = None  # the last marker seen and its line
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        marker = _MARKER.match(line)
+        if marker:
+            if pending is not None:
+                raise ValueError(f"{_rel(page)}:{pending[0] + 1}: docs-test marker not followed by a python block")
+            body = _MARKER_BODY.match(marker["body"])
+            if body is None:
+                raise ValueError(
+                    f"{_rel(page)}:{i + 1}: malformed marker {line.strip()!r}; write "
+                    "'<!-- docs-test: skip (reason) -->' or '<!-- docs-test: needs module (reason) -->'"
+                )
+            pending = (i, body)
+            i += 1
+            continue
+        fence = _FENCE.match(line)
+        if not fence:
+            if line.strip() and pending is not None:
+                raise ValueError(f"{_rel(page)}:{pending[0] + 1}: docs-test marker not followed by a python block")
+            i += 1
+            continue
+        indent, delimiter = fence["indent"], fence["fence"]
+        language = (fence["info"].split() or [""])[0].lower()
+        end = i + 1
+        while end < len(lines):
+            closing = lines[end].strip()
+            if closing.startswith(delimiter[0] * len(delimiter)) and not closing.strip(delimiter[0]):
+                break
+            end += 1
+        else:
+            raise ValueError(f"{_rel(page)}:{i + 1}: unclosed code fence")
+        if language in _PYTHON:
+            body_lines = [
+                text[len(indent) :] if text.startswith(indent) else text.lstrip() for text in lines[i + 1 : end]
+            ]
+            source = "\n".join(body_lines) + "\n"
+            if pending is None:
+                blocks.append(Block(i + 2, source))
+            else:
+                match = pending[1]
+                blocks.append(Block(i + 2, source, bool(match["skip"]), match["module"], match["reason"].strip()))
+        elif pending is not None:
+            raise ValueError(f"{_rel(page)}:{pending[0] + 1}: docs-test marker before a {language or 'plain'} block")
+        pending = None
+        i = end + 1
+    if pending is not None:
+        raise ValueError(f"{_rel(page)}:{pending[0] + 1}: docs-test marker not followed by a python block")
+    return blocks
+
+
+# ---- stand-ins -------------------------------------------------------------------------------
+
+
+def batches() -> Iterator[list[int]]:
+    """Stand-in: three small batches of work."""
+    yield from ([1, 2], [3, 4], [5])
+
+
+def process(batch: object, **kwargs: object) -> None:
+    """Stand-in: the job's real work; does nothing."""
+
+
+def stand_ins(page: Path) -> dict[str, Any]:
+    """The namespace a page's first block starts from."""
+    return {
+        "__name__": "docs_" + re.sub(r"\W", "_", page.stem.lower()),
+        "batches": batches,
+        "process": process,
+        "Invoice": Invoice,
+        "Report": Report,
+    }
+
+
+@pytest.fixture
+def fixture_dir(tmp_path: Path) -> Iterator[Path]:
+    """A FIXTURE_DIRS entry holding ``invoices.json`` for samples that call ``loaddata``."""
+    invoices = [{"model": "testapp.invoice", "pk": 900001, "fields": {"account": "acme", "status": "draft"}}]
+    (tmp_path / "invoices.json").write_text(json.dumps(invoices), encoding="utf-8")
+    with override_settings(FIXTURE_DIRS=[str(tmp_path)]):
+        yield tmp_path
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+_report: dict[str, tuple[int, list[tuple[int, str]]]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def snippet_report(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Print, once the module is done, how many blocks ran and were skipped on each page, and why."""
+    yield
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None or not _report:
+        return
+    with capture.global_and_fixture_disabled():  # past the output capture of the last test's teardown
+        reporter.write_line("")
+        reporter.write_sep("-", "doc snippets")
+        for page, (ran, skipped) in sorted(_report.items()):
+            reporter.write_line(f"{page}: {ran} ran, {len(skipped)} skipped")
+            for line, reason in skipped:
+                reporter.write_line(f"    skipped {page}:{line}: {reason}")
+
+
+# ---- the tests -------------------------------------------------------------------------------
+
+
+def _pages_with_python() -> list[Path]:
+    return [page for page in PAGES if python_blocks(page)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_markers_are_well_formed(page: Path) -> None:
+    python_blocks(page)  # raises on a malformed or stray marker, or an unclosed fence
+
+
+def test_readme_and_docs_have_samples() -> None:
+    pages = [_rel(page) for page in _pages_with_python()]
+    assert "README.md" in pages
+    assert len(pages) >= 5, pages
+
+
+def _run(code: Any, namespace: dict[str, Any]) -> None:
+    if code.co_flags & inspect.CO_COROUTINE:  # top-level await / async with
+        asyncio.run(eval(code, namespace))
+    else:
+        exec(code, namespace)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "other"])
+@pytest.mark.parametrize("page", _pages_with_python(), ids=_rel)
+def test_page_samples_run(page: Path, fixture_dir: Path) -> None:
+    namespace = stand_ins(page)
+    ran, skipped = 0, []
+    handlers = {signum: signal.getsignal(signum) for signum in _SIGNALS}  # exit_on_signals() samples
+    try:
+        for block in python_blocks(page):
+            reason = block.skipped_because()
+            if reason is not None:
+                skipped.append((block.line, reason))
+                continue
+            # Pad so that the compiled code's line numbers are the page's.
+            source = "\n" * (block.line - 1) + block.source
+            code = compile(source, str(page), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+            try:
+                _run(code, namespace)
+            except Exception as exc:
+                raise AssertionError(
+                    f"{_rel(page)}:{block.line}: the python block raised {type(exc).__name__}: {exc}"
+                ) from exc
+            ran += 1
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        _report[_rel(page)] = (ran, skipped)
+    assert ran > 0 or skipped, f"{_rel(page)}: no python block ran"
