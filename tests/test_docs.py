@@ -214,6 +214,32 @@ def test_readme_and_docs_have_samples() -> None:
     assert len(pages) >= 5, pages
 
 
+def test_settings_page_lists_every_setting_with_its_default() -> None:
+    """docs/settings.md has a table row for each ``PG_LEASE_*`` that conf.py reads, with its default."""
+    conf = (REPO / "pg_lease_django" / "conf.py").read_text(encoding="utf-8")
+    read = re.findall(r'getattr\(settings, "(PG_LEASE_\w+)", ([^)]+)\)', conf)
+    assert read, "conf.py reads no PG_LEASE_* setting?"
+    rows = [
+        line
+        for line in (REPO / "docs" / "settings.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("|")
+    ]
+    for name, default in read:
+        row = next((line for line in rows if line.startswith(f"| `{name}` |")), None)
+        assert row is not None, f"docs/settings.md has no table row for {name}"
+        assert f"`{default.strip()}`" in row, f"docs/settings.md: {name} should show its default `{default.strip()}`"
+    documented = set(re.findall(r"^\| `(PG_LEASE_\w+)` \|", "\n".join(rows), flags=re.MULTILINE))
+    assert documented == {name for name, _ in read}, "docs/settings.md documents a setting conf.py does not read"
+
+
+def test_errors_page_covers_every_exception() -> None:
+    from pg_lease_django import exceptions
+
+    page = (REPO / "docs" / "errors.md").read_text(encoding="utf-8")
+    missing = [name for name in exceptions.__all__ if f"`{name}`" not in page]
+    assert not missing, f"docs/errors.md does not mention {missing}"
+
+
 def _run(code: Any, namespace: dict[str, Any]) -> None:
     if code.co_flags & inspect.CO_COROUTINE:  # top-level await / async with
         asyncio.run(eval(code, namespace))
