@@ -1,7 +1,7 @@
 """The Lease admin: read-only, states from the server clock, and a guarded "Force release" action.
 
 Nobody edits a lease by hand (an owner, epoch or expiry typed into a form would break fencing);
-the only write is the force-release action, which goes through :meth:`LeaseManager.force_release`
+the only write is the force-release action, which goes through `LeaseManager.force_release`
 so the epoch goes up and the holder is fenced.
 """
 
@@ -80,7 +80,7 @@ class LeaseAdmin(_LeaseModelAdmin):
     """Read-only view of the lease table with a permission-gated "Force release" action.
 
     The changelist costs a fixed number of queries whatever the page size: state and "expires in"
-    are annotations computed by PostgreSQL (see :func:`lease_state`). Force release needs the
+    are annotations computed by PostgreSQL (see `lease_state`). Force release needs the
     ``pg_lease_django.force_release_lease`` permission; without it the action is not offered.
     """
 

@@ -63,7 +63,7 @@ class LeaseTimeoutError(LeaseError):
 class LeaseLostError(LeaseError):
     """The caller does not hold the lease it named: stop acting on its behalf.
 
-    Base of :class:`NotOwnerError`, :class:`LapsedError` and :class:`EpochMismatchError`. Any work
+    Base of `NotOwnerError`, `LapsedError` and `EpochMismatchError`. Any work
     guarded by the old epoch will be rejected; re-acquire (getting a new epoch) to continue.
     """
 

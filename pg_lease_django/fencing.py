@@ -56,7 +56,7 @@ _unfenced_writes: ContextVar[bool] = ContextVar("pg_lease_unfenced_writes", defa
 
 
 class Fence(Protocol):
-    """Anything that names a lease grant: a :class:`~pg_lease_django.Grant` is one.
+    """Anything that names a lease grant: a `Grant` is one.
 
     ``key`` is optional: when present it must match the model's lease key.
     """
@@ -278,7 +278,7 @@ class FencedQuerySet(models.QuerySet[_M]):
 
     ``Invoice.objects.fenced(grant).filter(...).update(status="sent")`` writes only while
     ``grant`` is the live lease, sets ``lease_epoch`` to the grant's epoch, and is all or nothing:
-    it raises :class:`EpochMismatchError` if any matched row was written at a higher epoch.
+    it raises `EpochMismatchError` if any matched row was written at a higher epoch.
     ``.unfenced()`` opts out explicitly. ``bulk_create()`` bypasses ``save()`` and cannot be fenced:
     it is refused unless unfenced.
     """
@@ -298,7 +298,7 @@ class FencedQuerySet(models.QuerySet[_M]):
         """Guard this queryset's ``update()`` and ``delete()`` with ``fence``.
 
         Args:
-            fence: the grant the writes must still hold (a :class:`~pg_lease_django.Grant`).
+            fence: the grant the writes must still hold (a `Grant`).
             key: the lease key; defaults to the model's ``lease_key``, else the fence's ``key``.
 
         Raises:
@@ -355,7 +355,7 @@ class FencedQuerySet(models.QuerySet[_M]):
     update.alters_data = True  # type: ignore[attr-defined]
 
     def delete(self) -> tuple[int, dict[str, int]]:
-        """Delete the matched rows if the fence holds; raises like :meth:`update`.
+        """Delete the matched rows if the fence holds; raises like `update`.
 
         Cascades and signals run as in Django's ``delete()``, inside one transaction that keeps the
         lease row locked; cascaded rows of other models are not fenced themselves.
@@ -398,7 +398,7 @@ class FencedQuerySet(models.QuerySet[_M]):
 
 
 class FencedManager(models.Manager[_M]):
-    """Default manager of FencedModel: hands out :class:`FencedQuerySet`."""
+    """Default manager of FencedModel: hands out `FencedQuerySet`."""
 
     def get_queryset(self) -> FencedQuerySet[_M]:
         return FencedQuerySet(self.model, using=self._db, hints=self._hints)  # type: ignore[attr-defined]
@@ -419,21 +419,21 @@ class FencedModel(models.Model):
     """Abstract model whose writes land only while the writer holds its lease.
 
     Subclasses name the lease with ``lease_key = "billing"`` or by overriding
-    :meth:`get_lease_key`, and write with ``obj.save(fence=grant)`` / ``obj.delete(fence=grant)`` /
+    `get_lease_key`, and write with ``obj.save(fence=grant)`` / ``obj.delete(fence=grant)`` /
     ``Model.objects.fenced(grant).update(...)``. A write is accepted only if, on the server clock,
     the lease is held by ``grant.owner`` at ``grant.epoch`` and has not lapsed; otherwise it raises
-    :class:`NotOwnerError`, :class:`LapsedError` or :class:`EpochMismatchError`, writes nothing and
+    `NotOwnerError`, `LapsedError` or `EpochMismatchError`, writes nothing and
     leaves the caller's transaction usable. Writes without a fence raise
-    :class:`UnfencedWriteError` unless opted out (``unfenced=True``, ``unfenced_writes()``).
+    `UnfencedWriteError` unless opted out (``unfenced=True``, ``unfenced_writes()``).
 
     ``lease_epoch`` records the epoch of the last accepted write; a write at a lower epoch is
-    refused (:class:`EpochMismatchError`), so a row's epoch never goes backwards.
+    refused (`EpochMismatchError`), so a row's epoch never goes backwards.
 
     The model must live in the database that holds the leases (system check
     ``pg_lease_django.E002``).
     """
 
-    #: The lease guarding every row of the model; None when :meth:`get_lease_key` decides per row.
+    #: The lease guarding every row of the model; None when `get_lease_key` decides per row.
     lease_key: ClassVar[str | None] = None
 
     lease_epoch = models.BigIntegerField(
@@ -450,7 +450,7 @@ class FencedModel(models.Model):
 
         Args:
             *args: passed to Django's ``save()``.
-            fence: the grant the write must hold (a :class:`~pg_lease_django.Grant`).
+            fence: the grant the write must hold (a `Grant`).
             unfenced: write without a fence, deliberately (admin edits, data repair).
             **kwargs: passed to Django's ``save()`` (``update_fields`` gains ``lease_epoch``).
 
@@ -487,7 +487,7 @@ class FencedModel(models.Model):
     save.alters_data = True  # type: ignore[attr-defined]
 
     def delete(self, *args: Any, fence: Fence | None = None, unfenced: bool = False, **kwargs: Any) -> Any:
-        """Delete if ``fence`` is still the live lease; raises like :meth:`save`.
+        """Delete if ``fence`` is still the live lease; raises like `save`.
 
         Django's delete (signals, cascades, ``keep_parents``) runs after a fenced check of this row,
         in one transaction that keeps the lease row locked: two statements, not one.

@@ -1,6 +1,6 @@
 """The renewal side of ``hold()``: a connection of the lease's own, and the thread that renews on it.
 
-Nothing here is public API; :mod:`pg_lease_django.jobs` is.
+Nothing here is public API; `pg_lease_django.jobs` is.
 """
 
 from __future__ import annotations

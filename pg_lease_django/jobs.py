@@ -117,7 +117,7 @@ class HeldLease:
 
     @property
     def error(self) -> LeaseLostError | None:
-        """Why the lease was lost (what :meth:`check` raises), or None."""
+        """Why the lease was lost (what `check` raises), or None."""
         if self._error is not None:
             return _fresh(self._error)
         return self._trust_ended_error() if self._trust_expired() else None
@@ -509,7 +509,7 @@ def hold(
     Entering acquires the lease on a connection of its own (never the job's: it does not join your
     transaction), then a heartbeat thread renews it on that connection. Leaving releases exactly
     this ``(owner, epoch)``; it never frees a lease someone else holds now. The current lease is
-    also what FencedModel writes without a fence use, and what :func:`current_lease` returns.
+    also what FencedModel writes without a fence use, and what `current_lease` returns.
 
     Args:
         key: the lease key.
@@ -525,7 +525,7 @@ def hold(
         using: the database alias; default the router's write database for Lease.
 
     Returns:
-        A :class:`Holding`; entering it gives the :class:`HeldLease`.
+        A `Holding`; entering it gives the `HeldLease`.
 
     Raises:
         InvalidInputError: a bad argument (now, or on entering for checks that read settings).
@@ -607,7 +607,7 @@ def leased(
 
     Args:
         key: a ``str.format`` template naming the function's parameters, or a callable.
-        ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using: as for :func:`hold`.
+        ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using: as for `hold`.
         on_busy: ``"skip"`` (default): when the lease cannot be had (held elsewhere, or the
             blocking wait timed out), the call does not run and returns None. ``"raise"``: it
             raises NotAcquirableError / LeaseTimeoutError.

@@ -65,7 +65,7 @@ class Grant:
 
 @dataclass(frozen=True)
 class LeaseState:
-    """What :meth:`LeaseManager.inspect` saw, computed from the server clock.
+    """What `LeaseManager.inspect` saw, computed from the server clock.
 
     Attributes:
         key: the lease key.
@@ -95,7 +95,7 @@ class LeaseManager(models.Manager["Lease"]):
     Every method is one SQL statement (one round trip). Outside ``atomic()`` it commits on its own;
     inside, it is part of the caller's transaction and rolls back with it. Use
     ``Lease.objects.db_manager(alias)`` for another database; by default the router's write
-    database for :class:`Lease` is used.
+    database for `Lease` is used.
     """
 
     def _connection(self) -> BaseDatabaseWrapper:
@@ -141,7 +141,7 @@ class LeaseManager(models.Manager["Lease"]):
             timeout: with ``blocking=True``, the longest wait (seconds or timedelta).
 
         Returns:
-            A :class:`Grant`, or None when another owner holds the key (non-blocking only).
+            A `Grant`, or None when another owner holds the key (non-blocking only).
 
         Raises:
             InvalidInputError: bad argument; nothing was sent.
@@ -283,7 +283,7 @@ class LeaseManager(models.Manager["Lease"]):
         """Free a live lease held by ``(owner, epoch)``; the epoch goes up, fencing the holder.
 
         Raises:
-            NotOwnerError, LapsedError, EpochMismatchError: as for :meth:`renew`; nothing changed.
+            NotOwnerError, LapsedError, EpochMismatchError: as for `renew`; nothing changed.
             InvalidInputError: bad argument; nothing was sent.
         """
         check_name("key", key)

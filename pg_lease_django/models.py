@@ -18,7 +18,7 @@ def _octet_length(field: str) -> Func:
 class Lease(models.Model):
     """A time-scoped lease on a named resource, with its fencing epoch.
 
-    Use :attr:`Lease.objects` (a :class:`LeaseManager`) to acquire, renew, release and inspect.
+    Use `Lease.objects` (a `LeaseManager`) to acquire, renew, release and inspect.
     Rows are written only by the SQL functions the migrations install; never edit them by hand:
     an epoch that goes backwards un-fences stale holders.
 

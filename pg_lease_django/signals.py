@@ -1,4 +1,4 @@
-"""Signals sent by ``hold()`` and ``@leased``. The sender is always :class:`~pg_lease_django.HeldLease`.
+"""Signals sent by ``hold()`` and ``@leased``. The sender is always `HeldLease`.
 
 Receivers are called with ``send_robust``: an exception in a receiver is logged (logger
 ``pg_lease_django.jobs``) and never breaks the hold, its heartbeat or its release.
@@ -14,7 +14,7 @@ Receivers are called with ``send_robust``: an exception in a receiver is logged 
     Sent in the thread that left the hold.
 
 ``lease_lost(sender, lease, error)``
-    The lease was lost while held: ``error`` is the :class:`~pg_lease_django.LeaseLostError`
+    The lease was lost while held: ``error`` is the `LeaseLostError`
     subclass ``lease.check()`` raises from now on. Sent once, right after ``on_lost``, from the
     heartbeat thread (or, when a hold ends after its trust window ran out before the heartbeat
     noticed, from the thread leaving it). Not followed by ``lease_released``.

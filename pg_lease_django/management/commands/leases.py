@@ -362,7 +362,7 @@ class Command(BaseCommand):
             sub.add_argument("--force-color", action="store_true", default=argparse.SUPPRESS, help="Force colors.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        """Run the subcommand; every failure becomes a one-line :class:`CommandError` with its exit code."""
+        """Run the subcommand; every failure becomes a one-line `CommandError` with its exit code."""
         alias = self._database(options["database"])
         subcommand = options.get("subcommand") or "list"
         try:
@@ -764,7 +764,7 @@ class _WaitStatus(threading.Thread):
 class _Runner:
     """One ``leases run``: acquire with ``hold()``, run COMMAND, supervise it, release.
 
-    The lease is held with :func:`pg_lease_django.hold` (its heartbeat thread renews it on a
+    The lease is held with `pg_lease_django.hold` (its heartbeat thread renews it on a
     connection of its own); this class only watches ``HeldLease.lost`` and the child. The main
     thread sleeps in one ``select()`` on the child's pidfd (it becomes readable when the child
     exits) and a pipe the hold's ``on_lost`` writes to, with a timeout at the end of the trust
