@@ -23,11 +23,11 @@ test-fast: venv
 	$(BIN)/python -m pytest -m "not slow" -x
 
 lint: venv
-	$(BIN)/ruff check pg_lease_django tests demo benchmarks
-	$(BIN)/ruff format --check pg_lease_django tests demo benchmarks
+	$(BIN)/ruff check pg_lease_django tests demo benchmarks stress
+	$(BIN)/ruff format --check pg_lease_django tests demo benchmarks stress
 
 type: venv
-	$(BIN)/mypy pg_lease_django tests demo benchmarks
+	$(BIN)/mypy pg_lease_django tests demo benchmarks stress
 
 migrations-check: venv
 	DJANGO_SETTINGS_MODULE=tests.settings $(BIN)/python -m django makemigrations --check --dry-run
