@@ -252,10 +252,12 @@ class LeaseManager(models.Manager["Lease"]):
         # so a release that commits between our refused attempt and this wait is not missed.
         deadline = time.monotonic() + seconds
         raw = connection.connection
-        while (remaining := deadline - time.monotonic()) > 0:
-            for notify in raw.notifies(timeout=remaining, stop_after=1):
-                if notify.payload == key:
-                    return
+        # The raw connection's errors are psycopg's: map them to Django's, as for every other call.
+        with connection.wrap_database_errors:
+            while (remaining := deadline - time.monotonic()) > 0:
+                for notify in raw.notifies(timeout=remaining, stop_after=1):
+                    if notify.payload == key:
+                        return
 
     def renew(self, key: str, owner: str, epoch: int, ttl: Seconds) -> datetime:
         """Extend a live lease held by ``(owner, epoch)`` to server now + ``ttl``.

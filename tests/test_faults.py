@@ -320,12 +320,6 @@ def test_backend_terminated_between_operations_fails_the_next_call_only(key: str
     assert Lease.objects.renew(key, "holder", grant.epoch, 30) is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a blocking acquire whose connection dies while it waits for a release notification raises "
-    "psycopg.OperationalError (from the raw connection's notifies() in LeaseManager._wait_for_release, outside "
-    "Django's error wrapper) instead of django.db.OperationalError like every other call",
-)
 def test_backend_terminated_during_a_blocking_wait_raises_djangos_operational_error(key: str) -> None:
     """A blocking acquire waiting (LISTEN) for a held key, its backend terminated: not granted; the
     caller should see the same error type as for any other lost connection."""

@@ -45,7 +45,7 @@ from pg_lease_django import (
     unfenced_writes,
 )
 from pg_lease_django.jobs import Holding
-from tests.conftest import wait_until
+from tests.conftest import needs_session, wait_until
 from tests.dbserver import REPO
 from tests.testapp.models import Entry, Invoice, Report
 
@@ -332,6 +332,7 @@ def test_a_fenced_save_inside_hold_after_the_lease_was_lost(key: str, raw_connec
 # ---- heartbeats and the trust window ----------------------------------------------------------
 
 
+@needs_session  # identifies backends by pid / application_name, which the pooler hides
 def test_heartbeat_uses_its_own_connection_and_reconnects_after_pg_terminate_backend(
     key: str, raw_connect: Connect
 ) -> None:
@@ -589,6 +590,7 @@ def test_sigterm_and_sigint_release_the_lease(key: str, workers: list[Worker], s
 # ---- hygiene ---------------------------------------------------------------------------------
 
 
+@needs_session  # identifies backends by pid / application_name, which the pooler hides
 def test_no_leaked_connections_or_threads(key: str, other_key: str, raw_connect: Connect) -> None:
     admin = raw_connect()
     connection.ensure_connection()
