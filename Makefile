@@ -5,7 +5,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint type migrations-check check demo bench clean
+# Django 6 needs Python 3.12+: `make test-django6 DJANGO6_PYTHON=python3.12 DJANGO6_SPEC='Django>=6.1,<6.2'`.
+DJANGO6_PYTHON ?= python3.12
+DJANGO6_SPEC ?= Django>=6.1,<6.2
+DJANGO6_VENV ?= .venvs/django6
+
+.PHONY: venv test test-django6 test-fast lint type migrations-check check demo bench clean
 
 venv: $(STAMP)
 
@@ -18,6 +23,12 @@ $(STAMP): pyproject.toml
 ## make test: the whole suite on a real PostgreSQL.
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-django6:
+	$(DJANGO6_PYTHON) -m venv $(DJANGO6_VENV)
+	$(DJANGO6_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DJANGO6_VENV)/bin/python -m pip install --quiet "$(DJANGO6_SPEC)" -e ".[test]"
+	$(DJANGO6_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow" -x
