@@ -61,6 +61,8 @@ for _path in (str(REPO), str(HERE)):
 
 import psycopg  # noqa: E402
 
+from tests.dbserver import conninfo  # noqa: E402
+
 BENCH_DATABASE = "pg_lease_bench"
 TABLE = "pg_lease_django_lease"
 DEFAULT_JSON = HERE / "results" / "latest.json"
@@ -135,17 +137,6 @@ def setup_django(database: dict[str, Any], apps: list[str]) -> None:
         LOGGING_CONFIG=None,
     )
     django.setup()
-
-
-def conninfo(database: dict[str, Any], dbname: str | None = None) -> str:
-    """libpq connection string for a Django DATABASES entry."""
-    return psycopg.conninfo.make_conninfo(
-        dbname=dbname or database["NAME"],
-        user=database["USER"],
-        password=database["PASSWORD"] or None,
-        host=database["HOST"] or None,
-        port=database["PORT"] or None,
-    )
 
 
 def bench_database() -> tuple[dict[str, Any], str]:

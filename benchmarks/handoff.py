@@ -44,6 +44,8 @@ import django  # noqa: E402
 import psycopg  # noqa: E402
 from django.conf import settings  # noqa: E402
 
+from tests.dbserver import conninfo  # noqa: E402
+
 BENCH_DATABASE = "pg_lease_bench"
 
 
@@ -71,18 +73,8 @@ def configure() -> dict[str, Any]:
     return database
 
 
-def _conninfo(database: dict[str, Any], dbname: str | None = None) -> str:
-    return psycopg.conninfo.make_conninfo(
-        dbname=dbname or database["NAME"],
-        user=database["USER"],
-        password=database["PASSWORD"] or None,
-        host=database["HOST"] or None,
-        port=database["PORT"] or None,
-    )
-
-
 def _create_database(database: dict[str, Any]) -> None:
-    with psycopg.connect(_conninfo(database, "postgres"), autocommit=True) as conn:
+    with psycopg.connect(conninfo(database, "postgres"), autocommit=True) as conn:
         if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [database["NAME"]]).fetchone() is None:
             conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(database["NAME"])))
 
@@ -353,7 +345,7 @@ def main() -> None:
 
     interval = args.poll_interval
     run = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    observer = psycopg.connect(_conninfo(database), autocommit=True)
+    observer = psycopg.connect(conninfo(database), autocommit=True)
     version = observer.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
     print(f"pg_lease handoff benchmark: PostgreSQL {version}, {os.cpu_count()} CPUs, database {database['NAME']!r}")
     print(f"poll interval {interval * 1000:.0f} ms (PG_LEASE_POLL_INTERVAL and the plain loop's sleep)\n")

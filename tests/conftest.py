@@ -14,6 +14,8 @@ import psycopg
 import pytest
 from django.db import connections
 
+from tests import dbserver
+
 _counter = itertools.count()
 
 
@@ -24,15 +26,12 @@ def conninfo(alias: str = "default") -> str:
     orchestration connections go straight to the server, so backend pids and locks they observe
     are real; the code under test still goes through the pooler.
     """
-    s = connections[alias].settings_dict
-    host, port = s["HOST"] or None, s["PORT"] or None
+    database = dict(connections[alias].settings_dict)
     direct = os.environ.get("DIRECT_DATABASE_URL")
     if direct:
         parts = urlsplit(direct)
-        host, port = parts.hostname, str(parts.port or 5432)
-    return psycopg.conninfo.make_conninfo(
-        dbname=s["NAME"], user=s["USER"], password=s["PASSWORD"] or None, host=host, port=port
-    )
+        database.update(HOST=parts.hostname, PORT=str(parts.port or 5432))
+    return dbserver.conninfo(database)
 
 
 #: Tests that need the session of Django's own connection (its backend pid, LISTEN) cannot run

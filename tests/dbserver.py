@@ -142,6 +142,19 @@ def database_url() -> str:
     return url
 
 
+def conninfo(database: dict[str, Any], dbname: str | None = None) -> str:
+    """libpq conninfo for a Django DATABASES entry (optionally another database on its server)."""
+    import psycopg
+
+    return psycopg.conninfo.make_conninfo(
+        dbname=dbname or database["NAME"],
+        user=database["USER"],
+        password=database["PASSWORD"] or None,
+        host=database["HOST"] or None,
+        port=database["PORT"] or None,
+    )
+
+
 def database_settings(url: str | None = None, **overrides: Any) -> dict[str, Any]:
     """Django DATABASES entry for a ``postgresql://user:password@host:port/name?host=/socket`` URL."""
     parts = urlsplit(url or database_url())
