@@ -216,7 +216,7 @@ class LeaseAdmin(_LeaseModelAdmin):
         confirmed: dict[str, int] = {}
         for value in request.POST.getlist("confirmed"):
             epoch_text, sep, key = value.partition(":")
-            if not sep or not epoch_text.isdigit():
+            if not sep or not epoch_text.isdecimal() or not epoch_text.isascii():
                 raise BadRequest("malformed force-release confirmation")
             confirmed[key] = int(epoch_text)
         manager = Lease.objects.db_manager(using)

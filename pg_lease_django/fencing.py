@@ -246,6 +246,12 @@ def _fence_insert(sql: str, params: Any, token: FenceToken) -> tuple[str, tuple[
     if not sql.startswith("INSERT INTO ") or start < 0 or sql[end + 1 :].lstrip().startswith(","):
         raise DatabaseError(f"FencedModel cannot fence this INSERT (expected one VALUES row): {sql[:200]}")
     values = sql[start + len(" VALUES (") : end]
+    if re.search(r"\bDEFAULT\b", values):
+        # Django 5.2 renders a db_default field as DEFAULT, which INSERT ... SELECT cannot carry.
+        raise DatabaseError(
+            "FencedModel cannot fence an INSERT that uses a column DEFAULT (db_default on Django 5.2): "
+            "give the field a value before a fenced save"
+        )
     consumed = sum(1 for m in _PLACEHOLDER.finditer(values) if m.group() == "%s")
     params = tuple(params or ())
     fenced_sql = f"{sql[:start]} SELECT {values} WHERE {_FENCE_SQL}{sql[end + 1 :]}"

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import load_backend
+from psycopg import IsolationLevel
 
-from .exceptions import LapsedError, LeaseLostError
+from .exceptions import LeaseLostError
 from .managers import Grant, LeaseManager
 from .validation import Seconds
 
@@ -65,6 +66,9 @@ class LeaseConnection:
         options: dict[str, Any] = dict(source.get("OPTIONS") or {})
         settings = {**source, "OPTIONS": options, "AUTOCOMMIT": True, "ATOMIC_REQUESTS": False, "CONN_MAX_AGE": 0}
         options.pop("pool", None)
+        # The lease functions assume READ COMMITTED (spec 8): under a stricter default a contended
+        # acquire would fail with a serialization error instead of being refused.
+        options["isolation_level"] = IsolationLevel.READ_COMMITTED
         options["application_name"] = f"pg_lease_django {owner}"[:63]
         whole = max(1, math.ceil(io_timeout))
         options.setdefault("connect_timeout", max(2, whole))
@@ -174,15 +178,15 @@ class Heartbeat(threading.Thread):
                 self._beat()
             except BaseException as exc:
                 logger.exception("heartbeat of lease %r crashed; treating the lease as lost", lease.key)
-                lease._declare_lost(
-                    LapsedError(
-                        f"heartbeat of lease {lease.key!r} crashed ({exc!r}); no more renewals",
-                        key=lease.key,
-                        owner=lease.owner,
-                        epoch=lease.epoch,
-                    ),
-                    definitive=False,
+                crashed = LeaseLostError(
+                    f"heartbeat of lease {lease.key!r} crashed ({exc!r}); no more renewals",
+                    key=lease.key,
+                    owner=lease.owner,
+                    epoch=lease.epoch,
                 )
+                crashed.code = "heartbeat_failed"
+                crashed.__cause__ = exc
+                lease._declare_lost(crashed, definitive=False)
             self._stop_requested.wait()
             self.outcome = self._finish()
         except BaseException:

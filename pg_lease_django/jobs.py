@@ -334,6 +334,9 @@ class _Session:
             )
             heartbeat = Heartbeat(lease, connection, ttl=options.ttl, interval=interval)
             heartbeat.start()
+            logger.debug("acquired lease %r as %r at epoch %s", lease.key, lease.owner, lease.epoch)
+            # Inside the try: an interrupt here must stop the heartbeat, not leave it renewing.
+            _send(lease_acquired, lease)
         except BaseException:
             # Busy, timed out, or interrupted (a signal, a cancellation) before the hold was set up.
             if heartbeat is not None and heartbeat.is_alive():
@@ -348,8 +351,6 @@ class _Session:
                 connection.close()
             raise
         self.lease, self.heartbeat = lease, heartbeat
-        logger.debug("acquired lease %r as %r at epoch %s", lease.key, lease.owner, lease.epoch)
-        _send(lease_acquired, lease)
         return lease
 
     def finish(self) -> None:

@@ -101,3 +101,15 @@ def test_system_check_refuses_a_non_postgresql_lease_database() -> None:
         [error] = check_database_is_postgresql()
     assert error.id == "pg_lease_django.E001"
     assert error.hint
+
+
+@pytest.mark.django_db(transaction=True)
+def test_truncate_is_refused_unless_the_test_only_setting_allows_it(key: str, raw_connect: Any) -> None:
+    import psycopg
+
+    assert Lease.objects.acquire(key, "w1", ttl=30) is not None
+    conn = raw_connect()
+    conn.execute("SET pg_lease.allow_truncate = off")  # as on any database that did not opt in
+    with pytest.raises(psycopg.errors.RestrictViolation, match="never deleted"):
+        conn.execute("TRUNCATE pg_lease_django_lease")
+    assert Lease.objects.inspect(key).epoch == 1

@@ -125,6 +125,10 @@ BEGIN
   -- expiry use server time after any wait for a concurrent transaction.
   SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR NO KEY UPDATE;
   now_at := clock_timestamp();
+  IF NOT FOUND THEN  -- the row vanished (rows are never deleted): refuse rather than grant epoch NULL
+    RETURN QUERY SELECT false, p_key, NULL::text, NULL::bigint, NULL::timestamptz, now_at;
+    RETURN;
+  END IF;
   IF pg_lease_status(cur.owner, cur.expires_at, now_at) = 'held' AND cur.owner <> p_owner THEN
     RETURN QUERY SELECT false, p_key, cur.owner, cur.epoch, cur.expires_at, now_at;
     RETURN;
@@ -259,20 +263,33 @@ END $$;
 
 -- Lease rows are never deleted: deleting one would restart its epoch at 1 and un-fence every
 -- stale holder. Free a lease with pg_lease_release (or `manage.py leases release --force`).
+-- TRUNCATE (what `manage.py flush` and Django's TransactionTestCase run) is refused too, unless
+-- the session or database sets pg_lease.allow_truncate = on: for test databases only.
 CREATE FUNCTION {s}.pg_lease_forbid_delete()
 RETURNS trigger LANGUAGE plpgsql
 SET search_path = pg_catalog, {s}, pg_temp
 AS $$
 BEGIN
+  IF TG_OP = 'TRUNCATE' THEN
+    IF current_setting('pg_lease.allow_truncate', true) = 'on' THEN
+      RETURN NULL;
+    END IF;
+    RAISE EXCEPTION 'lease rows are never deleted (TRUNCATE would reset every epoch)'
+      USING ERRCODE = '23001',
+            HINT = 'Release leases instead. Test databases may SET pg_lease.allow_truncate = on.';
+  END IF;
   RAISE EXCEPTION 'lease rows are never deleted (it would reset the epoch of %)', OLD.key
     USING ERRCODE = '23001', HINT = 'Release the lease instead; its epoch must keep increasing.';
 END $$;
 
 CREATE TRIGGER pg_lease_forbid_delete BEFORE DELETE ON {t}
   FOR EACH ROW EXECUTE FUNCTION {s}.pg_lease_forbid_delete();
+CREATE TRIGGER pg_lease_forbid_truncate BEFORE TRUNCATE ON {t}
+  FOR EACH STATEMENT EXECUTE FUNCTION {s}.pg_lease_forbid_delete();
 """
 
 DROP_SQL = r"""
+DROP TRIGGER IF EXISTS pg_lease_forbid_truncate ON {t};
 DROP TRIGGER IF EXISTS pg_lease_forbid_delete ON {t};
 DROP FUNCTION IF EXISTS {s}.pg_lease_forbid_delete();
 DROP FUNCTION IF EXISTS {s}.pg_lease_inspect(text);
