@@ -23,11 +23,11 @@ from django.db.models.sql.compiler import SQLCompiler
 from .exceptions import (
     EpochMismatchError,
     InvalidInputError,
-    LapsedError,
     LeaseLostError,
     NotOwnerError,
     UnfencedWriteError,
 )
+from .managers import _LOST_ERRORS
 from .validation import check_epoch, check_name
 
 if TYPE_CHECKING:
@@ -41,11 +41,7 @@ _QS = TypeVar("_QS", bound=models.QuerySet[Any])
 #: The column a FencedModel records the epoch of its last accepted write in.
 EPOCH_FIELD = "lease_epoch"
 
-_LOST: dict[str, type[LeaseLostError]] = {
-    "not_owner": NotOwnerError,
-    "lapsed": LapsedError,
-    "epoch_mismatch": EpochMismatchError,
-}
+_LOST = _LOST_ERRORS  # verdict -> exception, the manager's one mapping
 
 # Evaluated once per statement, before any row is read: an uncorrelated sub-select becomes an
 # InitPlan that gates the scan (EXPLAIN shows "One-Time Filter"). Calling the volatile function

@@ -92,8 +92,10 @@ class LeaseState:
 class LeaseManager(models.Manager["Lease"]):
     """Acquire, renew, release and inspect leases.
 
-    Every method is one SQL statement (one round trip). Outside ``atomic()`` it commits on its own;
-    inside, it is part of the caller's transaction and rolls back with it. Use
+    Every method is one SQL statement (one round trip), except a blocking acquire, which repeats
+    its one-statement attempt (with LISTEN/UNLISTEN around the wait outside ``atomic()``).
+    Outside ``atomic()`` each statement commits on its own; inside, it is part of the caller's
+    transaction and rolls back with it. Use
     ``Lease.objects.db_manager(alias)`` for another database; by default the router's write
     database for `Lease` is used.
     """

@@ -40,7 +40,7 @@ BEGIN
   -- so a fenced-out writer cannot delay the new holder's renewals or a takeover. The look is only
   -- a filter for "worth locking"; pg_lease_verdict decides, once.
   SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key;
-  IF cur.owner = p_owner AND cur.epoch = p_epoch AND cur.expires_at > clock_timestamp() THEN
+  IF pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR SHARE;
   END IF;
   verdict := pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
