@@ -260,6 +260,8 @@ def main() -> int:
     chart.write_text(render(c.timeline, f"pg_lease_django demo — lease {KEY!r}, TTL {TTL}s"))
 
     failures = check_invariants(c.history, initial, final)
+    if state.status != "free":
+        failures.append(f"the last holder was stopped with SIGTERM but the lease is {state.status}, not free")
     if done.returncode != 0:
         failures.append(f"the operator's force release failed: {done.stderr.strip()}")
     if stale["cause"] not in ("not_owner", "lapsed", "epoch_mismatch"):

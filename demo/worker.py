@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -24,12 +25,13 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, "worker": NAME, "mono": time.monotonic(), **fields}, default=str), flush=True)
 
 
-class Stop(Exception):
-    """SIGTERM: finish cleanly, releasing our own epoch."""
+#: Set by SIGTERM; checked between statements, never raised into one (a query cut in half would
+#: leave the connection unusable for the release).
+stopping = threading.Event()
 
 
 def on_sigterm(signum: int, frame: Any) -> None:
-    raise Stop
+    stopping.set()
 
 
 def main() -> None:
@@ -40,40 +42,38 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     grant: Grant | None = None
-    try:
-        emit("started", pid=os.getpid())
-        while True:
-            try:
-                grant = Lease.objects.acquire(KEY, NAME, ttl=TTL, blocking=True, timeout=5)
+    emit("started", pid=os.getpid())
+    while not stopping.is_set():
+        if grant is None:
+            try:  # short waits, so a stop request is noticed within half a second
+                grant = Lease.objects.acquire(KEY, NAME, ttl=TTL, blocking=True, timeout=0.5)
             except LeaseTimeoutError:
                 continue
             emit("acquired", epoch=grant.epoch, server_time=grant.server_time, expires_at=grant.expires_at)
-            while grant is not None:
-                counter = JobCounter.objects.get(name="demo")
-                emit("read", epoch=grant.epoch, value=counter.value)
-                time.sleep(WORK)  # the work; a SIGSTOP here models a GC pause or a frozen VM
-                counter.value += 1
-                try:
-                    counter.save(fence=grant)  # lands only while this grant is the live lease
-                except LeaseLostError as exc:
-                    emit("rejected", epoch=grant.epoch, value=counter.value, cause=exc.code)
-                    grant = None
-                    continue
-                emit("write", epoch=grant.epoch, value=counter.value)
-                try:
-                    expires_at = Lease.objects.renew(KEY, NAME, grant.epoch, ttl=TTL)
-                    emit("renewed", epoch=grant.epoch, expires_at=expires_at)
-                except LeaseLostError as exc:
-                    emit("lost", epoch=grant.epoch, cause=exc.code)
-                    grant = None
-    except Stop:
-        if grant is not None:
-            try:
-                Lease.objects.release(KEY, NAME, grant.epoch)
-                emit("released", epoch=grant.epoch)
-            except LeaseLostError as exc:
-                emit("lost", epoch=grant.epoch, cause=exc.code)
-        emit("stopped")
+        counter = JobCounter.objects.get(name="demo")
+        emit("read", epoch=grant.epoch, value=counter.value)
+        time.sleep(WORK)  # the work; a SIGSTOP here models a GC pause or a frozen VM
+        counter.value += 1
+        try:
+            counter.save(fence=grant)  # lands only while this grant is the live lease
+        except LeaseLostError as exc:
+            emit("rejected", epoch=grant.epoch, value=counter.value, cause=exc.code)
+            grant = None
+            continue
+        emit("write", epoch=grant.epoch, value=counter.value)
+        try:
+            expires_at = Lease.objects.renew(KEY, NAME, grant.epoch, ttl=TTL)
+            emit("renewed", epoch=grant.epoch, expires_at=expires_at)
+        except LeaseLostError as exc:
+            emit("lost", epoch=grant.epoch, cause=exc.code)
+            grant = None
+    if grant is not None:
+        try:
+            Lease.objects.release(KEY, NAME, grant.epoch)
+            emit("released", epoch=grant.epoch)
+        except LeaseLostError as exc:
+            emit("lost", epoch=grant.epoch, cause=exc.code)
+    emit("stopped")
 
 
 if __name__ == "__main__":
