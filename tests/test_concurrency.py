@@ -108,26 +108,12 @@ def test_takeover_in_flight_makes_the_late_renewal_fail_as_lapsed(key: str, raw_
     assert (state.owner, state.epoch) == ("taker", grant.epoch + 1)
 
 
-def test_two_takers_serialise_on_the_row_lock_and_the_second_sees_the_first(key: str, raw_connect: Any) -> None:
-    grant = Lease.objects.acquire(key, "holder", ttl=0.2)
-    assert grant is not None
-    wait_until(lambda: Lease.objects.inspect(key).status == "lapsed", what="lapse")
-    first = raw_connect(autocommit=False)
-    assert first.execute("SELECT granted FROM pg_lease_acquire(%s, 'first', '30 s')", [key]).fetchone() == (True,)
-    second = raw_connect()
-    attempt = Background(
-        lambda: second.execute("SELECT granted, owner FROM pg_lease_acquire(%s, 'second', '30 s')", [key]).fetchone()
-    )
-    attempt.start()
-    wait_until_blocked(raw_connect(), second.info.backend_pid)
-    first.commit()
-    assert attempt.outcome() == (False, "first")
+def race_behind_uncommitted_acquire(key: str, raw_connect: Any) -> tuple[Any, Background]:
+    """'first' acquires ``key`` in an open transaction; 'second' tries too and is seen blocked on it.
 
-
-def test_two_takers_when_the_first_rolls_back_the_second_wins(key: str, raw_connect: Any) -> None:
-    grant = Lease.objects.acquire(key, "holder", ttl=0.2)
-    assert grant is not None
-    wait_until(lambda: Lease.objects.inspect(key).status == "lapsed", what="lapse")
+    Returns the first connection (to commit or roll back) and the second's attempt, whose outcome
+    is ``(granted, owner, epoch)``.
+    """
     first = raw_connect(autocommit=False)
     first.execute("SELECT granted FROM pg_lease_acquire(%s, 'first', '30 s')", [key])
     second = raw_connect()
@@ -138,21 +124,34 @@ def test_two_takers_when_the_first_rolls_back_the_second_wins(key: str, raw_conn
     )
     attempt.start()
     wait_until_blocked(raw_connect(), second.info.backend_pid)
+    return first, attempt
+
+
+def lapsed(key: str) -> Grant:
+    grant = Lease.objects.acquire(key, "holder", ttl=0.2)
+    assert grant is not None
+    wait_until(lambda: Lease.objects.inspect(key).status == "lapsed", what="lapse")
+    return grant
+
+
+def test_two_takers_serialise_on_the_row_lock_and_the_second_sees_the_first(key: str, raw_connect: Any) -> None:
+    grant = lapsed(key)
+    first, attempt = race_behind_uncommitted_acquire(key, raw_connect)
+    first.commit()
+    assert attempt.outcome() == (False, "first", grant.epoch + 1)
+
+
+def test_two_takers_when_the_first_rolls_back_the_second_wins(key: str, raw_connect: Any) -> None:
+    grant = lapsed(key)
+    first, attempt = race_behind_uncommitted_acquire(key, raw_connect)
     first.rollback()
     assert attempt.outcome() == (True, "second", grant.epoch + 1)
 
 
 def test_concurrent_inserts_of_a_new_key_wait_for_each_other(key: str, raw_connect: Any) -> None:
-    first = raw_connect(autocommit=False)
-    first.execute("SELECT granted FROM pg_lease_acquire(%s, 'first', '30 s')", [key])
-    second = raw_connect()
-    attempt = Background(
-        lambda: second.execute("SELECT granted, owner FROM pg_lease_acquire(%s, 'second', '30 s')", [key]).fetchone()
-    )
-    attempt.start()
-    wait_until_blocked(raw_connect(), second.info.backend_pid)
+    first, attempt = race_behind_uncommitted_acquire(key, raw_connect)
     first.commit()
-    assert attempt.outcome() == (False, "first")
+    assert attempt.outcome() == (False, "first", 1)
 
 
 @pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
