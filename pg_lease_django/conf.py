@@ -48,3 +48,15 @@ def safety_margin() -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not 0 <= value < 1:
         raise ImproperlyConfigured(f"PG_LEASE_SAFETY_MARGIN must be a fraction of the TTL in [0, 1), got {value!r}")
     return float(value)
+
+
+def schema() -> str | None:
+    """``PG_LEASE_SCHEMA`` (str or ``None``, default ``None``): the schema of the lease table and functions.
+
+    ``None`` looks it up once per database alias (where ``pg_lease_django_lease`` resolves on the
+    search_path). Set it when leases live in a fixed schema and the search_path varies per session.
+    """
+    value = getattr(settings, "PG_LEASE_SCHEMA", None)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ImproperlyConfigured(f"PG_LEASE_SCHEMA must be a schema name or None, got {value!r}")
+    return value

@@ -1,60 +1,100 @@
 """FencedModel: rows the database refuses to write for a holder that lost its lease.
 
-Every fenced write carries the check ``(SELECT pg_lease_fence(key, owner, epoch)) = 'ok'`` in its own
-WHERE clause (see migration 0002): the check and the write are one statement, and the lease row
-stays locked FOR SHARE until the writer's transaction ends, so no takeover can commit in between.
+The refusal happens in PostgreSQL, for every writer. Each fenced table carries triggers
+(`FenceTrigger`, installed by the migration ``makemigrations`` writes) that check, once per
+statement, every lease key the statement writes or removes against the fence its transaction
+presented with ``pg_lease_check_fence`` (see migrations 0002 and 0004). This module only presents
+the right fence in the right statement:
+
+- ``save()`` puts ``lease_epoch = (SELECT pg_lease_check_fence(key, owner, epoch))`` in its own
+  UPDATE or INSERT: one statement presents, checks and writes;
+- queryset ``update()``/``delete()`` put the same call in their WHERE clause (evaluated once,
+  before any row is read), so a stale fence is refused even when no row matches;
+- writes Django spreads over several statements (multi-table inheritance, cascades, bulk writes)
+  run in one transaction whose first statement presents the fence.
+
+A fence presented in a transaction locks its lease row FOR KEY SHARE until the transaction ends:
+the holder's renewals go on, a takeover or a release waits. Deliberately unfenced writes opt the
+transaction out with ``pg_lease_allow_unfenced()`` (which the database lets only granted roles do).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
+from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, models, router, transaction
+from django.db import DatabaseError, connections, models, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Exists, Expression, Q
+from django.db.models import Expression
+from django.db.models.constraints import BaseConstraint
+from django.db.models.signals import class_prepared
 from django.db.models.sql.compiler import SQLCompiler
 
+from . import sql
 from .exceptions import (
     EpochMismatchError,
     InvalidInputError,
-    LeaseLostError,
+    LapsedError,
+    LeaseError,
     NotOwnerError,
     UnfencedWriteError,
 )
-from .managers import _LOST_ERRORS
 from .validation import check_epoch, check_name
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["Fence", "FencedManager", "FencedModel", "FencedQuerySet", "resolve_fence", "unfenced_writes"]
+    from django.db.backends.base.schema import BaseDatabaseSchemaEditor
+
+__all__ = [
+    "Fence",
+    "FenceTrigger",
+    "FencedManager",
+    "FencedModel",
+    "FencedQuerySet",
+    "LeaseKeyField",
+    "resolve_fence",
+    "unfenced_writes",
+]
 
 _M = TypeVar("_M", bound=models.Model)
-_QS = TypeVar("_QS", bound=models.QuerySet[Any])
 
 #: The column a FencedModel records the epoch of its last accepted write in.
 EPOCH_FIELD = "lease_epoch"
+#: The field storing the key of the lease that guards the row (column ``lease_key``).
+KEY_FIELD = "lease"
 
-_LOST = _LOST_ERRORS  # verdict -> exception, the manager's one mapping
-
-# Evaluated once per statement, before any row is read: an uncorrelated sub-select becomes an
-# InitPlan that gates the scan (EXPLAIN shows "One-Time Filter"). Calling the volatile function
-# per row instead could accept some rows and refuse others as the lease lapses mid-statement.
-_FENCE_SQL = "(SELECT pg_lease_fence(%s, %s, %s)) = 'ok'"
+#: SQLSTATE of a refused fenced write -> the error raised for it (the triggers' `pg_lease_refuse`).
+_REFUSALS: dict[str, type[LeaseError]] = {
+    "PL001": NotOwnerError,
+    "PL002": LapsedError,
+    "PL003": EpochMismatchError,
+    "PL004": UnfencedWriteError,
+}
 
 _unfenced_writes: ContextVar[bool] = ContextVar("pg_lease_unfenced_writes", default=False)
 
 
-class Fence(Protocol):
-    """Anything that names a lease grant: a `Grant` is one.
+class _Unfenced:
+    """Marker: the queryset in scope opted out of fencing."""
 
-    ``key`` is optional: when present it must match the model's lease key.
+
+_UNFENCED = _Unfenced()
+# The fence of the queryset whose create()/get_or_create()/update_or_create() is running: those
+# reach FencedModel.save() without passing it on.
+_queryset_fence: ContextVar[FenceToken | _Unfenced | None] = ContextVar("pg_lease_queryset_fence", default=None)
+
+
+class Fence(Protocol):
+    """Anything that names a lease grant: a `Grant` or a `HeldLease` is one.
+
+    ``key`` is optional: when present it must match the lease key the write is guarded by.
     """
 
     @property
@@ -78,7 +118,9 @@ def unfenced_writes() -> Iterator[None]:
     """Allow FencedModel writes without a fence inside the block (this thread/task only).
 
     The explicit opt-out for writes that no lease holder makes: admin edits, data repair from a
-    shell, ``loaddata``, ``get_or_create``. Greppable on purpose; also usable as a decorator.
+    shell, ``loaddata``. Each such write runs in a transaction that tells the database so
+    (``pg_lease_allow_unfenced()``, granted to the migrating role; see docs/security.md).
+    Greppable on purpose; also usable as a decorator.
     """
     token = _unfenced_writes.set(True)
     try:
@@ -87,40 +129,56 @@ def unfenced_writes() -> Iterator[None]:
         _unfenced_writes.reset(token)
 
 
+def _opted_out(unfenced: bool) -> bool:
+    return unfenced or _unfenced_writes.get() or _queryset_fence.get() is _UNFENCED
+
+
 def resolve_fence(fence: Fence | None, key: str | Callable[[], str], *, unfenced: bool = False) -> FenceToken | None:
     """Decide which lease guards a write: the one place that does.
 
     Args:
         fence: the caller's grant, or None.
         key: the lease key the write is guarded by (or a callable computing it, called only when
-            a fence is given).
+            a fence is needed).
         unfenced: the caller's explicit opt-out (``save(unfenced=True)``).
 
     Returns:
-        The token to check, or None for a deliberately unfenced write.
+        The token to present, or None for a deliberately unfenced write.
 
     Raises:
         UnfencedWriteError: no fence and no opt-out.
-        InvalidInputError: both a fence and ``unfenced=True``; a fence for another key; bad values.
+        InvalidInputError: both a fence and ``unfenced=True``; a fence for another key; a fence
+            that is not a grant (no ``owner``/``epoch``, wrong types).
     """
     if fence is None:
-        if unfenced or _unfenced_writes.get():
+        scoped = _queryset_fence.get()
+        if isinstance(scoped, FenceToken):
+            fence = scoped
+        elif _opted_out(unfenced):
             return None
-        # Inside hold()/@leased, the active lease of the write's key is the fence (innermost first).
-        from .jobs import current_lease
+        else:
+            # Inside hold()/@leased, the active lease of the write's key is the fence (innermost first).
+            from .jobs import current_lease
 
-        if current_lease() is not None and (lease_key := key() if callable(key) else key):
-            fence = current_lease(lease_key)
-        if fence is None:
-            raise UnfencedWriteError(
-                "write to a FencedModel without a fence: pass fence=grant (querysets: .fenced(grant)), hold its "
-                "lease with hold()/@leased, or opt out explicitly with unfenced=True / .unfenced() / unfenced_writes()"
-            )
+            if current_lease() is not None and (lease_key := key() if callable(key) else key):
+                fence = current_lease(lease_key)
+            if fence is None:
+                raise UnfencedWriteError(
+                    "write to a FencedModel without a fence: pass fence=grant (querysets: .fenced(grant)), hold "
+                    "its lease with hold()/@leased, or opt out explicitly with unfenced=True / .unfenced() / "
+                    "unfenced_writes()"
+                )
     if unfenced:
         raise InvalidInputError("pass either a fence or unfenced=True, not both")
+    try:
+        owner, epoch = fence.owner, fence.epoch
+    except AttributeError:
+        raise InvalidInputError(
+            f"a fence is a grant with owner and epoch (a Grant or a held lease), not {type(fence).__name__}"
+        ) from None
     lease_key = check_name("key", key() if callable(key) else key)
-    owner = check_name("owner", fence.owner)
-    epoch = check_epoch(fence.epoch)
+    check_name("owner", owner)
+    check_epoch(epoch)
     fence_key = getattr(fence, "key", None)
     if fence_key is not None and fence_key != lease_key:
         raise InvalidInputError(
@@ -132,157 +190,227 @@ def resolve_fence(fence: Fence | None, key: str | Callable[[], str], *, unfenced
     return FenceToken(lease_key, owner, epoch)
 
 
-class _Rejected(Exception):
-    """Carries a fence rejection out of Django's save machinery to FencedModel.save()."""
-
-    def __init__(self, error: LeaseLostError) -> None:
-        super().__init__(str(error))
-        self.error = error
+# ---- what the statements carry ---------------------------------------------------------------
 
 
-class FenceHolds(Expression):
-    """SQL condition: ``token`` is the live lease (``pg_lease_fence(...) = 'ok'``), checked once per statement."""
+class PresentFence(Expression):
+    """``(SELECT pg_lease_check_fence(key, owner, epoch))``: presents the fence, raises if it does not
+    hold, and evaluates to its epoch. Uncorrelated, so PostgreSQL runs it once per statement."""
 
-    conditional = True
-    output_field = models.BooleanField()
+    output_field = models.BigIntegerField()
 
     def __init__(self, token: FenceToken) -> None:
         super().__init__()
         self.token = token
 
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
-        return _FENCE_SQL, (self.token.key, self.token.owner, self.token.epoch)
+        call = sql.render(connection, sql.CHECK_FENCE)
+        return f"(SELECT {call})", (self.token.key, self.token.owner, self.token.epoch)
 
 
-def _has_epoch_field(model: type[models.Model]) -> bool:
-    return any(f.name == EPOCH_FIELD for f in model._meta.concrete_fields)
+class FencePresented(PresentFence):
+    """WHERE-clause form of `PresentFence`: a one-time filter evaluated before any row is read."""
+
+    conditional = True
+    output_field = models.BooleanField()  # type: ignore[assignment]
+
+    def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
+        presented, params = super().as_sql(compiler, connection)
+        return f"{presented} IS NOT NULL", params
 
 
-def _guard(qs: _QS, token: FenceToken, *, whole_set: bool) -> _QS:
-    """``qs`` restricted to what ``token`` may write: the fence holds, and no row epoch goes backwards.
-
-    With ``whole_set``, a single row already written at a higher epoch refuses the whole statement
-    (all or nothing) instead of being skipped; the per-row condition still catches a row raised
-    concurrently (re-checked on the new row version at READ COMMITTED).
-    """
-    if not _has_epoch_field(qs.model):
-        return qs.filter(FenceHolds(token))
-    not_newer = Q(**{f"{EPOCH_FIELD}__isnull": True}) | Q(**{f"{EPOCH_FIELD}__lte": token.epoch})
-    if whole_set:
-        return qs.filter(FenceHolds(token), not_newer, ~Exists(qs.filter(**{f"{EPOCH_FIELD}__gt": token.epoch})))
-    return qs.filter(FenceHolds(token), not_newer)
+def _present(connection: BaseDatabaseWrapper, token: FenceToken | None) -> None:
+    """Present ``token`` (or, for None, opt out) in the current transaction: one statement."""
+    with connection.cursor() as cursor:
+        if token is None:
+            cursor.execute(sql.render(connection, sql.ALLOW_UNFENCED))
+        else:
+            cursor.execute(f"SELECT {sql.render(connection, sql.CHECK_FENCE)}", [token.key, token.owner, token.epoch])
 
 
-def _lost(verdict: str, token: FenceToken, action: str) -> LeaseLostError:
-    return _LOST[verdict](
-        f"{action} refused: lease {token.key!r} is not held by {token.owner!r} at epoch {token.epoch} ({verdict})",
-        key=token.key,
-        owner=token.owner,
-        epoch=token.epoch,
+def _refusal(error: DatabaseError, action: str) -> LeaseError | None:
+    """The typed error for a write the database refused by its fence, or None for any other error."""
+    cause = error.__cause__
+    kind = _REFUSALS.get(getattr(cause, "sqlstate", None) or "")
+    if kind is None:
+        return None
+    diag = cause.diag  # type: ignore[union-attr]
+    try:
+        fence = json.loads(diag.message_detail or "{}")
+    except ValueError:
+        fence = {}
+    return kind(
+        f"{action} refused: {diag.message_primary}",
+        key=fence.get("key"),
+        owner=fence.get("owner"),
+        epoch=fence.get("epoch"),
     )
 
 
-def _diagnose(
-    connection: BaseDatabaseWrapper, token: FenceToken, rows: models.QuerySet[Any], action: str
-) -> LeaseLostError | None:
-    """Why a guarded statement wrote nothing: the lease error, or None when the fence held."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_lease_fence_outcome(%s, %s, %s)", [token.key, token.owner, token.epoch])
-        row = cursor.fetchone()
-    verdict = row[0] if row else None
-    if verdict != "ok":
-        return _lost(verdict or "not_owner", token, action)
-    if _has_epoch_field(rows.model) and rows.filter(**{f"{EPOCH_FIELD}__gt": token.epoch}).exists():
-        return EpochMismatchError(
-            f"{action} refused: a row was already written at an epoch above {token.epoch} (lease {token.key!r}); "
-            "row epochs never go backwards",
-            key=token.key,
-            owner=token.owner,
-            epoch=token.epoch,
-        )
-    return None
+@contextmanager
+def _refusals_raised(action: str) -> Iterator[None]:
+    """Turn the database's refusal of a fenced write into `NotOwnerError`, `LapsedError`, ...
 
-
-# ---- INSERT: INSERT INTO t (cols) VALUES (v) -> INSERT INTO t (cols) SELECT v WHERE <fence> ----
-
-_PLACEHOLDER = re.compile(r"%%|%s")
-
-
-class _InsertRefused(Exception):
-    """The fenced INSERT inserted no row."""
-
-
-def _values_span(sql: str) -> tuple[int, int]:
-    """Start of `` VALUES (`` and index of its closing parenthesis, skipping quoted text."""
-    depth, i, start = 0, 0, -1
-    while i < len(sql):
-        char = sql[i]
-        if char in "'\"":
-            i = sql.index(char, i + 1)
-            while sql.startswith(char, i + 1):  # doubled quote: an escaped one
-                i = sql.index(char, i + 2)
-        elif char == "(":
-            if depth == 0 and start < 0 and sql.endswith(" VALUES ", 0, i):
-                start = i - len(" VALUES ")
-            depth += 1
-        elif char == ")":
-            depth -= 1
-            if depth == 0 and start >= 0:
-                return start, i
-        i += 1
-    raise ValueError("no VALUES list")
-
-
-def _fence_insert(sql: str, params: Any, token: FenceToken) -> tuple[str, tuple[Any, ...]]:
-    """Rewrite Django's single-row INSERT so it inserts only while the fence holds (same statement)."""
+    Inside ``atomic()`` a refused statement leaves the transaction to be rolled back, like any
+    failed write (wrap the write in its own ``atomic()`` to carry on after a refusal).
+    """
     try:
-        start, end = _values_span(sql)
-    except ValueError:
-        start = end = -1
-    if not sql.startswith("INSERT INTO ") or start < 0 or sql[end + 1 :].lstrip().startswith(","):
-        raise DatabaseError(f"FencedModel cannot fence this INSERT (expected one VALUES row): {sql[:200]}")
-    values = sql[start + len(" VALUES (") : end]
-    if re.search(r"\bDEFAULT\b", values):
-        # Django 5.2 renders a db_default field as DEFAULT, which INSERT ... SELECT cannot carry.
-        raise DatabaseError(
-            "FencedModel cannot fence an INSERT that uses a column DEFAULT (db_default on Django 5.2): "
-            "give the field a value before a fenced save"
+        yield
+    except DatabaseError as error:
+        refusal = _refusal(error, action)
+        if refusal is None:
+            raise
+        raise refusal from error
+
+
+@contextmanager
+def _in_one_transaction(using: str, token: FenceToken | None, *, present_first: bool) -> Iterator[None]:
+    """A transaction for a write Django may spread over several statements; with ``present_first``
+    its first statement presents ``token`` (or opts out), so every later statement is covered.
+
+    An opt-out ends with the block (one more statement): the rest of an enclosing transaction is
+    fenced again. A presented fence stays for the transaction, as it holds the lease row locked.
+    """
+    connection = connections[using]
+    enclosed = connection.in_atomic_block
+    with transaction.atomic(using=using, savepoint=False):
+        if present_first:
+            _present(connection, token)
+        yield
+        if present_first and token is None and enclosed:
+            with connection.cursor() as cursor:
+                cursor.execute(sql.END_UNFENCED)
+
+
+# ---- the trigger, installed per model by its migration ----------------------------------------
+
+
+def _fenced_root(model: type[models.Model]) -> type[models.Model]:
+    """The concrete model whose table holds the ``lease_key``/``lease_epoch`` columns of ``model``'s rows."""
+    root: type[models.Model] = model._meta.get_field(EPOCH_FIELD).model
+    return root._meta.concrete_model or root
+
+
+class FenceTrigger(BaseConstraint):
+    """The triggers that make PostgreSQL refuse stale writes to a FencedModel's table.
+
+    Listed in the model's ``Meta.constraints`` automatically (every concrete FencedModel, and every
+    multi-table child of one), so ``makemigrations`` writes an ``AddConstraint`` that installs them,
+    as django-pgtrigger does with its own operation; no SQL Django sends is ever rewritten. After
+    each INSERT, UPDATE and DELETE statement they check every row's lease against the fence the
+    transaction presented; TRUNCATE is refused unless the transaction opted out.
+    """
+
+    _TRIGGERS = ("pg_lease_fence_insert", "pg_lease_fence_update", "pg_lease_fence_delete", "pg_lease_fence_truncate")
+
+    def constraint_sql(  # type: ignore[override]
+        self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None
+    ) -> None:
+        # CREATE TABLE: the triggers need the table to exist first.
+        assert model is not None and schema_editor is not None
+        schema_editor.deferred_sql.append(self.create_sql(model, schema_editor))
+
+    def create_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
+        assert model is not None and schema_editor is not None
+        quote = schema_editor.quote_name
+        schema = sql.schema(schema_editor.connection)
+        table = quote(model._meta.db_table)
+        root = _fenced_root(model)
+        if root._meta.db_table == model._meta.db_table:
+            function, args = f"{schema}.pg_lease_guard_rows", ""
+        else:
+            # A multi-table child: its rows' keys live in the fenced ancestor's table.
+            ancestor = f"{schema}.{quote(root._meta.db_table)}"
+            args = ", ".join(
+                f"'{value}'" for value in (ancestor, root._meta.pk.column, model._meta.pk.column)
+            )
+            function = f"{schema}.pg_lease_guard_inherited_rows"
+        each = "FOR EACH STATEMENT EXECUTE FUNCTION"
+        return "; ".join(
+            [
+                f"CREATE TRIGGER pg_lease_fence_insert AFTER INSERT ON {table} "
+                f"REFERENCING NEW TABLE AS pg_lease_new {each} {function}({args})",
+                f"CREATE TRIGGER pg_lease_fence_update AFTER UPDATE ON {table} "
+                f"REFERENCING OLD TABLE AS pg_lease_old NEW TABLE AS pg_lease_new {each} {function}({args})",
+                f"CREATE TRIGGER pg_lease_fence_delete AFTER DELETE ON {table} "
+                f"REFERENCING OLD TABLE AS pg_lease_old {each} {function}({args})",
+                f"CREATE TRIGGER pg_lease_fence_truncate BEFORE TRUNCATE ON {table} "
+                f"{each} {schema}.pg_lease_guard_truncate()",
+            ]
         )
-    consumed = sum(1 for m in _PLACEHOLDER.finditer(values) if m.group() == "%s")
-    params = tuple(params or ())
-    fenced_sql = f"{sql[:start]} SELECT {values} WHERE {_FENCE_SQL}{sql[end + 1 :]}"
-    return fenced_sql, (*params[:consumed], token.key, token.owner, token.epoch, *params[consumed:])
+
+    def remove_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
+        assert model is not None and schema_editor is not None
+        table = schema_editor.quote_name(model._meta.db_table)
+        return "; ".join(f"DROP TRIGGER IF EXISTS {name} ON {table}" for name in self._TRIGGERS)
+
+    def validate(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to validate in Python: the database checks every write."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FenceTrigger) and self.name == other.name
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.name))
 
 
-class _InsertGuard:
-    """Execute wrapper (``connection.execute_wrapper``) that fences the one INSERT of a save."""
+def fence_trigger_name(model: type[models.Model]) -> str:
+    """The constraint name of ``model``'s `FenceTrigger` (Django wants one; the triggers are per table)."""
+    return f"pg_lease_fence_{model._meta.db_table}"[:63]
 
-    def __init__(self, token: FenceToken) -> None:
-        self.token = token
-        self.used = False
 
-    def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
-        if self.used or many:
-            raise DatabaseError("FencedModel expected exactly one INSERT statement per save")
-        self.used = True
-        sql, params = _fence_insert(sql, params, self.token)
-        result = execute(sql, params, many, context)
-        if context["cursor"].rowcount == 0:
-            raise _InsertRefused
-        return result
+def _add_fence_trigger(sender: type[models.Model], **kwargs: Any) -> None:
+    """class_prepared: give every concrete FencedModel table (and MTI child table) its FenceTrigger."""
+    meta = sender._meta
+    if meta.abstract or meta.proxy or not issubclass(sender, FencedModel) or sender.__module__ == "__fake__":
+        return
+    if any(isinstance(constraint, FenceTrigger) for constraint in meta.constraints):
+        return
+    meta.constraints = [*meta.constraints, FenceTrigger(name=fence_trigger_name(sender))]
+    # Migrations read a model's options from the Meta attributes it declared.
+    meta.original_attrs["constraints"] = meta.constraints
+
+
+class_prepared.connect(_add_fence_trigger)
+
+
+class LeaseKeyField(models.ForeignKey):  # type: ignore[type-arg]
+    """The lease that guards a fenced row: its key, in column ``lease_key``, beside ``lease_epoch``.
+
+    A foreign key without a database constraint, so a fenced model's migration depends on the
+    lease app's (its triggers call the lease functions). ``save()`` writes it from
+    `FencedModel.get_lease_key`; the database checks it, so Python does not look it up.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("to", "pg_lease_django.Lease")
+        kwargs.setdefault("to_field", "key")
+        kwargs.setdefault("on_delete", models.DO_NOTHING)
+        kwargs.setdefault("db_constraint", False)
+        kwargs.setdefault("db_index", False)
+        kwargs.setdefault("db_column", "lease_key")
+        kwargs.setdefault("related_name", "+")
+        kwargs.setdefault("null", True)
+        kwargs.setdefault("blank", True)
+        kwargs.setdefault("editable", False)
+        super().__init__(*args, **kwargs)
+
+    def validate(self, value: Any, model_instance: models.Model | None) -> None:
+        """No lookup: a lease row exists for every key a fence was presented for."""
 
 
 # ---- querysets -------------------------------------------------------------------------------
 
 
 class FencedQuerySet(models.QuerySet[_M]):
-    """QuerySet whose ``update()`` and ``delete()`` are fenced, or refused without a fence.
+    """QuerySet whose writes present a fence, or are refused without one.
 
-    ``Invoice.objects.fenced(grant).filter(...).update(status="sent")`` writes only while
-    ``grant`` is the live lease, sets ``lease_epoch`` to the grant's epoch, and is all or nothing:
-    it raises `EpochMismatchError` if any matched row was written at a higher epoch.
-    ``.unfenced()`` opts out explicitly. ``bulk_create()`` bypasses ``save()`` and cannot be fenced:
-    it is refused unless unfenced.
+    ``Invoice.objects.fenced(grant).filter(...).update(status="sent")`` writes only while ``grant``
+    is the live lease of every matched row, sets ``lease_epoch`` to the grant's epoch, and is all
+    or nothing: the database refuses the whole statement (`EpochMismatchError`) if any matched row
+    was written at a higher epoch, and (`UnfencedWriteError`) if any belongs to another lease.
+    ``create()``, ``get_or_create()``, ``update_or_create()``, ``bulk_create()`` and
+    ``bulk_update()`` are fenced the same way. ``.unfenced()`` opts out explicitly.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -297,14 +425,14 @@ class FencedQuerySet(models.QuerySet[_M]):
         return clone
 
     def fenced(self, fence: Fence, *, key: str | None = None) -> Self:
-        """Guard this queryset's ``update()`` and ``delete()`` with ``fence``.
+        """Guard this queryset's writes with ``fence``.
 
         Args:
             fence: the grant the writes must still hold (a `Grant`).
             key: the lease key; defaults to the model's ``lease_key``, else the fence's ``key``.
 
         Raises:
-            InvalidInputError: no key can be found, or the fence is for another key.
+            InvalidInputError: no key can be found, the fence is for another key, or is malformed.
         """
         lease_key = key or getattr(self.model, "lease_key", None) or getattr(fence, "key", None)
         if not lease_key:
@@ -327,76 +455,114 @@ class FencedQuerySet(models.QuerySet[_M]):
         # Inside hold(), a class-level lease_key lets the current lease fence the queryset too.
         return resolve_fence(None, getattr(self.model, "lease_key", None) or "", unfenced=self._pg_lease_unfenced)
 
-    def _write_connection(self) -> BaseDatabaseWrapper:
-        alias: str | None = self._db  # type: ignore[attr-defined]
-        return connections[alias or router.db_for_write(self.model, **self._hints)]  # type: ignore[attr-defined]
+    def _using(self) -> str:
+        return self._db or router.db_for_write(self.model, **self._hints)  # type: ignore[attr-defined]
+
+    @contextmanager
+    def _scoped(self) -> Iterator[None]:
+        """Hand this queryset's explicit fence (or opt-out) to the saves Django's create() & co. make;
+        without either, each save decides for itself (inside hold(), for instance)."""
+        if self._pg_lease_token is None and not self._pg_lease_unfenced:
+            yield
+            return
+        scope = _queryset_fence.set(self._pg_lease_token or _UNFENCED)
+        try:
+            yield
+        finally:
+            _queryset_fence.reset(scope)
 
     def update(self, **kwargs: Any) -> int:
-        """Update the matched rows if the fence holds; see the class docstring.
+        """Update the matched rows if the fence holds for each of them; see the class docstring.
 
         Returns:
-            The number of rows updated (0 when nothing matched and the fence holds).
+            The number of rows updated.
 
         Raises:
-            NotOwnerError, LapsedError, EpochMismatchError: the fence does not hold, or a matched row
-                has a higher epoch; nothing was written and the transaction is still usable.
-            UnfencedWriteError: neither ``.fenced()`` nor ``.unfenced()``.
+            NotOwnerError, LapsedError, EpochMismatchError: the fence does not hold (even when no row
+                matches), or a matched row has a higher epoch; nothing was written.
+            UnfencedWriteError: neither ``.fenced()`` nor ``.unfenced()``, or a matched row belongs
+                to another lease.
         """
         token = self._token()
+        using = self._using()
         if token is None:
-            return super().update(**kwargs)
-        if _has_epoch_field(self.model):
-            kwargs[EPOCH_FIELD] = token.epoch
-        rows: int = super(FencedQuerySet, _guard(self, token, whole_set=True)).update(**kwargs)
-        if rows == 0:
-            error = _diagnose(self._write_connection(), token, self, "update")
-            if error is not None:
-                raise error
-        return rows
+            with _in_one_transaction(using, None, present_first=True):
+                return super().update(**kwargs)
+        kwargs[EPOCH_FIELD] = token.epoch
+        guarded = self.filter(FencePresented(token))
+        with _refusals_raised("update"):
+            if not self.model._meta.parents:
+                return models.QuerySet.update(guarded, **kwargs)
+            # Multi-table: Django selects the ids, then updates each table. One transaction keeps
+            # the fence presented by the first statement for the others.
+            with _in_one_transaction(using, token, present_first=False):
+                return models.QuerySet.update(guarded, **kwargs)
 
     update.alters_data = True  # type: ignore[attr-defined]
 
     def delete(self) -> tuple[int, dict[str, int]]:
-        """Delete the matched rows if the fence holds; raises like `update`.
+        """Delete the matched rows if the fence holds for each of them; raises like `update`.
 
-        Cascades and signals run as in Django's ``delete()``, inside one transaction that keeps the
-        lease row locked; cascaded rows of other models are not fenced themselves.
+        Cascades and signals run as in Django's ``delete()``, in one transaction whose first
+        statement presents the fence; cascaded rows of other fenced models need their own lease
+        presented in the same transaction (the database checks them too).
         """
         token = self._token()
+        using = self._using()
         if token is None:
-            return super().delete()
-        guarded = _guard(self, token, whole_set=True)
-        connection = self._write_connection()
-        with transaction.atomic(using=connection.alias, savepoint=False):
-            deleted, per_model = super(FencedQuerySet, guarded).delete()
-            error = _diagnose(connection, token, self, "delete") if deleted == 0 else None
-        # Raised outside the atomic block: nothing was written, the caller's transaction stays usable.
-        if error is not None:
-            raise error
-        return deleted, per_model
+            with _in_one_transaction(using, None, present_first=True):
+                return super().delete()
+        guarded = self.filter(FencePresented(token))
+        with _refusals_raised("delete"), _in_one_transaction(using, token, present_first=False):
+            return models.QuerySet.delete(guarded)
 
     delete.alters_data = True  # type: ignore[attr-defined]
 
-    def bulk_update(self, *args: Any, **kwargs: Any) -> int:
-        """Django's bulk_update(), whose per-batch ``update()`` calls are fenced.
-
-        Refused up front without a fence. A refusal by the fence happens inside the transaction
-        Django opens for the batches, which marks an enclosing ``atomic()`` for rollback.
-        """
+    def bulk_update(self, objs: Any, fields: Iterable[str], batch_size: int | None = None) -> int:
+        """Django's bulk_update(), each batch a fenced `update` (refused up front without a fence)."""
         self._token()
-        rows: int = super().bulk_update(*args, **kwargs)
+        rows: int = super().bulk_update(objs, fields, batch_size=batch_size)
         return rows
 
     bulk_update.alters_data = True  # type: ignore[attr-defined]
 
-    def bulk_create(self, *args: Any, **kwargs: Any) -> list[_M]:
-        """Refused unless unfenced: it bypasses ``save()``. Save objects one by one with a fence instead."""
-        if not (self._pg_lease_unfenced or _unfenced_writes.get()):
-            raise UnfencedWriteError(
-                f"bulk_create() on {self.model.__name__} cannot be fenced; save each object with fence=..., "
-                "or opt out with .unfenced() / unfenced_writes()"
-            )
-        return super().bulk_create(*args, **kwargs)
+    def bulk_create(self, objs: Any, *args: Any, **kwargs: Any) -> list[_M]:
+        """Django's bulk_create() in one transaction that first presents the fence (or opts out).
+
+        Each object's ``lease_key`` is its own `FencedModel.get_lease_key`; the database refuses
+        the batch if any of them is not the fenced lease.
+        """
+        token = self._token()
+        objs = list(objs)
+        for obj in objs:
+            obj.lease_id = obj._pg_lease_own_key()
+            if token is not None:
+                obj.lease_epoch = token.epoch
+        with _refusals_raised("bulk_create"), _in_one_transaction(self._using(), token, present_first=True):
+            return super().bulk_create(objs, *args, **kwargs)
+
+    bulk_create.alters_data = True  # type: ignore[attr-defined]
+
+    def create(self, **kwargs: Any) -> _M:
+        """Django's create(), saved under this queryset's fence (or opt-out)."""
+        with self._scoped():
+            return super().create(**kwargs)
+
+    create.alters_data = True  # type: ignore[attr-defined]
+
+    def get_or_create(self, defaults: Any = None, **kwargs: Any) -> tuple[_M, bool]:
+        """Django's get_or_create(), the create fenced like `create`."""
+        with self._scoped():
+            return super().get_or_create(defaults, **kwargs)
+
+    get_or_create.alters_data = True  # type: ignore[attr-defined]
+
+    def update_or_create(self, defaults: Any = None, create_defaults: Any = None, **kwargs: Any) -> tuple[_M, bool]:
+        """Django's update_or_create(), its save or create fenced like `create`."""
+        with self._scoped():
+            return super().update_or_create(defaults, create_defaults, **kwargs)
+
+    update_or_create.alters_data = True  # type: ignore[attr-defined]
 
 
 class FencedManager(models.Manager[_M]):
@@ -416,28 +582,32 @@ class FencedManager(models.Manager[_M]):
 
 # ---- the model -------------------------------------------------------------------------------
 
+_AMBIENT = object()  # save_base() called without save(): decide the fence there (loaddata does)
+
 
 class FencedModel(models.Model):
-    """Abstract model whose writes land only while the writer holds its lease.
+    """Abstract model whose rows PostgreSQL writes only for the current holder of their lease.
 
-    Subclasses name the lease with ``lease_key = "billing"`` or by overriding
+    Subclasses name the lease with ``lease_key = "billing"`` or per row by overriding
     `get_lease_key`, and write with ``obj.save(fence=grant)`` / ``obj.delete(fence=grant)`` /
     ``Model.objects.fenced(grant).update(...)``. A write is accepted only if, on the server clock,
     the lease is held by ``grant.owner`` at ``grant.epoch`` and has not lapsed; otherwise it raises
-    `NotOwnerError`, `LapsedError` or `EpochMismatchError`, writes nothing and
-    leaves the caller's transaction usable. Writes without a fence raise
-    `UnfencedWriteError` unless opted out (``unfenced=True``, ``unfenced_writes()``).
+    `NotOwnerError`, `LapsedError` or `EpochMismatchError` and writes nothing. Writes without a
+    fence raise `UnfencedWriteError` unless opted out (``unfenced=True``, ``unfenced_writes()``).
+    The database enforces the same rule on every other writer (raw SQL, psql, other languages).
 
-    ``lease_epoch`` records the epoch of the last accepted write; a write at a lower epoch is
-    refused (`EpochMismatchError`), so a row's epoch never goes backwards.
+    Each row stores the key of its lease (``lease``, column ``lease_key``) and the epoch of its
+    last accepted write (``lease_epoch``). A write at a lower epoch than the row's is refused, and
+    moving a row to another lease needs the fences of both.
 
-    The model must live in the database that holds the leases (system check
-    ``pg_lease_django.E002``).
+    Inside ``atomic()``, a refused write leaves the block to roll back, as any failed write does.
+    The model must live in the database that holds the leases (check ``pg_lease_django.E002``).
     """
 
     #: The lease guarding every row of the model; None when `get_lease_key` decides per row.
     lease_key: ClassVar[str | None] = None
 
+    lease = LeaseKeyField(help_text="Key of the lease that guards this row.")
     lease_epoch = models.BigIntegerField(
         null=True, blank=True, editable=False, help_text="Lease epoch of the last accepted (fenced) write."
     )
@@ -454,63 +624,80 @@ class FencedModel(models.Model):
             *args: passed to Django's ``save()``.
             fence: the grant the write must hold (a `Grant`).
             unfenced: write without a fence, deliberately (admin edits, data repair).
-            **kwargs: passed to Django's ``save()`` (``update_fields`` gains ``lease_epoch``).
+            **kwargs: passed to Django's ``save()`` (``update_fields`` gains the lease fields).
 
         Raises:
-            NotOwnerError, LapsedError, EpochMismatchError: refused; nothing was written, the instance
-                keeps its previous ``lease_epoch``, and the caller's transaction is still usable.
-            UnfencedWriteError: neither a fence nor an opt-out.
+            NotOwnerError, LapsedError, EpochMismatchError: refused; nothing was written and the
+                instance keeps its previous ``lease_epoch``.
+            UnfencedWriteError: neither a fence nor an opt-out, or the stored row belongs to a
+                lease this write presented no fence for.
             InvalidInputError: a fence for another lease key, or a malformed fence.
         """
-        token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced)
-        if token is not None and kwargs.get("update_fields"):  # empty update_fields: Django saves nothing
-            kwargs["update_fields"] = {*kwargs["update_fields"], EPOCH_FIELD}
-        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
-        previous_epoch = self.lease_epoch
-        if token is not None:
-            self.lease_epoch = token.epoch
-        self._pg_lease_token = token
+        self._pg_lease_token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced)
         try:
             super().save(*args, **kwargs)
-        except _Rejected as rejected:
-            self.lease_epoch = previous_epoch
-            # Django marked the enclosing atomic block for rollback. The refused statement wrote
-            # nothing and raised no database error, so the transaction is sound: unmark it. Not for
-            # multi-table models, whose parent row may already have been written.
-            if connections[using].in_atomic_block and not self._meta.parents:
-                transaction.set_rollback(False, using=using)
-            raise rejected.error from None
-        except BaseException:
-            self.lease_epoch = previous_epoch
-            raise
         finally:
             self.__dict__.pop("_pg_lease_token", None)
 
     save.alters_data = True  # type: ignore[attr-defined]
 
-    def delete(self, *args: Any, fence: Fence | None = None, unfenced: bool = False, **kwargs: Any) -> Any:
-        """Delete if ``fence`` is still the live lease; raises like `save`.
+    async def asave(self, *args: Any, fence: Fence | None = None, unfenced: bool = False, **kwargs: Any) -> None:
+        """Async `save`, with the same ``fence``/``unfenced`` arguments."""
+        await sync_to_async(self.save)(*args, fence=fence, unfenced=unfenced, **kwargs)
 
-        Django's delete (signals, cascades, ``keep_parents``) runs after a fenced check of this row,
-        in one transaction that keeps the lease row locked: two statements, not one.
+    asave.alters_data = True  # type: ignore[attr-defined]
+
+    def save_base(self, *args: Any, **kwargs: Any) -> None:
+        """Django's save_base(), its statements presenting the fence (or opting out) to the database."""
+        token = self.__dict__.pop("_pg_lease_token", _AMBIENT)
+        if token is _AMBIENT:  # called directly (loaddata): refused unless opted out or inside hold()
+            token = resolve_fence(None, self.get_lease_key)
+        assert token is None or isinstance(token, FenceToken)
+        if kwargs.get("update_fields"):  # empty update_fields: Django saves nothing
+            kwargs["update_fields"] = {*kwargs["update_fields"], KEY_FIELD, EPOCH_FIELD}
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        previous = (self.lease_id, self.lease_epoch)
+        self.lease_id = token.key if token is not None else self._pg_lease_own_key()
+        try:
+            if token is None:
+                with _in_one_transaction(using, None, present_first=True):
+                    super().save_base(*args, **kwargs)
+                return
+            self.lease_epoch = PresentFence(token)
+            with _refusals_raised("save"):
+                super().save_base(*args, **kwargs)
+            self.lease_epoch = token.epoch
+        except BaseException:
+            self.lease_id, self.lease_epoch = previous
+            raise
+
+    save_base.alters_data = True  # type: ignore[attr-defined]
+
+    def _pg_lease_own_key(self) -> str | None:
+        """The lease key this row stores: `get_lease_key`, or what it had when there is none."""
+        try:
+            return self.get_lease_key()
+        except ImproperlyConfigured:
+            return self.lease_id
+
+    def delete(self, *args: Any, fence: Fence | None = None, unfenced: bool = False, **kwargs: Any) -> Any:
+        """Delete if ``fence`` is still the live lease of the stored row; raises like `save`.
+
+        Django's delete (signals, cascades, ``keep_parents``) runs in one transaction whose first
+        statement presents the fence: two statements at least, all checked by the database.
         """
         token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced)
-        if token is None:
-            return super().delete(*args, **kwargs)
         using = kwargs.get("using") or (args[0] if args else None) or router.db_for_write(type(self), instance=self)
-        rows = type(self)._base_manager.using(using).filter(pk=self.pk)
-        with transaction.atomic(using=using, savepoint=False):
-            if _guard(rows, token, whole_set=False).exists():
-                error = None
-            else:
-                error = _diagnose(connections[using], token, rows, "delete")
-            if error is None:
-                result = super().delete(*args, **kwargs)
-        if error is not None:
-            raise error
-        return result
+        with _refusals_raised("delete"), _in_one_transaction(using, token, present_first=True):
+            return super().delete(*args, **kwargs)
 
     delete.alters_data = True  # type: ignore[attr-defined]
+
+    async def adelete(self, *args: Any, fence: Fence | None = None, unfenced: bool = False, **kwargs: Any) -> Any:
+        """Async `delete`, with the same ``fence``/``unfenced`` arguments."""
+        return await sync_to_async(self.delete)(*args, fence=fence, unfenced=unfenced, **kwargs)
+
+    adelete.alters_data = True  # type: ignore[attr-defined]
 
     def get_lease_key(self) -> str:
         """The lease that guards writes to this row. Defaults to the class attribute ``lease_key``.
@@ -521,56 +708,3 @@ class FencedModel(models.Model):
         if self.lease_key is None:
             raise ImproperlyConfigured(f"{type(self).__name__} must set lease_key or override get_lease_key()")
         return self.lease_key
-
-    def save_base(self, *args: Any, **kwargs: Any) -> None:
-        """Django's save_base(), refusing up front (before signals) when called without save()'s fence."""
-        if "_pg_lease_token" not in self.__dict__:
-            resolve_fence(None, "")
-        super().save_base(*args, **kwargs)
-
-    save_base.alters_data = True  # type: ignore[attr-defined]
-
-    def _pending_token(self) -> FenceToken | None:
-        # Absent when Model.save_base() is called directly (loaddata does): refuse unless opted out.
-        if "_pg_lease_token" not in self.__dict__:
-            return resolve_fence(None, "")
-        token: FenceToken | None = self.__dict__["_pg_lease_token"]
-        return token
-
-    def _do_update(
-        self,
-        base_qs: models.QuerySet[Any],
-        using: str | None,
-        pk_val: Any,
-        values: Any,
-        update_fields: Any,
-        forced_update: Any,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        token = self._pending_token()
-        if token is None:
-            return super()._do_update(base_qs, using, pk_val, values, update_fields, forced_update, *args, **kwargs)
-        guarded = _guard(base_qs, token, whole_set=False)
-        result = super()._do_update(guarded, using, pk_val, values, update_fields, forced_update, *args, **kwargs)
-        if result:
-            return result
-        # Nothing updated: the fence failed, the row is newer, or the row does not exist (Django
-        # then inserts, and the insert is fenced too).
-        error = _diagnose(connections[using or DEFAULT_DB_ALIAS], token, base_qs.filter(pk=pk_val), "save")
-        if error is not None:
-            raise _Rejected(error)
-        return result
-
-    def _do_insert(self, manager: models.Manager[Any], using: str, *args: Any, **kwargs: Any) -> Any:
-        token = self._pending_token()
-        if token is None:
-            return super()._do_insert(manager, using, *args, **kwargs)  # type: ignore[misc]
-        connection = connections[using]
-        try:
-            with connection.execute_wrapper(_InsertGuard(token)):
-                return super()._do_insert(manager, using, *args, **kwargs)  # type: ignore[misc]
-        except _InsertRefused:
-            pass
-        error = _diagnose(connection, token, manager.none(), "save")
-        raise _Rejected(error or NotOwnerError("save refused: the fenced insert wrote nothing", key=token.key))

@@ -45,11 +45,11 @@ class _DedicatedManager(LeaseManager):
     def _connection(self) -> BaseDatabaseWrapper:
         return self._lease_connection.wrapper
 
-    def _call(self, sql: str, params: Sequence[Any]) -> tuple[Any, ...]:
+    def _call(self, template: str, params: Sequence[Any]) -> tuple[Any, ...]:
         # The trust window starts just before the statement that succeeds is sent: the server's
         # grant or renewal happens after this instant, so its expiry is at least this + TTL.
         self._lease_connection.sent_at = time.monotonic()
-        return super()._call(sql, params)
+        return super()._call(template, params)
 
 
 class LeaseConnection:

@@ -14,7 +14,7 @@ import psycopg
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import conf
+from . import conf, sql
 from .exceptions import (
     EpochMismatchError,
     InvalidInputError,
@@ -103,9 +103,11 @@ class LeaseManager(models.Manager["Lease"]):
     def _connection(self) -> BaseDatabaseWrapper:
         return connections[self._db or router.db_for_write(self.model)]
 
-    def _call(self, sql: str, params: Sequence[Any]) -> tuple[Any, ...]:
-        with self._connection().cursor() as cursor:
-            cursor.execute(sql, params)
+    def _call(self, template: str, params: Sequence[Any]) -> tuple[Any, ...]:
+        connection = self._connection()
+        statement = sql.render(connection, template)
+        with connection.cursor() as cursor:
+            cursor.execute(statement, params)
             row = cursor.fetchone()
         assert row is not None
         return tuple(row)
@@ -162,7 +164,7 @@ class LeaseManager(models.Manager["Lease"]):
         return self._wait_and_acquire(key, owner, ttl_delta, wait)
 
     def _try_acquire(self, key: str, owner: str, ttl: timedelta) -> tuple[Grant | None, tuple[Any, ...]]:
-        row = self._call("SELECT * FROM pg_lease_acquire(%s, %s, %s)", [key, owner, ttl])
+        row = self._call(sql.ACQUIRE, [key, owner, ttl])
         granted, _key, row_owner, epoch, expires_at, server_time = row
         grant = Grant(key, row_owner, epoch, expires_at, server_time) if granted else None
         return grant, row
@@ -278,7 +280,7 @@ class LeaseManager(models.Manager["Lease"]):
         check_epoch(epoch)
         ttl_delta = check_ttl(ttl)
         outcome, expires_at, _server_time = self._call(
-            "SELECT * FROM pg_lease_renew(%s, %s, %s, %s)", [key, owner, epoch, ttl_delta]
+            sql.RENEW, [key, owner, epoch, ttl_delta]
         )
         self._raise_unless_ok(outcome, "renew", key, owner, epoch)
         return expires_at  # type: ignore[no-any-return]
@@ -293,7 +295,7 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("key", key)
         check_name("owner", owner)
         check_epoch(epoch)
-        outcome, _epoch, _server_time = self._call("SELECT * FROM pg_lease_release(%s, %s, %s)", [key, owner, epoch])
+        outcome, _epoch, _server_time = self._call(sql.RELEASE, [key, owner, epoch])
         self._raise_unless_ok(outcome, "release", key, owner, epoch)
 
     def inspect(self, key: str) -> LeaseState:
@@ -303,7 +305,7 @@ class LeaseManager(models.Manager["Lease"]):
         """
         check_name("key", key)
         _key, status, owner, epoch, expires_at, _acquired_at, server_time = self._call(
-            "SELECT * FROM pg_lease_inspect(%s)", [key]
+            sql.INSPECT, [key]
         )
         return LeaseState(key, status, owner, epoch, expires_at, server_time)
 
@@ -341,7 +343,7 @@ class LeaseManager(models.Manager["Lease"]):
         if epoch is not None:
             check_epoch(epoch)
         outcome, owner, current_epoch, _server_time = self._call(
-            "SELECT * FROM pg_lease_force_release(%s, %s)", [key, epoch]
+            sql.FORCE_RELEASE, [key, epoch]
         )
         if outcome == "ok":
             return current_epoch  # type: ignore[no-any-return]

@@ -30,7 +30,8 @@ from pg_lease_django import (
 )
 from pg_lease_django.checks import check_fenced_models_share_the_lease_database
 from tests.conftest import Background, wait_until, wait_until_blocked
-from tests.testapp.models import CommitTicket, Entry, Invoice, Report
+from tests.helpers import refused
+from tests.testapp.models import ArchivedReport, CommitTicket, CreditNote, Entry, Invoice, Report
 
 pytestmark = pytest.mark.django_db
 
@@ -70,12 +71,12 @@ def test_insert_and_update_are_one_statement_each_and_record_the_epoch(
     invoice = Invoice(account=key)
     with django_assert_num_queries(1) as ctx:
         invoice.save(fence=g)
-    assert "pg_lease_fence" in ctx.captured_queries[0]["sql"]
+    assert "pg_lease_check_fence" in ctx.captured_queries[0]["sql"]
     assert invoice.pk is not None and invoice.lease_epoch == g.epoch
     invoice.status = "sent"
     with django_assert_num_queries(1) as ctx:
         invoice.save(fence=g)
-    assert "pg_lease_fence" in ctx.captured_queries[0]["sql"]
+    assert "pg_lease_check_fence" in ctx.captured_queries[0]["sql"]
     assert stored(invoice) == ("sent", g.epoch)
     with django_assert_num_queries(1):
         assert Invoice.objects.fenced(g).filter(pk=invoice.pk).update(amount=5) == 1
@@ -93,7 +94,7 @@ def test_stale_save_after_takeover_is_refused_as_not_owner(invoice: Invoice, key
     wait_lapsed(key)
     new = grant(key, "new")
     invoice.status = "stale"
-    with pytest.raises(NotOwnerError) as info:
+    with refused(NotOwnerError) as info:
         invoice.save(fence=old)
     assert (info.value.code, info.value.key, info.value.owner, info.value.epoch) == ("not_owner", key, "old", old.epoch)
     assert stored(invoice) == ("draft", 1)
@@ -107,10 +108,10 @@ def test_save_after_lapse_without_takeover_is_refused_as_lapsed(invoice: Invoice
     g = grant(key, ttl=0.001)
     wait_lapsed(key)
     invoice.status = "late"
-    with pytest.raises(LapsedError):
+    with refused(LapsedError):
         invoice.save(fence=g)
     assert stored(invoice) == ("draft", 1)
-    with pytest.raises(LapsedError):
+    with refused(LapsedError):
         Invoice(account=key).save(fence=g)  # a fenced insert too
     assert Invoice.objects.filter(account=key).count() == 1
 
@@ -119,7 +120,7 @@ def test_save_after_release_is_refused_as_not_owner(invoice: Invoice, key: str) 
     g = grant(key)
     Lease.objects.release(key, "w1", g.epoch)
     invoice.status = "after-release"
-    with pytest.raises(NotOwnerError):
+    with refused(NotOwnerError):
         invoice.save(fence=g)
     assert stored(invoice) == ("draft", 1)
 
@@ -128,28 +129,30 @@ def test_save_after_self_takeover_is_refused_as_epoch_mismatch(invoice: Invoice,
     first = grant(key)
     second = grant(key)  # same owner, restarted: a new epoch fences the old incarnation
     invoice.status = "old-incarnation"
-    with pytest.raises(EpochMismatchError):
+    with refused(EpochMismatchError):
         invoice.save(fence=first)
     invoice.save(fence=second)
     assert stored(invoice) == ("old-incarnation", second.epoch)
 
 
-def test_a_refused_write_leaves_the_callers_transaction_usable(invoice: Invoice, key: str) -> None:
+def test_a_refused_write_inside_atomic_rolls_the_block_back_like_any_failed_write(invoice: Invoice, key: str) -> None:
     stale = grant(key)
     live = grant(key)
+    for write in (
+        lambda: invoice.save(fence=stale),
+        lambda: Invoice(account=key).save(fence=stale),
+        lambda: Invoice.objects.fenced(stale).filter(pk=invoice.pk).update(status="stale"),
+        lambda: Invoice.objects.fenced(stale).filter(pk=invoice.pk).delete(),
+        lambda: invoice.delete(fence=stale),
+    ):
+        with pytest.raises(EpochMismatchError), transaction.atomic():
+            invoice.status = "live-before"
+            invoice.save(fence=live)
+            write()  # refused: the whole block, the live write too, rolls back
+        assert stored(invoice) == ("draft", 1)
     with transaction.atomic():
-        invoice.status = "stale"
-        with pytest.raises(EpochMismatchError):
+        with refused(EpochMismatchError):  # a nested atomic() (savepoint) lets the outer block go on
             invoice.save(fence=stale)
-        with pytest.raises(EpochMismatchError):
-            Invoice(account=key).save(fence=stale)
-        with pytest.raises(EpochMismatchError):
-            Invoice.objects.fenced(stale).filter(pk=invoice.pk).update(status="stale")
-        with pytest.raises(EpochMismatchError):
-            Invoice.objects.fenced(stale).filter(pk=invoice.pk).delete()
-        with pytest.raises(EpochMismatchError):
-            invoice.delete(fence=stale)
-        # Still inside the same transaction: it was never marked for rollback.
         invoice.status = "live"
         invoice.save(fence=live)
     assert stored(invoice) == ("live", live.epoch)
@@ -163,16 +166,16 @@ def test_row_epochs_never_go_backwards(key: str) -> None:
     # A row written at a higher epoch than the lease's (e.g. an epoch counter that was reset).
     Invoice.objects.unfenced().filter(pk=b.pk).update(lease_epoch=g.epoch + 10)
     b.status = "backwards"
-    with pytest.raises(EpochMismatchError, match="never go backwards"):
+    with refused(EpochMismatchError, match="never go backwards"):
         b.save(fence=g)
     # A queryset write is all or nothing: row a is not updated either.
-    with pytest.raises(EpochMismatchError):
+    with refused(EpochMismatchError):
         Invoice.objects.fenced(g).filter(account=key).update(status="bulk")
     assert sorted(Invoice.objects.filter(account=key).values_list("status", "lease_epoch")) == [
         ("draft", g.epoch),
         ("draft", g.epoch + 10),
     ]
-    with pytest.raises(EpochMismatchError):
+    with refused(EpochMismatchError):
         b.delete(fence=g)
     assert Invoice.objects.filter(pk=b.pk).exists()
 
@@ -185,7 +188,7 @@ def test_class_level_lease_key(key: str) -> None:
     report.save(fence=g)
     assert Report.objects.fenced(g).update(title="q1 final") == 1
     Lease.objects.release(report_key, "w1", g.epoch)
-    with pytest.raises(NotOwnerError):
+    with refused(NotOwnerError):
         Report.objects.fenced(g).update(title="late")
     assert Report.objects.get().title == "q1 final"
 
@@ -205,7 +208,7 @@ def test_any_object_with_owner_and_epoch_is_a_fence(key: str) -> None:
     invoice = Invoice(account=key)
     invoice.save(fence=SimpleNamespace(owner=g.owner, epoch=g.epoch))
     assert invoice.lease_epoch == g.epoch
-    with pytest.raises(EpochMismatchError):
+    with refused(EpochMismatchError):
         invoice.save(fence=SimpleNamespace(owner=g.owner, epoch=g.epoch + 1))
 
 
@@ -221,9 +224,9 @@ def test_queryset_update_and_delete_are_fenced(key: str) -> None:
     assert Invoice.objects.fenced(g).filter(account=key, amount=99).delete() == (0, {})
     assert Invoice.objects.fenced(g).filter(pk__in=[]).update(status="x") == 0  # no SQL at all
     newer = grant(key)
-    with pytest.raises(EpochMismatchError):
+    with refused(EpochMismatchError):
         Invoice.objects.fenced(g).filter(account=key).update(status="stale")
-    with pytest.raises(EpochMismatchError):
+    with refused(EpochMismatchError):
         Invoice.objects.fenced(g).filter(account=key).delete()
     assert sorted(Invoice.objects.filter(account=key).values_list("amount", "status", "lease_epoch")) == [
         (1, "draft", g.epoch),
@@ -243,7 +246,7 @@ def test_bulk_update_goes_through_the_fenced_update(key: str) -> None:
         invoice.status = "sent"
     assert Invoice.objects.fenced(g).bulk_update(invoices, ["status"]) == 2
     newer = grant(key)
-    with pytest.raises(EpochMismatchError), transaction.atomic():
+    with refused(EpochMismatchError):
         Invoice.objects.fenced(g).bulk_update(invoices, ["amount"])
     with pytest.raises(UnfencedWriteError):
         Invoice.objects.bulk_update(invoices, ["status"])
@@ -254,7 +257,7 @@ def test_bulk_update_goes_through_the_fenced_update(key: str) -> None:
 def test_instance_delete_is_fenced(invoice: Invoice, key: str) -> None:
     g = grant(key, ttl=0.001)
     wait_lapsed(key)
-    with pytest.raises(LapsedError):
+    with refused(LapsedError):
         invoice.delete(fence=g)
     assert Invoice.objects.filter(pk=invoice.pk).exists()
     live = grant(key)
@@ -318,16 +321,16 @@ def test_rejections_in_autocommit_are_precise(key: str) -> None:
     invoice = Invoice(account=key)
     live = grant(key)
     invoice.save(fence=live)
-    with pytest.raises(EpochMismatchError):
+    with refused(EpochMismatchError):
         invoice.save(fence=g)
     Lease.objects.release(key, "w1", live.epoch)
-    with pytest.raises(NotOwnerError):
+    with refused(NotOwnerError):
         Invoice.objects.fenced(live).update(status="x")
     short = grant(key, ttl=0.001)
     wait_lapsed(key)
-    with pytest.raises(LapsedError):
+    with refused(LapsedError):
         invoice.save(fence=short)
-    with pytest.raises(LapsedError):
+    with refused(LapsedError):
         Invoice(account=key).save(fence=short)
     assert stored(invoice) == ("draft", live.epoch)
 
@@ -380,7 +383,7 @@ def test_old_holder_first_the_takeover_waits_for_the_guarded_transaction(
     ).rowcount
     assert updated == 1
     invoice.status = "stale"
-    with pytest.raises(NotOwnerError):
+    with refused(NotOwnerError):
         invoice.save(fence=old)
     taker.execute("COMMIT")
     assert stored(invoice) == ("by-new", new_epoch)
@@ -417,7 +420,7 @@ def test_new_holder_first_the_stale_write_waits_then_is_refused(
         [new_epoch, invoice.pk, key, new_epoch],
     )
     taker.commit()
-    with pytest.raises(EpochMismatchError):
+    with refused(EpochMismatchError):
         writer.outcome()
     assert stored(invoice) == ("by-new", new_epoch)
 
@@ -553,7 +556,7 @@ def test_system_check_refuses_a_fenced_model_outside_the_lease_database() -> Non
     assert check_fenced_models_share_the_lease_database() == []
     with override_settings(DATABASE_ROUTERS=[RouteTestappElsewhere()]):
         errors = check_fenced_models_share_the_lease_database()
-    assert {error.obj for error in errors} == {Invoice, Report, Entry}
+    assert {error.obj for error in errors} == {Invoice, Report, Entry, CreditNote, ArchivedReport}
     assert {error.id for error in errors} == {"pg_lease_django.E002"}
     assert all(error.hint for error in errors)
 

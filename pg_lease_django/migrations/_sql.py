@@ -33,3 +33,10 @@ def schema_sql(forward: str, backward: str) -> migrations.RunPython:
         run_template(backward, schema_editor)
 
     return migrations.RunPython(apply, revert)
+
+
+def replaced_functions(template: str) -> str:
+    """The ``CREATE FUNCTION`` statements of an earlier migration's template as ``CREATE OR REPLACE``
+    (its triggers, which come last in those templates, left out): how a later migration unapplies."""
+    functions = template.split("\nCREATE TRIGGER", 1)[0]
+    return functions.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION")

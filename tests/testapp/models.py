@@ -44,3 +44,16 @@ class CommitTicket(models.Model):
 
     def __str__(self) -> str:
         return str(self.value)
+
+
+class CreditNote(Invoice):
+    """A multi-table child of a fenced model: its own table, guarded through its parent's lease key."""
+
+    reason = models.CharField(max_length=100, default="")
+
+
+class ArchivedReport(Report):
+    """A proxy of a fenced model: same table, same triggers."""
+
+    class Meta:
+        proxy = True
