@@ -20,6 +20,7 @@ transaction out with ``pg_lease_allow_unfenced()`` (which the database lets only
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -321,9 +322,7 @@ class FenceTrigger(BaseConstraint):
         else:
             # A multi-table child: its rows' keys live in the fenced ancestor's table.
             ancestor = f"{schema}.{quote(root._meta.db_table)}"
-            args = ", ".join(
-                f"'{value}'" for value in (ancestor, root._meta.pk.column, model._meta.pk.column)
-            )
+            args = ", ".join(f"'{value}'" for value in (ancestor, root._meta.pk.column, model._meta.pk.column))
             function = f"{schema}.pg_lease_guard_inherited_rows"
         each = "FOR EACH STATEMENT EXECUTE FUNCTION"
         return "; ".join(
@@ -658,6 +657,7 @@ class FencedModel(models.Model):
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
         previous = (self.lease_id, self.lease_epoch)
         self.lease_id = token.key if token is not None else self._pg_lease_own_key()
+        self._pg_lease_presenting = True
         try:
             if token is None:
                 with _in_one_transaction(using, None, present_first=True):
@@ -670,8 +670,25 @@ class FencedModel(models.Model):
         except BaseException:
             self.lease_id, self.lease_epoch = previous
             raise
+        finally:
+            del self._pg_lease_presenting
 
     save_base.alters_data = True  # type: ignore[attr-defined]
+
+    def _save_table(self, *args: Any, **kwargs: Any) -> Any:
+        """Django's _save_table(); reached without our save_base() only from ``Model.save_base(obj)``
+        called directly (``loaddata`` does): present the ambient fence or opt-out first, then."""
+        if self.__dict__.get("_pg_lease_presenting"):
+            return super()._save_table(*args, **kwargs)  # type: ignore[misc]
+        token = resolve_fence(None, self.get_lease_key)
+        signature = inspect.signature(models.Model._save_table)  # type: ignore[attr-defined]
+        using = signature.bind(self, *args, **kwargs).arguments.get("using")
+        using = using or router.db_for_write(type(self), instance=self)
+        self.lease_id = self._pg_lease_own_key()
+        if token is not None:
+            self.lease_epoch = token.epoch
+        with _refusals_raised("save"), _in_one_transaction(using, token, present_first=True):
+            return super()._save_table(*args, **kwargs)  # type: ignore[misc]
 
     def _pg_lease_own_key(self) -> str | None:
         """The lease key this row stores: `get_lease_key`, or what it had when there is none."""

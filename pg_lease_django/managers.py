@@ -279,9 +279,7 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("owner", owner)
         check_epoch(epoch)
         ttl_delta = check_ttl(ttl)
-        outcome, expires_at, _server_time = self._call(
-            sql.RENEW, [key, owner, epoch, ttl_delta]
-        )
+        outcome, expires_at, _server_time = self._call(sql.RENEW, [key, owner, epoch, ttl_delta])
         self._raise_unless_ok(outcome, "renew", key, owner, epoch)
         return expires_at  # type: ignore[no-any-return]
 
@@ -304,9 +302,7 @@ class LeaseManager(models.Manager["Lease"]):
         Advisory only: the state may change right after it is read. Guard actions with the epoch.
         """
         check_name("key", key)
-        _key, status, owner, epoch, expires_at, _acquired_at, server_time = self._call(
-            sql.INSPECT, [key]
-        )
+        _key, status, owner, epoch, expires_at, _acquired_at, server_time = self._call(sql.INSPECT, [key])
         return LeaseState(key, status, owner, epoch, expires_at, server_time)
 
     @staticmethod
@@ -342,9 +338,7 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("key", key)
         if epoch is not None:
             check_epoch(epoch)
-        outcome, owner, current_epoch, _server_time = self._call(
-            sql.FORCE_RELEASE, [key, epoch]
-        )
+        outcome, owner, current_epoch, _server_time = self._call(sql.FORCE_RELEASE, [key, epoch])
         if outcome == "ok":
             return current_epoch  # type: ignore[no-any-return]
         if outcome == "epoch_mismatch":

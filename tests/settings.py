@@ -25,8 +25,11 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "pgtrigger",
+    "pghistory",
     "pg_lease_django",
     "tests.testapp",
+    "tests.compatapp",
 ]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",

@@ -509,9 +509,7 @@ DROP FUNCTION IF EXISTS {s}.pg_lease_refuse(text, text, text, bigint, text);
 DROP FUNCTION IF EXISTS {s}.pg_lease_ttl(interval);
 """
 # Unapplying restores the earlier bodies (owner rights, lock modes, fence) of 0001-0003.
-BACKWARD_SQL = "\n".join(
-    [replaced_functions(m.FUNCTIONS_SQL) for m in (initial, fence, force_release)] + [DROP_SQL]
-)
+BACKWARD_SQL = "\n".join([replaced_functions(m.FUNCTIONS_SQL) for m in (initial, fence, force_release)] + [DROP_SQL])
 
 
 class Migration(migrations.Migration):
