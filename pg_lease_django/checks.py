@@ -54,6 +54,36 @@ def check_fenced_models_share_the_lease_database(app_configs: Any = None, **kwar
     return errors
 
 
+def check_fenced_models_have_fenced_parents(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.E003: a FencedModel must not be a multi-table child of an unfenced model.
+
+    The parent's table would hold some of the row's columns without a fence trigger (only tables
+    of fenced models get one), so writes to those columns would not be guarded.
+    """
+    from .fencing import FencedModel
+
+    configs = apps.get_app_configs() if app_configs is None else app_configs
+    errors: list[checks.CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel):
+                continue
+            for parent in model._meta.get_parent_list():
+                if not issubclass(parent, FencedModel):
+                    errors.append(
+                        checks.Error(
+                            f"{model._meta.label} is a FencedModel whose multi-table parent {parent._meta.label} "
+                            "is not: the parent's columns would be written without a fence.",
+                            hint=f"Make {parent._meta.label} the FencedModel (its children are fenced too), "
+                            "or make the parent abstract.",
+                            obj=model,
+                            id="pg_lease_django.E003",
+                        )
+                    )
+    return errors
+
+
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
+    checks.register(check_fenced_models_have_fenced_parents, checks.Tags.models)

@@ -13,9 +13,9 @@ from typing import Any
 import psycopg
 import pytest
 from django.core.management import call_command
-from django.db import connection, transaction
+from django.db import connection, models, transaction
 from django.test import override_settings
-from django.test.utils import CaptureQueriesContext
+from django.test.utils import CaptureQueriesContext, isolate_apps
 
 from pg_lease_django import (
     EpochMismatchError,
@@ -28,7 +28,8 @@ from pg_lease_django import (
     UnfencedWriteError,
     unfenced_writes,
 )
-from pg_lease_django.checks import check_fenced_models_share_the_lease_database
+from pg_lease_django.checks import check_fenced_models_have_fenced_parents, check_fenced_models_share_the_lease_database
+from pg_lease_django.fencing import FencedModel
 from tests.conftest import Background, wait_until, wait_until_blocked
 from tests.helpers import refused
 from tests.testapp.models import ArchivedReport, CommitTicket, CreditNote, Entry, Invoice, Report
@@ -559,6 +560,37 @@ def test_system_check_refuses_a_fenced_model_outside_the_lease_database() -> Non
     assert {error.obj for error in errors} == {Invoice, Report, Entry, CreditNote, ArchivedReport}
     assert {error.id for error in errors} == {"pg_lease_django.E002"}
     assert all(error.hint for error in errors)
+
+
+@isolate_apps("tests.testapp")
+def test_system_check_refuses_a_fenced_child_of_an_unfenced_model() -> None:
+    class Plain(models.Model):  # noqa: DJ008
+        name = models.CharField(max_length=10)
+
+        class Meta:
+            app_label = "testapp"
+
+    class FencedChild(Plain, FencedModel):  # noqa: DJ008
+        lease_key = "child"
+
+        class Meta:
+            app_label = "testapp"
+
+    class FencedParentOk(FencedModel):
+        lease_key = "parent"
+
+        class Meta:
+            app_label = "testapp"
+
+    class ChildOfFenced(FencedParentOk):
+        class Meta:
+            app_label = "testapp"
+
+    app = SimpleNamespace(get_models=lambda: [Plain, FencedChild, FencedParentOk, ChildOfFenced])
+    [error] = check_fenced_models_have_fenced_parents(app_configs=[app])
+    assert (error.id, error.obj) == ("pg_lease_django.E003", FencedChild)
+    assert error.hint
+    assert check_fenced_models_have_fenced_parents() == []
 
 
 def test_testapp_migrations_are_in_sync() -> None:
