@@ -22,11 +22,12 @@ from django.template.response import TemplateResponse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from . import sql as lease_sql
 from .exceptions import EpochMismatchError, NotOwnerError
 from .management import describe_expiry
 from .models import Lease
 
-__all__ = ["LeaseAdmin", "ServerNow", "StateFilter", "lease_state"]
+__all__ = ["LeaseAdmin", "LeaseStatus", "ServerNow", "StateFilter", "lease_state"]
 
 _BADGE_COLOURS = {
     "held": ("#1e6b30", "#dcf1e1"),
@@ -36,6 +37,9 @@ _BADGE_COLOURS = {
 
 
 if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
+    from django.db.models.sql.compiler import SQLCompiler
+
     _LeaseModelAdmin = admin.ModelAdmin[Lease]
 else:  # ModelAdmin is generic only in django-stubs
     _LeaseModelAdmin = admin.ModelAdmin
@@ -53,9 +57,21 @@ class ServerNow(Func):
     output_field = DateTimeField()
 
 
+class LeaseStatus(Func):
+    """``pg_lease_status(owner, expires_at, at)``, named with its schema like every call the package sends."""
+
+    output_field = CharField()
+
+    def as_postgresql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
+    ) -> tuple[str, Any]:
+        function = f"{lease_sql.schema(connection)}.pg_lease_status"
+        return self.as_sql(compiler, connection, function=function, **extra_context)
+
+
 def lease_state() -> Func:
     """``pg_lease_status(owner, expires_at, server now)``: the lease functions' own status rule, in SQL."""
-    return Func(F("owner"), F("expires_at"), ServerNow(), function="pg_lease_status", output_field=CharField())
+    return LeaseStatus(F("owner"), F("expires_at"), ServerNow())
 
 
 class StateFilter(admin.SimpleListFilter):

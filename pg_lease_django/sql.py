@@ -28,31 +28,42 @@ END_UNFENCED = "SELECT pg_catalog.set_config('pg_lease.unfenced', 'off', true)"
 # The lease table's schema per database alias, looked up once per process (one catalog query).
 _schemas: dict[str, str] = {}
 
+# Every schema of the search_path holding a table of that name: more than one is ambiguous (one of
+# them may be a decoy another role created to capture the calls), so the lookup refuses to guess.
 _LOOKUP = (
     "SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-    "WHERE c.oid = pg_catalog.to_regclass('pg_lease_django_lease')"
+    "WHERE c.relname = 'pg_lease_django_lease' AND c.relkind IN ('r', 'p') "
+    "AND n.nspname = ANY (pg_catalog.current_schemas(false))"
 )
 
 
 def schema(connection: BaseDatabaseWrapper) -> str:
     """The quoted schema of the lease functions in ``connection``'s database.
 
-    ``PG_LEASE_SCHEMA`` names it outright; otherwise it is where ``pg_lease_django_lease`` resolves.
+    ``PG_LEASE_SCHEMA`` names it outright; otherwise it is the one schema of the search_path that
+    has the ``pg_lease_django_lease`` table, looked up once per database alias.
 
     Raises:
-        ImproperlyConfigured: the lease table does not exist there (the app is not migrated).
+        ImproperlyConfigured: no schema of the search_path has the lease table (the app is not
+            migrated), or several do (set ``PG_LEASE_SCHEMA``).
     """
     name = conf.schema() or _schemas.get(connection.alias)
     if name is None:
         with connection.cursor() as cursor:
             cursor.execute(_LOOKUP)
-            row = cursor.fetchone()
-        if row is None:
+            found = [row[0] for row in cursor.fetchall()]
+        if not found:
             raise ImproperlyConfigured(
                 f"database {connection.alias!r} has no lease table (pg_lease_django_lease): "
                 f"run `manage.py migrate pg_lease_django --database {connection.alias}`"
             )
-        name = _schemas[connection.alias] = row[0]
+        if len(found) > 1:
+            raise ImproperlyConfigured(
+                f"several schemas on the search_path of database {connection.alias!r} have a "
+                f"pg_lease_django_lease table ({', '.join(sorted(found))}): set PG_LEASE_SCHEMA to the one "
+                "`manage.py migrate` installed the lease functions in"
+            )
+        name = _schemas[connection.alias] = found[0]
     return connection.ops.quote_name(name)
 
 

@@ -28,11 +28,111 @@ force_release = import_module("pg_lease_django.migrations.0003_force_release")
 
 # {s} is the quoted schema the migration runs in (see 0001); {t} the quoted lease table.
 FUNCTIONS_SQL = r"""
+-- Every function pins search_path to pg_catalog (and pg_temp, which is never searched for
+-- functions or operators) and names the package's own objects with their schema: nothing
+-- another role creates in that schema (PostgreSQL 14 lets every role CREATE in public) can
+-- stand in for a built-in that needs an implicit cast, above all inside the functions that run
+-- as their owner. 0001's helpers and the functions 0004 does not otherwise change are redefined
+-- here the same way.
+CREATE OR REPLACE FUNCTION {s}.pg_lease_check_name(p_kind text, p_value text)
+RETURNS void LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF p_value IS NULL OR p_value = '' THEN
+    RAISE EXCEPTION 'invalid_input: % must not be empty', p_kind USING ERRCODE = '22023';
+  END IF;
+  IF octet_length(p_value) > 255 THEN
+    RAISE EXCEPTION 'invalid_input: % is % bytes long; the limit is 255', p_kind, octet_length(p_value)
+      USING ERRCODE = '22023';
+  END IF;
+END $$;
+
+CREATE OR REPLACE FUNCTION {s}.pg_lease_check_epoch(p_epoch bigint)
+RETURNS void LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF p_epoch IS NULL OR p_epoch < 1 THEN
+    RAISE EXCEPTION 'invalid_input: epoch must be a positive integer, got %', p_epoch
+      USING ERRCODE = '22023';
+  END IF;
+END $$;
+
+-- Acquire with a bounded wait (0001), owner-run like every operation. Each refused attempt leaves
+-- no row lock (see pg_lease_acquire), so a waiter never slows the holder's renewals.
+CREATE OR REPLACE FUNCTION {s}.pg_lease_acquire(p_key text, p_owner text, p_ttl interval, p_wait interval)
+RETURNS TABLE (granted boolean, key text, owner text, epoch bigint,
+               expires_at timestamptz, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  attempt record;
+  deadline timestamptz;
+BEGIN
+  IF p_wait < interval '0' THEN
+    RAISE EXCEPTION 'invalid_input: wait must not be negative, got %', p_wait USING ERRCODE = '22023';
+  END IF;
+  deadline := clock_timestamp() + p_wait;
+  LOOP
+    SELECT * INTO attempt FROM {s}.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+    IF attempt.granted THEN
+      RETURN QUERY SELECT attempt.granted, attempt.key, attempt.owner, attempt.epoch,
+                          attempt.expires_at, attempt.server_time;
+      RETURN;
+    END IF;
+    IF clock_timestamp() >= deadline THEN
+      RAISE EXCEPTION 'timeout: lease % still held by % after waiting %', p_key, attempt.owner, p_wait
+        USING ERRCODE = '57014';
+    END IF;
+    PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
+      least(attempt.expires_at, deadline, clock_timestamp() + interval '100 milliseconds')
+      - clock_timestamp()))::double precision);
+  END LOOP;
+END $$;
+
+-- Inspect (0001), owner-run.
+CREATE OR REPLACE FUNCTION {s}.pg_lease_inspect(p_key text)
+RETURNS TABLE (key text, status text, owner text, epoch bigint, expires_at timestamptz,
+               acquired_at timestamptz, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  now_at timestamptz;
+BEGIN
+  PERFORM {s}.pg_lease_check_name('key', p_key);
+  now_at := clock_timestamp();
+  RETURN QUERY
+    SELECT p_key, {s}.pg_lease_status(l.owner, l.expires_at, now_at), l.owner,
+           coalesce(l.epoch, 0::bigint), l.expires_at, l.acquired_at, now_at
+      FROM (SELECT 1) AS one LEFT JOIN {t} l ON l.key = p_key;
+END $$;
+
+-- The lease table's DELETE/TRUNCATE guard (0001), with the pinned path.
+CREATE OR REPLACE FUNCTION {s}.pg_lease_forbid_delete()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF TG_OP = 'TRUNCATE' THEN
+    IF current_setting('pg_lease.allow_truncate', true) = 'on' THEN
+      RETURN NULL;
+    END IF;
+    RAISE EXCEPTION 'lease rows are never deleted (TRUNCATE would reset every epoch)'
+      USING ERRCODE = '23001',
+            HINT = 'Release leases instead. Test databases may SET pg_lease.allow_truncate = on.';
+  END IF;
+  RAISE EXCEPTION 'lease rows are never deleted (it would reset the epoch of %)', OLD.key
+    USING ERRCODE = '23001', HINT = 'Release the lease instead; its epoch must keep increasing.';
+END $$;
 -- TTL check and normalisation: refuse month parts (a month has no fixed length) and return the
 -- TTL as exact seconds, so now + ttl never depends on the calendar or the session's time zone.
 CREATE FUNCTION {s}.pg_lease_ttl(p_ttl interval)
 RETURNS interval LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
   seconds numeric;
@@ -49,15 +149,15 @@ BEGIN
     RAISE EXCEPTION 'invalid_input: ttl must be between 0.001 s and 365 days, got % s', seconds
       USING ERRCODE = '22023';
   END IF;
-  RETURN make_interval(secs => seconds);
+  RETURN make_interval(secs => seconds::double precision);
 END $$;
 
 CREATE OR REPLACE FUNCTION {s}.pg_lease_check_ttl(p_ttl interval)
 RETURNS void LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-  PERFORM pg_lease_ttl(p_ttl);
+  PERFORM {s}.pg_lease_ttl(p_ttl);
 END $$;
 
 -- Acquire (non-blocking): as in 0001, with two changes.
@@ -71,7 +171,7 @@ CREATE OR REPLACE FUNCTION {s}.pg_lease_acquire(p_key text, p_owner text, p_ttl 
 RETURNS TABLE (granted boolean, key text, owner text, epoch bigint,
                expires_at timestamptz, server_time timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -79,9 +179,9 @@ DECLARE
   now_at timestamptz;
   ttl interval;
 BEGIN
-  PERFORM pg_lease_check_name('key', p_key);
-  PERFORM pg_lease_check_name('owner', p_owner);
-  ttl := pg_lease_ttl(p_ttl);
+  PERFORM {s}.pg_lease_check_name('key', p_key);
+  PERFORM {s}.pg_lease_check_name('owner', p_owner);
+  ttl := {s}.pg_lease_ttl(p_ttl);
   -- An acknowledged grant must survive a crash, or the same epoch could be granted twice.
   PERFORM set_config('synchronous_commit', 'on', true);
 
@@ -97,7 +197,7 @@ BEGIN
       RETURN;
     END IF;
     -- A concurrent acquire inserted the key first: decide on its row below.
-  ELSIF pg_lease_status(cur.owner, cur.expires_at, clock_timestamp()) = 'held'
+  ELSIF {s}.pg_lease_status(cur.owner, cur.expires_at, clock_timestamp()) = 'held'
         AND cur.owner <> p_owner THEN
     RETURN QUERY SELECT false, p_key, cur.owner, cur.epoch, cur.expires_at, clock_timestamp();
     RETURN;
@@ -107,7 +207,7 @@ BEGIN
     -- Lock, then read the clock: the decision uses server time after any wait.
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR UPDATE;
     now_at := clock_timestamp();
-    IF NOT FOUND OR (pg_lease_status(cur.owner, cur.expires_at, now_at) = 'held' AND cur.owner <> p_owner) THEN
+    IF NOT FOUND OR ({s}.pg_lease_status(cur.owner, cur.expires_at, now_at) = 'held' AND cur.owner <> p_owner) THEN
       RAISE EXCEPTION USING ERRCODE = 'PLR01';  -- refused: roll the lock back with the subtransaction
     END IF;
     UPDATE {t} l SET owner = p_owner, epoch = l.epoch + 1, acquired_at = now_at, expires_at = now_at + ttl
@@ -120,16 +220,13 @@ BEGIN
   RETURN QUERY SELECT true, p_key, p_owner, cur.epoch + 1, now_at + ttl, now_at;
 END $$;
 
--- Acquire with a bounded wait: unchanged loop (0001), now owner-run like every operation. Each
--- refused attempt leaves no row lock (see above), so a waiter never slows the holder's renewals.
-ALTER FUNCTION {s}.pg_lease_acquire(text, text, interval, interval) SECURITY DEFINER;
 
 -- Renew: as in 0001; FOR NO KEY UPDATE does not conflict with a fence's FOR KEY SHARE, so a long
 -- fenced transaction never starves its own heartbeat.
 CREATE OR REPLACE FUNCTION {s}.pg_lease_renew(p_key text, p_owner text, p_epoch bigint, p_ttl interval)
 RETURNS TABLE (outcome text, expires_at timestamptz, server_time timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -138,17 +235,17 @@ DECLARE
   verdict text;
   ttl interval;
 BEGIN
-  PERFORM pg_lease_check_name('key', p_key);
-  PERFORM pg_lease_check_name('owner', p_owner);
-  PERFORM pg_lease_check_epoch(p_epoch);
-  ttl := pg_lease_ttl(p_ttl);
+  PERFORM {s}.pg_lease_check_name('key', p_key);
+  PERFORM {s}.pg_lease_check_name('owner', p_owner);
+  PERFORM {s}.pg_lease_check_epoch(p_epoch);
+  ttl := {s}.pg_lease_ttl(p_ttl);
   PERFORM set_config('synchronous_commit', 'on', true);
   SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key;
-  verdict := pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+  verdict := {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
   IF verdict = 'ok' THEN
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR NO KEY UPDATE;
     now_at := clock_timestamp();
-    verdict := pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, now_at);
+    verdict := {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, now_at);
   END IF;
   IF verdict <> 'ok' THEN
     RETURN QUERY SELECT verdict, NULL::timestamptz, clock_timestamp();
@@ -162,7 +259,7 @@ END $$;
 CREATE OR REPLACE FUNCTION {s}.pg_lease_release(p_key text, p_owner text, p_epoch bigint)
 RETURNS TABLE (outcome text, epoch bigint, server_time timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -170,16 +267,16 @@ DECLARE
   now_at timestamptz;
   verdict text;
 BEGIN
-  PERFORM pg_lease_check_name('key', p_key);
-  PERFORM pg_lease_check_name('owner', p_owner);
-  PERFORM pg_lease_check_epoch(p_epoch);
+  PERFORM {s}.pg_lease_check_name('key', p_key);
+  PERFORM {s}.pg_lease_check_name('owner', p_owner);
+  PERFORM {s}.pg_lease_check_epoch(p_epoch);
   PERFORM set_config('synchronous_commit', 'on', true);
   SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key;
-  verdict := pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+  verdict := {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
   IF verdict = 'ok' THEN
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR UPDATE;
     now_at := clock_timestamp();
-    verdict := pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, now_at);
+    verdict := {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, now_at);
   END IF;
   IF verdict <> 'ok' THEN
     RETURN QUERY SELECT verdict, cur.epoch, clock_timestamp();
@@ -195,15 +292,15 @@ END $$;
 CREATE OR REPLACE FUNCTION {s}.pg_lease_force_release(p_key text, p_expected_epoch bigint)
 RETURNS TABLE (outcome text, owner text, epoch bigint, server_time timestamptz)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
   cur record;
 BEGIN
-  PERFORM pg_lease_check_name('key', p_key);
+  PERFORM {s}.pg_lease_check_name('key', p_key);
   IF p_expected_epoch IS NOT NULL THEN
-    PERFORM pg_lease_check_epoch(p_expected_epoch);
+    PERFORM {s}.pg_lease_check_epoch(p_expected_epoch);
   END IF;
   PERFORM set_config('synchronous_commit', 'on', true);
   SELECT l.owner, l.epoch INTO cur FROM {t} l WHERE l.key = p_key FOR UPDATE;
@@ -226,7 +323,6 @@ BEGIN
 END $$;
 REVOKE EXECUTE ON FUNCTION {s}.pg_lease_force_release(text, bigint) FROM PUBLIC;
 
-ALTER FUNCTION {s}.pg_lease_inspect(text) SECURITY DEFINER;
 
 -- The fence check (0002), now monotonic and tied to what it checked.
 -- * FOR KEY SHARE, not FOR SHARE: the holder's renewals (FOR NO KEY UPDATE) go on while its fenced
@@ -242,18 +338,18 @@ ALTER FUNCTION {s}.pg_lease_inspect(text) SECURITY DEFINER;
 --   does promptly).
 CREATE OR REPLACE FUNCTION {s}.pg_lease_fence(p_key text, p_owner text, p_epoch bigint)
 RETURNS text LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
   cur record;
   verdict text;
   fences jsonb;
 BEGIN
-  PERFORM pg_lease_check_name('key', p_key);
-  PERFORM pg_lease_check_name('owner', p_owner);
-  PERFORM pg_lease_check_epoch(p_epoch);
+  PERFORM {s}.pg_lease_check_name('key', p_key);
+  PERFORM {s}.pg_lease_check_name('owner', p_owner);
+  PERFORM {s}.pg_lease_check_epoch(p_epoch);
   SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key;
-  verdict := pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+  verdict := {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
   IF verdict = 'lapsed' AND cur.epoch = p_epoch THEN
     BEGIN
       PERFORM 1 FROM {t} l WHERE l.key = p_key FOR SHARE;
@@ -262,11 +358,11 @@ BEGIN
       NULL;  -- waited for any renewal in flight; the rollback dropped the lock
     END;
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key;
-    verdict := pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+    verdict := {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
   END IF;
   IF verdict = 'ok' THEN
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR KEY SHARE;
-    verdict := pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+    verdict := {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
   END IF;
   IF verdict = 'ok' THEN
     fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{{}}'::jsonb);
@@ -283,7 +379,7 @@ END $$;
 -- a fence waits for a renewal in flight before answering 'lapsed').
 CREATE OR REPLACE FUNCTION {s}.pg_lease_fence_outcome(p_key text, p_owner text, p_epoch bigint)
 RETURNS text LANGUAGE sql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$ SELECT {s}.pg_lease_fence(p_key, p_owner, p_epoch) $$;
 
 -- Present a fence (raising form; see 0002): returns p_epoch, so a write can both present the
@@ -291,15 +387,15 @@ AS $$ SELECT {s}.pg_lease_fence(p_key, p_owner, p_epoch) $$;
 -- Raises PL001 not_owner, PL002 lapsed, PL003 epoch_mismatch; DETAIL carries the fence as JSON.
 CREATE OR REPLACE FUNCTION {s}.pg_lease_check_fence(p_key text, p_owner text, p_epoch bigint)
 RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-  verdict text := pg_lease_fence(p_key, p_owner, p_epoch);
+  verdict text := {s}.pg_lease_fence(p_key, p_owner, p_epoch);
 BEGIN
   IF verdict = 'ok' THEN
     RETURN p_epoch;
   END IF;
-  PERFORM pg_lease_refuse(verdict, p_key, p_owner, p_epoch,
+  PERFORM {s}.pg_lease_refuse(verdict, p_key, p_owner, p_epoch,
                           format('lease %s is not held by %s at epoch %s', p_key, p_owner, p_epoch));
   RETURN NULL;
 END $$;
@@ -307,8 +403,8 @@ END $$;
 -- The one way a fenced write is refused: SQLSTATE by cause, DETAIL = {{key, owner, epoch}} as JSON
 -- (what the Python side turns into a typed error), HINT = what the writer does next.
 CREATE FUNCTION {s}.pg_lease_refuse(p_verdict text, p_key text, p_owner text, p_epoch bigint, p_message text)
-RETURNS void LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, {s}, pg_temp
+RETURNS void LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
   RAISE EXCEPTION '%: %', p_verdict, p_message
@@ -325,13 +421,13 @@ END $$;
 -- it, so setting pg_lease.unfenced by hand gives nothing to a role that was not granted it.
 CREATE FUNCTION {s}.pg_lease_allow_unfenced()
 RETURNS boolean LANGUAGE sql VOLATILE
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$ SELECT set_config('pg_lease.unfenced', 'on', true) = 'on' $$;
 REVOKE EXECUTE ON FUNCTION {s}.pg_lease_allow_unfenced() FROM PUBLIC;
 
 CREATE FUNCTION {s}.pg_lease_unfenced_allowed()
 RETURNS boolean LANGUAGE sql STABLE
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
   SELECT current_setting('pg_lease.unfenced', true) = 'on'
      AND has_function_privilege('{s}.pg_lease_allow_unfenced()', 'EXECUTE')
@@ -341,23 +437,23 @@ $$;
 -- fence holds now (locking the lease row FOR KEY SHARE until the transaction ends).
 CREATE FUNCTION {s}.pg_lease_guard_key(p_key text, p_fences jsonb, p_table text)
 RETURNS bigint LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
   presented jsonb := p_fences -> p_key;
   verdict text;
 BEGIN
   IF p_key IS NULL THEN
-    PERFORM pg_lease_refuse('unfenced', NULL, NULL, NULL,
+    PERFORM {s}.pg_lease_refuse('unfenced', NULL, NULL, NULL,
                             format('a row of %s names no lease key', p_table));
   END IF;
   IF presented IS NULL THEN
-    PERFORM pg_lease_refuse('unfenced', p_key, NULL, NULL,
+    PERFORM {s}.pg_lease_refuse('unfenced', p_key, NULL, NULL,
                             format('%s rows guarded by lease %s were written without a fence for it', p_table, p_key));
   END IF;
-  verdict := pg_lease_fence(p_key, presented ->> 0, (presented ->> 1)::bigint);
+  verdict := {s}.pg_lease_fence(p_key, presented ->> 0, (presented ->> 1)::bigint);
   IF verdict <> 'ok' THEN
-    PERFORM pg_lease_refuse(verdict, p_key, presented ->> 0, (presented ->> 1)::bigint,
+    PERFORM {s}.pg_lease_refuse(verdict, p_key, presented ->> 0, (presented ->> 1)::bigint,
                             format('lease %s is not held by %s at epoch %s', p_key, presented ->> 0, presented ->> 1));
   END IF;
   RETURN (presented ->> 1)::bigint;
@@ -370,7 +466,7 @@ END $$;
 -- Once per statement, not per row: all or nothing, and cheap for large writes.
 CREATE FUNCTION {s}.pg_lease_guard_rows()
 RETURNS trigger LANGUAGE plpgsql
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
   fences jsonb;
@@ -378,7 +474,7 @@ DECLARE
   epoch bigint;
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
 BEGIN
-  IF pg_lease_unfenced_allowed() THEN
+  IF {s}.pg_lease_unfenced_allowed() THEN
     RETURN NULL;
   END IF;
   fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{{}}'::jsonb);
@@ -386,9 +482,9 @@ BEGIN
     FOR r IN SELECT n.lease_key AS key, NULL::bigint AS old_max, min(n.lease_epoch) AS new_min,
                     max(n.lease_epoch) AS new_max, count(*) - count(n.lease_epoch) AS new_nulls
                FROM pg_lease_new n GROUP BY n.lease_key LOOP
-      epoch := pg_lease_guard_key(r.key, fences, rows_table);
+      epoch := {s}.pg_lease_guard_key(r.key, fences, rows_table);
       IF r.new_nulls > 0 OR r.new_min <> epoch OR r.new_max <> epoch THEN
-        PERFORM pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
+        PERFORM {s}.pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
           format('%s rows must record lease_epoch %s, the epoch of the fence presented for lease %s',
                  rows_table, epoch, r.key));
       END IF;
@@ -405,23 +501,23 @@ BEGIN
       IF r.key IS NULL AND r.new_rows = 0 THEN
         CONTINUE;  -- rows stored before they named a lease (upgraded tables) may take a key
       END IF;
-      epoch := pg_lease_guard_key(r.key, fences, rows_table);
+      epoch := {s}.pg_lease_guard_key(r.key, fences, rows_table);
       IF r.new_nulls > 0 OR r.new_min <> epoch OR r.new_max <> epoch THEN
-        PERFORM pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
+        PERFORM {s}.pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
           format('%s rows must record lease_epoch %s, the epoch of the fence presented for lease %s',
                  rows_table, epoch, r.key));
       END IF;
       IF r.old_max > epoch THEN
-        PERFORM pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
+        PERFORM {s}.pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
           format('%s rows of lease %s were written at epoch %s, above the fence''s %s: row epochs never go backwards',
                  rows_table, r.key, r.old_max, epoch));
       END IF;
     END LOOP;
   ELSE  -- DELETE
     FOR r IN SELECT o.lease_key AS key, max(o.lease_epoch) AS old_max FROM pg_lease_old o GROUP BY o.lease_key LOOP
-      epoch := pg_lease_guard_key(r.key, fences, rows_table);
+      epoch := {s}.pg_lease_guard_key(r.key, fences, rows_table);
       IF r.old_max > epoch THEN
-        PERFORM pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
+        PERFORM {s}.pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
           format('%s rows of lease %s were written at epoch %s, above the fence''s %s',
                  rows_table, r.key, r.old_max, epoch));
       END IF;
@@ -436,7 +532,7 @@ END $$;
 -- epoch is recorded and checked on the ancestor's row; here, every key needs a live fence.
 CREATE FUNCTION {s}.pg_lease_guard_inherited_rows()
 RETURNS trigger LANGUAGE plpgsql
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
   fences jsonb;
@@ -444,7 +540,7 @@ DECLARE
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
   rows_sql text;
 BEGIN
-  IF pg_lease_unfenced_allowed() THEN
+  IF {s}.pg_lease_unfenced_allowed() THEN
     RETURN NULL;
   END IF;
   fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{{}}'::jsonb);
@@ -454,7 +550,7 @@ BEGIN
                                      TG_ARGV[2]) END;
   FOR k IN EXECUTE format('SELECT DISTINCT a.lease_key FROM (%s) r LEFT JOIN %s a ON a.%I = r.pk',
                           rows_sql, TG_ARGV[0], TG_ARGV[1]) LOOP
-    PERFORM pg_lease_guard_key(k, fences, rows_table);
+    PERFORM {s}.pg_lease_guard_key(k, fences, rows_table);
   END LOOP;
   RETURN NULL;
 END $$;
@@ -463,13 +559,15 @@ END $$;
 -- out or the database allows truncation (test databases, as for the lease table).
 CREATE FUNCTION {s}.pg_lease_guard_truncate()
 RETURNS trigger LANGUAGE plpgsql
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-  IF pg_lease_unfenced_allowed() OR current_setting('pg_lease.allow_truncate', true) = 'on' THEN
+  IF {s}.pg_lease_unfenced_allowed()
+     OR (current_setting('pg_lease.allow_truncate', true) = 'on'
+         AND has_function_privilege('{s}.pg_lease_allow_unfenced()', 'EXECUTE')) THEN
     RETURN NULL;
   END IF;
-  PERFORM pg_lease_refuse('unfenced', NULL, NULL, NULL,
+  PERFORM {s}.pg_lease_refuse('unfenced', NULL, NULL, NULL,
                           format('TRUNCATE of fenced table %I.%I without opting out', TG_TABLE_SCHEMA, TG_TABLE_NAME));
   RETURN NULL;
 END $$;
@@ -479,7 +577,7 @@ END $$;
 -- fence current again). Checked in the trigger's WHEN clause, so legal updates call no function.
 CREATE FUNCTION {s}.pg_lease_forbid_rewrite()
 RETURNS trigger LANGUAGE plpgsql
-SET search_path = pg_catalog, {s}, pg_temp
+SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
   RAISE EXCEPTION 'lease rows keep their key, and their epoch only grows, with each new owner '

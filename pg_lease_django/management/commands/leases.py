@@ -56,6 +56,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from pg_lease_django import sql as lease_sql
 from pg_lease_django.exceptions import (
     EpochMismatchError,
     InvalidInputError,
@@ -105,7 +106,7 @@ _ISO = """'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'"""
 # matching rows even when --limit cuts the output.
 _SELECT = f"""
 WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS now)
-SELECT l.key, pg_lease_status(l.owner, l.expires_at, clock.now), l.owner, l.epoch,
+SELECT l.key, {{schema}}.pg_lease_status(l.owner, l.expires_at, clock.now), l.owner, l.epoch,
        to_char(l.acquired_at AT TIME ZONE 'UTC', {_ISO}), to_char(l.expires_at AT TIME ZONE 'UTC', {_ISO}),
        extract(epoch FROM l.expires_at - clock.now)::float8, to_char(clock.now AT TIME ZONE 'UTC', {_ISO}),
        count(*) OVER ()
@@ -418,9 +419,11 @@ class Command(BaseCommand):
     ) -> tuple[list[LeaseRow], int, str]:
         connection = connections[alias]
         table = connection.ops.quote_name(Lease._meta.db_table)
+        schema = lease_sql.schema(connection)
         sql = _SELECT.format(
+            schema=schema,
             table=table,
-            where=" AND ".join(where) or "true",
+            where=(" AND ".join(where) or "true").replace("{schema}", schema),
             limit="" if limit is None else "LIMIT %s",
         )
         query_params = [*params] if limit is None else [*params, limit]
@@ -487,7 +490,7 @@ class Command(BaseCommand):
             where.append("l.owner = %s")
             params.append(owner)
         if states and len(states) < len(STATES):
-            where.append("pg_lease_status(l.owner, l.expires_at, clock.now) = ANY(%s)")
+            where.append("{schema}.pg_lease_status(l.owner, l.expires_at, clock.now) = ANY(%s)")
             params.append(states)
 
         rows, total, server_time = self._fetch(alias, where, params, limit)

@@ -1,0 +1,614 @@
+"""docs/security.md on a real server: real roles made by the page's own SQL, each attack it lists
+refused with its SQLSTATE, and the worker's and the operator's work still done.
+
+The page's ```sql blocks are what runs (role and table names swapped for this run's), so the page
+cannot drift from what is tested. Roles are cluster-wide: each test makes its own, uniquely named,
+and drops them at the end (after ``DROP OWNED BY``); what it changed for ``PUBLIC`` is put back.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.db import DatabaseError, connection, transaction
+from django.test import override_settings
+from psycopg import sql as pgsql
+
+from pg_lease_django import Grant, Lease, NotOwnerError, unfenced_writes
+from pg_lease_django import sql as lease_sql
+from tests.conftest import conninfo, row_snapshot
+from tests.helpers import refused
+from tests.testapp.models import Invoice
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "security.md"
+
+#: The page's step 3: the worker's functions, revoked from PUBLIC and granted to the two roles.
+WORKER_FUNCTIONS = {
+    "pg_lease_acquire(text,text,interval)",
+    "pg_lease_acquire(text,text,interval,interval)",
+    "pg_lease_renew(text,text,bigint,interval)",
+    "pg_lease_release(text,text,bigint)",
+    "pg_lease_inspect(text)",
+    "pg_lease_fence(text,text,bigint)",
+    "pg_lease_check_fence(text,text,bigint)",
+    "pg_lease_fence_outcome(text,text,bigint)",
+}
+
+# Raw SQL as the page tells SQL clients to write it: schema-qualified, every argument cast.
+ACQUIRE = "SELECT granted, epoch FROM public.pg_lease_acquire(%s::text, %s::text, %s::interval)"
+ACQUIRE_WAITING = "SELECT granted, epoch FROM public.pg_lease_acquire(%s::text, %s::text, %s::interval, %s::interval)"
+RENEW = "SELECT outcome FROM public.pg_lease_renew(%s::text, %s::text, %s::bigint, %s::interval)"
+RELEASE = "SELECT outcome, epoch FROM public.pg_lease_release(%s::text, %s::text, %s::bigint)"
+INSPECT = "SELECT status, owner, epoch FROM public.pg_lease_inspect(%s::text)"
+FORCE_RELEASE = "SELECT outcome, owner, epoch FROM public.pg_lease_force_release(%s::text, %s::bigint)"
+FENCE = "(SELECT public.pg_lease_check_fence(%s::text, %s::text, %s::bigint))"
+INSERT_FENCED = (
+    "INSERT INTO testapp_invoice (account, status, amount, lease_key, lease_epoch) "
+    f"VALUES (%s, 'draft', 0, %s, {FENCE}) RETURNING id"
+)
+UPDATE_FENCED = f"UPDATE testapp_invoice SET status = %s, lease_epoch = {FENCE} WHERE id = %s"
+
+
+# ---- the page ----------------------------------------------------------------------------------
+
+
+def page_sql(heading: str) -> str:
+    """The first ```sql block after the page's ``## `` heading that starts with ``heading``."""
+    lines = PAGE.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"## {heading}"))
+    opening = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "```sql")
+    closing = next(i for i in range(opening + 1, len(lines)) if lines[i].strip() == "```")
+    return "\n".join(lines[opening + 1 : closing])
+
+
+STEP_ROLES = "1. Create the roles"
+STEP_GRANTS = "2. Grant privileges"
+STEP_TIGHTEN = "3. Optional: only granted roles"
+
+
+# ---- roles ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Roles:
+    """This test's roles (the page's app_owner, app_worker, app_operator, plus an attacker)."""
+
+    suffix: str
+    admin: psycopg.Connection[Any]  # the test database's superuser, who also owns its tables
+    opened: list[psycopg.Connection[Any]] = field(default_factory=list)
+
+    @property
+    def owner(self) -> str:
+        return f"pgl_{self.suffix}_owner"
+
+    @property
+    def worker(self) -> str:
+        return f"pgl_{self.suffix}_worker"
+
+    @property
+    def operator(self) -> str:
+        return f"pgl_{self.suffix}_operator"
+
+    @property
+    def attacker(self) -> str:
+        return f"pgl_{self.suffix}_attacker"
+
+    def page(self, heading: str) -> str:
+        """The page's SQL under ``heading``, naming this test's roles and the test app's fenced table."""
+        names = {
+            "app_owner": self.owner,
+            "app_worker": self.worker,
+            "app_operator": self.operator,
+            "billing_invoice": "testapp_invoice",
+        }
+        return re.sub(
+            r"\b(app_owner|app_worker|app_operator|billing_invoice)\b", lambda m: names[m[1]], page_sql(heading)
+        )
+
+    def connect(self, role: str, autocommit: bool = True) -> psycopg.Connection[Any]:
+        """A connection to the test database as ``role`` (the test servers trust local logins)."""
+        conn = psycopg.connect(psycopg.conninfo.make_conninfo(conninfo(), user=role), autocommit=autocommit)
+        self.opened.append(conn)
+        return conn
+
+
+def public_privileges(admin: psycopg.Connection[Any]) -> tuple[bool, set[str]]:
+    """Whether PUBLIC may CREATE in schema public, and which lease functions PUBLIC may run."""
+    row = admin.execute("SELECT has_schema_privilege('public', 'public', 'CREATE')").fetchone()
+    assert row is not None
+    functions = admin.execute(
+        "SELECT p.oid::regprocedure::text FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace "
+        "AND p.proname LIKE 'pg\\_lease\\_%' AND has_function_privilege('public', p.oid, 'EXECUTE')"
+    ).fetchall()
+    return bool(row[0]), {name for (name,) in functions}
+
+
+@pytest.fixture
+def roles(transactional_db: None) -> Iterator[Roles]:
+    """The page's steps 1 and 2, run as written for fresh roles; afterwards everything undone."""
+    admin = psycopg.connect(conninfo(), autocommit=True)
+    location = admin.execute("SELECT to_regclass('pg_lease_django_lease')::text").fetchone()
+    assert location == ("pg_lease_django_lease",), "the page's SQL names schema public: the leases must live there"
+    before = public_privileges(admin)
+    made = Roles(uuid.uuid4().hex[:10], admin)
+    try:
+        admin.execute(made.page(STEP_ROLES))
+        admin.execute(made.page(STEP_GRANTS))
+        admin.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(pgsql.Identifier(made.attacker)))
+        yield made
+    finally:
+        for conn in made.opened:
+            conn.close()
+        for role in (made.attacker, made.worker, made.operator, made.owner):
+            exists = admin.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone()
+            if exists:
+                name = pgsql.Identifier(role)
+                admin.execute(pgsql.SQL("DROP OWNED BY {} CASCADE").format(name))
+                admin.execute(pgsql.SQL("DROP ROLE {}").format(name))
+        could_create, executable = before
+        now_create, now_executable = public_privileges(admin)
+        if could_create and not now_create:
+            admin.execute("GRANT CREATE ON SCHEMA public TO PUBLIC")
+        for function in executable - now_executable:
+            admin.execute(f"GRANT EXECUTE ON FUNCTION public.{function} TO PUBLIC")
+        for function in now_executable - executable:
+            admin.execute(f"REVOKE EXECUTE ON FUNCTION public.{function} FROM PUBLIC")
+        admin.close()
+
+
+@pytest.fixture(params=["default", "tightened"])
+def privileges(request: pytest.FixtureRequest, roles: Roles) -> str:
+    """EXECUTE as PostgreSQL grants it by default, or after the page's optional step 3."""
+    if request.param == "tightened":
+        roles.admin.execute(roles.page(STEP_TIGHTEN))
+    return str(request.param)
+
+
+@contextmanager
+def django_as(role: str, search_path: str | None = None) -> Iterator[None]:
+    """Django's default connection logs in as ``role`` (its DATABASES USER), straight to the server."""
+    settings = connection.settings_dict
+    saved = {name: settings[name] for name in ("USER", "PASSWORD", "HOST", "PORT", "OPTIONS")}
+    server = psycopg.conninfo.conninfo_to_dict(conninfo())  # not through PgBouncer: it knows only postgres
+    connection.close()
+    settings.update(USER=role, PASSWORD="", HOST=server.get("host") or "", PORT=str(server.get("port") or ""))
+    if search_path is not None:
+        settings["OPTIONS"] = {**saved["OPTIONS"], "options": f"-c search_path={search_path}"}
+    try:
+        yield
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_user")
+            assert cursor.fetchone() == (role,)
+    finally:
+        connection.close()
+        settings.update(saved)
+
+
+@contextmanager
+def fails_with(sqlstate: str) -> Iterator[None]:
+    """Expect the database to raise ``sqlstate``, from a raw connection or through Django."""
+    with pytest.raises((psycopg.Error, DatabaseError)) as info:
+        yield
+    error = info.value if isinstance(info.value, psycopg.Error) else info.value.__cause__
+    assert getattr(error, "sqlstate", None) == sqlstate, repr(info.value)
+
+
+def grant(key: str, owner: str) -> Grant:
+    acquired = Lease.objects.acquire(key, owner, ttl=30)
+    assert acquired is not None
+    return acquired
+
+
+def stored(admin: psycopg.Connection[Any], invoice_id: int) -> tuple[Any, ...] | None:
+    return admin.execute(
+        "SELECT status, amount, lease_epoch FROM testapp_invoice WHERE id = %s", [invoice_id]
+    ).fetchone()
+
+
+def worker_invoice(conn: psycopg.Connection[Any], key: str, owner: str, epoch: int) -> int:
+    """Insert an invoice as a raw-SQL writer: present the fence, record its epoch."""
+    with conn.transaction():
+        row = conn.execute(INSERT_FENCED, [key, key, key, owner, epoch]).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+# ---- the page says what it grants ---------------------------------------------------------------
+
+
+def test_the_roles_hold_exactly_what_the_page_says(roles: Roles) -> None:
+    def may(role: str, what: str, privilege: str, kind: str = "table") -> bool:
+        row = roles.admin.execute(f"SELECT has_{kind}_privilege(%s, %s, %s)", [role, what, privilege]).fetchone()
+        assert row is not None
+        return bool(row[0])
+
+    lease_table = "public.pg_lease_django_lease"
+    for privilege in ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER"):
+        assert not may(roles.worker, lease_table, privilege), privilege
+        assert may(roles.operator, lease_table, privilege) == (privilege == "SELECT"), privilege
+    for privilege in ("SELECT", "INSERT", "UPDATE", "DELETE"):
+        assert may(roles.worker, "public.testapp_invoice", privilege)
+    assert not may(roles.worker, "public.testapp_invoice", "TRUNCATE")
+    for function in ("pg_lease_force_release(text, bigint)", "pg_lease_allow_unfenced()"):
+        assert not may(roles.worker, f"public.{function}", "EXECUTE", "function"), function
+        assert may(roles.operator, f"public.{function}", "EXECUTE", "function"), function
+    assert not may(roles.worker, "public", "CREATE", "schema")
+    assert not may(roles.attacker, "public", "CREATE", "schema"), "step 1 revokes CREATE on public from PUBLIC"
+
+    tighten = page_sql(STEP_TIGHTEN)
+    revoked, granted = (
+        {re.sub(r"\s", "", name) for name in re.findall(r"public\.(pg_lease_\w+\([^)]*\))", part)}
+        for part in tighten.split("GRANT", 1)
+    )
+    assert revoked == granted == WORKER_FUNCTIONS
+
+
+# ---- the worker ---------------------------------------------------------------------------------
+
+
+def test_worker_runs_the_lease_functions_and_writes_fenced_rows(roles: Roles, privileges: str, key: str) -> None:
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    assert worker.execute(RENEW, [key, "w1", 1, "30 seconds"]).fetchone() == ("ok",)
+    assert worker.execute(INSPECT, [key]).fetchone() == ("held", "w1", 1)
+    invoice_id = worker_invoice(worker, key, "w1", 1)
+    with worker.transaction():
+        assert worker.execute(UPDATE_FENCED, ["sent", key, "w1", 1, invoice_id]).rowcount == 1
+    assert stored(roles.admin, invoice_id) == ("sent", 0, 1)
+    assert worker.execute(RELEASE, [key, "w1", 1]).fetchone() == ("ok", 2)
+    assert worker.execute(ACQUIRE_WAITING, [key, "w2", "30 seconds", "1 second"]).fetchone() == (True, 3)
+    with fails_with("PL001"), worker.transaction():  # the stale holder, fenced by the database
+        worker.execute(UPDATE_FENCED, ["stale", key, "w1", 1, invoice_id])
+    assert stored(roles.admin, invoice_id) == ("sent", 0, 1)
+    if privileges == "tightened":
+        stranger = roles.connect(roles.attacker)
+        with fails_with("42501"):
+            stranger.execute(ACQUIRE, [key + "/stranger", "s", "30 seconds"])
+
+
+def test_worker_cannot_write_lease_rows(roles: Roles, key: str) -> None:
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    before = row_snapshot(roles.admin, key)
+    for statement, params in (
+        ("UPDATE pg_lease_django_lease SET epoch = epoch - 1 WHERE key = %s", [key]),
+        ("UPDATE pg_lease_django_lease SET owner = 'x' WHERE key = %s", [key]),
+        ("UPDATE pg_lease_django_lease SET expires_at = clock_timestamp() + interval '1 day' WHERE key = %s", [key]),
+        ("UPDATE public.pg_lease_django_lease SET owner = 'x', epoch = epoch + 1 WHERE key = %s", [key]),
+        # Without a WHERE clause, UPDATE or DELETE alone would do: no column is read.
+        ("UPDATE pg_lease_django_lease SET expires_at = clock_timestamp() + interval '1 day'", []),
+        ("DELETE FROM pg_lease_django_lease", []),
+        ("INSERT INTO pg_lease_django_lease (key, epoch) VALUES (%s::text || '/new', 0)", [key]),
+        ("SELECT * FROM pg_lease_django_lease WHERE key = %s", [key]),
+        ("TRUNCATE pg_lease_django_lease", []),
+    ):
+        with fails_with("42501"):
+            worker.execute(statement, params)
+    assert row_snapshot(roles.admin, key) == before
+
+
+def test_worker_cannot_force_release(roles: Roles, key: str) -> None:
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    before = row_snapshot(roles.admin, key)
+    with fails_with("42501"):
+        worker.execute(FORCE_RELEASE, [key, None])
+    with django_as(roles.worker), fails_with("42501"):
+        Lease.objects.force_release(key)
+    assert row_snapshot(roles.admin, key) == before
+
+
+def test_worker_cannot_opt_out_of_fencing(roles: Roles, key: str) -> None:
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    invoice_id = worker_invoice(worker, key, "w1", 1)
+    with fails_with("42501"):
+        worker.execute("SELECT public.pg_lease_allow_unfenced()")
+    with fails_with("PL004"), worker.transaction():
+        worker.execute("SET LOCAL pg_lease.unfenced = on")
+        worker.execute("UPDATE testapp_invoice SET amount = 5 WHERE id = %s", [invoice_id])
+    with fails_with("PL004"), worker.transaction():
+        worker.execute("SELECT set_config('pg_lease.unfenced', 'on', true)")
+        worker.execute(
+            "INSERT INTO testapp_invoice (account, status, amount, lease_key, lease_epoch) VALUES (%s, 'x', 1, %s, 1)",
+            [key, key],
+        )
+    with fails_with("42501"), worker.transaction():
+        worker.execute("SET LOCAL pg_lease.allow_truncate = on")
+        worker.execute("TRUNCATE testapp_invoice")
+    with django_as(roles.worker), fails_with("42501"), unfenced_writes():
+        Invoice(account=key, amount=7).save()
+    assert stored(roles.admin, invoice_id) == ("draft", 0, 1)
+    assert roles.admin.execute("SELECT count(*) FROM testapp_invoice WHERE account = %s", [key]).fetchone() == (1,)
+
+
+def test_the_worker_role_does_not_separate_workers(roles: Roles, key: str) -> None:
+    """The page's first limit, as it is: a fence names a lease, it is no secret (owner and epoch
+    are one pg_lease_inspect away), so any session of the worker role can release a live lease."""
+    holder, other = roles.connect(roles.worker), roles.connect(roles.worker)
+    assert holder.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    _status, owner, epoch = other.execute(INSPECT, [key]).fetchone() or (None, None, None)
+    assert other.execute(RELEASE, [key, owner, epoch]).fetchone() == ("ok", 2)
+
+
+def test_worker_cannot_switch_the_triggers_off(roles: Roles) -> None:
+    worker = roles.connect(roles.worker)
+    for statement in (
+        "ALTER TABLE testapp_invoice DISABLE TRIGGER pg_lease_fence_update",
+        "ALTER TABLE pg_lease_django_lease DISABLE TRIGGER pg_lease_forbid_rewrite",
+        "SET session_replication_role = replica",  # would skip every ordinary trigger
+    ):
+        with fails_with("42501"):
+            worker.execute(statement)
+
+
+# ---- the owner ----------------------------------------------------------------------------------
+
+
+def test_even_the_owner_cannot_rewrite_a_lease_row(roles: Roles, key: str) -> None:
+    grant(key, "w1")
+    admin = roles.admin
+    row = admin.execute(
+        "SELECT tableowner = current_user, (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) "
+        "FROM pg_tables WHERE tablename = 'pg_lease_django_lease'"
+    ).fetchone()
+    assert row == (True, True), "the test database's tables are owned by the (superuser) test role"
+    before = row_snapshot(admin, key)
+    assert before is not None
+    for statement in (
+        "UPDATE pg_lease_django_lease SET epoch = epoch - 1 WHERE key = %s",
+        "UPDATE pg_lease_django_lease SET owner = 'x' WHERE key = %s",
+        "UPDATE pg_lease_django_lease SET key = key || '/moved' WHERE key = %s",
+    ):
+        with fails_with("23514"):
+            admin.execute(statement, [key])
+    with fails_with("23001"):
+        admin.execute("DELETE FROM pg_lease_django_lease WHERE key = %s", [key])
+    after = row_snapshot(admin, key)
+    assert after is not None and after[0] == before[0], "unchanged (xmax may show the refused writers' row locks)"
+
+
+# ---- the operator -------------------------------------------------------------------------------
+
+
+def test_operator_force_releases_and_repairs_data(roles: Roles, privileges: str, key: str) -> None:
+    worker, operator = roles.connect(roles.worker), roles.connect(roles.operator)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    invoice_id = worker_invoice(worker, key, "w1", 1)
+
+    assert operator.execute("SELECT owner, epoch FROM pg_lease_django_lease WHERE key = %s", [key]).fetchone() == (
+        "w1",
+        1,
+    )
+    with fails_with("42501"):
+        operator.execute("UPDATE pg_lease_django_lease SET expires_at = NULL WHERE key = %s", [key])
+    assert operator.execute(FORCE_RELEASE, [key, 1]).fetchone() == ("ok", "w1", 2)
+    with fails_with("PL001"), worker.transaction():  # the holder is fenced
+        worker.execute(UPDATE_FENCED, ["late", key, "w1", 1, invoice_id])
+
+    with operator.transaction():
+        assert operator.execute("SELECT public.pg_lease_allow_unfenced()").fetchone() == (True,)
+        operator.execute("UPDATE testapp_invoice SET status = 'repaired' WHERE id = %s", [invoice_id])
+    with fails_with("PL004"), operator.transaction():  # the opt-out ended with its transaction
+        operator.execute("UPDATE testapp_invoice SET status = 'again' WHERE id = %s", [invoice_id])
+    with operator.transaction():  # the setting counts for a role that may run pg_lease_allow_unfenced()
+        operator.execute("SET LOCAL pg_lease.unfenced = on")
+        operator.execute("UPDATE testapp_invoice SET amount = 9 WHERE id = %s", [invoice_id])
+    assert stored(roles.admin, invoice_id) == ("repaired", 9, 1)
+
+
+# ---- Django connected as each role --------------------------------------------------------------
+
+
+def test_django_connected_as_the_worker(roles: Roles, privileges: str, key: str) -> None:
+    with django_as(roles.worker):
+        g = grant(key, "w1")
+        Lease.objects.renew(key, "w1", g.epoch, ttl=30)
+        assert Lease.objects.inspect(key).owner == "w1"
+        invoice = Invoice(account=key)
+        invoice.save(fence=g)
+        invoice.status = "sent"
+        invoice.save(fence=g)
+        assert Invoice.objects.fenced(g).filter(pk=invoice.pk).update(amount=3) == 1
+        Lease.objects.release(key, "w1", g.epoch)
+        invoice.status = "stale"
+        with refused(NotOwnerError):
+            invoice.save(fence=g)
+        with fails_with("42501"):  # no read of the lease table either: the functions are the way in
+            Lease.objects.filter(key=key).exists()
+    assert stored(roles.admin, invoice.pk) == ("sent", 3, g.epoch)
+
+
+def test_django_connected_as_the_operator(roles: Roles, privileges: str, key: str) -> None:
+    g = grant(key, "w1")
+    invoice = Invoice(account=key)
+    invoice.save(fence=g)
+    out = StringIO()
+    with django_as(roles.operator):
+        call_command("leases", "list", "--prefix", key, stdout=out)
+        assert key in out.getvalue() and "held" in out.getvalue()
+        assert Lease.objects.force_release(key, epoch=g.epoch) == g.epoch + 1
+        invoice.status = "repaired"
+        with unfenced_writes():
+            invoice.save()
+    assert stored(roles.admin, invoice.pk) == ("repaired", 0, g.epoch)
+
+
+# ---- lookalike functions ------------------------------------------------------------------------
+
+# Lookalikes of the lease functions that say yes to anything. The check_fence one presents the
+# fence of whoever holds the lease now and returns their epoch: a stale writer it answered for
+# would write under the live holder's fence. {schema}: where; {int}: integer (what Django sends
+# for a Python int, so an overload in any schema wins) or bigint (wins from an earlier schema).
+LOOKALIKES = """
+CREATE FUNCTION {schema}.pg_lease_check_fence(k text, o text, e {int}) RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE live record;
+BEGIN
+  SELECT i.owner, i.epoch INTO live FROM public.pg_lease_inspect(k) i;
+  PERFORM public.pg_lease_fence(k, live.owner, live.epoch);
+  RETURN live.epoch;
+END $$;
+CREATE FUNCTION {schema}.pg_lease_fence(text, text, {int}) RETURNS text LANGUAGE sql AS $$ SELECT 'ok' $$;
+CREATE FUNCTION {schema}.pg_lease_fence_outcome(text, text, {int}) RETURNS text LANGUAGE sql AS $$ SELECT 'ok' $$;
+CREATE FUNCTION {schema}.pg_lease_renew(text, text, {int}, interval)
+  RETURNS TABLE (outcome text, expires_at timestamptz, server_time timestamptz)
+  LANGUAGE sql AS $$ SELECT 'ok', clock_timestamp() + $4, clock_timestamp() $$;
+CREATE FUNCTION {schema}.pg_lease_release(text, text, {int})
+  RETURNS TABLE (outcome text, epoch bigint, server_time timestamptz)
+  LANGUAGE sql AS $$ SELECT 'ok', $3 + 1, clock_timestamp() $$;
+CREATE FUNCTION {schema}.pg_lease_force_release(text, {int})
+  RETURNS TABLE (outcome text, owner text, epoch bigint, server_time timestamptz)
+  LANGUAGE sql AS $$ SELECT 'ok', 'nobody', 1::bigint, clock_timestamp() $$;
+"""
+
+
+def stale_and_live(key: str) -> tuple[Grant, Grant, Invoice]:
+    """A stale grant (w1, released) and the live one (w2), and an invoice written under the first."""
+    stale = grant(key, "w1")
+    invoice = Invoice(account=key)
+    invoice.save(fence=stale)
+    Lease.objects.release(key, "w1", stale.epoch)
+    return stale, grant(key, "w2"), invoice
+
+
+def assert_the_package_is_not_fooled(roles: Roles, key: str, stale: Grant, live: Grant, invoice: Invoice) -> None:
+    """Through Django: the stale holder is refused everything, the live one keeps working."""
+    invoice.status = "stale"
+    with refused(NotOwnerError):
+        invoice.save(fence=stale)
+    with refused(NotOwnerError):
+        Invoice(account=key, status="stale").save(fence=stale)
+    with pytest.raises(NotOwnerError):
+        Lease.objects.renew(key, "w1", stale.epoch, ttl=30)
+    with pytest.raises(NotOwnerError):
+        Lease.objects.release(key, "w1", stale.epoch)
+    with fails_with("42501"):  # the worker still may not force-release: the lookalike never answers
+        Lease.objects.force_release(key, epoch=live.epoch)
+    assert Lease.objects.renew(key, "w2", live.epoch, ttl=30) > live.expires_at
+    invoice.status = "live"
+    invoice.save(fence=live)
+    Lease.objects.release(key, "w2", live.epoch)
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", live.epoch + 1)
+    assert stored(roles.admin, invoice.pk) == ("live", 0, live.epoch)
+    assert roles.admin.execute("SELECT count(*) FROM testapp_invoice WHERE account = %s", [key]).fetchone() == (1,)
+
+
+def an_unqualified_call_is_answered_by_the_lookalike(key: str, stale: Grant, live: Grant, invoice: Invoice) -> None:
+    """Proof the lookalikes are live: an unqualified call, as Django sends it, reaches them; a raw
+    stale write made that way lands under the live holder's fence (rolled back here)."""
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_lease_check_fence(%s, %s, %s)", [key, "w1", stale.epoch])
+            assert cursor.fetchone() == (live.epoch,)
+            cursor.execute(
+                "UPDATE testapp_invoice SET status = 'stolen', lease_epoch = (SELECT pg_lease_check_fence(%s, %s, %s)) "
+                "WHERE id = %s",
+                [key, "w1", stale.epoch, invoice.pk],
+            )
+            assert cursor.rowcount == 1
+        transaction.set_rollback(True)
+
+
+def test_lookalikes_in_public_do_not_answer_the_package(roles: Roles, key: str) -> None:
+    attacker = pgsql.Identifier(roles.attacker)
+    roles.admin.execute(pgsql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(attacker))  # PostgreSQL 14's default
+    roles.connect(roles.attacker).execute(LOOKALIKES.format(schema="public", int="integer"))
+    with django_as(roles.worker):
+        stale, live, invoice = stale_and_live(key)
+        an_unqualified_call_is_answered_by_the_lookalike(key, stale, live, invoice)
+        assert_the_package_is_not_fooled(roles, key, stale, live, invoice)
+
+
+@pytest.mark.parametrize("lookup", ["cached", "fresh", "PG_LEASE_SCHEMA"])
+def test_lookalikes_in_an_earlier_schema_do_not_answer_the_package(
+    roles: Roles, key: str, lookup: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attacker's schema first on Django's search_path, holding same-signature lookalikes.
+
+    ``cached``: the schema was looked up before the attacker came; ``fresh``: a new process looks
+    it up now; ``PG_LEASE_SCHEMA``: the setting names it, and the attacker's schema even has a
+    table named like the lease table.
+    """
+    evil = f"pgl_{roles.suffix}_evil"
+    roles.admin.execute(
+        pgsql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
+            pgsql.Identifier(connection.settings_dict["NAME"]), pgsql.Identifier(roles.attacker)
+        )
+    )
+    attacker = roles.connect(roles.attacker)
+    attacker.execute(pgsql.SQL("CREATE SCHEMA {}").format(pgsql.Identifier(evil)))
+    attacker.execute(pgsql.SQL("GRANT USAGE ON SCHEMA {} TO PUBLIC").format(pgsql.Identifier(evil)))
+    attacker.execute(LOOKALIKES.format(schema=evil, int="bigint"))
+    with django_as(roles.worker, search_path=f"{evil},public"), ExitStack() as stack:
+        stale, live, invoice = stale_and_live(key)  # the schema lookup is cached here, before the attack
+        if lookup != "cached":
+            monkeypatch.setattr(lease_sql, "_schemas", {})  # a process started after the attack
+        if lookup == "PG_LEASE_SCHEMA":
+            attacker.execute(f"CREATE TABLE {evil}.pg_lease_django_lease (key text PRIMARY KEY)")
+            stack.enter_context(override_settings(PG_LEASE_SCHEMA="public"))
+        an_unqualified_call_is_answered_by_the_lookalike(key, stale, live, invoice)
+        assert_the_package_is_not_fooled(roles, key, stale, live, invoice)
+
+
+# ---- open findings: these fail today, and start passing once fixed ----------------------------
+
+
+def test_a_lookalike_lease_table_in_an_earlier_schema_does_not_redirect_the_package(
+    roles: Roles, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    evil = f"pgl_{roles.suffix}_evil"
+    roles.admin.execute(
+        pgsql.SQL("CREATE SCHEMA {} AUTHORIZATION {}").format(*map(pgsql.Identifier, (evil, roles.attacker)))
+    )
+    attacker = roles.connect(roles.attacker)
+    attacker.execute(pgsql.SQL("GRANT USAGE ON SCHEMA {} TO PUBLIC").format(pgsql.Identifier(evil)))
+    attacker.execute(LOOKALIKES.format(schema=evil, int="bigint"))
+    with django_as(roles.worker, search_path=f"{evil},public"):
+        stale, _live, invoice = stale_and_live(key)
+        attacker.execute(f"CREATE TABLE {evil}.pg_lease_django_lease (key text PRIMARY KEY)")
+        monkeypatch.setattr(lease_sql, "_schemas", {})  # a process started after the attacker's table
+        invoice.status = "stale"
+        # Two schemas have a lease table: the lookup refuses to guess rather than follow the decoy.
+        with pytest.raises(ImproperlyConfigured, match="PG_LEASE_SCHEMA"):
+            invoice.save(fence=stale)
+        with override_settings(PG_LEASE_SCHEMA="public"), refused(NotOwnerError):
+            invoice.save(fence=stale)
+
+
+def test_the_lease_functions_never_run_code_planted_in_their_schema(roles: Roles, key: str) -> None:
+    attacker_name = pgsql.Identifier(roles.attacker)
+    roles.admin.execute(
+        pgsql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(attacker_name)
+    )  # PostgreSQL 14's default
+    log = f"public.pgl_{roles.suffix}_log"
+    attacker = roles.connect(roles.attacker)
+    attacker.execute(
+        f"""
+        CREATE TABLE {log} (ran_as text, what text);
+        GRANT INSERT ON {log} TO PUBLIC;
+        CREATE FUNCTION public.make_interval(secs numeric) RETURNS interval LANGUAGE sql AS $$
+          INSERT INTO {log} VALUES (current_user, 'make_interval');
+          SELECT pg_catalog.make_interval(secs => secs::float8) $$;
+        CREATE FUNCTION public.jsonb_build_array(text, bigint) RETURNS jsonb LANGUAGE sql AS $$
+          INSERT INTO {log} VALUES (current_user, 'jsonb_build_array');
+          SELECT pg_catalog.jsonb_build_array($1, $2) $$;
+        """
+    )
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    worker_invoice(worker, key, "w1", 1)
+    assert roles.admin.execute(f"SELECT ran_as, what FROM {log}").fetchall() == []
