@@ -5,7 +5,7 @@ Two comparisons, each in interleaved blocks (load drifts hit both sides alike):
 * one save of an existing row: ``Invoice.save(fence=grant)`` (the test app's FencedModel) against
   ``save()`` of ``PlainInvoice``, a plain Django model on a table of identical shape (same columns,
   same types, same primary key) with no triggers; ``Invoice.save(unfenced=True)`` rides along for
-  information (it opts its transaction out: two statements in a transaction, not a baseline);
+  information (it opts its transaction out: BEGIN, the opt-out, the UPDATE, COMMIT; not a baseline);
 * one queryset ``update()`` of 1,000 rows: ``Invoice.objects.fenced(grant).filter(account=key)``
   (all 1,000 rows under one lease key) against the same ``filter().update()`` on ``PlainInvoice``,
   which sets the same columns (``lease_epoch`` too, as the fenced update does).
@@ -19,12 +19,13 @@ DATABASE_URL, else the embedded server. Usage: python benchmarks/fenced_save.py 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 
-from bench import Cycle, Timer, bench_database, installed_apps, interleave, ratio, setup_django
+from bench import _OWNER, Cycle, Timer, bench_database, installed_apps, interleave, ratio, setup_django
 
 PLAIN_TABLE = "bench_plain_invoice"
 # testapp_invoice as its migrations create it, less the triggers (\d testapp_invoice).
@@ -56,15 +57,25 @@ def plain_model() -> Any:
         account = models.CharField(max_length=200)
         status = models.CharField(max_length=20, default="draft")
         amount = models.IntegerField(default=0)
-        lease_key = models.TextField(null=True, blank=True)
+        lease_key = models.TextField(null=True, blank=True)  # noqa: DJ001 (Invoice's lease_key: nullable text)
 
         class Meta:
             app_label = "bench"
             db_table = PLAIN_TABLE
             managed = False
 
+        def __str__(self) -> str:
+            return f"{self.account} #{self.pk}"
+
     _plain_model.append(PlainInvoice)
     return PlainInvoice
+
+
+def _statements(cycle: Cycle) -> int:
+    """Statements Django sends for one run of ``cycle``."""
+    from bench import count_statements
+
+    return count_statements(lambda: cycle(Timer()))
 
 
 def fenced_and_plain_cycles(owner: str) -> tuple[dict[str, Cycle], dict[str, int]]:
@@ -73,8 +84,6 @@ def fenced_and_plain_cycles(owner: str) -> tuple[dict[str, Cycle], dict[str, int
 
     The fenced row's lease is held by ``owner`` (600 s TTL) for the rest of the process.
     """
-    from bench import count_statements
-
     from pg_lease_django import Lease
     from tests.testapp.models import Invoice
 
@@ -110,17 +119,19 @@ def fenced_and_plain_cycles(owner: str) -> tuple[dict[str, Cycle], dict[str, int
         t("op", unfenced_row.save, unfenced=True)
 
     cycles: dict[str, Cycle] = {"plain": plain, "fenced": fenced, "unfenced": unfenced}
-    statements = {name: count_statements(lambda cycle=cycle: cycle(Timer())) for name, cycle in cycles.items()}
+    statements = {name: _statements(cycle) for name, cycle in cycles.items()}
     return cycles, statements
 
 
-def update_cycles(owner: str, rows: int = UPDATE_ROWS) -> tuple[dict[str, Cycle], dict[str, int]]:
+def update_cycles(owner: str, rows: int = UPDATE_ROWS) -> tuple[dict[str, Cycle], dict[str, int], Callable[[], None]]:
     """Cycles of one queryset update of ``rows`` rows each: ``plain`` (PlainInvoice) and ``fenced``
-    (Invoice, every row under one lease key held by ``owner``); and their statement counts.
+    (Invoice, every row under one lease key held by ``owner``); their statement counts; and
+    ``compact``, which rewrites both tables (``VACUUM FULL``), for `interleave`'s ``before_round``.
 
-    Both tables hold the rows before timing (re-seeded when the count differs) and are vacuumed.
+    Every update rewrites all ``rows`` rows, so a table's size and layout depend on how many updates
+    it has had: the side that ran faster would scan a larger table in its next block. Compacting
+    both tables before each round starts both sides' blocks from the same state.
     """
-    from bench import count_statements
     from django.db import connection
 
     from pg_lease_django import Lease
@@ -139,8 +150,12 @@ def update_cycles(owner: str, rows: int = UPDATE_ROWS) -> tuple[dict[str, Cycle]
         plain_invoice.objects.bulk_create(
             [plain_invoice(account=key, lease_key=key, lease_epoch=grant.epoch) for _ in range(rows)]
         )
-    with connection.cursor() as cursor:
-        cursor.execute(f"VACUUM ANALYZE {Invoice._meta.db_table}, {PLAIN_TABLE}")
+
+    def compact() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(f"VACUUM FULL ANALYZE {Invoice._meta.db_table}, {PLAIN_TABLE}")
+
+    compact()
     counter = [0]
 
     def plain(t: Timer) -> None:
@@ -157,8 +172,8 @@ def update_cycles(owner: str, rows: int = UPDATE_ROWS) -> tuple[dict[str, Cycle]
         assert updated == rows, updated
 
     cycles: dict[str, Cycle] = {"plain": plain, "fenced": fenced}
-    statements = {name: count_statements(lambda cycle=cycle: cycle(Timer())) for name, cycle in cycles.items()}
-    return cycles, statements
+    statements = {name: _statements(cycle) for name, cycle in cycles.items()}
+    return cycles, statements, compact
 
 
 def main() -> None:
@@ -169,15 +184,15 @@ def main() -> None:
 
     call_command("migrate", verbosity=0)
     print(f"database: {where}")
-    saves, statements = fenced_and_plain_cycles("bench-fenced-save")
+    saves, statements = fenced_and_plain_cycles(_OWNER)
     series: dict[str, Any] = interleave(saves, rounds, 0.4)
     p, f, u = series["plain"], series["fenced"], series["unfenced"]
     print(f"plain save     {1e3 / p.rate:.3f} ms/save  ({p.rate:.0f}/s), {statements['plain']} statement(s)")
     print(f"fenced save    {1e3 / f.rate:.3f} ms/save  ({f.rate:.0f}/s), {statements['fenced']} statement(s)")
     print(f"unfenced save  {1e3 / u.rate:.3f} ms/save  ({u.rate:.0f}/s), {statements['unfenced']} statement(s)")
     print(f"fenced / plain = {1 / ratio(f, p):.2f}x time per save (target <= 1.15x)")
-    updates, statements = update_cycles("bench-fenced-save")
-    series = interleave(updates, rounds, 0.4)
+    updates, statements, compact = update_cycles(_OWNER)
+    series = interleave(updates, rounds, 0.4, before_round=compact)
     p, f = series["plain"], series["fenced"]
     print(f"plain update   {1e3 / p.rate:.3f} ms/update of {UPDATE_ROWS} rows, {statements['plain']} statement(s)")
     print(f"fenced update  {1e3 / f.rate:.3f} ms/update of {UPDATE_ROWS} rows, {statements['fenced']} statement(s)")

@@ -18,7 +18,10 @@ def check_database_is_postgresql(app_configs: Any = None, **kwargs: Any) -> list
     return [
         checks.Error(
             f"Leases are routed to database {alias!r}, which is {connections[alias].vendor}, not PostgreSQL.",
-            hint="Route the pg_lease_django app to a PostgreSQL database (DATABASE_ROUTERS).",
+            hint=(
+                f"Use ENGINE 'django.db.backends.postgresql' for DATABASES[{alias!r}], or route the "
+                "pg_lease_django app to a PostgreSQL database (DATABASE_ROUTERS)."
+            ),
             obj=lease,
             id="pg_lease_django.E001",
         )

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 NOTIFY_CHANNEL = "pg_lease_django"
 #: Longest wait accepted by a blocking acquire.
 MAX_WAIT = timedelta(days=365)
+#: Longest ``free_for`` accepted by `LeaseManager.prune`.
+MAX_PRUNE_AGE = timedelta(days=3650)
 
 _LOST_ERRORS: dict[str, type[LeaseLostError]] = {
     "not_owner": NotOwnerError,
@@ -350,3 +352,32 @@ class LeaseManager(models.Manager["Lease"]):
             )
         what = "was never acquired" if outcome == "not_found" else f"is already free (epoch {current_epoch})"
         raise NotOwnerError(f"lease {key!r} {what}: nothing to release", key=key, epoch=epoch)
+
+    def prune(self, *, free_for: Seconds, dry_run: bool = False) -> list[str]:
+        """Delete the rows of leases free (released, or lapsed) for at least ``free_for``.
+
+        Rows are otherwise kept forever, so per-object keys (``invoice:{id}``) grow the table without
+        bound. A pruned key loses nothing: the database first raises its epoch floor to the highest
+        pruned epoch, and a key without a row starts above the floor (`inspect` reports the floor
+        for it), so every epoch it is granted again is above every epoch it ever had. Rows locked
+        right now are skipped. For operators (``manage.py leases prune``): the SQL function
+        ``pg_lease_prune`` is revoked from PUBLIC.
+
+        Args:
+            free_for: seconds or a timedelta, from 0 to 3,650 days.
+            dry_run: only list the keys that would go.
+
+        Returns:
+            The keys pruned (or that would be), sorted.
+
+        Raises:
+            InvalidInputError: bad argument; nothing was sent.
+        """
+        delta = to_timedelta("free_for", free_for, minimum=timedelta(0), maximum=MAX_PRUNE_AGE)
+        if not isinstance(dry_run, bool):
+            raise InvalidInputError(f"dry_run must be a bool, not {type(dry_run).__name__}")
+        connection = self._connection()
+        params: list[Any] = [delta, dry_run]
+        with connection.cursor() as cursor:
+            cursor.execute(sql.render(connection, sql.PRUNE), params)
+            return sorted(row[0] for row in cursor.fetchall())

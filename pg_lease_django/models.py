@@ -1,4 +1,4 @@
-"""The lease table: one row per key, kept forever so its epoch never restarts."""
+"""The lease table: one row per key; a row is deleted only by a prune that raises the epoch floor."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ class Lease(models.Model):
     an epoch that goes backwards un-fences stale holders.
 
     Columns: ``key`` (primary key), ``owner`` (None when free), ``epoch`` (fencing token, never
-    decreases), ``acquired_at`` and ``expires_at`` (server clock; None when free). A row whose
-    ``expires_at`` has passed is *lapsed*, evaluated lazily on access.
+    decreases), ``acquired_at`` and ``expires_at`` (server clock; None when free), ``released_at``
+    (when it was last released; None while held). A row whose ``expires_at`` has passed is
+    *lapsed*, evaluated lazily on access. Rows of leases free for long enough may be pruned
+    (`LeaseManager.prune`); the epoch floor keeps a key that comes back above its past epochs.
     """
 
     key = models.TextField(primary_key=True)
@@ -32,6 +34,7 @@ class Lease(models.Model):
     epoch = models.BigIntegerField(default=0)
     acquired_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
+    released_at = models.DateTimeField(null=True, blank=True)
 
     objects: ClassVar[LeaseManager] = LeaseManager()
 

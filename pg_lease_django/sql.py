@@ -18,6 +18,7 @@ RENEW = "SELECT * FROM {schema}.pg_lease_renew(%s::text, %s::text, %s::bigint, %
 RELEASE = "SELECT * FROM {schema}.pg_lease_release(%s::text, %s::text, %s::bigint)"
 INSPECT = "SELECT * FROM {schema}.pg_lease_inspect(%s::text)"
 FORCE_RELEASE = "SELECT * FROM {schema}.pg_lease_force_release(%s::text, %s::bigint)"
+PRUNE = "SELECT key FROM {schema}.pg_lease_prune(%s::interval, %s::boolean)"
 #: Present a fence for this transaction (raises PL001-PL003 when it does not hold); returns the epoch.
 CHECK_FENCE = "{schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)"
 #: Opt this transaction out of fencing (operators: revoked from PUBLIC).

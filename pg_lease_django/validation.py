@@ -47,8 +47,20 @@ def to_timedelta(kind: str, value: object, *, minimum: timedelta, maximum: timed
             raise InvalidInputError(f"{kind} must be a finite number of seconds, got {value!r}")
         delta = timedelta(seconds=value)
     if not minimum <= delta <= maximum:
-        raise InvalidInputError(f"{kind} must be between {minimum} and {maximum}, got {delta}")
+        raise InvalidInputError(
+            f"{kind} must be between {describe_seconds(minimum)} and {describe_seconds(maximum)}, "
+            f"got {describe_seconds(delta)}"
+        )
     return delta
+
+
+def describe_seconds(delta: timedelta) -> str:
+    """A duration as a person reads it in an error: ``0.001 s``, ``-1 s``, ``90 s``, ``365 days``."""
+    seconds = delta.total_seconds()
+    if abs(seconds) >= 86400 and seconds % 86400 == 0:
+        days = int(seconds // 86400)
+        return f"{days} day" if days in (1, -1) else f"{days} days"
+    return f"{seconds:.6f}".rstrip("0").rstrip(".") + " s"
 
 
 def check_ttl(value: object) -> timedelta:

@@ -343,7 +343,6 @@ AS $$
 DECLARE
   cur record;
   verdict text;
-  fences jsonb;
 BEGIN
   PERFORM {s}.pg_lease_check_name('key', p_key);
   PERFORM {s}.pg_lease_check_name('owner', p_owner);
@@ -365,13 +364,23 @@ BEGIN
     verdict := {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
   END IF;
   IF verdict = 'ok' THEN
-    fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{{}}'::jsonb);
-    IF fences -> p_key IS DISTINCT FROM jsonb_build_array(p_owner, p_epoch) THEN
-      PERFORM set_config('pg_lease.fences',
-                         jsonb_set(fences, ARRAY[p_key], jsonb_build_array(p_owner, p_epoch))::text, true);
-    END IF;
+    PERFORM {s}.pg_lease_remember_fence(p_key, p_owner, p_epoch);
   END IF;
   RETURN verdict;
+END $$;
+
+-- Record a fence that holds as presented by this transaction (pg_lease.fences, a JSON object
+-- key -> [owner, epoch]): what the fenced tables' triggers check their rows against.
+CREATE FUNCTION {s}.pg_lease_remember_fence(p_key text, p_owner text, p_epoch bigint)
+RETURNS void LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  fences jsonb := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{{}}'::jsonb);
+BEGIN
+  IF fences -> p_key IS DISTINCT FROM jsonb_build_array(p_owner, p_epoch) THEN
+    PERFORM set_config('pg_lease.fences', jsonb_set(fences, ARRAY[p_key], jsonb_build_array(p_owner, p_epoch))::text, true);
+  END IF;
 END $$;
 
 -- Why did a guarded statement write nothing? A fresh check of exactly this fence: faithful, since
@@ -390,8 +399,18 @@ RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-  verdict text := {s}.pg_lease_fence(p_key, p_owner, p_epoch);
+  cur record;
+  verdict text;
 BEGIN
+  -- Fast path, the holder presenting its live fence: one locked read decides. (A refusal here ends
+  -- the transaction, so the lock it may have taken on someone else's lease goes with it.) Anything
+  -- else takes pg_lease_fence's way: input checks, the exact cause, a renewal in flight awaited.
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR KEY SHARE;
+  IF {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
+    PERFORM {s}.pg_lease_remember_fence(p_key, p_owner, p_epoch);
+    RETURN p_epoch;
+  END IF;
+  verdict := {s}.pg_lease_fence(p_key, p_owner, p_epoch);
   IF verdict = 'ok' THEN
     RETURN p_epoch;
   END IF;
@@ -436,11 +455,12 @@ $$;
 -- Check one lease key written by a statement: the transaction presented a fence for it, and that
 -- fence holds now (locking the lease row FOR KEY SHARE until the transaction ends).
 CREATE FUNCTION {s}.pg_lease_guard_key(p_key text, p_fences jsonb, p_table text)
-RETURNS bigint LANGUAGE plpgsql VOLATILE
+RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
   presented jsonb := p_fences -> p_key;
+  cur record;
   verdict text;
 BEGIN
   IF p_key IS NULL THEN
@@ -451,7 +471,14 @@ BEGIN
     PERFORM {s}.pg_lease_refuse('unfenced', p_key, NULL, NULL,
                             format('%s rows guarded by lease %s were written without a fence for it', p_table, p_key));
   END IF;
-  verdict := {s}.pg_lease_fence(p_key, presented ->> 0, (presented ->> 1)::bigint);
+  -- One locked read decides the usual case (the fence was presented moments ago, and this
+  -- transaction may already hold the lock); otherwise pg_lease_fence gives the exact cause.
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR KEY SHARE;
+  verdict := {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, presented ->> 0,
+                                  (presented ->> 1)::bigint, clock_timestamp());
+  IF verdict <> 'ok' THEN
+    verdict := {s}.pg_lease_fence(p_key, presented ->> 0, (presented ->> 1)::bigint);
+  END IF;
   IF verdict <> 'ok' THEN
     PERFORM {s}.pg_lease_refuse(verdict, p_key, presented ->> 0, (presented ->> 1)::bigint,
                             format('lease %s is not held by %s at epoch %s', p_key, presented ->> 0, presented ->> 1));
@@ -474,7 +501,7 @@ DECLARE
   epoch bigint;
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
 BEGIN
-  IF {s}.pg_lease_unfenced_allowed() THEN
+  IF current_setting('pg_lease.unfenced', true) = 'on' AND {s}.pg_lease_unfenced_allowed() THEN
     RETURN NULL;
   END IF;
   fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{{}}'::jsonb);
@@ -540,7 +567,7 @@ DECLARE
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
   rows_sql text;
 BEGIN
-  IF {s}.pg_lease_unfenced_allowed() THEN
+  IF current_setting('pg_lease.unfenced', true) = 'on' AND {s}.pg_lease_unfenced_allowed() THEN
     RETURN NULL;
   END IF;
   fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{{}}'::jsonb);
@@ -602,6 +629,7 @@ DROP FUNCTION IF EXISTS {s}.pg_lease_guard_inherited_rows();
 DROP FUNCTION IF EXISTS {s}.pg_lease_guard_rows();
 DROP FUNCTION IF EXISTS {s}.pg_lease_guard_key(text, jsonb, text);
 DROP FUNCTION IF EXISTS {s}.pg_lease_unfenced_allowed();
+DROP FUNCTION IF EXISTS {s}.pg_lease_remember_fence(text, text, bigint);
 DROP FUNCTION IF EXISTS {s}.pg_lease_allow_unfenced();
 DROP FUNCTION IF EXISTS {s}.pg_lease_refuse(text, text, text, bigint, text);
 DROP FUNCTION IF EXISTS {s}.pg_lease_ttl(interval);

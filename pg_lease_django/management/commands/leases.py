@@ -1,6 +1,7 @@
 """``manage.py leases``: see who holds what, and break a stuck lease safely.
 
-Subcommands: ``list`` (the default), ``show KEY``, ``release KEY --force``, and
+Subcommands: ``list`` (the default), ``show KEY``, ``release KEY --force``,
+``prune --free-for 30d`` (delete rows of leases free that long; epochs never go back), and
 ``run KEY --ttl SECONDS -- COMMAND``, which runs a command while holding a lease (``flock(1)`` for a
 whole cluster). Every state shown is computed in SQL from the database server's clock with
 ``pg_lease_status`` (the rule the lease functions use), in one statement, whatever the number of
@@ -40,6 +41,7 @@ import json
 import logging
 import math
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -294,7 +296,7 @@ class Command(BaseCommand):
         subparsers = parser.add_subparsers(
             dest="subcommand",
             title="subcommands",
-            metavar="{list,show,release,run}",
+            metavar="{list,show,release,prune,run}",
             parser_class=SubcommandParser,
         )
 
@@ -320,6 +322,16 @@ class Command(BaseCommand):
         release_parser.add_argument("--epoch", help="Release only if this is still the current epoch.")
         release_parser.add_argument("--dry-run", action="store_true", help="Say what would happen; change nothing.")
         release_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
+
+        prune_parser = subparsers.add_parser(
+            "prune",
+            help="Delete the rows of leases free for at least --free-for; a key that comes back starts above its past.",
+        )
+        prune_parser.add_argument(
+            "--free-for", required=True, help="How long a lease must have been free: 30d, 12h, 90m, 45s or seconds."
+        )
+        prune_parser.add_argument("--dry-run", action="store_true", help="List what would go; change nothing.")
+        prune_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
 
         run_parser = subparsers.add_parser(
             "run",
@@ -356,7 +368,7 @@ class Command(BaseCommand):
             "-v", "--verbosity", type=int, choices=[0, 1, 2, 3], default=argparse.SUPPRESS, help="Verbosity level."
         )
 
-        for sub in (list_parser, show_parser, release_parser, run_parser):
+        for sub in (list_parser, show_parser, release_parser, prune_parser, run_parser):
             # SUPPRESS: a subcommand that is not given these must not overwrite the top-level value.
             sub.add_argument("--database", default=argparse.SUPPRESS, help="Database alias holding the leases.")
             sub.add_argument("--no-color", action="store_true", default=argparse.SUPPRESS, help="Don't colorize.")
@@ -371,6 +383,8 @@ class Command(BaseCommand):
                 self._show(alias, options)
             elif subcommand == "release":
                 self._release(alias, options)
+            elif subcommand == "prune":
+                self._prune(alias, options)
             elif subcommand == "run":
                 self._run(alias, options)
             else:
@@ -617,6 +631,23 @@ class Command(BaseCommand):
         else:
             self.stdout.write(self.style.SUCCESS(f"Released {row.key!r} ({was}). New epoch: {new_epoch}"))
 
+    def _prune(self, alias: str, options: dict[str, Any]) -> None:
+        free_for = _duration("--free-for", options["free_for"])
+        dry_run = bool(options.get("dry_run"))
+        keys = Lease.objects.db_manager(alias).prune(free_for=free_for, dry_run=dry_run)
+        if options.get("json"):
+            self.stdout.write(json.dumps({"dry_run": dry_run, "free_for_seconds": free_for, "keys": keys}, indent=2))
+            return
+        listing = "".join(f"\n  {key}" for key in keys)
+        if dry_run:
+            self.stdout.write(
+                f"Dry run: would prune {len(keys)} lease(s) free for at least {options['free_for']}.{listing}"
+            )
+        else:
+            self.stdout.write(
+                self.style.SUCCESS(f"Pruned {len(keys)} lease(s) free for at least {options['free_for']}.") + listing
+            )
+
     # -- run -----------------------------------------------------------------------------------------
 
     def _run(self, alias: str, options: dict[str, Any]) -> None:
@@ -676,6 +707,23 @@ def _seconds(name: str, text: str, minimum: timedelta, maximum: timedelta) -> fl
             f"{name} must be between {low:.15g} and {high:.15g} seconds, got {text!r}", returncode=EXIT_USAGE
         )
     return value
+
+
+_DURATION = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[smhd]?)")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(name: str, text: str) -> float:
+    """Parse ``30d``, ``12h``, ``90m``, ``45s`` or plain seconds, up to ten years, into seconds."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise CommandError(
+            f"{name} must be a duration such as 30d, 12h, 90m or 45s, got {text!r}", returncode=EXIT_USAGE
+        )
+    seconds = float(match["number"]) * _UNIT_SECONDS[match["unit"]]
+    if seconds > 3650 * 86400:
+        raise CommandError(f"{name} must be at most 3650d, got {text!r}", returncode=EXIT_USAGE)
+    return seconds
 
 
 def _signal_name(signum: int) -> str:
