@@ -379,7 +379,8 @@ DECLARE
   fences jsonb := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{{}}'::jsonb);
 BEGIN
   IF fences -> p_key IS DISTINCT FROM jsonb_build_array(p_owner, p_epoch) THEN
-    PERFORM set_config('pg_lease.fences', jsonb_set(fences, ARRAY[p_key], jsonb_build_array(p_owner, p_epoch))::text, true);
+    PERFORM set_config('pg_lease.fences',
+                       jsonb_set(fences, ARRAY[p_key], jsonb_build_array(p_owner, p_epoch))::text, true);
   END IF;
 END $$;
 
