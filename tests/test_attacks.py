@@ -191,7 +191,7 @@ def test_a_waiter_that_loses_the_race_after_locking_keeps_no_lock(key: str, raw_
     winner = raw_connect(autocommit=False)
     granted, epoch = winner.execute(
         "SELECT granted, epoch FROM pg_lease_acquire(%s, 'winner', '30 s')", [key]
-    ).fetchone()  # type: ignore[misc]
+    ).fetchone()
     assert granted
     loser = raw_connect()
     if waiter == "sql":
@@ -213,7 +213,7 @@ def test_a_waiter_that_loses_the_race_after_locking_keeps_no_lock(key: str, raw_
             probe.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE cardinality(pg_blocking_pids(pid)) > 0 AND query LIKE %s",
                 ["%pg_lease_acquire%"],
-            ).fetchone()[0]  # type: ignore[index]
+            ).fetchone()[0]
             > 0
         ),
         what="the waiter to block on the winner's row lock",
@@ -225,7 +225,7 @@ def test_a_waiter_that_loses_the_race_after_locking_keeps_no_lock(key: str, raw_
     for _ in range(5):
         (outcome,) = renewer.execute(
             "SELECT outcome FROM pg_lease_renew(%s, 'winner', %s, '30 s')", [key, epoch]
-        ).fetchone()  # type: ignore[misc]
+        ).fetchone()
         assert outcome == "ok"
     probe.execute("SET lock_timeout = '100ms'")
     probe.execute("BEGIN")
@@ -279,12 +279,12 @@ def test_eight_waiters_on_a_lapsing_key_never_slow_the_winners_renewals(key: str
     wait_until(lambda: any(isinstance(r, tuple) and r[0] for r in results.values()), timeout=10, what="a winner")
     [(winner, (_, epoch))] = [(n, r) for n, r in results.items() if isinstance(r, tuple) and r[0]]
     renewer = raw_connect()
-    latencies = []
+    latencies: list[float] = []
     while len(latencies) < 100:
         started = time.monotonic()
         (outcome,) = renewer.execute(
             "SELECT outcome FROM pg_lease_renew(%s, %s, %s, '30 s')", [key, winner, epoch]
-        ).fetchone()  # type: ignore[misc]
+        ).fetchone()
         latencies.append(time.monotonic() - started)
         assert outcome == "ok"
         time.sleep(0.02)
@@ -357,7 +357,7 @@ def test_a_fence_waits_for_a_renewal_decided_before_expiry_instead_of_answering_
 ) -> None:
     g = grant(key, ttl=0.3)
     renewal = raw_connect(autocommit=False)
-    (outcome,) = renewal.execute("SELECT outcome FROM pg_lease_renew(%s, 'w1', %s, '30 s')", [key, g.epoch]).fetchone()  # type: ignore[misc]
+    (outcome,) = renewal.execute("SELECT outcome FROM pg_lease_renew(%s, 'w1', %s, '30 s')", [key, g.epoch]).fetchone()
     assert outcome == "ok"  # decided before expiry, not yet committed
     wait_lapsed(key)  # the committed row says lapsed now
     checker = raw_connect()
@@ -383,7 +383,7 @@ def test_a_day_long_ttl_is_exact_seconds_whatever_the_time_zone(key: str, raw_co
     conn.execute("SET TIME ZONE 'Europe/Paris'")  # 2026-03-29: a 23-hour day there
     granted, ttl = conn.execute(
         "SELECT granted, expires_at - server_time FROM pg_lease_acquire(%s, 'w1', '1 day')", [key]
-    ).fetchone()  # type: ignore[misc]
+    ).fetchone()
     assert granted and ttl.total_seconds() == 86400
 
 
