@@ -370,10 +370,11 @@ BEGIN
 END $$;
 
 -- Record a fence that holds as presented by this transaction (pg_lease.fences, a JSON object
--- key -> [owner, epoch]): what the fenced tables' triggers check their rows against.
+-- key -> [owner, epoch]): what the fenced tables' triggers check their rows against. No SET
+-- search_path (it costs a configuration switch per call on the hot path): its callers pin theirs,
+-- it names only exact-typed built-ins, and called directly it only sets the caller's own setting.
 CREATE FUNCTION {s}.pg_lease_remember_fence(p_key text, p_owner text, p_epoch bigint)
 RETURNS void LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
   fences jsonb := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{{}}'::jsonb);
@@ -403,13 +404,16 @@ DECLARE
   cur record;
   verdict text;
 BEGIN
-  -- Fast path, the holder presenting its live fence: one locked read decides. (A refusal here ends
-  -- the transaction, so the lock it may have taken on someone else's lease goes with it.) Anything
-  -- else takes pg_lease_fence's way: input checks, the exact cause, a renewal in flight awaited.
-  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR KEY SHARE;
+  -- Fast path, the holder presenting its live fence: an unlocked look (a stale fence takes no lock
+  -- and writes nothing), then the lock and the decision. The match itself validates the inputs.
+  -- Anything else takes pg_lease_fence's way: input checks, a renewal in flight awaited, the cause.
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key;
   IF {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
-    PERFORM {s}.pg_lease_remember_fence(p_key, p_owner, p_epoch);
-    RETURN p_epoch;
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key FOR KEY SHARE;
+    IF {s}.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
+      PERFORM {s}.pg_lease_remember_fence(p_key, p_owner, p_epoch);
+      RETURN p_epoch;
+    END IF;
   END IF;
   verdict := {s}.pg_lease_fence(p_key, p_owner, p_epoch);
   IF verdict = 'ok' THEN
