@@ -22,7 +22,7 @@ from .exceptions import (
 )
 from .jobs import HeldLease, Holding, current_lease, exit_on_signals, hold, leased
 from .managers import Grant, LeaseManager, LeaseState
-from .signals import lease_acquired, lease_lost, lease_released
+from .signals import lease_acquired, lease_lost, lease_released, lease_skipped
 
 if TYPE_CHECKING:
     from .fencing import FencedManager, FencedModel, FencedQuerySet, unfenced_writes
@@ -58,6 +58,7 @@ __all__ = [
     "lease_acquired",
     "lease_lost",
     "lease_released",
+    "lease_skipped",
     "leased",
     "unfenced_writes",
 ]

@@ -16,6 +16,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import BadRequest, PermissionDenied
+from django.db import router
 from django.db.models import CharField, DateTimeField, DurationField, ExpressionWrapper, F, Func, QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
@@ -23,9 +24,10 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from . import sql as lease_sql
-from .exceptions import EpochMismatchError, NotOwnerError
+from .exceptions import EpochMismatchError, InvalidInputError, NotOwnerError
 from .management import describe_expiry
 from .models import Lease
+from .validation import check_epoch
 
 __all__ = ["LeaseAdmin", "LeaseStatus", "ServerNow", "StateFilter", "lease_state"]
 
@@ -203,7 +205,8 @@ class LeaseAdmin(_LeaseModelAdmin):
             raise PermissionDenied
         leases = list(queryset)
         if request.POST.get("post") == "yes":
-            self._force_release_confirmed(request, leases, queryset.db)
+            # The write goes where the router sends writes of leases (queryset.db is the read alias).
+            self._force_release_confirmed(request, leases, router.db_for_write(Lease))
             return None
         return TemplateResponse(
             request,
@@ -234,7 +237,10 @@ class LeaseAdmin(_LeaseModelAdmin):
             epoch_text, sep, key = value.partition(":")
             if not sep or not epoch_text.isdecimal() or not epoch_text.isascii():
                 raise BadRequest("malformed force-release confirmation")
-            confirmed[key] = int(epoch_text)
+            try:
+                confirmed[key] = check_epoch(int(epoch_text))
+            except InvalidInputError:
+                raise BadRequest("malformed force-release confirmation: no such epoch") from None
         manager = Lease.objects.db_manager(using)
         released: list[str] = []
         skipped: list[str] = []

@@ -41,7 +41,7 @@ from .exceptions import (
 )
 from .heartbeat import Heartbeat, LeaseConnection
 from .managers import MAX_WAIT, Grant
-from .signals import lease_acquired, lease_lost, lease_released
+from .signals import lease_acquired, lease_lost, lease_released, lease_skipped
 from .validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, to_timedelta
 
 __all__ = ["HeldLease", "Holding", "current_lease", "exit_on_signals", "hold", "leased"]
@@ -235,9 +235,20 @@ class HeldLease:
 
 
 def _send(signal_: Any, lease: HeldLease, **kwargs: Any) -> None:
-    for receiver, result in signal_.send_robust(sender=HeldLease, lease=lease, **kwargs):
+    _send_robust(signal_, HeldLease, lease=lease, **kwargs)
+
+
+def _send_robust(signal_: Any, sender: Any, **kwargs: Any) -> None:
+    for receiver, result in signal_.send_robust(sender=sender, **kwargs):
         if isinstance(result, Exception):
             logger.error("receiver %r of a lease signal failed", receiver, exc_info=result)
+
+
+def _skipped(func: Callable[..., Any], holding: Holding, error: Exception) -> None:
+    """``@leased(on_busy="skip")`` did not run ``func``: say so where a default Django project looks
+    (WARNING reaches the console through Python's last-resort handler), and send `lease_skipped`."""
+    logger.warning("skipped %s(): %s", func.__qualname__, error)
+    _send_robust(lease_skipped, func, key=holding._key, error=error)
 
 
 def current_lease(key: str | None = None) -> HeldLease | None:
@@ -670,7 +681,7 @@ def _wrap(func: Callable[P, Any], holding_for: Callable[[Any, Any], Holding], on
             except _BUSY as exc:
                 if on_busy == "raise":
                     raise
-                logger.info("skipped %s(): %s", func.__qualname__, exc)
+                _skipped(func, holding, exc)
                 return None
             try:
                 result = await func(*args, **kwargs)
@@ -690,7 +701,7 @@ def _wrap(func: Callable[P, Any], holding_for: Callable[[Any, Any], Holding], on
         except _BUSY as exc:
             if on_busy == "raise":
                 raise
-            logger.info("skipped %s(): %s", func.__qualname__, exc)
+            _skipped(func, holding, exc)
             return None
         try:
             result = func(*args, **kwargs)

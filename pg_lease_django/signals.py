@@ -1,4 +1,4 @@
-"""Signals sent by ``hold()`` and ``@leased``. The sender is always `HeldLease`.
+"""Signals sent by ``hold()`` and ``@leased``. The sender is `HeldLease`, except for ``lease_skipped``.
 
 Receivers are called with ``send_robust``: an exception in a receiver is logged (logger
 ``pg_lease_django.jobs``) and never breaks the hold, its heartbeat or its release.
@@ -18,14 +18,20 @@ Receivers are called with ``send_robust``: an exception in a receiver is logged 
     subclass ``lease.check()`` raises from now on. Sent once, right after ``on_lost``, from the
     heartbeat thread (or, when a hold ends after its trust window ran out before the heartbeat
     noticed, from the thread leaving it). Not followed by ``lease_released``.
+
+``lease_skipped(sender, key, error)``
+    ``@leased(on_busy="skip")`` did not run its function because the lease could not be had:
+    ``sender`` is the decorated function, ``error`` the `NotAcquirableError` or `LeaseTimeoutError`.
+    Also logged at WARNING (logger ``pg_lease_django.jobs``), which a default Django project shows.
 """
 
 from __future__ import annotations
 
 from django.dispatch import Signal
 
-__all__ = ["lease_acquired", "lease_lost", "lease_released"]
+__all__ = ["lease_acquired", "lease_lost", "lease_released", "lease_skipped"]
 
 lease_acquired = Signal()
 lease_released = Signal()
 lease_lost = Signal()
+lease_skipped = Signal()

@@ -294,12 +294,18 @@ def test_selecting_only_free_leases_releases_nothing(operator: User, trio: dict[
     assert Lease.objects.inspect(trio["free"]).epoch == 2
 
 
-def test_confirmation_must_name_epochs(operator: User, trio: dict[str, str]) -> None:
+@pytest.mark.parametrize("confirmed", ["x:y", "0:{key}", f"{2**63}:{{key}}", f"{10**40}:{{key}}"])
+def test_confirmation_must_name_epochs(operator: User, trio: dict[str, str], confirmed: str) -> None:
     response = login(operator).post(
         changelist_url(),
-        {"action": "force_release", "_selected_action": [trio["held"]], "post": "yes", "confirmed": "x:y"},
+        {
+            "action": "force_release",
+            "_selected_action": [trio["held"]],
+            "post": "yes",
+            "confirmed": confirmed.format(key=trio["held"]),
+        },
     )
-    assert response.status_code == 400
+    assert response.status_code == 400  # not a 500
     assert Lease.objects.inspect(trio["held"]).status == "held"
 
 

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection, connections
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from pg_lease_django import EpochMismatchError, InvalidInputError, Lease, NotOwnerError
@@ -424,6 +425,17 @@ def test_database_option_on_every_subcommand(key: str) -> None:
     assert leases("release", key, "--force").code == command.EXIT_NOT_FOUND
     assert leases("release", key, "--force", "--database", "other").code == 0
     assert Lease.objects.db_manager("other").inspect(key).epoch == grant.epoch + 1
+
+
+@pytest.mark.django_db(databases=["default", "other"])
+def test_the_default_database_is_where_the_router_sends_lease_writes(key: str) -> None:
+    class LeasesElsewhere:
+        def db_for_write(self, model: Any, **hints: Any) -> str | None:
+            return "other" if model._meta.app_label == "pg_lease_django" else None
+
+    assert Lease.objects.db_manager("other").acquire(key, "w-other", ttl=30) is not None
+    with override_settings(DATABASE_ROUTERS=[LeasesElsewhere()]):
+        assert leases("show", key, "--json").json()["owner"] == "w-other"
 
 
 def test_colour_follows_no_color(trio: dict[str, str], key: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -41,6 +42,7 @@ from pg_lease_django import (
     lease_acquired,
     lease_lost,
     lease_released,
+    lease_skipped,
     leased,
     unfenced_writes,
 )
@@ -228,7 +230,7 @@ def test_safety_margin_setting_shortens_the_trust_window(key: str) -> None:
 # ---- @leased ---------------------------------------------------------------------------------
 
 
-def test_leased_skips_or_raises_when_busy(key: str) -> None:
+def test_leased_skips_or_raises_when_busy(key: str, caplog: pytest.LogCaptureFixture) -> None:
     calls: list[str] = []
 
     @leased(key, ttl=5)
@@ -244,11 +246,25 @@ def test_leased_skips_or_raises_when_busy(key: str) -> None:
     assert skipping() == "ran" and raising() == "ran"
     other = Lease.objects.acquire(key, "elsewhere", ttl=30)
     assert other is not None
-    assert skipping() is None
+    skips: list[dict[str, Any]] = []
+
+    def on_skip(sender: Any, **kwargs: Any) -> None:
+        skips.append({"sender": sender, **kwargs})
+
+    lease_skipped.connect(on_skip)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pg_lease_django.jobs"):
+            assert skipping() is None
+    finally:
+        lease_skipped.disconnect(on_skip)
     with pytest.raises(NotAcquirableError):
         raising()
     assert calls == ["skip", "raise"]
     assert Lease.objects.inspect(key).owner == "elsewhere"
+    [skip] = skips
+    assert skip["sender"] is skipping.__wrapped__ and skip["key"] == key
+    assert isinstance(skip["error"], NotAcquirableError)
+    assert [r.levelno for r in caplog.records if "skipped" in r.getMessage()] == [logging.WARNING]
 
 
 def test_leased_key_templates_and_callables(key: str) -> None:

@@ -55,7 +55,7 @@ from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
+from django.db import DatabaseError, connections, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from pg_lease_django import sql as lease_sql
@@ -291,7 +291,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         """Declare the subcommands; ``--database`` and ``--no-color`` are accepted before or after them."""
         parser.add_argument(
-            "--database", default=DEFAULT_DB_ALIAS, help="Database alias holding the leases (default: %(default)s)."
+            "--database",
+            default=None,
+            help="Database alias holding the leases (default: where DATABASE_ROUTERS send writes of leases).",
         )
         subparsers = parser.add_subparsers(
             dest="subcommand",
@@ -376,7 +378,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Run the subcommand; every failure becomes a one-line `CommandError` with its exit code."""
-        alias = self._database(options["database"])
+        alias = self._database(options["database"] or router.db_for_write(Lease))
         subcommand = options.get("subcommand") or "list"
         try:
             if subcommand == "show":
