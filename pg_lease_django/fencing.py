@@ -134,7 +134,9 @@ def _opted_out(unfenced: bool) -> bool:
     return unfenced or _unfenced_writes.get() or _queryset_fence.get() is _UNFENCED
 
 
-def resolve_fence(fence: Fence | None, key: str | Callable[[], str], *, unfenced: bool = False) -> FenceToken | None:
+def resolve_fence(
+    fence: Fence | None, key: str | Callable[[], str], *, unfenced: bool = False, using: str | None = None
+) -> FenceToken | None:
     """Decide which lease guards a write: the one place that does.
 
     Args:
@@ -142,6 +144,8 @@ def resolve_fence(fence: Fence | None, key: str | Callable[[], str], *, unfenced
         key: the lease key the write is guarded by (or a callable computing it, called only when
             a fence is needed).
         unfenced: the caller's explicit opt-out (``save(unfenced=True)``).
+        using: the database alias the write goes to, when known: a lease held (``hold(using=...)``)
+            in another database is no fence for it.
 
     Returns:
         The token to present, or None for a deliberately unfenced write.
@@ -162,7 +166,16 @@ def resolve_fence(fence: Fence | None, key: str | Callable[[], str], *, unfenced
             from .jobs import current_lease
 
             if current_lease() is not None and (lease_key := key() if callable(key) else key):
-                fence = current_lease(lease_key)
+                held = current_lease(lease_key)
+                if held is not None and using is not None and held.using != using:
+                    raise UnfencedWriteError(
+                        f"lease {lease_key!r} is held in database {held.using!r} (hold(..., using={held.using!r})), "
+                        f"but this write goes to database {using!r}: a lease only fences writes to its own database",
+                        key=lease_key,
+                        owner=held.owner,
+                        epoch=held.epoch,
+                    )
+                fence = held
             if fence is None:
                 raise UnfencedWriteError(
                     "write to a FencedModel without a fence: pass fence=grant (querysets: .fenced(grant)), hold "
@@ -452,7 +465,9 @@ class FencedQuerySet(models.QuerySet[_M]):
         if self._pg_lease_token is not None:
             return self._pg_lease_token
         # Inside hold(), a class-level lease_key lets the current lease fence the queryset too.
-        return resolve_fence(None, getattr(self.model, "lease_key", None) or "", unfenced=self._pg_lease_unfenced)
+        return resolve_fence(
+            None, getattr(self.model, "lease_key", None) or "", unfenced=self._pg_lease_unfenced, using=self._using()
+        )
 
     def _using(self) -> str:
         return self._db or router.db_for_write(self.model, **self._hints)  # type: ignore[attr-defined]
@@ -632,7 +647,8 @@ class FencedModel(models.Model):
                 lease this write presented no fence for.
             InvalidInputError: a fence for another lease key, or a malformed fence.
         """
-        self._pg_lease_token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced)
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        self._pg_lease_token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced, using=using)
         try:
             super().save(*args, **kwargs)
         finally:
@@ -650,7 +666,7 @@ class FencedModel(models.Model):
         """Django's save_base(), its statements presenting the fence (or opting out) to the database."""
         token = self.__dict__.pop("_pg_lease_token", _AMBIENT)
         if token is _AMBIENT:  # called directly (loaddata): refused unless opted out or inside hold()
-            token = resolve_fence(None, self.get_lease_key)
+            token = resolve_fence(None, self.get_lease_key, using=kwargs.get("using"))
         assert token is None or isinstance(token, FenceToken)
         if kwargs.get("update_fields"):  # empty update_fields: Django saves nothing
             kwargs["update_fields"] = {*kwargs["update_fields"], KEY_FIELD, EPOCH_FIELD}
@@ -703,8 +719,8 @@ class FencedModel(models.Model):
         Django's delete (signals, cascades, ``keep_parents``) runs in one transaction whose first
         statement presents the fence: two statements at least, all checked by the database.
         """
-        token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced)
         using = kwargs.get("using") or (args[0] if args else None) or router.db_for_write(type(self), instance=self)
+        token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced, using=using)
         with _refusals_raised("delete"), _in_one_transaction(using, token, present_first=True):
             return super().delete(*args, **kwargs)
 

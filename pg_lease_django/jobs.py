@@ -28,7 +28,7 @@ from types import FrameType, TracebackType
 from typing import Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from asgiref.sync import iscoroutinefunction
-from django.db import router
+from django.db import DEFAULT_DB_ALIAS, router
 
 from . import conf
 from .exceptions import (
@@ -80,14 +80,25 @@ class HeldLease:
         epoch: the fencing token of this grant; renewals keep it.
         expires_at: the server's expiry after the last successful acquire/renewal.
         ttl: the TTL every renewal asks for.
+        using: the database alias the lease is held in.
     """
 
-    def __init__(self, grant: Grant, *, ttl: timedelta, sent_at: float, trust_span: float, on_lost: OnLost | None):
+    def __init__(
+        self,
+        grant: Grant,
+        *,
+        ttl: timedelta,
+        sent_at: float,
+        trust_span: float,
+        on_lost: OnLost | None,
+        using: str = DEFAULT_DB_ALIAS,
+    ):
         self.key: str = grant.key
         self.owner: str = grant.owner
         self.epoch: int = grant.epoch
         self.expires_at: datetime = grant.expires_at
         self.ttl = ttl
+        self.using = using
         self._granted_sent_at = sent_at
         self._trust_span = trust_span
         self._trusted_until = sent_at + trust_span
@@ -341,7 +352,12 @@ class _Session:
             if grant is None:
                 raise NotAcquirableError(f"lease {self.key!r} is held by another owner", key=self.key, owner=owner)
             lease = HeldLease(
-                grant, ttl=options.ttl, sent_at=connection.sent_at, trust_span=trust_span, on_lost=options.on_lost
+                grant,
+                ttl=options.ttl,
+                sent_at=connection.sent_at,
+                trust_span=trust_span,
+                on_lost=options.on_lost,
+                using=alias,
             )
             heartbeat = Heartbeat(lease, connection, ttl=options.ttl, interval=interval)
             heartbeat.start()

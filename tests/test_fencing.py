@@ -26,6 +26,7 @@ from pg_lease_django import (
     LeaseLostError,
     NotOwnerError,
     UnfencedWriteError,
+    hold,
     unfenced_writes,
 )
 from pg_lease_django.checks import check_fenced_models_have_fenced_parents, check_fenced_models_share_the_lease_database
@@ -591,6 +592,14 @@ def test_system_check_refuses_a_fenced_child_of_an_unfenced_model() -> None:
     assert (error.id, error.obj) == ("pg_lease_django.E003", FencedChild)
     assert error.hint
     assert check_fenced_models_have_fenced_parents() == []
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "other"])
+def test_a_lease_held_in_another_database_is_named_as_such(key: str) -> None:
+    with hold(key, ttl=5, using="other"), pytest.raises(UnfencedWriteError) as info:
+        Invoice(account=key).save()  # goes to "default"
+    assert "held in database 'other'" in str(info.value) and "goes to database 'default'" in str(info.value)
+    assert not Invoice.objects.filter(account=key).exists()
 
 
 def test_testapp_migrations_are_in_sync() -> None:
