@@ -1,4 +1,8 @@
-"""Shared fixtures: raw second connections to the test database, unique keys, row snapshots."""
+"""Shared fixtures: raw second connections to the test database, unique keys, row snapshots.
+
+The test databases are made flushable (``pg_lease.allow_truncate``) by the package's own pytest
+plugin, ``pg_lease_django.pytest_plugin``, as in any project that uses it.
+"""
 
 from __future__ import annotations
 
@@ -111,18 +115,3 @@ class Background(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.result
-
-
-@pytest.fixture(scope="session")
-def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> None:
-    """Let transactional tests flush the test databases: the lease table refuses TRUNCATE unless
-    ``pg_lease.allow_truncate`` is on, which only test databases may set."""
-    with django_db_blocker.unblock():
-        for alias in connections:
-            connection = connections[alias]
-            name = connection.settings_dict["NAME"]
-            if connection.vendor != "postgresql" or not str(name).startswith("test_"):
-                continue  # not a test database set up for this session
-            with connection.cursor() as cursor:
-                cursor.execute(f"ALTER DATABASE {connection.ops.quote_name(name)} SET pg_lease.allow_truncate = on")
-            connection.close()  # database settings apply to new sessions

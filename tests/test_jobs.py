@@ -262,7 +262,7 @@ def test_leased_skips_or_raises_when_busy(key: str, caplog: pytest.LogCaptureFix
     assert calls == ["skip", "raise"]
     assert Lease.objects.inspect(key).owner == "elsewhere"
     [skip] = skips
-    assert skip["sender"] is skipping.__wrapped__ and skip["key"] == key
+    assert skip["sender"] is skipping.__wrapped__ and skip["key"] == key  # type: ignore[attr-defined]
     assert isinstance(skip["error"], NotAcquirableError)
     assert [r.levelno for r in caplog.records if "skipped" in r.getMessage()] == [logging.WARNING]
 
