@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager, suppress
+from contextlib import aclosing, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import psycopg
+from asgiref.sync import sync_to_async
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.utils import DatabaseErrorWrapper
+from psycopg.sql import SQL, Identifier
 
 from . import conf, sql
 from .exceptions import (
@@ -91,6 +95,17 @@ class LeaseState:
         return self.status == "held"
 
 
+@dataclass(frozen=True)
+class _OwnWait:
+    """What a blocking `LeaseManager.aacquire` takes from the caller's connection to wait on one of its own."""
+
+    statement: str  # sql.ACQUIRE, rendered for that database
+    connect: dict[str, Any]  # psycopg.AsyncConnection.connect() arguments
+    role: str | None  # OPTIONS["assume_role"], set as Django's backend sets it on its connections
+    listen: bool
+    errors: DatabaseErrorWrapper  # Django's mapping of psycopg's errors, as for every other call
+
+
 class LeaseManager(models.Manager["Lease"]):
     """Acquire, renew, release and inspect leases.
 
@@ -100,6 +115,9 @@ class LeaseManager(models.Manager["Lease"]):
     transaction and rolls back with it. Use
     ``Lease.objects.db_manager(alias)`` for another database; by default the router's write
     database for `Lease` is used.
+
+    Each operation has an awaitable twin for async code (`aacquire`, `arenew`, `arelease`,
+    `ainspect`, `aforce_release`) with the same arguments, rules, results and errors.
     """
 
     def _connection(self) -> BaseDatabaseWrapper:
@@ -153,6 +171,16 @@ class LeaseManager(models.Manager["Lease"]):
             InvalidInputError: bad argument; nothing was sent.
             LeaseTimeoutError: ``blocking=True`` and ``timeout`` passed.
         """
+        ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
+        if not blocking:
+            return self._try_acquire(key, owner, ttl_delta)[0]
+        return self._wait_and_acquire(key, owner, ttl_delta, wait)
+
+    @staticmethod
+    def _check_acquire(
+        key: str, owner: str, ttl: Seconds, blocking: bool, timeout: Seconds | None
+    ) -> tuple[timedelta, timedelta | None]:
+        """The argument rules of `acquire` and `aacquire`: the TTL and the wait bound, or InvalidInputError."""
         check_name("key", key)
         check_name("owner", owner)
         ttl_delta = check_ttl(ttl)
@@ -161,15 +189,36 @@ class LeaseManager(models.Manager["Lease"]):
         if timeout is not None and not blocking:
             raise InvalidInputError("timeout only applies with blocking=True", key=key, owner=owner)
         wait = None if timeout is None else to_timedelta("timeout", timeout, minimum=timedelta(0), maximum=MAX_WAIT)
-        if not blocking:
-            return self._try_acquire(key, owner, ttl_delta)[0]
-        return self._wait_and_acquire(key, owner, ttl_delta, wait)
+        return ttl_delta, wait
 
     def _try_acquire(self, key: str, owner: str, ttl: timedelta) -> tuple[Grant | None, tuple[Any, ...]]:
         row = self._call(sql.ACQUIRE, [key, owner, ttl])
+        return self._granted(key, row), row
+
+    @staticmethod
+    def _granted(key: str, row: tuple[Any, ...]) -> Grant | None:
+        """The `Grant` in a ``pg_lease_acquire`` row, or None when the attempt was refused."""
         granted, _key, row_owner, epoch, expires_at, server_time = row
-        grant = Grant(key, row_owner, epoch, expires_at, server_time) if granted else None
-        return grant, row
+        return Grant(key, row_owner, epoch, expires_at, server_time) if granted else None
+
+    @staticmethod
+    def _pause_after_refusal(
+        key: str, owner: str, row: tuple[Any, ...], wait: timedelta | None, deadline: float | None
+    ) -> float:
+        """Seconds a waiter sleeps after the refused attempt ``row``; LeaseTimeoutError once past ``deadline``.
+
+        Until the holder's expiry (server clock), a poll interval, or the deadline (``time.monotonic()``).
+        """
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise LeaseTimeoutError(
+                f"lease {key!r} still held by {row[2]!r} after waiting {wait}", key=key, owner=owner
+            )
+        holder_expires_at, server_time = row[4], row[5]
+        pause: float = min(max((holder_expires_at - server_time).total_seconds(), 0.0), conf.poll_interval())
+        if deadline is not None:
+            pause = min(pause, deadline - now)
+        return pause
 
     def _wait_and_acquire(self, key: str, owner: str, ttl: timedelta, wait: timedelta | None) -> Grant:
         """Retry until granted: on a release notification, at the holder's expiry, or every poll interval.
@@ -187,16 +236,7 @@ class LeaseManager(models.Manager["Lease"]):
                 grant, row = self._try_acquire(key, owner, ttl)
                 if grant is not None:
                     return grant
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise LeaseTimeoutError(
-                        f"lease {key!r} still held by {row[2]!r} after waiting {wait}", key=key, owner=owner
-                    )
-                # Sleep until the holder's expiry (server clock), a poll interval, or our deadline.
-                holder_expires_at, server_time = row[4], row[5]
-                pause = min(max((holder_expires_at - server_time).total_seconds(), 0.0), conf.poll_interval())
-                if deadline is not None:
-                    pause = min(pause, deadline - now)
+                pause = self._pause_after_refusal(key, owner, row, wait, deadline)
                 if listen:
                     self._wait_for_release(connection, key, pause)
                 else:
@@ -352,6 +392,196 @@ class LeaseManager(models.Manager["Lease"]):
             )
         what = "was never acquired" if outcome == "not_found" else f"is already free (epoch {current_epoch})"
         raise NotOwnerError(f"lease {key!r} {what}: nothing to release", key=key, epoch=epoch)
+
+    # --- the async API: each method runs its sync twin's rules (validation, result, errors) as is --
+    # sync_to_async with thread_sensitive=True (its default), as Django's own async ORM methods use
+    # it: the statement runs in Django's thread for sync code (under ASGI the request's), on the
+    # connection the caller's other ORM calls use, instead of opening a Django connection in each
+    # worker thread of a pool, which nothing would ever close.
+
+    @overload
+    async def aacquire(
+        self, key: str, owner: str, ttl: Seconds, *, blocking: Literal[False] = False
+    ) -> Grant | None: ...
+    @overload
+    async def aacquire(
+        self, key: str, owner: str, ttl: Seconds, *, blocking: Literal[True], timeout: Seconds | None = None
+    ) -> Grant: ...
+    @overload
+    async def aacquire(
+        self, key: str, owner: str, ttl: Seconds, *, blocking: bool, timeout: Seconds | None = None
+    ) -> Grant | None: ...
+
+    async def aacquire(
+        self,
+        key: str,
+        owner: str,
+        ttl: Seconds,
+        *,
+        blocking: bool = False,
+        timeout: Seconds | None = None,
+    ) -> Grant | None:
+        """Async `acquire`: the same arguments, rules, result and errors.
+
+        Without ``blocking``, the one statement runs the way Django's async ORM methods run theirs:
+        in Django's thread for sync code (``sync_to_async``), on the connection the caller's other
+        ORM calls use. With ``blocking=True`` the wait holds no thread: the waiter opens a
+        connection of its own from the same database settings (named ``pg_lease_django wait
+        <owner>`` in ``pg_stat_activity``), makes each attempt and LISTENs on it (or, with
+        ``PG_LEASE_LISTEN = False``, sleeps with ``asyncio.sleep``), and closes it when the call
+        returns, raises or is cancelled. The grant is committed when the call returns. When the
+        caller's connection is in a transaction (``async_to_sync`` within ``atomic()``, or
+        ``AUTOCOMMIT`` off) it polls with attempts in that transaction instead, as `acquire` does.
+
+        Args:
+            key: the lease key (1-255 UTF-8 bytes, no NUL).
+            owner: the caller's identity, unique among concurrent clients.
+            ttl: how long the grant lasts without renewal, on the server clock.
+            blocking: wait until the key can be acquired instead of returning None.
+            timeout: with ``blocking=True``, the longest wait (seconds or timedelta).
+
+        Returns:
+            A `Grant`, or None when another owner holds the key (non-blocking only).
+
+        Raises:
+            InvalidInputError: bad argument; nothing was sent.
+            LeaseTimeoutError: ``blocking=True`` and ``timeout`` passed.
+            asyncio.CancelledError: the task was cancelled while waiting; the attempt in flight is
+                cancelled on the server and the waiter's connection (and its LISTEN) closed.
+        """
+        ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
+        if not blocking:
+            grant, _row = await sync_to_async(self._try_acquire)(key, owner, ttl_delta)
+            return grant
+        return await self._await_and_acquire(key, owner, ttl_delta, wait)
+
+    async def _await_and_acquire(self, key: str, owner: str, ttl: timedelta, wait: timedelta | None) -> Grant:
+        """`_wait_and_acquire` for the event loop: the same attempts and pauses, and no thread held while waiting."""
+        deadline = None if wait is None else time.monotonic() + wait.total_seconds()
+        own = await sync_to_async(self._own_wait)(owner)
+        if own is None:
+            # The caller's connection is in a transaction: the grant must belong to it, so the
+            # attempts run there (in its thread) and the waiter polls, as acquire() does there. An
+            # attempt in flight when the task is cancelled finishes in that thread.
+            while True:
+                grant, row = await sync_to_async(self._try_acquire)(key, owner, ttl)
+                if grant is not None:
+                    return grant
+                await asyncio.sleep(self._pause_after_refusal(key, owner, row, wait, deadline))
+        # Each attempt is sql.ACQUIRE on the waiter's own connection rather than _try_acquire in a
+        # thread: a thread cannot be interrupted, so an attempt stuck behind a row lock when the
+        # task is cancelled would run on and could commit a grant nobody receives, while psycopg
+        # cancels a statement in flight on cancellation and waits for it to end. No thread is
+        # taken even for the attempts, and, as in acquire(), LISTEN and attempts share one session:
+        # a release committed while an attempt is in flight is queued there, not missed.
+        with own.errors:
+            conn = await psycopg.AsyncConnection.connect(**own.connect)
+            try:
+                if own.role:
+                    await conn.execute(SQL("SET ROLE {}").format(Identifier(own.role)))
+                if own.listen:
+                    await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                while True:
+                    attempt = await (await conn.execute(own.statement, [key, owner, ttl])).fetchone()
+                    assert attempt is not None
+                    grant = self._granted(key, attempt)
+                    if grant is not None:
+                        return grant
+                    pause = self._pause_after_refusal(key, owner, attempt, wait, deadline)
+                    if own.listen:
+                        await self._await_release(conn, key, pause)
+                    else:
+                        await asyncio.sleep(pause)
+            finally:
+                # Ending the session ends its LISTEN; no statement runs any more (psycopg has already
+                # cancelled and waited out one interrupted by a cancellation).
+                await conn.close()
+
+    def _own_wait(self, owner: str) -> _OwnWait | None:
+        """How a blocking `aacquire` waits on a connection of its own; None when the caller's is in a transaction."""
+        connection = self._connection()
+        # Asked without opening the caller's connection: the attempts will not run on it.
+        opened = connection.connection is not None
+        if not (connection.get_autocommit() if opened else connection.settings_dict["AUTOCOMMIT"]):
+            return None
+        # Django's own translation of the alias's settings into connect() arguments (the test
+        # database's name during tests; OPTIONS["pool"] and "isolation_level" left out), as the
+        # heartbeat's LeaseConnection gets through its wrapper. Django's cursor classes are sync:
+        # use psycopg's async class with the same (client- or server-side) parameter binding.
+        params = connection.get_connection_params()
+        client_side = issubclass(params.pop("cursor_factory", psycopg.ClientCursor), psycopg.ClientCursor)
+        params.update(
+            autocommit=True,
+            cursor_factory=psycopg.AsyncClientCursor if client_side else psycopg.AsyncCursor,
+            application_name=f"pg_lease_django wait {owner}"[:63],
+        )
+        return _OwnWait(
+            statement=sql.render(connection, sql.ACQUIRE),
+            connect=params,
+            role=connection.settings_dict["OPTIONS"].get("assume_role"),
+            listen=conf.listen_enabled(),
+            errors=connection.wrap_database_errors,
+        )
+
+    @staticmethod
+    async def _await_release(conn: psycopg.AsyncConnection[Any], key: str, seconds: float) -> None:
+        # As _wait_for_release: notifications that arrived during the attempt are yielded first.
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            async with aclosing(conn.notifies(timeout=remaining, stop_after=1)) as notifies:
+                async for notify in notifies:
+                    if notify.payload == key:
+                        return
+
+    async def arenew(self, key: str, owner: str, epoch: int, ttl: Seconds) -> datetime:
+        """Async `renew`: the same arguments, result and errors (the statement runs via ``sync_to_async``).
+
+        Returns:
+            The new ``expires_at`` (server clock).
+
+        Raises:
+            NotOwnerError: the key is unknown, free, or held by another owner.
+            LapsedError: ``owner`` held it but it expired; re-acquire to continue.
+            EpochMismatchError: ``owner`` holds it under another epoch.
+            InvalidInputError: bad argument; nothing was sent.
+        """
+        return await sync_to_async(self.renew)(key, owner, epoch, ttl)
+
+    async def arelease(self, key: str, owner: str, epoch: int) -> None:
+        """Async `release`: the same arguments and errors (the statement runs via ``sync_to_async``).
+
+        Raises:
+            NotOwnerError, LapsedError, EpochMismatchError: as for `renew`; nothing changed.
+            InvalidInputError: bad argument; nothing was sent.
+        """
+        await sync_to_async(self.release)(key, owner, epoch)
+
+    async def ainspect(self, key: str) -> LeaseState:
+        """Async `inspect`: the state of ``key`` at the server clock (the statement runs via ``sync_to_async``).
+
+        Advisory only: the state may change right after it is read. Guard actions with the epoch.
+        """
+        return await sync_to_async(self.inspect)(key)
+
+    async def aforce_release(self, key: str, *, epoch: int | None = None) -> int:
+        """Async `force_release`: the same arguments, result and errors (the statement runs via ``sync_to_async``).
+
+        The operator override, for humans and scripts, never for workers.
+
+        Args:
+            key: the lease key.
+            epoch: release only if this is still the current epoch; None releases any holder.
+
+        Returns:
+            The new epoch (the released one plus one).
+
+        Raises:
+            NotOwnerError: nothing to release: the key is free or was never acquired.
+            EpochMismatchError: ``epoch`` was given and the lease has moved on; ``owner`` is the
+                current holder. Look again before releasing.
+            InvalidInputError: bad argument; nothing was sent.
+        """
+        return await sync_to_async(self.force_release)(key, epoch=epoch)
 
     def prune(self, *, free_for: Seconds, dry_run: bool = False) -> list[str]:
         """Delete the rows of leases free (released, or lapsed) for at least ``free_for``.
