@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 __all__ = [
     "EpochMismatchError",
     "InvalidInputError",
@@ -43,10 +45,31 @@ class NotAcquirableError(LeaseError):
     """The key is held by another owner.
 
     Raised where a denial must be an exception (``hold()``); ``acquire()`` returns ``None`` instead.
-    Recover by trying later or waiting (``blocking=True``).
+    Recover by trying later (after ``expires_at`` at the latest) or waiting (``blocking=True``).
+
+    Attributes:
+        owner: the caller's identity, as for every error; the holder is ``holder``.
+        holder, holder_epoch, expires_at: who held the key when it was refused, at which epoch,
+            and until when (server clock); None when unknown.
     """
 
     code = "not_acquirable"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        owner: str | None = None,
+        epoch: int | None = None,
+        holder: str | None = None,
+        holder_epoch: int | None = None,
+        expires_at: datetime | None = None,
+    ) -> None:
+        super().__init__(message, key=key, owner=owner, epoch=epoch)
+        self.holder = holder
+        self.holder_epoch = holder_epoch
+        self.expires_at = expires_at
 
 
 class LeaseTimeoutError(LeaseError):

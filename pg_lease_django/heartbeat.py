@@ -85,13 +85,17 @@ class LeaseConnection:
         self.sent_at = 0.0
         self._lock = threading.Lock()
 
-    def acquire(self, key: str, owner: str, ttl: timedelta, *, blocking: bool, timeout: Seconds | None) -> Grant | None:
-        """One acquire (or a blocking wait) in autocommit: the grant is committed when this returns."""
+    def acquire(self, key: str, owner: str, ttl: timedelta, *, blocking: bool, timeout: Seconds | None) -> Grant:
+        """One acquire (or a blocking wait) in autocommit: the grant is committed when this returns.
+
+        Raises:
+            NotAcquirableError: not blocking, and another owner holds the key (named in the error).
+        """
         with self._lock:
             try:
                 if blocking:
                     return self.manager.acquire(key, owner, ttl, blocking=True, timeout=timeout)
-                return self.manager.acquire(key, owner, ttl)
+                return self.manager._acquire_or_raise(key, owner, ttl)
             except BaseException:
                 self._discard()
                 raise

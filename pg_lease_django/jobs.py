@@ -349,8 +349,6 @@ class _Session:
         heartbeat: Heartbeat | None = None
         try:
             grant = connection.acquire(self.key, owner, options.ttl, blocking=options.blocking, timeout=options.timeout)
-            if grant is None:
-                raise NotAcquirableError(f"lease {self.key!r} is held by another owner", key=self.key, owner=owner)
             lease = HeldLease(
                 grant,
                 ttl=options.ttl,

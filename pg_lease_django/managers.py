@@ -25,9 +25,10 @@ from .exceptions import (
     LapsedError,
     LeaseLostError,
     LeaseTimeoutError,
+    NotAcquirableError,
     NotOwnerError,
 )
-from .validation import Seconds, check_epoch, check_name, check_ttl, to_timedelta
+from .validation import Seconds, check_epoch, check_name, check_ttl, describe_seconds, to_timedelta
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -195,6 +196,23 @@ class LeaseManager(models.Manager["Lease"]):
         row = self._call(sql.ACQUIRE, [key, owner, ttl])
         return self._granted(key, row), row
 
+    def _acquire_or_raise(self, key: str, owner: str, ttl: Seconds) -> Grant:
+        """A non-blocking acquire that raises `NotAcquirableError`, naming the holder, when refused."""
+        ttl_delta, _wait = self._check_acquire(key, owner, ttl, False, None)
+        grant, row = self._try_acquire(key, owner, ttl_delta)
+        if grant is not None:
+            return grant
+        _granted, _key, holder, holder_epoch, expires_at, _server_time = row
+        until = f" until {expires_at.isoformat(timespec='milliseconds')}" if expires_at is not None else ""
+        raise NotAcquirableError(
+            f"lease {key!r} is held by {holder!r} at epoch {holder_epoch}{until}",
+            key=key,
+            owner=owner,
+            holder=holder,
+            holder_epoch=holder_epoch,
+            expires_at=expires_at,
+        )
+
     @staticmethod
     def _granted(key: str, row: tuple[Any, ...]) -> Grant | None:
         """The `Grant` in a ``pg_lease_acquire`` row, or None when the attempt was refused."""
@@ -211,8 +229,9 @@ class LeaseManager(models.Manager["Lease"]):
         """
         now = time.monotonic()
         if deadline is not None and now >= deadline:
+            waited = describe_seconds(wait) if wait is not None else "the wait"
             raise LeaseTimeoutError(
-                f"lease {key!r} still held by {row[2]!r} after waiting {wait}", key=key, owner=owner
+                f"lease {key!r} still held by {row[2]!r} after waiting {waited}", key=key, owner=owner
             )
         holder_expires_at, server_time = row[4], row[5]
         pause: float = min(max((holder_expires_at - server_time).total_seconds(), 0.0), conf.poll_interval())

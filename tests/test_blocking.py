@@ -205,6 +205,7 @@ def test_timeout_raises_57014_within_bound_and_leaves_nothing_behind(
     error = info.value
     assert (error.sqlstate, error.code, error.key, error.owner) == ("57014", "timeout", key, "waiter")
     assert "holder" in str(error)
+    assert f"after waiting {seconds:g} s" in str(error), str(error)  # seconds, as a person reads them
     assert_django_connection_clean(observer)
     assert row_snapshot(observer, key) == before
     assert Lease.objects.inspect(key).owner == "holder"

@@ -9,6 +9,7 @@ import psycopg
 import pytest
 
 from pg_lease_django import InvalidInputError, Lease
+from pg_lease_django.validation import check_ttl
 
 pytestmark = pytest.mark.django_db
 
@@ -100,3 +101,17 @@ def test_sql_functions_reject_bad_input_with_22023(sql: str, params: list[Any], 
     assert info.value.sqlstate == "22023"
     assert "invalid_input" in str(info.value)
     assert conn.execute("SELECT count(*), coalesce(sum(epoch), 0) FROM pg_lease_django_lease").fetchone() == before
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: check_ttl(0), "ttl must be between 0.001 s and 365 days, got 0 s"),
+        (lambda: check_ttl(timedelta(days=400)), "ttl must be between 0.001 s and 365 days, got 400 days"),
+        (lambda: check_ttl(0.0005), "got 0.0005 s"),
+    ],
+)
+def test_durations_in_errors_read_as_seconds_or_days(call: Any, message: str) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        call()
+    assert message in str(info.value)
