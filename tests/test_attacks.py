@@ -31,7 +31,7 @@ from pg_lease_django import (
     unfenced_writes,
 )
 from tests.conftest import Background, wait_until, wait_until_blocked
-from tests.helpers import refused
+from tests.helpers import in_thread, refused
 from tests.testapp.models import ArchivedReport, CreditNote, Entry, Invoice, Report
 
 
@@ -200,7 +200,7 @@ def test_a_waiter_that_loses_the_race_after_locking_keeps_no_lock(key: str, raw_
         )
     else:
 
-        @in_own_connection
+        @in_thread
         def python_waiter() -> Any:
             with transaction.atomic():
                 return Lease.objects.acquire(key, "loser", ttl=30, blocking=True, timeout=3)
@@ -297,18 +297,6 @@ def test_eight_waiters_on_a_lapsing_key_never_slow_the_winners_renewals(key: str
     assert latencies[-1] < 1.0, f"worst renewal {latencies[-1]:.3f}s; p50 {latencies[len(latencies) // 2]:.4f}s"
 
 
-def in_own_connection(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """Run ``fn`` on the calling thread's own Django connection, closed afterwards."""
-
-    def run() -> Any:
-        try:
-            return fn()
-        finally:
-            connections.close_all()
-
-    return run
-
-
 # ---- 6. a long fenced transaction keeps its own lease ------------------------------------------
 
 
@@ -324,7 +312,7 @@ def test_a_long_fenced_transaction_does_not_starve_its_heartbeat(key: str) -> No
             while time.monotonic() - started < 4:
                 Entry(account=key, writer="job", ticket=n).save(fence=lease)
                 n += 1
-                rival = Background(in_own_connection(lambda: Lease.objects.acquire(key, "rival", ttl=5)))
+                rival = Background(in_thread(lambda: Lease.objects.acquire(key, "rival", ttl=5)))
                 rival.start()
                 rivals.append(rival.outcome())
                 time.sleep(0.2)

@@ -32,7 +32,7 @@ from pg_lease_django import (
 from pg_lease_django.checks import check_fenced_models_have_fenced_parents, check_fenced_models_share_the_lease_database
 from pg_lease_django.fencing import FencedModel
 from tests.conftest import Background, wait_until, wait_until_blocked
-from tests.helpers import refused
+from tests.helpers import in_thread, refused
 from tests.testapp.models import ArchivedReport, CommitTicket, CreditNote, Entry, Invoice, Report
 
 pytestmark = pytest.mark.django_db
@@ -338,18 +338,6 @@ def test_rejections_in_autocommit_are_precise(key: str) -> None:
 
 
 # ---- races -----------------------------------------------------------------------------------
-
-
-def in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """Wrap ``fn`` to run on its own Django connection, closed when the thread ends."""
-
-    def run() -> Any:
-        try:
-            return fn()
-        finally:
-            connection.close()
-
-    return run
 
 
 @pytest.mark.django_db(transaction=True)
