@@ -86,7 +86,33 @@ def check_fenced_models_have_fenced_parents(app_configs: Any = None, **kwargs: A
     return errors
 
 
+def check_fenced_models_have_a_fenced_admin(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.W001: a FencedModel registered in the admin with a plain ModelAdmin.
+
+    Its add, change and delete views would fail with UnfencedWriteError on every write.
+    """
+    if not apps.is_installed("django.contrib.admin"):
+        return []
+    from django.contrib import admin
+
+    from .admin import FencedModelAdmin
+    from .fencing import FencedModel
+
+    return [
+        checks.Warning(
+            f"{model._meta.label} is a FencedModel registered in the admin with {type(model_admin).__name__}, "
+            "which writes without a fence: adding, changing and deleting rows there will fail.",
+            hint="Register it with pg_lease_django.admin.FencedModelAdmin (writes become recorded opt-outs).",
+            obj=model,
+            id="pg_lease_django.W001",
+        )
+        for model, model_admin in admin.site._registry.items()
+        if issubclass(model, FencedModel) and not isinstance(model_admin, FencedModelAdmin)
+    ]
+
+
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
     checks.register(check_fenced_models_have_fenced_parents, checks.Tags.models)
+    checks.register(check_fenced_models_have_a_fenced_admin, checks.Tags.admin)

@@ -115,3 +115,46 @@ def test_force_release_in_a_real_browser(server: Any, tmp_path: Path) -> None:
     assert Lease.objects.inspect(other.key).status == "held"
     entry = LogEntry.objects.get()
     assert (entry.object_id, entry.user.username) == (stuck.key, "ops")
+
+
+def test_a_fenced_model_in_a_real_browser(server: Any, tmp_path: Path) -> None:
+    """Add, change and delete an Invoice (a FencedModel under FencedModelAdmin) through Chromium."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from pg_lease_django.admin import UNFENCED_NOTE
+    from tests.testapp.models import Invoice
+
+    User.objects.create_superuser("ops", password="correct horse battery staple")
+    shot = tmp_path / "admin-fenced-invoice.png"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            page.goto(f"{server.url}/admin/login/?next=/admin/testapp/invoice/add/")
+            page.fill("#id_username", "ops")
+            page.fill("#id_password", "correct horse battery staple")
+            page.click("input[type=submit]")
+
+            page.fill("#id_account", "acme")
+            page.fill("#id_status", "draft")
+            page.fill("#id_amount", "12")
+            page.click("input[name=_continue]")
+            expect(page.locator("ul.messagelist")).to_contain_text("was added successfully")
+            page.fill("#id_status", "sent")
+            page.click("input[name=_save]")
+            expect(page.locator("#result_list")).to_contain_text("sent")
+            page.screenshot(path=str(shot), full_page=True)
+
+            page.locator("tr", has_text="acme").locator("input.action-select").check()
+            page.select_option("select[name=action]", "delete_selected")
+            page.click("button[name=index]")
+            page.click("input[type=submit]")
+            expect(page.locator("ul.messagelist")).to_contain_text("Successfully deleted 1")
+        finally:
+            browser.close()
+
+    assert shot.read_bytes().startswith(b"\x89PNG")
+    keep(shot)
+    assert not Invoice.objects.filter(account="acme").exists()
+    assert [entry.action_flag for entry in LogEntry.objects.order_by("pk")] == [1, 2, 3]
+    assert all(UNFENCED_NOTE in entry.get_change_message() for entry in LogEntry.objects.all())
