@@ -111,8 +111,45 @@ def check_fenced_models_have_a_fenced_admin(app_configs: Any = None, **kwargs: A
     ]
 
 
+def check_lease_table_is_reachable(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """pg_lease_django.W002: migrated, yet no lease table on the search_path (``check --database``).
+
+    A database not migrated yet is Django's own "unapplied migrations" notice (and the first lease
+    call there names the ``migrate`` command); this catches the confusing case: the migrations are
+    recorded as applied but the connection cannot see the table (another schema, a changed
+    search_path, a restored dump without it).
+    """
+    from django.db.migrations.recorder import MigrationRecorder
+
+    warnings: list[checks.CheckMessage] = []
+    for alias in databases or ():
+        connection = connections[alias]
+        if connection.vendor != "postgresql":
+            continue
+        recorder = MigrationRecorder(connection)
+        if not recorder.has_table() or not any(app == "pg_lease_django" for app, _ in recorder.applied_migrations()):
+            continue
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_catalog.to_regclass('pg_lease_django_lease') IS NOT NULL")
+            (present,) = cursor.fetchone()
+        if not present:
+            warnings.append(
+                checks.Warning(
+                    f"pg_lease_django is migrated in database {alias!r}, but its lease table is not on the "
+                    "connection's search_path: every lease call there will fail.",
+                    hint="Check the search_path in DATABASES OPTIONS, or set PG_LEASE_SCHEMA; if the table was "
+                    f"dropped, run: manage.py migrate pg_lease_django zero --fake --database {alias}, then migrate.",
+                    id="pg_lease_django.W002",
+                )
+            )
+    return warnings
+
+
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
     checks.register(check_fenced_models_have_fenced_parents, checks.Tags.models)
     checks.register(check_fenced_models_have_a_fenced_admin, checks.Tags.admin)
+    checks.register(check_lease_table_is_reachable, checks.Tags.database)

@@ -129,3 +129,25 @@ def test_truncate_is_refused_unless_the_test_only_setting_allows_it(key: str, ra
     with pytest.raises(psycopg.errors.RestrictViolation, match="never deleted"):
         conn.execute("TRUNCATE pg_lease_django_lease")
     assert Lease.objects.inspect(key).epoch == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_check_reports_a_migrated_database_whose_lease_table_is_out_of_reach(raw_connect: Any) -> None:
+    from pg_lease_django.checks import check_lease_table_is_reachable
+
+    assert check_lease_table_is_reachable(databases=["default"]) == []
+    assert check_lease_table_is_reachable() == []  # database checks only run when asked for a database
+    conn = raw_connect()
+    conn.execute("CREATE SCHEMA no_leases_here")
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SET search_path = no_leases_here, public")  # django_migrations stays visible...
+            cursor.execute("CREATE TABLE no_leases_here.pg_lease_django_lease_moved ()")
+            cursor.execute("SET search_path = no_leases_here")  # ...not any more: recorder finds no table
+            assert check_lease_table_is_reachable(databases=["default"]) == []
+            cursor.execute("CREATE TABLE no_leases_here.django_migrations AS SELECT * FROM public.django_migrations")
+            [warning] = check_lease_table_is_reachable(databases=["default"])
+            cursor.execute("RESET search_path")
+    finally:
+        conn.execute("DROP SCHEMA no_leases_here CASCADE")
+    assert warning.id == "pg_lease_django.W002" and "search_path" in warning.msg and warning.hint
