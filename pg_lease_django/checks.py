@@ -86,6 +86,38 @@ def check_fenced_models_have_fenced_parents(app_configs: Any = None, **kwargs: A
     return errors
 
 
+def check_fenced_many_to_many(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.W003: a FencedModel's many-to-many field whose rows are not fenced.
+
+    Its ``through`` table (Django's automatic one, or a plain model) has no fence trigger: adding or
+    removing relations (``obj.tags.add()``) is not guarded by the lease.
+    """
+    from .fencing import FencedModel
+
+    configs = apps.get_app_configs() if app_configs is None else app_configs
+    warnings: list[checks.CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel):
+                continue
+            for field in model._meta.local_many_to_many:
+                through = field.remote_field.through
+                if isinstance(through, type) and issubclass(through, FencedModel):
+                    continue
+                label = through._meta.label if isinstance(through, type) else str(through)  # type: ignore[attr-defined]
+                warnings.append(
+                    checks.Warning(
+                        f"{model._meta.label}.{field.name} is a many-to-many field of a FencedModel whose relation "
+                        f"rows ({label}) are not fenced: a stale holder can still add or remove them.",
+                        hint="Give it a through= model that is a FencedModel (with the same lease key), or keep the "
+                        "relation out of what the lease guards.",
+                        obj=model,
+                        id="pg_lease_django.W003",
+                    )
+                )
+    return warnings
+
+
 def check_fenced_models_have_a_fenced_admin(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """pg_lease_django.W001: a FencedModel registered in the admin with a plain ModelAdmin.
 
@@ -152,4 +184,5 @@ def register() -> None:
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
     checks.register(check_fenced_models_have_fenced_parents, checks.Tags.models)
     checks.register(check_fenced_models_have_a_fenced_admin, checks.Tags.admin)
+    checks.register(check_fenced_many_to_many, checks.Tags.models)
     checks.register(check_lease_table_is_reachable, checks.Tags.database)

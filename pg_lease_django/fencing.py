@@ -82,14 +82,18 @@ _REFUSALS: dict[str, type[LeaseError]] = {
 _unfenced_writes: ContextVar[bool] = ContextVar("pg_lease_unfenced_writes", default=False)
 
 
-class _Unfenced:
-    """Marker: the queryset in scope opted out of fencing."""
+@dataclass(frozen=True)
+class _QuerysetScope:
+    """The fence (or, with None, the opt-out) of a queryset whose create()/get_or_create()/
+    update_or_create() is running: Django's code reaches FencedModel.save() without passing it on."""
+
+    model: type[models.Model]
+    token: FenceToken | None
 
 
-_UNFENCED = _Unfenced()
-# The fence of the queryset whose create()/get_or_create()/update_or_create() is running: those
-# reach FencedModel.save() without passing it on.
-_queryset_fence: ContextVar[FenceToken | _Unfenced | None] = ContextVar("pg_lease_queryset_fence", default=None)
+# Taken by the one save of that model that the queryset method makes, and hidden from the saves its
+# signal handlers make in turn (they name their own fence).
+_queryset_fence: ContextVar[_QuerysetScope | None] = ContextVar("pg_lease_queryset_fence", default=None)
 
 
 class Fence(Protocol):
@@ -130,10 +134,6 @@ def unfenced_writes() -> Iterator[None]:
         _unfenced_writes.reset(token)
 
 
-def _opted_out(unfenced: bool) -> bool:
-    return unfenced or _unfenced_writes.get() or _queryset_fence.get() is _UNFENCED
-
-
 def resolve_fence(
     fence: Fence | None, key: str | Callable[[], str], *, unfenced: bool = False, using: str | None = None
 ) -> FenceToken | None:
@@ -156,32 +156,28 @@ def resolve_fence(
             that is not a grant (no ``owner``/``epoch``, wrong types).
     """
     if fence is None:
-        scoped = _queryset_fence.get()
-        if isinstance(scoped, FenceToken):
-            fence = scoped
-        elif _opted_out(unfenced):
+        if unfenced or _unfenced_writes.get():
             return None
-        else:
-            # Inside hold()/@leased, the active lease of the write's key is the fence (innermost first).
-            from .jobs import current_lease
+        # Inside hold()/@leased, the active lease of the write's key is the fence (innermost first).
+        from .jobs import current_lease
 
-            if current_lease() is not None and (lease_key := key() if callable(key) else key):
-                held = current_lease(lease_key)
-                if held is not None and using is not None and held.using != using:
-                    raise UnfencedWriteError(
-                        f"lease {lease_key!r} is held in database {held.using!r} (hold(..., using={held.using!r})), "
-                        f"but this write goes to database {using!r}: a lease only fences writes to its own database",
-                        key=lease_key,
-                        owner=held.owner,
-                        epoch=held.epoch,
-                    )
-                fence = held
-            if fence is None:
+        if current_lease() is not None and (lease_key := key() if callable(key) else key):
+            held = current_lease(lease_key)
+            if held is not None and using is not None and held.using != using:
                 raise UnfencedWriteError(
-                    "write to a FencedModel without a fence: pass fence=grant (querysets: .fenced(grant)), hold "
-                    "its lease with hold()/@leased, or opt out explicitly with unfenced=True / .unfenced() / "
-                    "unfenced_writes()"
+                    f"lease {lease_key!r} is held in database {held.using!r} (hold(..., using={held.using!r})), "
+                    f"but this write goes to database {using!r}: a lease only fences writes to its own database",
+                    key=lease_key,
+                    owner=held.owner,
+                    epoch=held.epoch,
                 )
+            fence = held
+        if fence is None:
+            raise UnfencedWriteError(
+                "write to a FencedModel without a fence: pass fence=grant (querysets: .fenced(grant)), hold "
+                "its lease with hold()/@leased, or opt out explicitly with unfenced=True / .unfenced() / "
+                "unfenced_writes()"
+            )
     if unfenced:
         raise InvalidInputError("pass either a fence or unfenced=True, not both")
     try:
@@ -286,12 +282,13 @@ def _in_one_transaction(using: str, token: FenceToken | None, *, present_first: 
     fenced again. A presented fence stays for the transaction, as it holds the lease row locked.
     """
     connection = connections[using]
-    enclosed = connection.in_atomic_block
     with transaction.atomic(using=using, savepoint=False):
         if present_first:
             _present(connection, token)
         yield
-        if present_first and token is None and enclosed:
+        if present_first and token is None:
+            # Always, not only inside an enclosing atomic(): with autocommit off, this block's
+            # end commits nothing either, and the transaction goes on.
             with connection.cursor() as cursor:
                 cursor.execute(sql.END_UNFENCED)
 
@@ -479,7 +476,7 @@ class FencedQuerySet(models.QuerySet[_M]):
         if self._pg_lease_token is None and not self._pg_lease_unfenced:
             yield
             return
-        scope = _queryset_fence.set(self._pg_lease_token or _UNFENCED)
+        scope = _queryset_fence.set(_QuerysetScope(self.model, self._pg_lease_token))
         try:
             yield
         finally:
@@ -648,11 +645,18 @@ class FencedModel(models.Model):
             InvalidInputError: a fence for another lease key, or a malformed fence.
         """
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
-        self._pg_lease_token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced, using=using)
+        scope = _queryset_fence.get()
+        hidden = None
+        if scope is not None and fence is None and not unfenced and isinstance(self, scope.model):
+            fence, unfenced = scope.token, scope.token is None
+            hidden = _queryset_fence.set(None)
         try:
+            self._pg_lease_token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced, using=using)
             super().save(*args, **kwargs)
         finally:
             self.__dict__.pop("_pg_lease_token", None)
+            if hidden is not None:
+                _queryset_fence.reset(hidden)
 
     save.alters_data = True  # type: ignore[attr-defined]
 

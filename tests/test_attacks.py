@@ -500,3 +500,45 @@ def test_proxy_models_share_the_fence(key: str) -> None:
         ArchivedReport.objects.fenced(g).update(title="stale")
     with unfenced_writes():
         assert ArchivedReport.objects.filter(title="proxied").update(title="repaired") == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_opt_out_ends_with_its_write_with_autocommit_off(key: str) -> None:
+    """Review finding: with autocommit off, atomic() commits nothing at its end, so an opt-out that
+    ended only inside an enclosing atomic() outlived its write."""
+    g = grant(key)
+    Invoice(account=key, status="fenced").save(fence=g)
+    Lease.objects.release(key, "w1", g.epoch)
+    transaction.set_autocommit(False)
+    try:
+        Invoice(account=f"{key}-other").save(unfenced=True)
+        with pytest.raises(DatabaseError) as info, connection.cursor() as cursor:
+            cursor.execute("UPDATE testapp_invoice SET status = 'after-release' WHERE account = %s", [key])
+        assert getattr(info.value.__cause__, "sqlstate", None) == "PL004"
+    finally:
+        transaction.rollback()
+        transaction.set_autocommit(True)
+    assert Invoice.objects.get(account=key).status == "fenced"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_querysets_opt_out_covers_its_own_save_not_the_saves_its_signal_handlers_make(key: str) -> None:
+    """Review finding: .unfenced().create() let a post_save handler's unfenced save of another
+    fenced model through; save(unfenced=True) did not. Both now cover only their own write."""
+    from django.db.models.signals import post_save
+
+    def handler(sender: Any, instance: Any, created: bool, **kwargs: Any) -> None:
+        if created:
+            Entry(account=key, writer="handler").save()  # names no fence: must be refused
+
+    post_save.connect(handler, sender=Report)
+    try:
+        for write in (
+            lambda: Report.objects.unfenced().create(title="q"),
+            lambda: Report(title="q").save(unfenced=True),
+        ):
+            with pytest.raises(UnfencedWriteError):
+                write()
+    finally:
+        post_save.disconnect(handler, sender=Report)
+    assert not Entry.objects.filter(account=key).exists()

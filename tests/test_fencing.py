@@ -29,7 +29,11 @@ from pg_lease_django import (
     hold,
     unfenced_writes,
 )
-from pg_lease_django.checks import check_fenced_models_have_fenced_parents, check_fenced_models_share_the_lease_database
+from pg_lease_django.checks import (
+    check_fenced_many_to_many,
+    check_fenced_models_have_fenced_parents,
+    check_fenced_models_share_the_lease_database,
+)
 from pg_lease_django.fencing import FencedModel
 from tests.conftest import Background, wait_until, wait_until_blocked
 from tests.helpers import in_thread, refused
@@ -588,6 +592,27 @@ def test_a_lease_held_in_another_database_is_named_as_such(key: str) -> None:
         Invoice(account=key).save()  # goes to "default"
     assert "held in database 'other'" in str(info.value) and "goes to database 'default'" in str(info.value)
     assert not Invoice.objects.filter(account=key).exists()
+
+
+@isolate_apps("tests.testapp")
+def test_system_check_warns_about_unfenced_many_to_many_rows() -> None:
+    class Tag(models.Model):  # noqa: DJ008
+        name = models.CharField(max_length=10)
+
+        class Meta:
+            app_label = "testapp"
+
+    class Tagged(FencedModel):
+        lease_key = "tagged"
+        tags = models.ManyToManyField(Tag)
+
+        class Meta:
+            app_label = "testapp"
+
+    app = SimpleNamespace(get_models=lambda: [Tag, Tagged])
+    [warning] = check_fenced_many_to_many(app_configs=[app])
+    assert (warning.id, warning.obj) == ("pg_lease_django.W003", Tagged) and warning.hint
+    assert check_fenced_many_to_many() == []
 
 
 def test_testapp_migrations_are_in_sync() -> None:

@@ -61,13 +61,26 @@ def test_the_database_refuses_any_other_delete_and_never_lowers_the_floor(key: s
     assert Lease.objects.acquire(f"{key}-held", "w1", ttl=30) is not None
     superuser = raw_connect()
     for victim in (f"{key}-free", f"{key}-held"):  # above the floor, or held
-        with pytest.raises(psycopg.errors.RestrictViolation, match="only by pg_lease_prune"):
+        with pytest.raises(psycopg.errors.RestrictViolation, match="deleted only when it is not held"):
             superuser.execute("DELETE FROM pg_lease_django_lease WHERE key = %s", [victim])
     superuser.execute("SET pg_lease.allow_truncate = off")  # as on any database but a test one
     with pytest.raises(psycopg.errors.CheckViolation, match="only grows"):
         superuser.execute("UPDATE pg_lease_django_epoch_floor SET floor = floor - 1")
     with pytest.raises(psycopg.errors.CheckViolation, match="never deleted"):
         superuser.execute("DELETE FROM pg_lease_django_epoch_floor")
+    # Nor may a lease row be inserted at or below the floor, whoever inserts it.
+    superuser.execute("UPDATE pg_lease_django_epoch_floor SET floor = 7")
+    try:
+        with pytest.raises(psycopg.errors.CheckViolation, match="floor is above it"):
+            superuser.execute(
+                "INSERT INTO pg_lease_django_lease (key, owner, epoch, acquired_at, expires_at) "
+                "VALUES (%s, 'w1', 7, now(), now() + interval '1 minute')",
+                [f"{key}-back"],
+            )
+        assert Lease.objects.acquire(f"{key}-new", "w1", ttl=30).epoch == 8  # type: ignore[union-attr]
+    finally:
+        superuser.execute("RESET pg_lease.allow_truncate")  # the test database allows lowering it again
+        superuser.execute("UPDATE pg_lease_django_epoch_floor SET floor = 0")
     assert superuser.execute(
         "SELECT has_function_privilege('public', 'pg_lease_prune(interval, boolean)', 'EXECUTE')"
     ).fetchone() == (False,), "pruning is for operators: revoked from PUBLIC"

@@ -57,7 +57,7 @@ def test_lease_rows_cannot_be_deleted(key: str) -> None:
     from django.db import IntegrityError, transaction
 
     Lease.objects.acquire(key, "w1", ttl=30)
-    with pytest.raises(IntegrityError, match="deleted only by pg_lease_prune"), transaction.atomic():
+    with pytest.raises(IntegrityError, match="deleted only when it is not held"), transaction.atomic():
         Lease.objects.filter(key=key).delete()
     assert Lease.objects.inspect(key).epoch == 1
 

@@ -612,3 +612,20 @@ def test_the_lease_functions_never_run_code_planted_in_their_schema(roles: Roles
     assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
     worker_invoice(worker, key, "w1", 1)
     assert roles.admin.execute(f"SELECT ran_as, what FROM {log}").fetchall() == []
+
+
+def test_a_role_that_may_update_the_floor_still_cannot_lower_it(roles: Roles) -> None:
+    """Review finding: pg_lease.allow_truncate (settable by any session) let such a role lower the
+    epoch floor, so a pruned key came back below its past. Now it counts only for roles that may
+    opt out of fencing (the test databases' migrating role)."""
+    roles.admin.execute(
+        pgsql.SQL("GRANT SELECT, UPDATE ON pg_lease_django_epoch_floor TO {}").format(pgsql.Identifier(roles.attacker))
+    )
+    roles.admin.execute("UPDATE pg_lease_django_epoch_floor SET floor = greatest(floor, 5)")
+    try:
+        attacker = roles.connect(roles.attacker)
+        attacker.execute("SET pg_lease.allow_truncate = on")
+        with pytest.raises(psycopg.errors.CheckViolation, match="only grows"):
+            attacker.execute("UPDATE pg_lease_django_epoch_floor SET floor = 0")
+    finally:
+        roles.admin.execute("UPDATE pg_lease_django_epoch_floor SET floor = 0")  # a test database may

@@ -7,8 +7,8 @@
 - Row-lock modes chosen so a fence never blocks its holder's renewal but does hold off a takeover:
   fences lock the lease row FOR KEY SHARE; renew takes FOR NO KEY UPDATE (no conflict); acquire,
   release and force release take FOR UPDATE (conflict: they wait for fenced transactions to end).
-- A refused acquire keeps no row lock (its locked attempt runs in a subtransaction rolled back on
-  refusal), so waiters never hold up the winner's renewals.
+- A refused acquire keeps no lock on the lease row (its locked attempt runs in a subtransaction
+  rolled back on refusal), so waiters never hold up the winner's renewals.
 - The lease table refuses any UPDATE that lowers an epoch or changes owner without raising it.
 - The functions run as their owner (SECURITY DEFINER), so workers need no privilege on the table;
   ``pg_lease_force_release`` and ``pg_lease_allow_unfenced`` are revoked from PUBLIC (operators).
@@ -28,12 +28,14 @@ force_release = import_module("pg_lease_django.migrations.0003_force_release")
 
 # {s} is the quoted schema the migration runs in (see 0001); {t} the quoted lease table.
 FUNCTIONS_SQL = r"""
--- Every function pins search_path to pg_catalog (and pg_temp, which is never searched for
--- functions or operators) and names the package's own objects with their schema: nothing
--- another role creates in that schema (PostgreSQL 14 lets every role CREATE in public) can
--- stand in for a built-in that needs an implicit cast, above all inside the functions that run
--- as their owner. 0001's helpers and the functions 0004 does not otherwise change are redefined
--- here the same way.
+-- Every function with a body of its own pins search_path to pg_catalog (and pg_temp, which is
+-- never searched for functions or operators) and names the package's own objects with their
+-- schema: nothing another role creates in that schema (PostgreSQL 14 lets every role CREATE in
+-- public) can stand in for a built-in that needs an implicit cast, above all inside the functions
+-- that run as their owner. 0001's helpers and the functions 0004 does not otherwise change are
+-- redefined here the same way. The exceptions carry no SET clause on purpose and name only
+-- exact-typed built-ins: pg_lease_status and pg_lease_verdict (inlined by the planner) and
+-- pg_lease_remember_fence (hot path).
 CREATE OR REPLACE FUNCTION {s}.pg_lease_check_name(p_kind text, p_value text)
 RETURNS void LANGUAGE plpgsql IMMUTABLE
 SET search_path = pg_catalog, pg_temp

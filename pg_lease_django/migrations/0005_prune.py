@@ -26,7 +26,8 @@ CREATE TABLE {f} (
 INSERT INTO {f} (one, floor) VALUES (true, 0);
 
 -- The floor only grows, and is never deleted: either would let a pruned key restart below its past.
--- (A test database, which may truncate the lease table anyway, may also lower it: allow_truncate.)
+-- (A test database, which may truncate the lease table anyway, may also lower it: allow_truncate,
+-- for a role that may opt out of fencing, as for the fenced tables' TRUNCATE.)
 CREATE FUNCTION {s}.pg_lease_forbid_floor_change()
 RETURNS trigger LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -35,7 +36,9 @@ BEGIN
   RAISE EXCEPTION 'the epoch floor only grows and is never deleted' USING ERRCODE = '23514';
 END $$;
 CREATE TRIGGER pg_lease_floor_only_grows BEFORE UPDATE ON {f}
-  FOR EACH ROW WHEN ((NEW.floor < OLD.floor AND current_setting('pg_lease.allow_truncate', true) IS DISTINCT FROM 'on')
+  FOR EACH ROW WHEN ((NEW.floor < OLD.floor
+                     AND NOT (current_setting('pg_lease.allow_truncate', true) = 'on'
+                              AND has_function_privilege('{s}.pg_lease_allow_unfenced()', 'EXECUTE')))
                     OR NEW.one IS DISTINCT FROM OLD.one)
   EXECUTE FUNCTION {s}.pg_lease_forbid_floor_change();
 CREATE TRIGGER pg_lease_floor_kept BEFORE DELETE OR TRUNCATE ON {f}
@@ -66,23 +69,28 @@ BEGIN
   -- An acknowledged grant must survive a crash, or the same epoch could be granted twice.
   PERFORM set_config('synchronous_commit', 'on', true);
 
-  FOR attempt IN 1..3 LOOP  -- more than one only when the row is pruned under us
+  LOOP  -- again only when the row is pruned between the unlocked look and the lock
     -- Look without locking first: refusing a held key takes no row lock and writes no WAL.
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key;
     IF NOT FOUND THEN
       -- Start above the floor. FOR SHARE waits for a prune in flight and keeps the next one (which
       -- locks the floor first) from committing until this grant does: no pruned epoch can slip in
-      -- above the one read here. Only brand-new keys take this lock.
-      SELECT f.floor + 1 INTO first_epoch FROM {f} f FOR SHARE;
-      now_at := clock_timestamp();
-      INSERT INTO {t} AS l (key, owner, epoch, acquired_at, expires_at)
-        VALUES (p_key, p_owner, first_epoch, now_at, now_at + ttl)
-        ON CONFLICT ON CONSTRAINT pg_lease_django_lease_pkey DO NOTHING;
-      IF FOUND THEN
+      -- above the one read here. In a subtransaction, dropped with its lock when a concurrent
+      -- acquire inserted the key first (only brand-new keys take this lock, and only a grant keeps it).
+      BEGIN
+        SELECT f.floor + 1 INTO first_epoch FROM {f} f FOR SHARE;
+        now_at := clock_timestamp();
+        INSERT INTO {t} AS l (key, owner, epoch, acquired_at, expires_at)
+          VALUES (p_key, p_owner, first_epoch, now_at, now_at + ttl)
+          ON CONFLICT ON CONSTRAINT pg_lease_django_lease_pkey DO NOTHING;
+        IF NOT FOUND THEN
+          RAISE EXCEPTION USING ERRCODE = 'PLR03';
+        END IF;
         RETURN QUERY SELECT true, p_key, p_owner, first_epoch, now_at + ttl, now_at;
         RETURN;
-      END IF;
-      -- A concurrent acquire inserted the key first: decide on its row below.
+      EXCEPTION WHEN SQLSTATE 'PLR03' THEN
+        NULL;  -- a concurrent acquire inserted the key first: decide on its row below
+      END;
     ELSIF {s}.pg_lease_status(cur.owner, cur.expires_at, clock_timestamp()) = 'held'
           AND cur.owner <> p_owner THEN
       RETURN QUERY SELECT false, p_key, cur.owner, cur.epoch, cur.expires_at, clock_timestamp();
@@ -116,8 +124,6 @@ BEGIN
       RETURN;
     END IF;
   END LOOP;
-  -- Pruned three times in a row (only a prune with no minimum age could): report it as busy.
-  RETURN QUERY SELECT false, p_key, NULL::text, NULL::bigint, NULL::timestamptz, clock_timestamp();
 END $$;
 
 -- Release and force release (0004) also record when the lease was freed.
@@ -215,7 +221,8 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
   IF TG_OP = 'TRUNCATE' THEN
-    IF current_setting('pg_lease.allow_truncate', true) = 'on' THEN
+    IF current_setting('pg_lease.allow_truncate', true) = 'on'
+       AND has_function_privilege('{s}.pg_lease_allow_unfenced()', 'EXECUTE') THEN
       RETURN NULL;
     END IF;
     RAISE EXCEPTION 'lease rows are never deleted (TRUNCATE would reset every epoch)'
@@ -226,9 +233,26 @@ BEGIN
      AND (SELECT f.floor FROM {f} f) >= OLD.epoch THEN
     RETURN OLD;
   END IF;
-  RAISE EXCEPTION 'lease rows are deleted only by pg_lease_prune (deleting % would reset its epoch)', OLD.key
+  RAISE EXCEPTION 'a lease row may be deleted only when it is not held and the epoch floor covers it '
+                  '(pg_lease_prune does both; deleting % would reset its epoch)', OLD.key
     USING ERRCODE = '23001', HINT = 'Release the lease instead, or prune leases free for long enough.';
 END $$;
+
+-- A lease row may be inserted only above the floor, whoever inserts it: a pruned key must not come
+-- back below its past (acquire starts new keys at floor + 1).
+CREATE FUNCTION {s}.pg_lease_insert_above_floor()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF NEW.epoch <= (SELECT f.floor FROM {f} f) THEN
+    RAISE EXCEPTION 'lease % may not start at epoch %: the epoch floor is above it', NEW.key, NEW.epoch
+      USING ERRCODE = '23514', HINT = 'Acquire the lease instead (pg_lease_acquire).';
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER pg_lease_insert_above_floor BEFORE INSERT ON {t}
+  FOR EACH ROW EXECUTE FUNCTION {s}.pg_lease_insert_above_floor();
 
 -- Prune: delete the rows of leases free (released, or lapsed) for at least p_free_for, raising the
 -- floor to their highest epoch first, in this transaction. Rows locked right now are skipped. With
@@ -273,6 +297,15 @@ REVOKE EXECUTE ON FUNCTION {s}.pg_lease_prune(interval, boolean) FROM PUBLIC;
 """
 
 DROP_SQL = r"""
+DO $$
+BEGIN
+  IF (SELECT f.floor FROM {f} f) > 0 THEN
+    RAISE EXCEPTION 'cannot unapply 0005_prune: leases were pruned, and without the epoch floor their keys '
+                    'would start again at epoch 1' USING ERRCODE = '55000';
+  END IF;
+END $$;
+DROP TRIGGER IF EXISTS pg_lease_insert_above_floor ON {t};
+DROP FUNCTION IF EXISTS {s}.pg_lease_insert_above_floor();
 DROP FUNCTION IF EXISTS {s}.pg_lease_prune(interval, boolean);
 DROP TABLE IF EXISTS {f};
 DROP FUNCTION IF EXISTS {s}.pg_lease_forbid_floor_change();
