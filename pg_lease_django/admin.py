@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
@@ -27,7 +27,7 @@ from django.utils.safestring import SafeString
 from . import sql as lease_sql
 from .exceptions import EpochMismatchError, InvalidInputError, NotOwnerError
 from .fencing import unfenced_writes
-from .management import describe_expiry
+from .management import describe_expiry, format_duration
 from .models import Lease
 from .validation import check_epoch
 
@@ -95,6 +95,11 @@ class StateFilter(admin.SimpleListFilter):
         return queryset
 
 
+def _nowrap(text: str, title: str = "") -> SafeString:
+    """A changelist cell on one line (at 1280 px the default wrapping cut or tripled the row)."""
+    return format_html('<span style="white-space:nowrap" title="{}">{}</span>', title, text)
+
+
 @admin.register(Lease)
 class LeaseAdmin(_LeaseModelAdmin):
     """Read-only view of the lease table with a permission-gated "Force release" action.
@@ -104,7 +109,7 @@ class LeaseAdmin(_LeaseModelAdmin):
     ``pg_lease_django.force_release_lease`` permission; without it the action is not offered.
     """
 
-    list_display = ("key", "state_badge", "owner", "epoch", "expires_in_display", "acquired_at")
+    list_display = ("key", "state_badge", "owner_display", "epoch", "expires_in_display", "acquired_display")
     list_filter = (StateFilter,)
     search_fields = ("key", "owner")
     ordering = ("key",)
@@ -132,6 +137,7 @@ class LeaseAdmin(_LeaseModelAdmin):
             .annotate(
                 state=lease_state(),
                 expires_in=ExpressionWrapper(F("expires_at") - ServerNow(), output_field=DurationField()),
+                held_for=ExpressionWrapper(ServerNow() - F("acquired_at"), output_field=DurationField()),
             )
         )
 
@@ -174,7 +180,20 @@ class LeaseAdmin(_LeaseModelAdmin):
     def expires_in_display(self, obj: Lease) -> str:
         """When the lease lapses, relative to the server clock (``in 29s``, ``lapsed 3m 05s ago``)."""
         expires_in: timedelta | None = getattr(obj, "expires_in", None)
-        return describe_expiry(str(getattr(obj, "state", None) or "free"), expires_in)
+        return _nowrap(describe_expiry(str(getattr(obj, "state", None) or "free"), expires_in))
+
+    @admin.display(description="owner", ordering="owner")
+    def owner_display(self, obj: Lease) -> str:
+        """The holder, broken anywhere when long (identities like ``host:pid:random`` have no spaces)."""
+        return "-" if obj.owner is None else format_html('<span style="overflow-wrap:anywhere">{}</span>', obj.owner)
+
+    @admin.display(description="acquired at", ordering="acquired_at")
+    def acquired_display(self, obj: Lease) -> str:
+        """How long ago the current grant was made (server clock; ``4m 05s ago``), the time as a tooltip."""
+        held_for: timedelta | None = getattr(obj, "held_for", None)
+        if obj.acquired_at is None or held_for is None:
+            return "-"
+        return _nowrap(f"{format_duration(held_for)} ago", obj.acquired_at.astimezone(UTC).isoformat(sep=" "))
 
     @admin.display(description="how to use this key")
     def usage(self, obj: Lease) -> SafeString:

@@ -158,3 +158,35 @@ def test_a_fenced_model_in_a_real_browser(server: Any, tmp_path: Path) -> None:
     assert not Invoice.objects.filter(account="acme").exists()
     assert [entry.action_flag for entry in LogEntry.objects.order_by("pk")] == [1, 2, 3]
     assert all(UNFENCED_NOTE in entry.get_change_message() for entry in LogEntry.objects.all())
+
+
+def test_the_lease_changelist_fits_1280_px(server: Any, tmp_path: Path) -> None:
+    """At 1280 px, with the nav and filter sidebars, no column is cut (the table does not scroll)."""
+    from playwright.sync_api import sync_playwright
+
+    User.objects.create_superuser("ops", password="correct horse battery staple")
+    for n in range(3):
+        Lease.objects.acquire(f"jobs:nightly-report-{n}", f"worker-{n}@host-b.example.internal:12345:9f8e7d6c", ttl=600)
+    shot = tmp_path / "admin-lease-list-1280.png"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 600})
+            page.goto(f"{server.url}/admin/login/?next=/admin/pg_lease_django/lease/")
+            page.fill("#id_username", "ops")
+            page.fill("#id_password", "correct horse battery staple")
+            page.click("input[type=submit]")
+            page.wait_for_selector("#result_list")
+            page.screenshot(path=str(shot), full_page=True)
+            overflow = page.evaluate(
+                "(() => { const r = document.querySelector('#changelist .results');"
+                " return r.scrollWidth - r.clientWidth; })()"
+            )
+            header = page.locator("#result_list thead th", has_text="acquired at").bounding_box()
+            results = page.locator("#changelist .results").bounding_box()
+        finally:
+            browser.close()
+    keep(shot)
+    assert overflow <= 0, f"the changelist scrolls sideways by {overflow}px at 1280 px"
+    assert header is not None and results is not None
+    assert header["x"] + header["width"] <= results["x"] + results["width"] + 1
