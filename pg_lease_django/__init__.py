@@ -10,12 +10,14 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from .exceptions import (
+    AlreadyFreeError,
     EpochMismatchError,
     InvalidInputError,
     LapsedError,
     LeaseError,
     LeaseLostError,
     LeaseTimeoutError,
+    NeverAcquiredError,
     NotAcquirableError,
     NotOwnerError,
     UnfencedWriteError,
@@ -34,6 +36,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "AlreadyFreeError",
     "EpochMismatchError",
     "FencedManager",
     "FencedModel",
@@ -49,6 +52,7 @@ __all__ = [
     "LeaseManager",
     "LeaseState",
     "LeaseTimeoutError",
+    "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
     "UnfencedWriteError",

@@ -5,12 +5,14 @@ from __future__ import annotations
 from datetime import datetime
 
 __all__ = [
+    "AlreadyFreeError",
     "EpochMismatchError",
     "InvalidInputError",
     "LapsedError",
     "LeaseError",
     "LeaseLostError",
     "LeaseTimeoutError",
+    "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
     "UnfencedWriteError",
@@ -98,6 +100,28 @@ class NotOwnerError(LeaseLostError):
     """
 
     code = "not_owner"
+
+
+class NeverAcquiredError(NotOwnerError):
+    """A force release of a key that has no row: it was never acquired (or was pruned).
+
+    Nothing changed. Check the key's spelling; there is nothing to release.
+    """
+
+    code = "not_found"
+
+
+class AlreadyFreeError(NotOwnerError):
+    """A force release of a key that is already free (released, or force-released by someone else).
+
+    Nothing changed. ``current_epoch`` is the key's epoch now; there is nothing to release.
+    """
+
+    code = "already_free"
+
+    def __init__(self, message: str, *, key: str | None = None, epoch: int | None = None, current_epoch: int) -> None:
+        super().__init__(message, key=key, epoch=epoch)
+        self.current_epoch = current_epoch
 
 
 class LapsedError(LeaseLostError):

@@ -20,11 +20,13 @@ from psycopg.sql import SQL, Identifier
 
 from . import conf, sql
 from .exceptions import (
+    AlreadyFreeError,
     EpochMismatchError,
     InvalidInputError,
     LapsedError,
     LeaseLostError,
     LeaseTimeoutError,
+    NeverAcquiredError,
     NotAcquirableError,
     NotOwnerError,
 )
@@ -391,7 +393,9 @@ class LeaseManager(models.Manager["Lease"]):
             The new epoch (the released one plus one).
 
         Raises:
-            NotOwnerError: nothing to release: the key is free or was never acquired.
+            AlreadyFreeError: nothing to release: the key is free (``current_epoch`` says its epoch).
+            NeverAcquiredError: nothing to release: the key has no row (never acquired, or pruned).
+                Both are `NotOwnerError` subclasses.
             EpochMismatchError: ``epoch`` was given and the lease has moved on; ``owner`` is the
                 current holder. Look again before releasing.
             InvalidInputError: bad argument; nothing was sent.
@@ -409,8 +413,16 @@ class LeaseManager(models.Manager["Lease"]):
                 owner=owner,
                 epoch=epoch,
             )
-        what = "was never acquired" if outcome == "not_found" else f"is already free (epoch {current_epoch})"
-        raise NotOwnerError(f"lease {key!r} {what}: nothing to release", key=key, epoch=epoch)
+        if outcome == "not_found":
+            raise NeverAcquiredError(
+                f"no lease with key {key!r} (never acquired): nothing to release", key=key, epoch=epoch
+            )
+        raise AlreadyFreeError(
+            f"lease {key!r} is already free (epoch {current_epoch}): nothing to release",
+            key=key,
+            epoch=epoch,
+            current_epoch=current_epoch,
+        )
 
     # --- the async API: each method runs its sync twin's rules (validation, result, errors) as is --
     # sync_to_async with thread_sensitive=True (its default), as Django's own async ORM methods use
@@ -595,7 +607,9 @@ class LeaseManager(models.Manager["Lease"]):
             The new epoch (the released one plus one).
 
         Raises:
-            NotOwnerError: nothing to release: the key is free or was never acquired.
+            AlreadyFreeError: nothing to release: the key is free (``current_epoch`` says its epoch).
+            NeverAcquiredError: nothing to release: the key has no row (never acquired, or pruned).
+                Both are `NotOwnerError` subclasses.
             EpochMismatchError: ``epoch`` was given and the lease has moved on; ``owner`` is the
                 current holder. Look again before releasing.
             InvalidInputError: bad argument; nothing was sent.

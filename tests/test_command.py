@@ -23,7 +23,14 @@ from django.db import connection, connections
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from pg_lease_django import EpochMismatchError, InvalidInputError, Lease, NotOwnerError
+from pg_lease_django import (
+    AlreadyFreeError,
+    EpochMismatchError,
+    InvalidInputError,
+    Lease,
+    NeverAcquiredError,
+    NotOwnerError,
+)
 from pg_lease_django.management import describe_expiry, format_duration
 from pg_lease_django.management.commands import leases as command
 from pg_lease_django.managers import NOTIFY_CHANNEL
@@ -521,10 +528,13 @@ def test_describe_expiry() -> None:
 def test_force_release_returns_the_new_epoch(key: str) -> None:
     epoch = held(key)
     assert Lease.objects.force_release(key) == epoch + 1
-    with pytest.raises(NotOwnerError, match="already free"):
+    with pytest.raises(AlreadyFreeError, match="already free") as free:
         Lease.objects.force_release(key)
-    with pytest.raises(NotOwnerError, match="never acquired"):
+    assert free.value.current_epoch == epoch + 1 and free.value.code == "already_free"
+    with pytest.raises(NeverAcquiredError, match="never acquired") as unknown:
         Lease.objects.force_release(key + "-unknown")
+    assert unknown.value.code == "not_found"
+    assert isinstance(free.value, NotOwnerError) and isinstance(unknown.value, NotOwnerError)  # as before
 
 
 def test_force_release_with_a_stale_epoch_names_the_current_holder(key: str) -> None:

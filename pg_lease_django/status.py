@@ -1,0 +1,16 @@
+"""The three states of a lease, named once: every module that reads or shows a state uses these."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class LeaseStatus(models.TextChoices):
+    """A lease's state on the server clock, as ``pg_lease_status()`` computes it.
+
+    A `str` subclass: ``LeaseStatus.HELD == "held"``, so values read from SQL compare as they are.
+    """
+
+    HELD = "held", "held"
+    LAPSED = "lapsed", "lapsed (expired, not yet taken over)"
+    FREE = "free", "free"
