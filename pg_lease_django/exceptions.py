@@ -100,6 +100,7 @@ class NotOwnerError(LeaseLostError):
     """
 
     code = "not_owner"
+    sqlstate = "PL001"  # a fenced write the database refused for this cause
 
 
 class NeverAcquiredError(NotOwnerError):
@@ -131,6 +132,7 @@ class LapsedError(LeaseLostError):
     """
 
     code = "lapsed"
+    sqlstate = "PL002"  # a fenced write the database refused for this cause
 
 
 class EpochMismatchError(LeaseLostError):
@@ -141,6 +143,7 @@ class EpochMismatchError(LeaseLostError):
     """
 
     code = "epoch_mismatch"
+    sqlstate = "PL003"  # a fenced write the database refused for this cause
 
 
 class InvalidInputError(LeaseError, ValueError):
@@ -161,3 +164,14 @@ class UnfencedWriteError(LeaseError):
     """
 
     code = "unfenced"
+    sqlstate = "PL004"  # a fenced write the database refused for this cause
+
+
+#: A renew/release verdict from the SQL functions (``not_owner``, ...) -> the error raised for it.
+LOST_ERRORS: dict[str, type[LeaseLostError]] = {
+    cls.code: cls for cls in (NotOwnerError, LapsedError, EpochMismatchError)
+}
+#: The SQLSTATE of a fenced write the triggers refused (``pg_lease_refuse``) -> the error raised for it.
+REFUSED_WRITE_ERRORS: dict[str, type[LeaseError]] = {
+    cls.sqlstate: cls for cls in (NotOwnerError, LapsedError, EpochMismatchError, UnfencedWriteError)
+}

@@ -39,11 +39,9 @@ from django.db.models.sql.compiler import SQLCompiler
 
 from . import sql
 from .exceptions import (
-    EpochMismatchError,
+    REFUSED_WRITE_ERRORS,
     InvalidInputError,
-    LapsedError,
     LeaseError,
-    NotOwnerError,
     UnfencedWriteError,
 )
 from .validation import check_epoch, check_name
@@ -70,14 +68,6 @@ _M = TypeVar("_M", bound=models.Model)
 EPOCH_FIELD = "lease_epoch"
 #: The field storing the key of the lease that guards the row (column ``lease_key``).
 KEY_FIELD = "lease"
-
-#: SQLSTATE of a refused fenced write -> the error raised for it (the triggers' `pg_lease_refuse`).
-_REFUSALS: dict[str, type[LeaseError]] = {
-    "PL001": NotOwnerError,
-    "PL002": LapsedError,
-    "PL003": EpochMismatchError,
-    "PL004": UnfencedWriteError,
-}
 
 _unfenced_writes: ContextVar[bool] = ContextVar("pg_lease_unfenced_writes", default=False)
 
@@ -241,7 +231,7 @@ def _present(connection: BaseDatabaseWrapper, token: FenceToken | None) -> None:
 def _refusal(error: DatabaseError, action: str) -> LeaseError | None:
     """The typed error for a write the database refused by its fence, or None for any other error."""
     cause = error.__cause__
-    kind = _REFUSALS.get(getattr(cause, "sqlstate", None) or "")
+    kind = REFUSED_WRITE_ERRORS.get(getattr(cause, "sqlstate", None) or "")
     if kind is None:
         return None
     diag = cause.diag  # type: ignore[union-attr]

@@ -40,9 +40,9 @@ from .exceptions import (
     NotOwnerError,
 )
 from .heartbeat import Heartbeat, LeaseConnection
-from .managers import MAX_WAIT, Grant
+from .managers import Grant
 from .signals import lease_acquired, lease_lost, lease_released, lease_skipped
-from .validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, to_timedelta
+from .validation import MAX_TTL, MAX_WAIT, MIN_TTL, Seconds, check_name, check_ttl, to_timedelta
 
 __all__ = ["HeldLease", "Holding", "current_lease", "exit_on_signals", "hold", "leased"]
 

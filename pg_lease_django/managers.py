@@ -20,17 +20,24 @@ from psycopg.sql import SQL, Identifier
 
 from . import conf, sql
 from .exceptions import (
+    LOST_ERRORS,
     AlreadyFreeError,
     EpochMismatchError,
     InvalidInputError,
-    LapsedError,
-    LeaseLostError,
     LeaseTimeoutError,
     NeverAcquiredError,
     NotAcquirableError,
-    NotOwnerError,
 )
-from .validation import Seconds, check_epoch, check_name, check_ttl, describe_seconds, to_timedelta
+from .validation import (
+    MAX_PRUNE_AGE,
+    MAX_WAIT,
+    Seconds,
+    check_epoch,
+    check_name,
+    check_ttl,
+    describe_seconds,
+    to_timedelta,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -41,16 +48,6 @@ logger = logging.getLogger(__name__)
 
 #: Channel the release function notifies, with the key as payload.
 NOTIFY_CHANNEL = "pg_lease_django"
-#: Longest wait accepted by a blocking acquire.
-MAX_WAIT = timedelta(days=365)
-#: Longest ``free_for`` accepted by `LeaseManager.prune`.
-MAX_PRUNE_AGE = timedelta(days=3650)
-
-_LOST_ERRORS: dict[str, type[LeaseLostError]] = {
-    "not_owner": NotOwnerError,
-    "lapsed": LapsedError,
-    "epoch_mismatch": EpochMismatchError,
-}
 
 
 @dataclass(frozen=True)
@@ -372,7 +369,7 @@ class LeaseManager(models.Manager["Lease"]):
     def _raise_unless_ok(outcome: str, operation: str, key: str, owner: str, epoch: int) -> None:
         if outcome == "ok":
             return
-        error = _LOST_ERRORS[outcome]
+        error = LOST_ERRORS[outcome]
         raise error(
             f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch
         )

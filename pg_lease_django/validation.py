@@ -15,6 +15,10 @@ MIN_TTL = timedelta(milliseconds=1)
 MAX_TTL = timedelta(days=365)
 #: Largest epoch PostgreSQL's bigint can hold.
 MAX_EPOCH = 2**63 - 1
+#: Longest wait accepted by a blocking acquire.
+MAX_WAIT = timedelta(days=365)
+#: Longest ``free_for`` accepted by `LeaseManager.prune`.
+MAX_PRUNE_AGE = timedelta(days=3650)
 
 Seconds = int | float | timedelta
 

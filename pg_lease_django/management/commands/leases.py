@@ -68,9 +68,8 @@ from pg_lease_django.exceptions import (
 )
 from pg_lease_django.jobs import HeldLease, hold
 from pg_lease_django.management import describe_expiry, format_duration
-from pg_lease_django.managers import MAX_WAIT
 from pg_lease_django.models import Lease
-from pg_lease_django.validation import MAX_EPOCH, MAX_TTL, MIN_TTL, check_name
+from pg_lease_django.validation import MAX_EPOCH, MAX_TTL, MAX_WAIT, MIN_TTL, check_name
 
 logger = logging.getLogger(__name__)
 
