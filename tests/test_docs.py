@@ -1,14 +1,11 @@
 """Every ```python block of README.md and docs/*.md runs here, against the real test database.
 
 One test per page. A page's blocks run in order in one shared namespace, so a page can build on
-its earlier blocks; every page starts from a fresh namespace holding only these stand-ins:
-
-- ``batches()``: an iterator of small batches (lists of ints) for loops over work;
-- ``process(batch, **kwargs)``: does nothing with a batch (the job's real work);
-- ``Invoice``, ``Report``: the test app's fenced models (``tests/testapp/models.py``); ``Invoice``
-  is guarded by one lease per account (``get_lease_key()`` returns ``account``), ``Report`` by the
-  class-level ``lease_key = "testapp-reports"``;
-- a fixture file ``invoices.json`` (one Invoice) that ``loaddata`` finds.
+its earlier blocks. Every page starts from a fresh namespace holding exactly what a reader's
+``python manage.py shell`` holds (Django 5.2+ imports every installed model there, so the
+quickstart's ``Invoice`` is the test app's, ``tests/testapp/models.py``, checked below to be the
+class the docs show); nothing else is preloaded. ``loaddata`` finds the docs' ``invoices.json`` in
+the test app's ``fixtures/`` directory, where an app keeps its fixtures.
 
 A block that cannot run (a ``settings.py`` excerpt, a model class that needs an app of its own, a
 call signature, an endless loop) is skipped only when the nearest non-blank line before it is a
@@ -28,7 +25,6 @@ import ast
 import asyncio
 import importlib.util
 import inspect
-import json
 import re
 import signal
 from collections.abc import Iterator
@@ -37,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.test import override_settings
+from django.core.management.commands.shell import Command as ShellCommand
+from django.db import models
 
-from tests.testapp.models import Invoice, Report
+from tests.testapp.models import Invoice
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -142,36 +139,12 @@ def python_blocks(page: Path) -> list[Block]:
     return blocks
 
 
-# ---- stand-ins -------------------------------------------------------------------------------
+# ---- the reader's namespace ------------------------------------------------------------------
 
 
-def batches() -> Iterator[list[int]]:
-    """Stand-in: three small batches of work."""
-    yield from ([1, 2], [3, 4], [5])
-
-
-def process(batch: object, **kwargs: object) -> None:
-    """Stand-in: the job's real work; does nothing."""
-
-
-def stand_ins(page: Path) -> dict[str, Any]:
-    """The namespace a page's first block starts from."""
-    return {
-        "__name__": "docs_" + re.sub(r"\W", "_", page.stem.lower()),
-        "batches": batches,
-        "process": process,
-        "Invoice": Invoice,
-        "Report": Report,
-    }
-
-
-@pytest.fixture
-def fixture_dir(tmp_path: Path) -> Iterator[Path]:
-    """A FIXTURE_DIRS entry holding ``invoices.json`` for samples that call ``loaddata``."""
-    invoices = [{"model": "testapp.invoice", "pk": 900001, "fields": {"account": "acme", "status": "draft"}}]
-    (tmp_path / "invoices.json").write_text(json.dumps(invoices), encoding="utf-8")
-    with override_settings(FIXTURE_DIRS=[str(tmp_path)]):
-        yield tmp_path
+def shell_namespace(page: Path) -> dict[str, Any]:
+    """What ``python manage.py shell`` gives a reader: the installed apps' models, nothing else."""
+    return {"__name__": "docs_" + re.sub(r"\W", "_", page.stem.lower()), **ShellCommand().get_namespace()}
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -249,8 +222,8 @@ def _run(code: Any, namespace: dict[str, Any]) -> None:
 
 @pytest.mark.django_db(transaction=True, databases=["default", "other"])
 @pytest.mark.parametrize("page", _pages_with_python(), ids=_rel)
-def test_page_samples_run(page: Path, fixture_dir: Path) -> None:
-    namespace = stand_ins(page)
+def test_page_samples_run(page: Path) -> None:
+    namespace = shell_namespace(page)
     ran, skipped = 0, []
     handlers = {signum: signal.getsignal(signum) for signum in _SIGNALS}  # exit_on_signals() samples
     try:
@@ -274,3 +247,44 @@ def test_page_samples_run(page: Path, fixture_dir: Path) -> None:
             signal.signal(signum, handler)
         _report[_rel(page)] = (ran, skipped)
     assert ran > 0 or skipped, f"{_rel(page)}: no python block ran"
+
+
+def _model_blocks(name: str) -> list[tuple[str, ast.ClassDef]]:
+    """Every ``class <name>(...)`` the docs show, with the page and line it is on."""
+    found = []
+    for page in PAGES:
+        for block in python_blocks(page):
+            try:
+                tree = ast.parse(block.source)
+            except SyntaxError:  # a call signature, or a top-level await
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef) and node.name == name:
+                    found.append((f"{_rel(page)}:{block.line + node.lineno - 1}", node))
+    return found
+
+
+def test_the_docs_invoice_is_the_test_apps_invoice() -> None:
+    """The docs define ``Invoice`` in skipped blocks and then use it: the class their samples run
+    with (the test app's) must be the one they show, field by field, with the same lease key."""
+    shown = _model_blocks("Invoice")
+    assert len(shown) >= 2, shown  # the quickstart and the fencing page
+    own_fields = {field.name: field for field in Invoice._meta.local_fields if field.model is Invoice}
+    for where, node in shown:
+        declared = {}
+        for statement in node.body:
+            if isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Call):
+                (target,) = statement.targets
+                assert isinstance(target, ast.Name) and isinstance(statement.value.func, ast.Attribute)
+                keywords = {kw.arg: ast.literal_eval(kw.value) for kw in statement.value.keywords}
+                declared[target.id] = (statement.value.func.attr, keywords)
+        assert set(declared) == set(own_fields) - {"id", "lease", "lease_epoch"}, where
+        for field_name, (field_class, keywords) in declared.items():
+            field = own_fields[field_name]
+            assert type(field).__name__ == field_class, (where, field_name)
+            assert isinstance(field, getattr(models, field_class)), (where, field_name)
+            _name, _path, _args, actual = field.deconstruct()
+            assert {k: actual.get(k) for k in keywords} == keywords, (where, field_name)
+        lease_key = next(f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "get_lease_key")
+        assert ast.unparse(lease_key.body[-1]) == "return self.account", where
+    assert Invoice(account="acme").get_lease_key() == "acme"
