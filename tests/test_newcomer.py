@@ -7,19 +7,32 @@ exports to its children); then every command and sample of the two pages, taken 
 themselves, in subprocesses: ``migrate pg_lease_django``, the installation's shell check, the
 quickstart's ``Invoice`` model as ``billing/models.py``, ``makemigrations`` and ``migrate``, the
 quickstart's python blocks in one ``manage.py shell``, its ``manage.py leases`` commands, and a
-clean ``manage.py check``. Any error the pages do not predict fails the test.
+clean ``manage.py check``. Then the rest of the first hour, in the same kind of project: the admin
+of docs/fencing.md driven in Chromium (add, change, delete an Invoice), docs/async.md's views under
+uvicorn with concurrent requests, and docs/testing.md's runner setting and test module (a
+``TestCase``, a ``TransactionTestCase``, a ``LiveServerTestCase``) under ``manage.py test``. Any
+error the pages do not predict fails the test.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import shlex
+import shutil
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+from urllib.request import urlopen
 
 import psycopg
 import pytest
@@ -100,7 +113,8 @@ def db_name() -> Iterator[str]:
         conn.execute(f'CREATE DATABASE "{name}"')
     yield name
     with psycopg.connect(admin_conninfo(), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        for database in (f"test_{name}", name):  # manage.py test makes the first
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
 def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -154,7 +168,8 @@ def edit_settings(path: Path, db_name: str) -> None:
 # ---- the newcomer -------------------------------------------------------------------------------
 
 
-def test_installation_and_quickstart_in_a_new_startproject(tmp_path: Path, db_name: str) -> None:
+def new_project(tmp_path: Path, db_name: str) -> Path:
+    """startproject and startapp, then docs/installation.md and the quickstart's model, migrated."""
     ok(run(tmp_path, "-m", "django", "startproject", "mysite"))
     root = tmp_path / "mysite"
     ok(run(root, "manage.py", "startapp", "billing"))
@@ -173,9 +188,14 @@ def test_installation_and_quickstart_in_a_new_startproject(tmp_path: Path, db_na
     ok(run(root, "manage.py", "makemigrations"))
     assert (root / "billing" / "migrations" / "0001_initial.py").exists()
     ok(run(root, "manage.py", "migrate"))
+    return root
 
-    # Every python block of the quickstart, in order, in one manage.py shell.
-    code = "from billing.models import Invoice\n" + runnable_blocks(QUICKSTART)
+
+def test_installation_and_quickstart_in_a_new_startproject(tmp_path: Path, db_name: str) -> None:
+    root = new_project(tmp_path, db_name)
+
+    # Every python block of the quickstart, in order, in one manage.py shell (which imports Invoice).
+    code = runnable_blocks(QUICKSTART)
     lines = printed(ok(run(root, "manage.py", "shell", "-c", code)))
     assert re.fullmatch(r"1 \d{4}-\d\d-\d\d \d\d:\d\d:\d\d.*", lines[0]), lines  # epoch 1, expires_at
     assert lines[1:] == [
@@ -203,3 +223,184 @@ def test_installation_and_quickstart_in_a_new_startproject(tmp_path: Path, db_na
     done = run(root, "manage.py", "check")
     assert "System check identified no issues" in ok(done), done.stdout
     assert "pg_lease_django" not in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+# ---- the rest of the first hour: the admin, an async view, the project's own tests ----------------
+
+FENCING = REPO / "docs" / "fencing.md"
+ASYNC = REPO / "docs" / "async.md"
+TESTING = REPO / "docs" / "testing.md"
+
+#: The view docs/testing.md's LiveServerTestCase calls (``/bill/<account>/<amount>/``).
+BILL_VIEW = """
+
+from django.http import HttpResponse
+from pg_lease_django import hold
+
+from .models import Invoice
+
+
+def bill(request, account, amount):
+    with hold(account, ttl=10):
+        Invoice(account=account, amount=amount).save()
+    return HttpResponse(str(Invoice.objects.filter(account=account).count()))
+"""
+
+URLS = """
+from billing import views
+
+urlpatterns += [
+    path("bill/<str:account>/<int:amount>/", views.bill),
+    path("report/rebuild/", views.rebuild_report),
+    path("report/status/", views.report_status),
+]
+"""
+
+
+def page_file(page: Path, name: str) -> str:
+    """The python block of ``page`` that starts with the comment ``# <name>``, verbatim."""
+    found = [block.source for block in python_blocks(page) if block.source.startswith(f"# {name}\n")]
+    assert len(found) == 1, f"{page.name} should have one block starting with '# {name}'"
+    return found[0]
+
+
+def settings_excerpt(page: Path) -> str:
+    """The page's ``# settings.py`` excerpt, to append to the project's settings."""
+    return page_file(page, "settings.py")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def served(root: Path) -> Iterator[str]:
+    """The project's ASGI application under uvicorn, as it would be deployed; yields its base URL."""
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if k not in ("DJANGO_SETTINGS_MODULE", "PYTEST_ADDOPTS")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "mysite.asgi:application", "--port", str(port), "--log-level", "warning"],
+        cwd=root,
+        env=environ,
+        stdin=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until it answers (or died)
+            assert server.poll() is None, f"uvicorn exited {server.returncode}"
+            try:
+                with urlopen(f"{base}/admin/login/", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "uvicorn did not answer within 60 s"
+                time.sleep(0.1)  # polling a server that is starting: nothing to wait on
+        yield base
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def get_json(url: str) -> dict[str, Any]:
+    with urlopen(url, timeout=30) as response:
+        return dict(json.loads(response.read()))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium on PATH (Debian: apt-get install chromium)")
+@pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="playwright is not installed")
+def test_admin_async_views_and_the_projects_own_tests_in_a_new_startproject(tmp_path: Path, db_name: str) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from tests.test_admin_browser import CHROMIUM_ARGS
+
+    root = new_project(tmp_path, db_name)
+    app = root / "billing"
+    # docs/fencing.md's admin.py; docs/async.md's views (and the view docs/testing.md's tests call);
+    # docs/testing.md's runner setting and test module.
+    (app / "admin.py").write_text(page_file(FENCING, "billing/admin.py"), encoding="utf-8")
+    views = [block.source for block in python_blocks(ASYNC) if "async def rebuild_report" in block.source]
+    assert len(views) == 1, "docs/async.md should have one block defining rebuild_report"
+    (app / "views.py").write_text(views[0] + BILL_VIEW, encoding="utf-8")
+    urls = root / "mysite" / "urls.py"
+    urls.write_text(urls.read_text(encoding="utf-8") + URLS, encoding="utf-8")
+    settings = root / "mysite" / "settings.py"
+    settings.write_text(settings.read_text(encoding="utf-8") + "\n" + settings_excerpt(TESTING), encoding="utf-8")
+    (app / "tests.py").write_text(page_file(TESTING, "billing/tests.py"), encoding="utf-8")
+
+    # The project's own tests: a TestCase, a TransactionTestCase (the flush) and a LiveServerTestCase.
+    tested = run(root, "manage.py", "test", "billing", "--noinput")
+    assert tested.returncode == 0 and "OK" in tested.stderr, tested.stdout + tested.stderr
+    assert "Ran 4 tests" in tested.stderr, tested.stderr
+
+    done = run(root, "manage.py", "check")
+    assert "System check identified no issues" in ok(done), done.stdout + done.stderr
+    environ_password = "correct horse battery staple"
+    created = subprocess.run(
+        [
+            sys.executable,
+            "manage.py",
+            "createsuperuser",
+            "--noinput",
+            "--username",
+            "ops",
+            "--email",
+            "ops@example.com",
+        ],
+        cwd=root,
+        env={
+            **{k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"},
+            "DJANGO_SUPERUSER_PASSWORD": environ_password,
+        },
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    ok(created)
+
+    with served(root) as base:
+        # docs/async.md's views, four requests at once: each waits its turn (no thread held), none fails.
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            rebuilt = list(pool.map(get_json, [f"{base}/report/rebuild/"] * 4))
+        epochs = sorted(reply["epoch"] for reply in rebuilt)
+        assert epochs == list(range(epochs[0], epochs[0] + 8, 2)), rebuilt  # one after another; a release is +1
+        assert get_json(f"{base}/report/status/") == {"status": "free", "owner": None, "epoch": epochs[-1] + 1}
+
+        # The admin of docs/fencing.md, in Chromium: add, change and delete an Invoice.
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                page.goto(f"{base}/admin/login/")
+                page.fill("#id_username", "ops")
+                page.fill("#id_password", environ_password)
+                page.click("input[type=submit]")
+                page.goto(f"{base}/admin/billing/invoice/add/")
+                page.fill("#id_account", "newcomer-acme")
+                page.fill("#id_amount", "120")
+                page.click("input[name=_save]")
+                page.wait_for_url(f"{base}/admin/billing/invoice/")
+                page.click("text=newcomer-acme")
+                page.fill("#id_amount", "150")
+                page.click("input[name=_save]")
+                page.wait_for_url(f"{base}/admin/billing/invoice/")
+                assert "150" in page.inner_text("#result_list")
+                page.click("text=newcomer-acme")
+                page.click("a.deletelink")
+                page.click("input[type=submit]")  # "Yes, I'm sure"
+                page.wait_for_url(f"{base}/admin/billing/invoice/")
+                assert "newcomer-acme" not in page.content()
+            finally:
+                browser.close()
+
+    report = (
+        "from django.contrib.admin.models import LogEntry\n"
+        "print(Invoice.objects.filter(account='newcomer-acme').count())\n"
+        "for entry in LogEntry.objects.order_by('pk'): print(entry.action_flag, entry.get_change_message())\n"
+    )
+    lines = printed(ok(run(root, "manage.py", "shell", "-c", report)))
+    assert lines[0] == "0", lines
+    assert [line[0] for line in lines[1:]] == ["1", "2", "3"], lines  # added, changed, deleted
+    assert all("Unfenced write from the admin" in line for line in lines[1:]), lines
