@@ -16,40 +16,32 @@ the right fence in the right statement:
 A fence presented in a transaction locks its lease row FOR KEY SHARE until the transaction ends:
 the holder's renewals go on, a takeover or a release waits. Deliberately unfenced writes opt the
 transaction out with ``pg_lease_allow_unfenced()`` (which the database lets only granted roles do).
+
+This module is the public face (the model, its queryset and manager); the parts live beside it:
+``fence_resolution`` decides which fence guards a write, ``fence_statements`` carries it in SQL and
+turns refusals into exceptions, ``fence_schema`` holds the lease key column and the triggers.
+Users' code and migrations import every public name from here.
 """
 
 from __future__ import annotations
 
 import inspect
-import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError, connections, models, router, transaction
-from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Expression
-from django.db.models.constraints import BaseConstraint
+from django.db import models, router
 from django.db.models.signals import class_prepared
-from django.db.models.sql.compiler import SQLCompiler
 
-from . import sql
-from .exceptions import (
-    REFUSED_WRITE_ERRORS,
-    InvalidInputError,
-    LeaseError,
-    UnfencedWriteError,
-)
-from .validation import check_epoch, check_name
+from .exceptions import InvalidInputError
+from .fence_resolution import Fence, FenceToken, QuerysetScope, queryset_fence, resolve_fence, unfenced_writes
+from .fence_schema import EPOCH_FIELD, KEY_FIELD, FenceTrigger, LeaseKeyField, add_fence_trigger
+from .fence_statements import FencePresented, PresentFence, in_one_transaction, refusals_raised
 
 if TYPE_CHECKING:
     from typing import Self
-
-    from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 
 __all__ = [
     "Fence",
@@ -63,339 +55,6 @@ __all__ = [
 ]
 
 _M = TypeVar("_M", bound=models.Model)
-
-#: The column a FencedModel records the epoch of its last accepted write in.
-EPOCH_FIELD = "lease_epoch"
-#: The field storing the key of the lease that guards the row (column ``lease_key``).
-KEY_FIELD = "lease"
-
-_unfenced_writes: ContextVar[bool] = ContextVar("pg_lease_unfenced_writes", default=False)
-
-
-@dataclass(frozen=True)
-class _QuerysetScope:
-    """The fence (or, with None, the opt-out) of a queryset whose create()/get_or_create()/
-    update_or_create() is running: Django's code reaches FencedModel.save() without passing it on."""
-
-    model: type[models.Model]
-    token: FenceToken | None
-
-
-# Taken by the one save of that model that the queryset method makes, and hidden from the saves its
-# signal handlers make in turn (they name their own fence).
-_queryset_fence: ContextVar[_QuerysetScope | None] = ContextVar("pg_lease_queryset_fence", default=None)
-
-
-class Fence(Protocol):
-    """Anything that names a lease grant: a `Grant` or a `HeldLease` is one.
-
-    ``key`` is optional: when present it must match the lease key the write is guarded by.
-    """
-
-    @property
-    def owner(self) -> str: ...
-
-    @property
-    def epoch(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class FenceToken:
-    """A resolved fence: the lease ``(key, owner, epoch)`` a write must still hold to land."""
-
-    key: str
-    owner: str
-    epoch: int
-
-
-@contextmanager
-def unfenced_writes() -> Iterator[None]:
-    """Allow FencedModel writes without a fence inside the block (this thread/task only).
-
-    The explicit opt-out for writes that no lease holder makes: admin edits, data repair from a
-    shell, ``loaddata``. Each such write runs in a transaction that tells the database so
-    (``pg_lease_allow_unfenced()``, granted to the migrating role; see docs/security.md).
-    Greppable on purpose; also usable as a decorator.
-    """
-    token = _unfenced_writes.set(True)
-    try:
-        yield
-    finally:
-        _unfenced_writes.reset(token)
-
-
-def resolve_fence(
-    fence: Fence | None, key: str | Callable[[], str], *, unfenced: bool = False, using: str | None = None
-) -> FenceToken | None:
-    """Decide which lease guards a write: the one place that does.
-
-    Args:
-        fence: the caller's grant, or None.
-        key: the lease key the write is guarded by (or a callable computing it, called only when
-            a fence is needed).
-        unfenced: the caller's explicit opt-out (``save(unfenced=True)``).
-        using: the database alias the write goes to, when known: a lease held (``hold(using=...)``)
-            in another database is no fence for it.
-
-    Returns:
-        The token to present, or None for a deliberately unfenced write.
-
-    Raises:
-        UnfencedWriteError: no fence and no opt-out.
-        InvalidInputError: both a fence and ``unfenced=True``; a fence for another key; a fence
-            that is not a grant (no ``owner``/``epoch``, wrong types).
-    """
-    if fence is None:
-        if unfenced or _unfenced_writes.get():
-            return None
-        # Inside hold()/@leased, the active lease of the write's key is the fence (innermost first).
-        from .jobs import current_lease
-
-        if current_lease() is not None and (lease_key := key() if callable(key) else key):
-            held = current_lease(lease_key)
-            if held is not None and using is not None and held.using != using:
-                raise UnfencedWriteError(
-                    f"lease {lease_key!r} is held in database {held.using!r} (hold(..., using={held.using!r})), "
-                    f"but this write goes to database {using!r}: a lease only fences writes to its own database",
-                    key=lease_key,
-                    owner=held.owner,
-                    epoch=held.epoch,
-                )
-            fence = held
-        if fence is None:
-            raise UnfencedWriteError(
-                "write to a FencedModel without a fence: pass fence=grant (querysets: .fenced(grant)), hold "
-                "its lease with hold()/@leased, or opt out explicitly with unfenced=True / .unfenced() / "
-                "unfenced_writes()"
-            )
-    if unfenced:
-        raise InvalidInputError("pass either a fence or unfenced=True, not both")
-    try:
-        owner, epoch = fence.owner, fence.epoch
-    except AttributeError:
-        raise InvalidInputError(
-            f"a fence is a grant with owner and epoch (a Grant or a held lease), not {type(fence).__name__}"
-        ) from None
-    lease_key = check_name("key", key() if callable(key) else key)
-    check_name("owner", owner)
-    check_epoch(epoch)
-    fence_key = getattr(fence, "key", None)
-    if fence_key is not None and fence_key != lease_key:
-        raise InvalidInputError(
-            f"the fence is a grant for lease {fence_key!r}, but this write is guarded by lease {lease_key!r}",
-            key=lease_key,
-            owner=owner,
-            epoch=epoch,
-        )
-    return FenceToken(lease_key, owner, epoch)
-
-
-# ---- what the statements carry ---------------------------------------------------------------
-
-
-class PresentFence(Expression):
-    """``(SELECT pg_lease_check_fence(key, owner, epoch))``: presents the fence, raises if it does not
-    hold, and evaluates to its epoch. Uncorrelated, so PostgreSQL runs it once per statement."""
-
-    output_field = models.BigIntegerField()
-
-    def __init__(self, token: FenceToken) -> None:
-        super().__init__()
-        self.token = token
-
-    def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
-        call = sql.render(connection, sql.CHECK_FENCE)
-        return f"(SELECT {call})", (self.token.key, self.token.owner, self.token.epoch)
-
-
-class FencePresented(PresentFence):
-    """WHERE-clause form of `PresentFence`: a one-time filter evaluated before any row is read."""
-
-    conditional = True
-    output_field = models.BooleanField()  # type: ignore[assignment]
-
-    def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
-        presented, params = super().as_sql(compiler, connection)
-        return f"{presented} IS NOT NULL", params
-
-
-def _present(connection: BaseDatabaseWrapper, token: FenceToken | None) -> None:
-    """Present ``token`` (or, for None, opt out) in the current transaction: one statement."""
-    with connection.cursor() as cursor:
-        if token is None:
-            cursor.execute(sql.render(connection, sql.ALLOW_UNFENCED))
-        else:
-            cursor.execute(f"SELECT {sql.render(connection, sql.CHECK_FENCE)}", [token.key, token.owner, token.epoch])
-
-
-def _refusal(error: DatabaseError, action: str) -> LeaseError | None:
-    """The typed error for a write the database refused by its fence, or None for any other error."""
-    cause = error.__cause__
-    kind = REFUSED_WRITE_ERRORS.get(getattr(cause, "sqlstate", None) or "")
-    if kind is None:
-        return None
-    diag = cause.diag  # type: ignore[union-attr]
-    try:
-        fence = json.loads(diag.message_detail or "{}")
-    except ValueError:
-        fence = {}
-    return kind(
-        f"{action} refused: {diag.message_primary}",
-        key=fence.get("key"),
-        owner=fence.get("owner"),
-        epoch=fence.get("epoch"),
-    )
-
-
-@contextmanager
-def _refusals_raised(action: str) -> Iterator[None]:
-    """Turn the database's refusal of a fenced write into `NotOwnerError`, `LapsedError`, ...
-
-    Inside ``atomic()`` a refused statement leaves the transaction to be rolled back, like any
-    failed write (wrap the write in its own ``atomic()`` to carry on after a refusal).
-    """
-    try:
-        yield
-    except DatabaseError as error:
-        refusal = _refusal(error, action)
-        if refusal is None:
-            raise
-        raise refusal from error
-
-
-@contextmanager
-def _in_one_transaction(using: str, token: FenceToken | None, *, present_first: bool) -> Iterator[None]:
-    """A transaction for a write Django may spread over several statements; with ``present_first``
-    its first statement presents ``token`` (or opts out), so every later statement is covered.
-
-    An opt-out ends with the block (one more statement): the rest of an enclosing transaction is
-    fenced again. A presented fence stays for the transaction, as it holds the lease row locked.
-    """
-    connection = connections[using]
-    with transaction.atomic(using=using, savepoint=False):
-        if present_first:
-            _present(connection, token)
-        yield
-        if present_first and token is None:
-            # Always, not only inside an enclosing atomic(): with autocommit off, this block's
-            # end commits nothing either, and the transaction goes on.
-            with connection.cursor() as cursor:
-                cursor.execute(sql.END_UNFENCED)
-
-
-# ---- the trigger, installed per model by its migration ----------------------------------------
-
-
-def _fenced_root(model: type[models.Model]) -> type[models.Model]:
-    """The concrete model whose table holds the ``lease_key``/``lease_epoch`` columns of ``model``'s rows."""
-    root: type[models.Model] = model._meta.get_field(EPOCH_FIELD).model
-    return root._meta.concrete_model or root
-
-
-class FenceTrigger(BaseConstraint):
-    """The triggers that make PostgreSQL refuse stale writes to a FencedModel's table.
-
-    Listed in the model's ``Meta.constraints`` automatically (every concrete FencedModel, and every
-    multi-table child of one), so ``makemigrations`` writes an ``AddConstraint`` that installs them,
-    as django-pgtrigger does with its own operation; no SQL Django sends is ever rewritten. After
-    each INSERT, UPDATE and DELETE statement they check every row's lease against the fence the
-    transaction presented; TRUNCATE is refused unless the transaction opted out.
-    """
-
-    _TRIGGERS = ("pg_lease_fence_insert", "pg_lease_fence_update", "pg_lease_fence_delete", "pg_lease_fence_truncate")
-
-    def constraint_sql(  # type: ignore[override]
-        self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None
-    ) -> None:
-        # CREATE TABLE: the triggers need the table to exist first.
-        assert model is not None and schema_editor is not None
-        schema_editor.deferred_sql.append(self.create_sql(model, schema_editor))
-
-    def create_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
-        assert model is not None and schema_editor is not None
-        quote = schema_editor.quote_name
-        schema = sql.schema(schema_editor.connection)
-        table = quote(model._meta.db_table)
-        root = _fenced_root(model)
-        if root._meta.db_table == model._meta.db_table:
-            function, args = f"{schema}.pg_lease_guard_rows", ""
-        else:
-            # A multi-table child: its rows' keys live in the fenced ancestor's table.
-            ancestor = f"{schema}.{quote(root._meta.db_table)}"
-            args = ", ".join(f"'{value}'" for value in (ancestor, root._meta.pk.column, model._meta.pk.column))
-            function = f"{schema}.pg_lease_guard_inherited_rows"
-        each = "FOR EACH STATEMENT EXECUTE FUNCTION"
-        return "; ".join(
-            [
-                f"CREATE TRIGGER pg_lease_fence_insert AFTER INSERT ON {table} "
-                f"REFERENCING NEW TABLE AS pg_lease_new {each} {function}({args})",
-                f"CREATE TRIGGER pg_lease_fence_update AFTER UPDATE ON {table} "
-                f"REFERENCING OLD TABLE AS pg_lease_old NEW TABLE AS pg_lease_new {each} {function}({args})",
-                f"CREATE TRIGGER pg_lease_fence_delete AFTER DELETE ON {table} "
-                f"REFERENCING OLD TABLE AS pg_lease_old {each} {function}({args})",
-                f"CREATE TRIGGER pg_lease_fence_truncate BEFORE TRUNCATE ON {table} "
-                f"{each} {schema}.pg_lease_guard_truncate()",
-            ]
-        )
-
-    def remove_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
-        assert model is not None and schema_editor is not None
-        table = schema_editor.quote_name(model._meta.db_table)
-        return "; ".join(f"DROP TRIGGER IF EXISTS {name} ON {table}" for name in self._TRIGGERS)
-
-    def validate(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to validate in Python: the database checks every write."""
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, FenceTrigger) and self.name == other.name
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.name))
-
-
-def fence_trigger_name(model: type[models.Model]) -> str:
-    """The constraint name of ``model``'s `FenceTrigger` (Django wants one; the triggers are per table)."""
-    return f"pg_lease_fence_{model._meta.db_table}"[:63]
-
-
-def _add_fence_trigger(sender: type[models.Model], **kwargs: Any) -> None:
-    """class_prepared: give every concrete FencedModel table (and MTI child table) its FenceTrigger."""
-    meta = sender._meta
-    if meta.abstract or meta.proxy or not issubclass(sender, FencedModel) or sender.__module__ == "__fake__":
-        return
-    if any(isinstance(constraint, FenceTrigger) for constraint in meta.constraints):
-        return
-    meta.constraints = [*meta.constraints, FenceTrigger(name=fence_trigger_name(sender))]
-    # Migrations read a model's options from the Meta attributes it declared.
-    meta.original_attrs["constraints"] = meta.constraints
-
-
-class_prepared.connect(_add_fence_trigger)
-
-
-class LeaseKeyField(models.ForeignKey):  # type: ignore[type-arg]
-    """The lease that guards a fenced row: its key, in column ``lease_key``, beside ``lease_epoch``.
-
-    A foreign key without a database constraint, so a fenced model's migration depends on the
-    lease app's (its triggers call the lease functions). ``save()`` writes it from
-    `FencedModel.get_lease_key`; the database checks it, so Python does not look it up.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("to", "pg_lease_django.Lease")
-        kwargs.setdefault("to_field", "key")
-        kwargs.setdefault("on_delete", models.DO_NOTHING)
-        kwargs.setdefault("db_constraint", False)
-        kwargs.setdefault("db_index", False)
-        kwargs.setdefault("db_column", "lease_key")
-        kwargs.setdefault("related_name", "+")
-        kwargs.setdefault("null", True)
-        kwargs.setdefault("blank", True)
-        kwargs.setdefault("editable", False)
-        super().__init__(*args, **kwargs)
-
-    def validate(self, value: Any, model_instance: models.Model | None) -> None:
-        """No lookup: a lease row exists for every key a fence was presented for."""
 
 
 # ---- querysets -------------------------------------------------------------------------------
@@ -466,11 +125,11 @@ class FencedQuerySet(models.QuerySet[_M]):
         if self._pg_lease_token is None and not self._pg_lease_unfenced:
             yield
             return
-        scope = _queryset_fence.set(_QuerysetScope(self.model, self._pg_lease_token))
+        scope = queryset_fence.set(QuerysetScope(self.model, self._pg_lease_token))
         try:
             yield
         finally:
-            _queryset_fence.reset(scope)
+            queryset_fence.reset(scope)
 
     def update(self, **kwargs: Any) -> int:
         """Update the matched rows if the fence holds for each of them; see the class docstring.
@@ -487,16 +146,16 @@ class FencedQuerySet(models.QuerySet[_M]):
         token = self._token()
         using = self._using()
         if token is None:
-            with _in_one_transaction(using, None, present_first=True):
+            with in_one_transaction(using, None, present_first=True):
                 return super().update(**kwargs)
         kwargs[EPOCH_FIELD] = token.epoch
         guarded = self.filter(FencePresented(token))
-        with _refusals_raised("update"):
+        with refusals_raised("update"):
             if not self.model._meta.parents:
                 return models.QuerySet.update(guarded, **kwargs)
             # Multi-table: Django selects the ids, then updates each table. One transaction keeps
             # the fence presented by the first statement for the others.
-            with _in_one_transaction(using, token, present_first=False):
+            with in_one_transaction(using, token, present_first=False):
                 return models.QuerySet.update(guarded, **kwargs)
 
     update.alters_data = True  # type: ignore[attr-defined]
@@ -511,10 +170,10 @@ class FencedQuerySet(models.QuerySet[_M]):
         token = self._token()
         using = self._using()
         if token is None:
-            with _in_one_transaction(using, None, present_first=True):
+            with in_one_transaction(using, None, present_first=True):
                 return super().delete()
         guarded = self.filter(FencePresented(token))
-        with _refusals_raised("delete"), _in_one_transaction(using, token, present_first=False):
+        with refusals_raised("delete"), in_one_transaction(using, token, present_first=False):
             return models.QuerySet.delete(guarded)
 
     delete.alters_data = True  # type: ignore[attr-defined]
@@ -539,7 +198,7 @@ class FencedQuerySet(models.QuerySet[_M]):
             obj.lease_id = obj._pg_lease_own_key()
             if token is not None:
                 obj.lease_epoch = token.epoch
-        with _refusals_raised("bulk_create"), _in_one_transaction(self._using(), token, present_first=True):
+        with refusals_raised("bulk_create"), in_one_transaction(self._using(), token, present_first=True):
             return super().bulk_create(objs, *args, **kwargs)
 
     bulk_create.alters_data = True  # type: ignore[attr-defined]
@@ -635,18 +294,18 @@ class FencedModel(models.Model):
             InvalidInputError: a fence for another lease key, or a malformed fence.
         """
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
-        scope = _queryset_fence.get()
+        scope = queryset_fence.get()
         hidden = None
         if scope is not None and fence is None and not unfenced and isinstance(self, scope.model):
             fence, unfenced = scope.token, scope.token is None
-            hidden = _queryset_fence.set(None)
+            hidden = queryset_fence.set(None)
         try:
             self._pg_lease_token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced, using=using)
             super().save(*args, **kwargs)
         finally:
             self.__dict__.pop("_pg_lease_token", None)
             if hidden is not None:
-                _queryset_fence.reset(hidden)
+                queryset_fence.reset(hidden)
 
     save.alters_data = True  # type: ignore[attr-defined]
 
@@ -670,11 +329,11 @@ class FencedModel(models.Model):
         self._pg_lease_presenting = True
         try:
             if token is None:
-                with _in_one_transaction(using, None, present_first=True):
+                with in_one_transaction(using, None, present_first=True):
                     super().save_base(*args, **kwargs)
                 return
             self.lease_epoch = PresentFence(token)
-            with _refusals_raised("save"):
+            with refusals_raised("save"):
                 super().save_base(*args, **kwargs)
             self.lease_epoch = token.epoch
         except BaseException:
@@ -697,7 +356,7 @@ class FencedModel(models.Model):
         self.lease_id = self._pg_lease_own_key()
         if token is not None:
             self.lease_epoch = token.epoch
-        with _refusals_raised("save"), _in_one_transaction(using, token, present_first=True):
+        with refusals_raised("save"), in_one_transaction(using, token, present_first=True):
             return super()._save_table(*args, **kwargs)  # type: ignore[misc]
 
     def _pg_lease_own_key(self) -> str | None:
@@ -715,7 +374,7 @@ class FencedModel(models.Model):
         """
         using = kwargs.get("using") or (args[0] if args else None) or router.db_for_write(type(self), instance=self)
         token = resolve_fence(fence, self.get_lease_key, unfenced=unfenced, using=using)
-        with _refusals_raised("delete"), _in_one_transaction(using, token, present_first=True):
+        with refusals_raised("delete"), in_one_transaction(using, token, present_first=True):
             return super().delete(*args, **kwargs)
 
     delete.alters_data = True  # type: ignore[attr-defined]
@@ -735,3 +394,15 @@ class FencedModel(models.Model):
         if self.lease_key is None:
             raise ImproperlyConfigured(f"{type(self).__name__} must set lease_key or override get_lease_key()")
         return self.lease_key
+
+
+# ---- every fenced table gets its triggers ---------------------------------------------------
+
+
+def _add_fence_trigger(sender: type[models.Model], **kwargs: Any) -> None:
+    """class_prepared: give every concrete FencedModel table (and MTI child table) its FenceTrigger."""
+    if issubclass(sender, FencedModel):
+        add_fence_trigger(sender)
+
+
+class_prepared.connect(_add_fence_trigger)

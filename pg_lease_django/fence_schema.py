@@ -1,0 +1,151 @@
+"""What a fenced table carries: its lease key column and the triggers that refuse stale writes.
+
+Both classes are written into users' migrations as ``pg_lease_django.fencing.LeaseKeyField`` and
+``pg_lease_django.fencing.FenceTrigger``; their ``deconstruct()`` keeps that path, so moving them
+here changes no migration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from django.db import models
+from django.db.models.constraints import BaseConstraint
+
+from . import sql
+
+if TYPE_CHECKING:
+    from django.db.backends.base.schema import BaseDatabaseSchemaEditor
+
+#: The column a FencedModel records the epoch of its last accepted write in.
+EPOCH_FIELD = "lease_epoch"
+#: The field storing the key of the lease that guards the row (column ``lease_key``).
+KEY_FIELD = "lease"
+
+#: The module users' migrations import `LeaseKeyField` and `FenceTrigger` from.
+PUBLIC_MODULE = "pg_lease_django.fencing"
+
+
+def _public_path(path: str) -> str:
+    """``path`` as users' migrations spell it: this module's classes under `PUBLIC_MODULE`."""
+    module, _, name = path.rpartition(".")
+    return f"{PUBLIC_MODULE}.{name}" if module == __name__ else path
+
+
+class LeaseKeyField(models.ForeignKey):  # type: ignore[type-arg]
+    """The lease that guards a fenced row: its key, in column ``lease_key``, beside ``lease_epoch``.
+
+    A foreign key without a database constraint, so a fenced model's migration depends on the
+    lease app's (its triggers call the lease functions). ``save()`` writes it from
+    `FencedModel.get_lease_key`; the database checks it, so Python does not look it up.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("to", "pg_lease_django.Lease")
+        kwargs.setdefault("to_field", "key")
+        kwargs.setdefault("on_delete", models.DO_NOTHING)
+        kwargs.setdefault("db_constraint", False)
+        kwargs.setdefault("db_index", False)
+        kwargs.setdefault("db_column", "lease_key")
+        kwargs.setdefault("related_name", "+")
+        kwargs.setdefault("null", True)
+        kwargs.setdefault("blank", True)
+        kwargs.setdefault("editable", False)
+        super().__init__(*args, **kwargs)
+
+    def deconstruct(self) -> tuple[str, str, Sequence[Any], dict[str, Any]]:
+        name, path, args, kwargs = super().deconstruct()
+        return name, _public_path(path), args, kwargs
+
+    def validate(self, value: Any, model_instance: models.Model | None) -> None:
+        """No lookup: a lease row exists for every key a fence was presented for."""
+
+
+def fenced_root(model: type[models.Model]) -> type[models.Model]:
+    """The concrete model whose table holds the ``lease_key``/``lease_epoch`` columns of ``model``'s rows."""
+    root: type[models.Model] = model._meta.get_field(EPOCH_FIELD).model
+    return root._meta.concrete_model or root
+
+
+class FenceTrigger(BaseConstraint):
+    """The triggers that make PostgreSQL refuse stale writes to a FencedModel's table.
+
+    Listed in the model's ``Meta.constraints`` automatically (every concrete FencedModel, and every
+    multi-table child of one), so ``makemigrations`` writes an ``AddConstraint`` that installs them,
+    as django-pgtrigger does with its own operation; no SQL Django sends is ever rewritten. After
+    each INSERT, UPDATE and DELETE statement they check every row's lease against the fence the
+    transaction presented; TRUNCATE is refused unless the transaction opted out.
+    """
+
+    _TRIGGERS = ("pg_lease_fence_insert", "pg_lease_fence_update", "pg_lease_fence_delete", "pg_lease_fence_truncate")
+
+    def constraint_sql(  # type: ignore[override]
+        self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None
+    ) -> None:
+        # CREATE TABLE: the triggers need the table to exist first.
+        assert model is not None and schema_editor is not None
+        schema_editor.deferred_sql.append(self.create_sql(model, schema_editor))
+
+    def create_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
+        assert model is not None and schema_editor is not None
+        quote = schema_editor.quote_name
+        schema = sql.schema(schema_editor.connection)
+        table = quote(model._meta.db_table)
+        root = fenced_root(model)
+        if root._meta.db_table == model._meta.db_table:
+            function, args = f"{schema}.pg_lease_guard_rows", ""
+        else:
+            # A multi-table child: its rows' keys live in the fenced ancestor's table.
+            ancestor = f"{schema}.{quote(root._meta.db_table)}"
+            args = ", ".join(f"'{value}'" for value in (ancestor, root._meta.pk.column, model._meta.pk.column))
+            function = f"{schema}.pg_lease_guard_inherited_rows"
+        each = "FOR EACH STATEMENT EXECUTE FUNCTION"
+        return "; ".join(
+            [
+                f"CREATE TRIGGER pg_lease_fence_insert AFTER INSERT ON {table} "
+                f"REFERENCING NEW TABLE AS pg_lease_new {each} {function}({args})",
+                f"CREATE TRIGGER pg_lease_fence_update AFTER UPDATE ON {table} "
+                f"REFERENCING OLD TABLE AS pg_lease_old NEW TABLE AS pg_lease_new {each} {function}({args})",
+                f"CREATE TRIGGER pg_lease_fence_delete AFTER DELETE ON {table} "
+                f"REFERENCING OLD TABLE AS pg_lease_old {each} {function}({args})",
+                f"CREATE TRIGGER pg_lease_fence_truncate BEFORE TRUNCATE ON {table} "
+                f"{each} {schema}.pg_lease_guard_truncate()",
+            ]
+        )
+
+    def remove_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
+        assert model is not None and schema_editor is not None
+        table = schema_editor.quote_name(model._meta.db_table)
+        return "; ".join(f"DROP TRIGGER IF EXISTS {name} ON {table}" for name in self._TRIGGERS)
+
+    def validate(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to validate in Python: the database checks every write."""
+
+    def deconstruct(self) -> tuple[str, Sequence[Any], dict[str, Any]]:
+        path, args, kwargs = super().deconstruct()
+        return _public_path(path), args, kwargs
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FenceTrigger) and self.name == other.name
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.name))
+
+
+def fence_trigger_name(model: type[models.Model]) -> str:
+    """The constraint name of ``model``'s `FenceTrigger` (Django wants one; the triggers are per table)."""
+    return f"pg_lease_fence_{model._meta.db_table}"[:63]
+
+
+def add_fence_trigger(model: type[models.Model]) -> None:
+    """List a `FenceTrigger` in the constraints of a fenced model's own table (once; none for an
+    abstract or proxy model, or a migration's historical one), where ``makemigrations`` finds it."""
+    meta = model._meta
+    if meta.abstract or meta.proxy or model.__module__ == "__fake__":
+        return
+    if any(isinstance(constraint, FenceTrigger) for constraint in meta.constraints):
+        return
+    meta.constraints = [*meta.constraints, FenceTrigger(name=fence_trigger_name(model))]
+    # Migrations read a model's options from the Meta attributes it declared.
+    meta.original_attrs["constraints"] = meta.constraints

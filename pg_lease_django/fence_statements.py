@@ -1,0 +1,112 @@
+"""How a fenced write presents its fence to PostgreSQL, and how a refusal comes back.
+
+- `PresentFence` / `FencePresented`: the fence inside the write's own statement (a value, a filter);
+- `in_one_transaction`: for writes Django spreads over several statements, a first one presents it;
+- `refusals_raised`: the database's refusal turned into `NotOwnerError`, `LapsedError`, ...
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.db import DatabaseError, connections, models, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Expression
+from django.db.models.sql.compiler import SQLCompiler
+
+from . import sql
+from .exceptions import REFUSED_WRITE_ERRORS, LeaseError
+from .fence_resolution import FenceToken
+
+
+class PresentFence(Expression):
+    """``(SELECT pg_lease_check_fence(key, owner, epoch))``: presents the fence, raises if it does not
+    hold, and evaluates to its epoch. Uncorrelated, so PostgreSQL runs it once per statement."""
+
+    output_field = models.BigIntegerField()
+
+    def __init__(self, token: FenceToken) -> None:
+        super().__init__()
+        self.token = token
+
+    def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
+        call = sql.render(connection, sql.CHECK_FENCE)
+        return f"(SELECT {call})", (self.token.key, self.token.owner, self.token.epoch)
+
+
+class FencePresented(PresentFence):
+    """WHERE-clause form of `PresentFence`: a one-time filter evaluated before any row is read."""
+
+    conditional = True
+    output_field = models.BooleanField()  # type: ignore[assignment]
+
+    def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
+        presented, params = super().as_sql(compiler, connection)
+        return f"{presented} IS NOT NULL", params
+
+
+def _present(connection: BaseDatabaseWrapper, token: FenceToken | None) -> None:
+    """Present ``token`` (or, for None, opt out) in the current transaction: one statement."""
+    with connection.cursor() as cursor:
+        if token is None:
+            cursor.execute(sql.render(connection, sql.ALLOW_UNFENCED))
+        else:
+            cursor.execute(f"SELECT {sql.render(connection, sql.CHECK_FENCE)}", [token.key, token.owner, token.epoch])
+
+
+def _refusal(error: DatabaseError, action: str) -> LeaseError | None:
+    """The typed error for a write the database refused by its fence, or None for any other error."""
+    cause = error.__cause__
+    kind = REFUSED_WRITE_ERRORS.get(getattr(cause, "sqlstate", None) or "")
+    if kind is None:
+        return None
+    diag = cause.diag  # type: ignore[union-attr]
+    try:
+        fence = json.loads(diag.message_detail or "{}")
+    except ValueError:
+        fence = {}
+    return kind(
+        f"{action} refused: {diag.message_primary}",
+        key=fence.get("key"),
+        owner=fence.get("owner"),
+        epoch=fence.get("epoch"),
+    )
+
+
+@contextmanager
+def refusals_raised(action: str) -> Iterator[None]:
+    """Turn the database's refusal of a fenced write into `NotOwnerError`, `LapsedError`, ...
+
+    Inside ``atomic()`` a refused statement leaves the transaction to be rolled back, like any
+    failed write (wrap the write in its own ``atomic()`` to carry on after a refusal).
+    """
+    try:
+        yield
+    except DatabaseError as error:
+        refusal = _refusal(error, action)
+        if refusal is None:
+            raise
+        raise refusal from error
+
+
+@contextmanager
+def in_one_transaction(using: str, token: FenceToken | None, *, present_first: bool) -> Iterator[None]:
+    """A transaction for a write Django may spread over several statements; with ``present_first``
+    its first statement presents ``token`` (or opts out), so every later statement is covered.
+
+    An opt-out ends with the block (one more statement): the rest of an enclosing transaction is
+    fenced again. A presented fence stays for the transaction, as it holds the lease row locked.
+    """
+    connection = connections[using]
+    with transaction.atomic(using=using, savepoint=False):
+        if present_first:
+            _present(connection, token)
+        yield
+        if present_first and token is None:
+            # Always, not only inside an enclosing atomic(): with autocommit off, this block's
+            # end commits nothing either, and the transaction goes on.
+            with connection.cursor() as cursor:
+                cursor.execute(sql.END_UNFENCED)

@@ -1,0 +1,29 @@
+"""The import paths a fenced model's migration is written with, and the names it imports.
+
+``makemigrations --check`` cannot see a moved class: old and new migration states hold the same
+class object, so both deconstruct to the same path. What users' migrations say is pinned here.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db.migrations.writer import MigrationWriter
+
+from pg_lease_django import fencing
+from tests.compatapp.models import Ledger
+from tests.testapp.models import Invoice
+
+
+@pytest.mark.parametrize("model", [Invoice, Ledger])
+def test_migrations_import_the_fence_classes_from_fencing(model: type[fencing.FencedModel]) -> None:
+    field, field_imports = MigrationWriter.serialize(model._meta.get_field("lease"))
+    [trigger] = [c for c in model._meta.constraints if isinstance(c, fencing.FenceTrigger)]
+    constraint, constraint_imports = MigrationWriter.serialize(trigger)
+    assert field.startswith("pg_lease_django.fencing.LeaseKeyField(")
+    assert constraint == f"pg_lease_django.fencing.FenceTrigger(name={trigger.name!r})"
+    assert "import pg_lease_django.fencing" in field_imports & constraint_imports
+
+
+def test_every_public_name_stays_importable_from_fencing() -> None:
+    for name in fencing.__all__:
+        assert getattr(fencing, name).__name__ == name
