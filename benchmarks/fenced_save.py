@@ -12,7 +12,7 @@ Two comparisons, each in interleaved blocks (load drifts hit both sides alike):
 
 ``PlainInvoice``'s table (``bench_plain_invoice``) is created here with ``CREATE TABLE IF NOT
 EXISTS``; the model is unmanaged and registered at run time, so no migration knows it.
-``benchmarks/bench.py`` runs the same measurements as rows of its table.
+``run()`` is ``benchmarks/bench.py``'s stage ``save``: the same measurements as rows of its table.
 DATABASE_URL, else the embedded server. Usage: python benchmarks/fenced_save.py [rounds]
 """
 
@@ -25,7 +25,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
 
-from bench import _OWNER, Cycle, Timer, bench_database, installed_apps, interleave, ratio, setup_django
+from common import (
+    OWNER,
+    Cycle,
+    Report,
+    Row,
+    Timer,
+    bench_database,
+    block_rates,
+    count_statements,
+    installed_apps,
+    interleave,
+    op_p,
+    ratio,
+    setup_django,
+)
 
 PLAIN_TABLE = "bench_plain_invoice"
 # testapp_invoice as its migrations create it, less the triggers (\d testapp_invoice).
@@ -73,8 +87,6 @@ def plain_model() -> Any:
 
 def _statements(cycle: Cycle) -> int:
     """Statements Django sends for one run of ``cycle``."""
-    from bench import count_statements
-
     return count_statements(lambda: cycle(Timer()))
 
 
@@ -176,6 +188,69 @@ def update_cycles(owner: str, rows: int = UPDATE_ROWS) -> tuple[dict[str, Cycle]
     return cycles, statements, compact
 
 
+def run(report: Report, rounds: int, block: float, owner: str) -> None:
+    """Fenced writes against the same writes to a plain model of identical shape, as rows of bench.py's table.
+
+    A save of one existing row (target <= 1.15x the plain save's time) and a queryset update of
+    1,000 rows under one lease key (target <= 1.3x); each pair in its own interleaved blocks.
+    """
+    saves, statements = fenced_and_plain_cycles(owner)
+    series = interleave(saves, rounds, block)
+    plain, fenced, unfenced = series["plain"], series["fenced"], series["unfenced"]
+    cost = 1 / ratio(fenced, plain)  # time per save, fenced / plain
+    report.add(Row("save", "plain save (PlainInvoice.save(), no triggers)", plain.rate, *op_p(plain)))
+    report.add(
+        Row(
+            "save",
+            "fenced save (save(fence=grant))",
+            fenced.rate,
+            *op_p(fenced),
+            cost,
+            "plain save (time)",
+            "<= 1.15x",
+            cost <= 1.15,
+            f"{statements['fenced']} vs {statements['plain']} statements; p50 ratio "
+            f"{fenced.p('op', 0.5) / plain.p('op', 0.5):.2f}x",
+        )
+    )
+    report.add(
+        Row(
+            "save",
+            "  Invoice.save(unfenced=True) (opt-out)",
+            unfenced.rate,
+            *op_p(unfenced),
+            1 / ratio(unfenced, plain),
+            "plain save (time)",
+            note=f"{statements['unfenced']} statements (BEGIN, allow_unfenced, UPDATE, COMMIT); "
+            f"p50 ratio {unfenced.p('op', 0.5) / plain.p('op', 0.5):.2f}x",
+        )
+    )
+    updates, update_statements, compact = update_cycles(owner)
+    useries = interleave(updates, rounds, block, before_round=compact)
+    plain_update, fenced_update = useries["plain"], useries["fenced"]
+    update_cost = 1 / ratio(fenced_update, plain_update)
+    report.add(Row("save", f"plain queryset update, {UPDATE_ROWS:,} rows", plain_update.rate, *op_p(plain_update)))
+    report.add(
+        Row(
+            "save",
+            f"fenced queryset update, {UPDATE_ROWS:,} rows",
+            fenced_update.rate,
+            *op_p(fenced_update),
+            update_cost,
+            "plain update (time)",
+            "<= 1.3x",
+            update_cost <= 1.3,
+            f"{update_statements['fenced']} vs {update_statements['plain']} statements; one lease key; p50 ratio "
+            f"{fenced_update.p('op', 0.5) / plain_update.p('op', 0.5):.2f}x",
+        )
+    )
+    report.details["fenced_writes"] = {
+        "block_rates": block_rates({"save": series, "update": useries}),
+        "statements": {"save": statements, "update": update_statements},
+        "update_rows": UPDATE_ROWS,
+    }
+
+
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     database, where = bench_database()
@@ -184,14 +259,14 @@ def main() -> None:
 
     call_command("migrate", verbosity=0)
     print(f"database: {where}")
-    saves, statements = fenced_and_plain_cycles(_OWNER)
+    saves, statements = fenced_and_plain_cycles(OWNER)
     series: dict[str, Any] = interleave(saves, rounds, 0.4)
     p, f, u = series["plain"], series["fenced"], series["unfenced"]
     print(f"plain save     {1e3 / p.rate:.3f} ms/save  ({p.rate:.0f}/s), {statements['plain']} statement(s)")
     print(f"fenced save    {1e3 / f.rate:.3f} ms/save  ({f.rate:.0f}/s), {statements['fenced']} statement(s)")
     print(f"unfenced save  {1e3 / u.rate:.3f} ms/save  ({u.rate:.0f}/s), {statements['unfenced']} statement(s)")
     print(f"fenced / plain = {1 / ratio(f, p):.2f}x time per save (target <= 1.15x)")
-    updates, statements, compact = update_cycles(_OWNER)
+    updates, statements, compact = update_cycles(OWNER)
     series = interleave(updates, rounds, 0.4, before_round=compact)
     p, f = series["plain"], series["fenced"]
     print(f"plain update   {1e3 / p.rate:.3f} ms/update of {UPDATE_ROWS} rows, {statements['plain']} statement(s)")

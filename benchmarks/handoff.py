@@ -17,7 +17,8 @@ Uses ``DATABASE_URL`` when set (that database, created if missing), else the emb
 * fairness: N threads each loop acquire/hold/release/re-acquire on one key; for every grant,
   how many grants to others the grantee waited through (a FIFO queue would give N-1).
 
-Figures depend on the machine: quote the ratios, not the absolutes.
+Figures depend on the machine: quote the ratios, not the absolutes. ``run()`` is
+``benchmarks/bench.py``'s stage ``handoff``: the release and expiry handoffs as rows of its table.
 """
 
 from __future__ import annotations
@@ -27,66 +28,32 @@ import os
 import queue
 import random
 import statistics
-import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import django  # noqa: E402
-import psycopg  # noqa: E402
-from django.conf import settings  # noqa: E402
-
-from tests.dbserver import conninfo  # noqa: E402
-
-BENCH_DATABASE = "pg_lease_bench"
+import psycopg
+from common import Report, Row, bench_database, conninfo, percentile, setup_django
 
 
 def configure() -> dict[str, Any]:
-    """Configure Django on the benchmark database (created and migrated here); return its settings."""
-    from tests.dbserver import database_settings, database_url
+    """Configure Django on the benchmark database (created and migrated here); return its settings.
 
-    explicit = bool(os.environ.get("DATABASE_URL"))
-    database = database_settings(database_url())
-    if not explicit:
-        database["NAME"] = BENCH_DATABASE
-    _create_database(database)
-    settings.configure(
-        DATABASES={"default": database},
-        INSTALLED_APPS=["pg_lease_django"],
-        USE_TZ=True,
-        TIME_ZONE="UTC",
-        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-        LOGGING_CONFIG=None,
-    )
-    django.setup()
+    Our app only: the handoffs need no test app.
+    """
+    database, _where = bench_database()
+    setup_django(database, ["pg_lease_django"])
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
     return database
 
 
-def _create_database(database: dict[str, Any]) -> None:
-    with psycopg.connect(conninfo(database, "postgres"), autocommit=True) as conn:
-        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [database["NAME"]]).fetchone() is None:
-            conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(database["NAME"])))
-
-
-# --- statistics -----------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile (``fraction`` in [0, 1])."""
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))
-    return ordered[index]
+# --- figures --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -324,6 +291,49 @@ def measure_fairness(label: str, waiters: int, grants: int, hold: float, think: 
     if errors:
         raise errors[0]
     return Fairness(label, waiters, waited, per_thread)
+
+
+# --- bench.py's stage ---------------------------------------------------------------------------
+
+
+def run(report: Report, database: dict[str, Any], handoffs: int, lapses: int) -> None:
+    """Blocking acquire: release -> grant, and expiry -> grant, as rows of bench.py's table."""
+    from django.test import override_settings
+
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    observer = psycopg.connect(conninfo(database), autocommit=True)
+    try:
+        with override_settings(PG_LEASE_LISTEN=True, PG_LEASE_POLL_INTERVAL=0.5):
+            listen = measure_release("blocking, LISTEN", blocking_acquire, observer, handoffs, 0.0, run_id)
+            lapse = measure_lapse("listen", blocking_acquire, lapses, 0.25, 0.1, run_id)
+        with override_settings(PG_LEASE_LISTEN=False, PG_LEASE_POLL_INTERVAL=0.1):
+            polling = measure_release("blocking, polling", blocking_acquire, observer, handoffs // 2, 0.1, run_id)
+    finally:
+        observer.close()
+    for figures, target in ((listen, "p99<=50ms"), (polling, "p99<=150ms")):
+        limit = 50 if figures is listen else 150
+        report.add(
+            Row(
+                "handoff",
+                f"release -> grant, {figures.label}",
+                None,
+                figures.p(0.5),
+                figures.p(0.99),
+                target=target,
+                met=figures.p(0.99) <= limit,
+                note=f"{len(figures.server_ms)} handoffs, server clock; client p50 {figures.p(0.5, True):.2f} ms",
+            )
+        )
+    report.add(
+        Row(
+            "handoff",
+            "expiry -> grant, blocking, LISTEN (TTL 0.25 s)",
+            None,
+            percentile(lapse, 0.5),
+            percentile(lapse, 0.99),
+            note=f"{len(lapse)} lapses: grant time - holder's expires_at",
+        )
+    )
 
 
 # --- report ---------------------------------------------------------------------------------------
