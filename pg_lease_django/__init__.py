@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .exceptions import (
     AlreadyFreeError,
     EpochMismatchError,
+    HeartbeatFailedError,
     InvalidInputError,
     LapsedError,
     LeaseError,
@@ -42,6 +43,7 @@ __all__ = [
     "FencedModel",
     "FencedQuerySet",
     "Grant",
+    "HeartbeatFailedError",
     "HeldLease",
     "Holding",
     "InvalidInputError",

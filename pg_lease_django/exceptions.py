@@ -7,6 +7,7 @@ from datetime import datetime
 __all__ = [
     "AlreadyFreeError",
     "EpochMismatchError",
+    "HeartbeatFailedError",
     "InvalidInputError",
     "LapsedError",
     "LeaseError",
@@ -88,7 +89,7 @@ class LeaseTimeoutError(LeaseError):
 class LeaseLostError(LeaseError):
     """The caller does not hold the lease it named: stop acting on its behalf.
 
-    Base of `NotOwnerError`, `LapsedError` and `EpochMismatchError`. Any work
+    Base of `NotOwnerError`, `LapsedError`, `EpochMismatchError` and `HeartbeatFailedError`. Any work
     guarded by the old epoch will be rejected; re-acquire (getting a new epoch) to continue.
     """
 
@@ -144,6 +145,16 @@ class EpochMismatchError(LeaseLostError):
 
     code = "epoch_mismatch"
     sqlstate = "PL003"  # a fenced write the database refused for this cause
+
+
+class HeartbeatFailedError(LeaseLostError):
+    """The heartbeat thread of a ``hold()`` crashed on something it did not expect: no more renewals.
+
+    The hold counts its lease as lost at once (``lease.lost``, ``lease.check()``), though the server
+    may still show it held; leaving the hold still releases it. The traceback is logged. Stop.
+    """
+
+    code = "heartbeat_failed"
 
 
 class InvalidInputError(LeaseError, ValueError):

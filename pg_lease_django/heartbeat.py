@@ -1,6 +1,7 @@
 """The renewal side of ``hold()``: a connection of the lease's own, and the thread that renews on it.
 
-Nothing here is public API; `pg_lease_django.jobs` is.
+Nothing here is public API; `pg_lease_django.jobs` is. The thread reports to its `HeldLease` only
+through the few members that class sets apart for the heartbeat and the hold.
 """
 
 from __future__ import annotations
@@ -9,22 +10,20 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import load_backend
 from psycopg import IsolationLevel
 
-from .exceptions import LeaseLostError
-from .managers import Grant, LeaseManager
-from .validation import Seconds
-
-if TYPE_CHECKING:
-    from .jobs import HeldLease
+from . import operations, waiting
+from .exceptions import HeartbeatFailedError, LeaseLostError
+from .held import HeldLease
+from .operations import Grant
 
 logger = logging.getLogger(__name__)
 
@@ -32,24 +31,6 @@ logger = logging.getLogger(__name__)
 MAX_RETRY_DELAY = 2.0
 
 Outcome = Literal["freed", "kept", "gone", "unknown"]
-
-
-class _DedicatedManager(LeaseManager):
-    """LeaseManager bound to one connection object; notes when each statement is sent."""
-
-    def __init__(self, owner: LeaseConnection) -> None:
-        super().__init__()
-        self._lease_connection = owner
-        self._db = owner.wrapper.alias
-
-    def _connection(self) -> BaseDatabaseWrapper:
-        return self._lease_connection.wrapper
-
-    def _call(self, template: str, params: Sequence[Any]) -> tuple[Any, ...]:
-        # The trust window starts just before the statement that succeeds is sent: the server's
-        # grant or renewal happens after this instant, so its expiry is at least this + TTL.
-        self._lease_connection.sent_at = time.monotonic()
-        return super()._call(template, params)
 
 
 class LeaseConnection:
@@ -80,13 +61,12 @@ class LeaseConnection:
         self.wrapper: BaseDatabaseWrapper = load_backend(settings["ENGINE"]).DatabaseWrapper(settings, alias)
         # Acquired in the caller's thread, renewed and released in the heartbeat thread.
         self.wrapper.inc_thread_sharing()
-        self.manager = _DedicatedManager(self)
         #: time.monotonic() just before the last statement was sent.
         self.sent_at = 0.0
         self._lock = threading.Lock()
 
-    def acquire(self, key: str, owner: str, ttl: timedelta, *, blocking: bool, timeout: Seconds | None) -> Grant:
-        """One acquire (or a blocking wait) in autocommit: the grant is committed when this returns.
+    def acquire(self, key: str, owner: str, ttl: timedelta, *, blocking: bool, wait: timedelta | None) -> Grant:
+        """One acquire (or a blocking wait of at most ``wait``) in autocommit: the grant is committed when this returns.
 
         Raises:
             NotAcquirableError: not blocking, and another owner holds the key (named in the error).
@@ -94,8 +74,9 @@ class LeaseConnection:
         with self._lock:
             try:
                 if blocking:
-                    return self.manager.acquire(key, owner, ttl, blocking=True, timeout=timeout)
-                return self.manager._acquire_or_raise(key, owner, ttl)
+                    return waiting.wait_and_acquire(self.wrapper, key, owner, ttl, wait, before_attempt=self._sending)
+                self._sending()
+                return operations.acquire_or_raise(self.wrapper, key, owner, ttl)
             except BaseException:
                 self._discard()
                 raise
@@ -103,12 +84,14 @@ class LeaseConnection:
     def renew(self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float) -> datetime:
         """Renew, giving up server-side after ``timeout`` seconds (statement_timeout)."""
         with self._lock, self._bounded(timeout):
-            return self.manager.renew(key, owner, epoch, ttl)
+            self._sending()
+            return operations.renew(self.wrapper, key, owner, epoch, ttl)
 
     def release(self, key: str, owner: str, epoch: int, *, timeout: float) -> None:
         """Release ``(owner, epoch)`` only, giving up server-side after ``timeout`` seconds."""
         with self._lock, self._bounded(timeout):
-            self.manager.release(key, owner, epoch)
+            self._sending()
+            operations.release(self.wrapper, key, owner, epoch)
 
     def close(self) -> None:
         """Close the connection for good."""
@@ -121,6 +104,11 @@ class LeaseConnection:
         """The server process of the open session, or None."""
         raw = self.wrapper.connection
         return None if raw is None or raw.closed else int(raw.info.backend_pid)
+
+    def _sending(self) -> None:
+        # The trust window starts just before the statement that succeeds is sent: the server's
+        # grant or renewal happens after this instant, so its expiry is at least this + TTL.
+        self.sent_at = time.monotonic()
 
     @contextmanager
     def _bounded(self, seconds: float) -> Iterator[None]:
@@ -182,13 +170,12 @@ class Heartbeat(threading.Thread):
                 self._beat()
             except BaseException as exc:
                 logger.exception("heartbeat of lease %r crashed; treating the lease as lost", lease.key)
-                crashed = LeaseLostError(
+                crashed = HeartbeatFailedError(
                     f"heartbeat of lease {lease.key!r} crashed ({exc!r}); no more renewals",
                     key=lease.key,
                     owner=lease.owner,
                     epoch=lease.epoch,
                 )
-                crashed.code = "heartbeat_failed"
                 crashed.__cause__ = exc
                 lease._declare_lost(crashed, definitive=False)
             self._stop_requested.wait()
@@ -203,13 +190,13 @@ class Heartbeat(threading.Thread):
 
     def _beat(self) -> None:
         lease = self.lease
-        next_at = lease._granted_sent_at + self.interval
+        next_at = lease._granted_at + self.interval
         failures = 0
         while not self._stop_requested.is_set():
             now = time.monotonic()
             trusted_until = lease._trusted_until
             if now >= trusted_until:
-                lease._declare_lost(lease._trust_ended_error(), definitive=False)
+                lease._lose_trust()
                 return
             if self._stop_requested.wait(min(next_at, trusted_until) - now):
                 return
@@ -245,10 +232,10 @@ class Heartbeat(threading.Thread):
 
     def _finish(self) -> Outcome:
         lease = self.lease
-        if lease._definitive_loss:
+        if lease._gone:
             return "gone"  # the server said it is not ours: nothing to release
         keep_until = self._keep_until
-        if keep_until is not None and not lease._lost_flag:
+        if keep_until is not None and not lease.lost:
             remaining = keep_until - time.monotonic()
             if remaining >= 0.001:
                 return self._keep(remaining)

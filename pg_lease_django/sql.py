@@ -26,6 +26,12 @@ ALLOW_UNFENCED = "SELECT {schema}.pg_lease_allow_unfenced()"
 #: End an opt-out before the transaction does (a built-in: nothing to qualify).
 END_UNFENCED = "SELECT pg_catalog.set_config('pg_lease.unfenced', 'off', true)"
 
+#: The channel release and force release notify, with the key as payload (spelled in the migrations' SQL too).
+NOTIFY_CHANNEL = "pg_lease_django"
+#: What a blocking acquire waits on between attempts (outside a transaction).
+LISTEN = f"LISTEN {NOTIFY_CHANNEL}"
+UNLISTEN = f"UNLISTEN {NOTIFY_CHANNEL}"
+
 # The lease table's schema per database alias, looked up once per process (one catalog query).
 _schemas: dict[str, str] = {}
 

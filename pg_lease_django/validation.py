@@ -15,7 +15,7 @@ MIN_TTL = timedelta(milliseconds=1)
 MAX_TTL = timedelta(days=365)
 #: Largest epoch PostgreSQL's bigint can hold.
 MAX_EPOCH = 2**63 - 1
-#: Longest wait accepted by a blocking acquire.
+#: Longest wait accepted by a blocking acquire (the SQL function's own bound is only "not negative").
 MAX_WAIT = timedelta(days=365)
 #: Longest ``free_for`` accepted by `LeaseManager.prune`.
 MAX_PRUNE_AGE = timedelta(days=3650)
@@ -70,6 +70,20 @@ def describe_seconds(delta: timedelta) -> str:
 def check_ttl(value: object) -> timedelta:
     """Return the TTL as a timedelta, or raise InvalidInputError."""
     return to_timedelta("ttl", value, minimum=MIN_TTL, maximum=MAX_TTL)
+
+
+def check_wait(
+    blocking: object, timeout: object, *, key: str | None = None, owner: str | None = None
+) -> timedelta | None:
+    """The longest wait of an acquire (None: no bound, or not blocking), or InvalidInputError.
+
+    One rule for ``LeaseManager.acquire`` and ``hold()``; ``key`` and ``owner`` only label the error.
+    """
+    if not isinstance(blocking, bool):
+        raise InvalidInputError(f"blocking must be a bool, not {type(blocking).__name__}", key=key, owner=owner)
+    if timeout is not None and not blocking:
+        raise InvalidInputError("timeout only applies with blocking=True", key=key, owner=owner)
+    return None if timeout is None else to_timedelta("timeout", timeout, minimum=timedelta(0), maximum=MAX_WAIT)
 
 
 def check_epoch(value: object) -> int:

@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+import psycopg.sql
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.db import OperationalError, connection, transaction
@@ -23,6 +24,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from pg_lease_django import Grant, InvalidInputError, Lease, LeaseTimeoutError
+from pg_lease_django.managers import NOTIFY_CHANNEL
 from tests.conftest import Background, needs_session, row_snapshot, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -229,6 +231,20 @@ def test_wakes_on_release_long_before_the_poll_interval(key: str, raw_connect: C
     assert (got.owner, got.epoch) == ("waiter", grant.epoch + 2)
     assert waiter.ended_at - released_at < 1.0, "woken by the notification, not by a poll"
     assert waiter.queries[0].startswith("LISTEN") and waiter.queries[-1].startswith("UNLISTEN")
+
+
+@needs_session  # relies on LISTEN, which transaction pooling breaks
+def test_release_and_force_release_notify_on_the_channel_waiters_listen_on(key: str, raw_connect: Connect) -> None:
+    # The channel is spelled in the migrations' SQL and, once, in Python: they must agree.
+    listener = raw_connect()
+    listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(NOTIFY_CHANNEL)))
+    grant = Lease.objects.acquire(key, "holder", ttl=60)
+    assert grant is not None
+    Lease.objects.release(key, "holder", grant.epoch)
+    assert Lease.objects.acquire(key, "holder", ttl=60) is not None
+    Lease.objects.force_release(key)
+    heard = [(notify.channel, notify.payload) for notify in listener.notifies(timeout=5, stop_after=2)]
+    assert heard == [(NOTIFY_CHANNEL, key), (NOTIFY_CHANNEL, key)]
 
 
 @pytest.mark.parametrize("listen", [True, False], ids=["listen", "poll"])

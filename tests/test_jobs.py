@@ -28,6 +28,7 @@ from django.test import override_settings
 
 from pg_lease_django import (
     EpochMismatchError,
+    HeartbeatFailedError,
     HeldLease,
     InvalidInputError,
     LapsedError,
@@ -397,6 +398,25 @@ def test_trust_window_ends_before_the_server_lets_anyone_else_in(
     assert signals.of(key) == [("acquired", lease.epoch), ("lost", LapsedError)]
     # Lost by its own clock, not by a verdict: the exit still released its own (owner, epoch) if it could.
     assert Lease.objects.inspect(key).status in ("free", "lapsed")
+
+
+def test_a_crashed_heartbeat_counts_as_lost_and_the_exit_still_releases(
+    key: str, signals: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def crash(self: HeldLease, expires_at: Any, sent_at: float) -> bool:
+        raise RuntimeError("a bug in the heartbeat")
+
+    # A bug in the heartbeat thread: recording a renewal raises, which nothing there expects.
+    monkeypatch.setattr(HeldLease, "_renewed", crash)
+    with hold(key, ttl=3, renew_every=0.1) as lease:
+        assert lease.wait_lost(timeout=5)
+        assert isinstance(lease.error, HeartbeatFailedError) and lease.error.code == "heartbeat_failed"
+        assert "crashed" in str(lease.error)
+        with pytest.raises(HeartbeatFailedError):
+            lease.check()
+    assert signals.of(key) == [("acquired", lease.epoch), ("lost", HeartbeatFailedError)]
+    # Not a verdict from the server: the exit still released its own (owner, epoch).
+    assert Lease.objects.inspect(key).status == "free"
 
 
 def test_a_transaction_kept_open_after_a_fenced_write_keeps_the_lease_and_holds_off_takeovers(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -9,7 +10,17 @@ import psycopg
 import pytest
 
 from pg_lease_django import InvalidInputError, Lease
-from pg_lease_django.validation import check_ttl
+from pg_lease_django.validation import (
+    MAX_EPOCH,
+    MAX_NAME_BYTES,
+    MAX_TTL,
+    MAX_WAIT,
+    MIN_TTL,
+    check_epoch,
+    check_name,
+    check_ttl,
+    check_wait,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -115,3 +126,61 @@ def test_durations_in_errors_read_as_seconds_or_days(call: Any, message: str) ->
     with pytest.raises(InvalidInputError) as info:
         call()
     assert message in str(info.value)
+
+
+def test_python_limits_are_the_sql_functions_limits(key: str, raw_connect: Any) -> None:
+    """Just inside and just outside each limit in validation.py, the SQL functions agree with Python.
+
+    The SQL blocking acquire bounds its wait from below only: there, Python's MAX_WAIT must pass.
+    """
+    conn = raw_connect()
+    waiter = f"{key}:wait"  # only ever acquired by "w": a blocking attempt on it is granted at once
+
+    def sql_accepts(statement: str, params: list[Any]) -> bool:
+        try:
+            conn.execute(statement, params)
+        except (psycopg.errors.InvalidParameterValue, psycopg.errors.NumericValueOutOfRange):
+            return False
+        return True
+
+    def python_accepts(check: Callable[[], object]) -> bool:
+        try:
+            check()
+        except InvalidInputError:
+            return False
+        return True
+
+    inspect = "SELECT * FROM pg_lease_inspect(%s::text)"
+    acquire = "SELECT * FROM pg_lease_acquire(%s::text, %s::text, %s::interval)"
+    blocking = "SELECT * FROM pg_lease_acquire(%s::text, 'w', '30 s', %s::interval)"
+    renew = "SELECT * FROM pg_lease_renew(%s::text, 'w', %s::bigint, '30 s')"
+    name, wide = "k" * MAX_NAME_BYTES, "é" * (MAX_NAME_BYTES // 2) + "k"  # both MAX_NAME_BYTES long in UTF-8
+    us = timedelta(microseconds=1)
+    # (what, whether it is within the limit, Python's check, the SQL statement and its arguments)
+    cases: list[tuple[str, bool, Callable[[], object], str, list[Any]]] = [
+        ("key of MAX_NAME_BYTES", True, lambda: check_name("key", name), inspect, [name]),
+        ("key one byte longer", False, lambda: check_name("key", name + "k"), inspect, [name + "k"]),
+        ("2-byte key of MAX_NAME_BYTES", True, lambda: check_name("key", wide), inspect, [wide]),
+        ("2-byte key one char longer", False, lambda: check_name("key", "é" + wide), inspect, ["é" + wide]),
+        ("owner of MAX_NAME_BYTES", True, lambda: check_name("owner", name), acquire, [key, name, "30 s"]),
+        ("owner one byte longer", False, lambda: check_name("owner", name + "o"), acquire, [key, name + "o", "30 s"]),
+        ("MIN_TTL", True, lambda: check_ttl(MIN_TTL), acquire, [waiter, "w", MIN_TTL]),
+        ("MIN_TTL - 1 us", False, lambda: check_ttl(MIN_TTL - us), acquire, [waiter, "w", MIN_TTL - us]),
+        ("MAX_TTL", True, lambda: check_ttl(MAX_TTL), acquire, [waiter, "w", MAX_TTL]),
+        ("MAX_TTL + 1 us", False, lambda: check_ttl(MAX_TTL + us), acquire, [waiter, "w", MAX_TTL + us]),
+        ("wait 0", True, lambda: check_wait(True, 0), blocking, [waiter, timedelta(0)]),
+        ("wait -1 us", False, lambda: check_wait(True, -us), blocking, [waiter, -us]),
+        ("MAX_WAIT", True, lambda: check_wait(True, MAX_WAIT), blocking, [waiter, MAX_WAIT]),
+        ("epoch 1", True, lambda: check_epoch(1), renew, [key, 1]),
+        ("epoch 0", False, lambda: check_epoch(0), renew, [key, 0]),
+        ("MAX_EPOCH", True, lambda: check_epoch(MAX_EPOCH), renew, [key, MAX_EPOCH]),
+        ("MAX_EPOCH + 1", False, lambda: check_epoch(MAX_EPOCH + 1), renew, [key, MAX_EPOCH + 1]),
+    ]
+    verdicts = [
+        (what, within, python_accepts(check), sql_accepts(statement, params))
+        for what, within, check, statement, params in cases
+    ]
+    wrong = [
+        f"{what}: Python {python}, SQL {sql}" for what, within, python, sql in verdicts if not within == python == sql
+    ]
+    assert not wrong, "accepted? " + "; ".join(wrong)

@@ -1,0 +1,235 @@
+"""`HeldLease`: what a hold gives its job, and the few internals its heartbeat and its hold drive.
+
+The public part (key, owner, epoch, ``lost``, ``check()``, ...) is documented API, re-exported by
+`pg_lease_django` and `pg_lease_django.jobs`. The part below "for the heartbeat and the hold" is
+for `pg_lease_django.heartbeat` and `pg_lease_django.holding` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS
+
+from .exceptions import LapsedError, LeaseLostError, NotOwnerError
+from .operations import Grant
+from .signals import lease_lost
+
+# The documented logger of holds (docs/jobs.md), wherever their code lives.
+logger = logging.getLogger("pg_lease_django.jobs")
+
+OnLost = Callable[["HeldLease"], object]
+
+
+def _fresh(error: LeaseLostError) -> LeaseLostError:
+    # A new instance per raise: re-raising one instance would chain every traceback onto it.
+    return type(error)(str(error), key=error.key, owner=error.owner, epoch=error.epoch)
+
+
+class HeldLease:
+    """A lease held by ``hold()`` / ``@leased``; yielded by ``with hold(...) as lease``.
+
+    It is also a fence: ``obj.save(fence=lease)`` (and FencedModel writes with no fence inside the
+    hold use it on their own).
+
+    Attributes:
+        key: the lease key.
+        owner: the owner identity it is held under (unique per hold unless you passed ``owner``).
+        epoch: the fencing token of this grant; renewals keep it.
+        expires_at: the server's expiry after the last successful acquire/renewal.
+        ttl: the TTL every renewal asks for.
+        using: the database alias the lease is held in.
+    """
+
+    def __init__(
+        self,
+        grant: Grant,
+        *,
+        ttl: timedelta,
+        sent_at: float,
+        trust_span: float,
+        on_lost: OnLost | None,
+        using: str = DEFAULT_DB_ALIAS,
+    ):
+        self.key: str = grant.key
+        self.owner: str = grant.owner
+        self.epoch: int = grant.epoch
+        self.expires_at: datetime = grant.expires_at
+        self.ttl = ttl
+        self.using = using
+        #: time.monotonic() just before the statement that granted the lease was sent.
+        self._granted_at = sent_at
+        self._trust_span = trust_span
+        #: The monotonic instant the holder stops trusting itself (only ever pushed later, by `_renewed`).
+        self._trusted_until = sent_at + trust_span
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._lost_event = threading.Event()
+        self._error: LeaseLostError | None = None
+        self._definitive_loss = False
+        self._ended_at: float | None = None
+        self._cancel_hooks: list[Callable[[], None]] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"<HeldLease key={self.key!r} owner={self.owner!r} epoch={self.epoch} "
+            f"expires_at={self.expires_at.isoformat()} lost={self.lost}>"
+        )
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is lost: a verdict from the server, or the trust window ran out.
+
+        Computed on the spot from the monotonic clock, so it turns true at the end of the trust
+        window even if the database cannot be reached and the heartbeat has not noticed yet. Never
+        turns false again. Stays false after a normal exit.
+        """
+        return self._error is not None or self._trust_expired()
+
+    @property
+    def error(self) -> LeaseLostError | None:
+        """Why the lease was lost (what `check` raises), or None."""
+        if self._error is not None:
+            return _fresh(self._error)
+        return self._trust_ended_error() if self._trust_expired() else None
+
+    @property
+    def trust_remaining(self) -> float:
+        """Seconds the holder still trusts itself (0 once lost or ended)."""
+        if self._error is not None or self._ended_at is not None:
+            return 0.0
+        return max(0.0, self._trusted_until - time.monotonic())
+
+    def check(self) -> None:
+        """Raise unless the lease is still held and trusted. Call it between steps of the job.
+
+        Costs no query: it reads what the heartbeat learned and the monotonic clock.
+
+        Raises:
+            NotOwnerError, LapsedError, EpochMismatchError: the lease was lost (the server said so,
+                or no renewal was confirmed within the trust window: LapsedError). Stop acting.
+            NotOwnerError: the hold has ended (the lease was released).
+        """
+        error = self.error
+        if error is not None:
+            raise error
+        if self._ended_at is not None:
+            raise NotOwnerError(
+                f"the hold of lease {self.key!r} has ended", key=self.key, owner=self.owner, epoch=self.epoch
+            )
+
+    def wait_lost(self, timeout: float | None = None) -> bool:
+        """Block until the lease is lost or ``timeout`` seconds pass; True if it was lost.
+
+        A leader-election loop can simply wait here. Returns at once after the hold has ended.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.lost:
+                return True
+            if self._ended_at is not None:
+                return False
+            now = time.monotonic()
+            pause = self._trusted_until - now
+            if deadline is not None:
+                if now >= deadline:
+                    return False
+                pause = min(pause, deadline - now)
+            self._lost_event.wait(max(pause, 0.0))
+
+    def _trust_expired(self) -> bool:
+        now = time.monotonic() if self._ended_at is None else self._ended_at
+        return now >= self._trusted_until
+
+    def _trust_ended_error(self) -> LeaseLostError:
+        return LapsedError(
+            f"lease {self.key!r} (epoch {self.epoch}): no renewal was confirmed within the trust window "
+            f"({self._trust_span:.3g}s after sending the last one that succeeded); it may have lapsed",
+            key=self.key,
+            owner=self.owner,
+            epoch=self.epoch,
+        )
+
+    # ---- the interface of the heartbeat and the hold: _granted_at, _trusted_until (read only) and
+    # the methods below. Nothing outside this class touches the rest of its state.
+
+    @property
+    def _gone(self) -> bool:
+        """True when the server said the lease is not ours: there is nothing left to release."""
+        return self._definitive_loss
+
+    def _lose_trust(self) -> None:
+        """Declare the lease lost because no renewal was confirmed within the trust window."""
+        self._declare_lost(self._trust_ended_error(), definitive=False)
+
+    def _end(self) -> None:
+        """The hold ends now: from here on the trust window is judged at this instant, and lost if it ran out."""
+        self._ended_at = time.monotonic()
+        if self._trust_expired() and self._error is None:
+            self._lose_trust()
+
+    def _renewed(self, expires_at: datetime, sent_at: float) -> bool:
+        """Record a successful renewal sent at ``sent_at``; False if it came too late to count."""
+        with self._lock:
+            if self._error is None and time.monotonic() < self._trusted_until:
+                self.expires_at = expires_at
+                self._trusted_until = max(self._trusted_until, sent_at + self._trust_span)
+                return True
+        # check() may already have reported the end of the trust window: loss is final.
+        self._lose_trust()
+        return False
+
+    def _declare_lost(self, error: LeaseLostError, *, definitive: bool) -> None:
+        """Mark the lease lost (once) and tell everyone: log, on_lost, lease_lost, cancel async jobs."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = error
+            # A verdict from the server (not our own trust window): not ours to release any more.
+            self._definitive_loss = definitive
+            hooks = list(self._cancel_hooks)
+        self._lost_event.set()
+        logger.warning(
+            "lease %r lost (owner %r, epoch %s, %s): %s", self.key, self.owner, self.epoch, error.code, error
+        )
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self)
+            except Exception:
+                logger.exception("on_lost callback for lease %r failed", self.key)
+        send_lease_signal(lease_lost, self, error=_fresh(error))
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:
+                logger.exception("cancelling the job of lease %r failed", self.key)
+
+    def _add_cancel_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` when the lease is lost (at once if it already is): an async hold cancels its task."""
+        with self._lock:
+            if self._error is None:
+                self._cancel_hooks.append(hook)
+                return
+        hook()
+
+    def _remove_cancel_hook(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if hook in self._cancel_hooks:
+                self._cancel_hooks.remove(hook)
+
+
+def send_lease_signal(signal_: Any, lease: HeldLease, **kwargs: Any) -> None:
+    """Send ``signal_`` about ``lease`` (sender `HeldLease`); a failing receiver is logged, not raised."""
+    send_robust(signal_, HeldLease, lease=lease, **kwargs)
+
+
+def send_robust(signal_: Any, sender: Any, **kwargs: Any) -> None:
+    """``signal_.send_robust``, logging each receiver that failed."""
+    for receiver, result in signal_.send_robust(sender=sender, **kwargs):
+        if isinstance(result, Exception):
+            logger.error("receiver %r of a lease signal failed", receiver, exc_info=result)

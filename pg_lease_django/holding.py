@@ -1,0 +1,405 @@
+"""``hold()``: acquire on a connection of its own, renew from a heartbeat thread, release on exit.
+
+`Holding` is what ``hold()`` returns (a context manager and a decorator); ``@leased`` builds on
+the same pieces (`pg_lease_django.jobs`). Public names are re-exported by `pg_lease_django.jobs`
+and `pg_lease_django`; import them from there. See docs/jobs.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable, Coroutine
+from contextlib import suppress
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Literal, ParamSpec, TypeVar, overload
+
+from asgiref.sync import iscoroutinefunction
+from django.db import router
+
+from . import conf
+from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
+from .heartbeat import Heartbeat, LeaseConnection
+from .held import HeldLease, OnLost, send_lease_signal, send_robust
+from .operations import Grant
+from .signals import lease_acquired, lease_released, lease_skipped
+from .validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
+
+# The documented logger of holds (docs/jobs.md), wherever their code lives.
+logger = logging.getLogger("pg_lease_django.jobs")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+OnBusy = Literal["skip", "raise"]
+
+# The holds active in this thread / task, outermost first.
+_active: ContextVar[tuple[HeldLease, ...]] = ContextVar("pg_lease_active_holds", default=())
+
+
+def _default_owner() -> str:
+    """``host:pid:random``: unique per hold, so two holds in one process never share an identity."""
+    return f"{socket.gethostname()[:200]}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def _skipped(func: Callable[..., Any], holding: Holding, error: Exception) -> None:
+    """``@leased(on_busy="skip")`` did not run ``func``: say so where a default Django project looks
+    (WARNING reaches the console through Python's last-resort handler), and send `lease_skipped`."""
+    logger.warning("skipped %s(): %s", func.__qualname__, error)
+    send_robust(lease_skipped, func, key=holding._key, error=error)
+
+
+def current_lease(key: str | None = None) -> HeldLease | None:
+    """The innermost active ``hold()``/``@leased`` lease in this thread or task, or None.
+
+    Args:
+        key: only a lease with this key (the innermost one, if holds of several keys are nested).
+    """
+    for lease in reversed(_active.get()):
+        if key is None or lease.key == key:
+            return lease
+    return None
+
+
+@dataclass(frozen=True)
+class HoldOptions:
+    """The arguments of ``hold()`` / ``@leased`` but the key, checked once when the hold is made."""
+
+    ttl: timedelta
+    owner: str | None
+    blocking: bool
+    wait: timedelta | None  # the longest blocking wait; None: no bound
+    renew_every: timedelta | None
+    hold_at_least: timedelta | None
+    on_lost: OnLost | None
+    using: str | None
+
+    @classmethod
+    def build(
+        cls,
+        ttl: Seconds,
+        owner: str | None,
+        blocking: bool,
+        timeout: Seconds | None,
+        renew_every: Seconds | None,
+        hold_at_least: Seconds | None,
+        on_lost: OnLost | None,
+        using: str | None,
+    ) -> HoldOptions:
+        ttl_delta = check_ttl(ttl)
+        if owner is not None:
+            check_name("owner", owner)
+        wait = check_wait(blocking, timeout)
+        every = None
+        if renew_every is not None:
+            every = to_timedelta("renew_every", renew_every, minimum=MIN_TTL, maximum=MAX_TTL)
+        at_least = None
+        if hold_at_least is not None:
+            at_least = to_timedelta("hold_at_least", hold_at_least, minimum=timedelta(0), maximum=MAX_TTL)
+        if on_lost is not None and not callable(on_lost):
+            raise InvalidInputError(f"on_lost must be callable, not {type(on_lost).__name__}")
+        if using is not None and not isinstance(using, str):
+            raise InvalidInputError(f"using must be a database alias, not {type(using).__name__}")
+        return cls(ttl_delta, owner, blocking, wait, every, at_least, on_lost, using)
+
+
+class _Session:
+    """One acquisition: its connection, its heartbeat thread and its HeldLease."""
+
+    def __init__(self, options: HoldOptions, key: str) -> None:
+        self.options = options
+        self.key = check_name("key", key)
+        self.lease: HeldLease | None = None
+        self.heartbeat: Heartbeat | None = None
+
+    def start(self) -> HeldLease:
+        from .models import Lease
+
+        options = self.options
+        alias = options.using or router.db_for_write(Lease)
+        owner = options.owner or _default_owner()
+        ttl = options.ttl.total_seconds()
+        trust_span = ttl * (1 - conf.safety_margin())
+        interval = options.renew_every.total_seconds() if options.renew_every is not None else ttl / 3
+        if interval >= trust_span:
+            raise InvalidInputError(
+                f"renew_every ({interval}s) must be shorter than the trust window ({trust_span:.3g}s: the ttl minus "
+                "PG_LEASE_SAFETY_MARGIN), or the holder would stop trusting itself before its first renewal",
+                key=self.key,
+                owner=owner,
+            )
+        if options.owner is None:
+            check_name("owner", owner)  # the generated identity (a given one was checked with the options)
+        connection = LeaseConnection(alias, owner=owner, io_timeout=interval)
+        grant: Grant | None = None
+        heartbeat: Heartbeat | None = None
+        try:
+            grant = connection.acquire(self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait)
+            lease = HeldLease(
+                grant,
+                ttl=options.ttl,
+                sent_at=connection.sent_at,
+                trust_span=trust_span,
+                on_lost=options.on_lost,
+                using=alias,
+            )
+            heartbeat = Heartbeat(lease, connection, ttl=options.ttl, interval=interval)
+            heartbeat.start()
+            logger.debug("acquired lease %r as %r at epoch %s", lease.key, lease.owner, lease.epoch)
+            # Inside the try: an interrupt here must stop the heartbeat, not leave it renewing.
+            send_lease_signal(lease_acquired, lease)
+        except BaseException:
+            # Busy, timed out, or interrupted (a signal, a cancellation) before the hold was set up.
+            if heartbeat is not None and heartbeat.is_alive():
+                heartbeat.stop()
+                heartbeat.join()
+            else:
+                if grant is not None:
+                    try:
+                        connection.release(grant.key, grant.owner, grant.epoch, timeout=max(interval, 1.0))
+                    except Exception:
+                        logger.warning("releasing lease %r after a failed start failed", self.key, exc_info=True)
+                connection.close()
+            raise
+        self.lease, self.heartbeat = lease, heartbeat
+        return lease
+
+    def finish(self) -> None:
+        """Stop renewing; release (or keep until ``hold_at_least``); close the connection."""
+        lease, heartbeat = self.lease, self.heartbeat
+        if lease is None or heartbeat is None:
+            return
+        lease._end()
+        keep_until = None
+        if self.options.hold_at_least is not None:
+            keep_until = lease._granted_at + self.options.hold_at_least.total_seconds()
+        heartbeat.stop(keep_until=keep_until)
+        heartbeat.join()
+        if not lease.lost:
+            logger.debug("ended the hold of lease %r (%s)", lease.key, heartbeat.outcome)
+            send_lease_signal(lease_released, lease, freed=heartbeat.outcome == "freed")
+
+
+def _abandoned_start(session: _Session, starting: asyncio.Future[HeldLease]) -> None:
+    # The awaiting task was cancelled while the lease was being acquired in a worker thread.
+    if starting.cancelled() or starting.exception() is not None:
+        return
+    threading.Thread(target=session.finish, name="pg_lease abandoned hold", daemon=True).start()
+
+
+class Holding:
+    """What ``hold()`` returns: a context manager (``with``/``async with``) and a decorator.
+
+    One instance can be entered once at a time; used as a decorator it makes a fresh hold per call.
+    """
+
+    def __init__(self, key: str, options: HoldOptions) -> None:
+        self._key = key
+        self._options = options
+        self._session: _Session | None = None
+        self._token: Token[tuple[HeldLease, ...]] | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+        self._cancelled_by_us = False
+        self._hook: Callable[[], None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Holding key={self._key!r} ttl={self._options.ttl}>"
+
+    def _new_session(self) -> _Session:
+        if self._session is not None:
+            raise RuntimeError("this hold() is already active: create one hold() per use")
+        self._session = _Session(self._options, self._key)
+        return self._session
+
+    def _push(self, session: _Session, lease: HeldLease) -> None:
+        self._session = session
+        self._token = _active.set((*_active.get(), lease))
+
+    def _pop(self) -> _Session:
+        session, self._session = self._session, None
+        if session is None:
+            raise RuntimeError("this hold() is not active")
+        if self._token is not None:
+            _active.reset(self._token)
+            self._token = None
+        return session
+
+    def __enter__(self) -> HeldLease:
+        session = self._new_session()
+        try:
+            lease = session.start()
+        except BaseException:
+            self._session = None
+            raise
+        self._push(session, lease)
+        return lease
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._pop().finish()
+
+    async def __aenter__(self) -> HeldLease:
+        session = self._new_session()
+        loop = asyncio.get_running_loop()
+        # Database calls block: acquire in a worker thread (the lease's connection is its own).
+        starting = asyncio.ensure_future(asyncio.to_thread(session.start))
+        try:
+            lease = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            self._session = None
+            starting.add_done_callback(functools.partial(_abandoned_start, session))
+            raise
+        except BaseException:
+            self._session = None
+            raise
+        task = asyncio.current_task()
+        self._push(session, lease)
+        if task is not None:
+            self._task, self._cancelling, self._cancelled_by_us = task, task.cancelling(), False
+
+            def on_loss() -> None:  # heartbeat thread
+                with suppress(RuntimeError):  # the loop is closed: nothing left to cancel
+                    loop.call_soon_threadsafe(self._cancel_task)
+
+            self._hook = on_loss
+            lease._add_cancel_hook(on_loss)
+        return lease
+
+    def _cancel_task(self) -> None:  # event loop thread
+        task = self._task
+        if task is not None and not task.done() and not self._cancelled_by_us:
+            self._cancelled_by_us = True
+            task.cancel(f"lease {self._key!r} was lost")
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        task, self._task = self._task, None  # from here on, a loss no longer cancels the task
+        session = self._pop()
+        if self._hook is not None and session.lease is not None:
+            session.lease._remove_cancel_hook(self._hook)
+            self._hook = None
+        await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(session.finish)))
+        if task is not None and self._cancelled_by_us:
+            self._cancelled_by_us = False
+            # As asyncio.timeout() does: our own cancellation becomes the precise error.
+            if task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError and session.lease:
+                error = session.lease.error
+                if error is not None:
+                    raise error from exc
+
+    @overload
+    def __call__(self, func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]: ...
+    @overload
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]: ...
+
+    def __call__(self, func: Callable[P, Any]) -> Callable[P, Any]:
+        """Decorate ``func``: each call runs inside a fresh hold of this key (busy: NotAcquirableError)."""
+        key, options = self._key, self._options
+        return wrap(func, lambda args, kwargs: Holding(key, options), "raise")
+
+
+def hold(
+    key: str,
+    ttl: Seconds,
+    *,
+    owner: str | None = None,
+    blocking: bool = False,
+    timeout: Seconds | None = None,
+    renew_every: Seconds | None = None,
+    hold_at_least: Seconds | None = None,
+    on_lost: OnLost | None = None,
+    using: str | None = None,
+) -> Holding:
+    """Hold the lease ``key`` for the duration of a block or a call, renewing it in the background.
+
+    ``with hold("nightly-billing", ttl=30) as lease: ...`` (also ``async with``, and as a decorator).
+    Entering acquires the lease on a connection of its own (never the job's: it does not join your
+    transaction), then a heartbeat thread renews it on that connection. Leaving releases exactly
+    this ``(owner, epoch)``; it never frees a lease someone else holds now. The current lease is
+    also what FencedModel writes without a fence use, and what `current_lease` returns.
+
+    Args:
+        key: the lease key.
+        ttl: seconds or timedelta each grant and renewal lasts on the server clock.
+        owner: the owner identity; default ``host:pid:random``, unique per hold.
+        blocking: wait for the lease instead of raising NotAcquirableError.
+        timeout: with ``blocking=True``, the longest wait (then LeaseTimeoutError).
+        renew_every: seconds between renewals; default ``ttl / 3``. Must be shorter than the trust
+            window, ``ttl * (1 - PG_LEASE_SAFETY_MARGIN)``.
+        hold_at_least: on exit, keep the lease until this long after the grant instead of releasing
+            it (a job that finishes fast still blocks others for that long); scoped to this epoch.
+        on_lost: called once with the HeldLease when the lease is lost, from the heartbeat thread.
+        using: the database alias; default the router's write database for Lease.
+
+    Returns:
+        A `Holding`; entering it gives the `HeldLease`.
+
+    Raises:
+        InvalidInputError: a bad argument (now, or on entering for checks that read settings).
+        NotAcquirableError: on entering, the key is held by another owner (non-blocking).
+        LeaseTimeoutError: on entering, ``blocking=True`` and ``timeout`` passed.
+    """
+    options = HoldOptions.build(ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using)
+    return Holding(check_name("key", key), options)
+
+
+_BUSY = (NotAcquirableError, LeaseTimeoutError)
+
+
+def wrap(func: Callable[P, Any], holding_for: Callable[[Any, Any], Holding], on_busy: OnBusy) -> Callable[P, Any]:
+    """``func`` (sync or async), each call run inside the `Holding` that ``holding_for(args, kwargs)`` makes.
+
+    When the lease cannot be had, the call raises (``on_busy="raise"``) or is skipped and returns None.
+    """
+    if iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def run_async(*args: P.args, **kwargs: P.kwargs) -> Any:
+            holding = holding_for(args, kwargs)
+            try:
+                await holding.__aenter__()
+            except _BUSY as exc:
+                if on_busy == "raise":
+                    raise
+                _skipped(func, holding, exc)
+                return None
+            try:
+                result = await func(*args, **kwargs)
+            except BaseException as exc:
+                await holding.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+            await holding.__aexit__(None, None, None)
+            return result
+
+        return run_async
+
+    @functools.wraps(func)
+    def run(*args: P.args, **kwargs: P.kwargs) -> Any:
+        holding = holding_for(args, kwargs)
+        try:
+            holding.__enter__()
+        except _BUSY as exc:
+            if on_busy == "raise":
+                raise
+            _skipped(func, holding, exc)
+            return None
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:
+            holding.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        holding.__exit__(None, None, None)
+        return result
+
+    return run

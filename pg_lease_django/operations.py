@@ -1,0 +1,178 @@
+"""The lease operations as plain functions over a Django connection: one statement each, from `sql`.
+
+`LeaseManager` (on the caller's connection) and the heartbeat of ``hold()`` (on a connection of its
+own) both call these. They check no argument: their callers have done so, once. Each sends its one
+statement and turns the row into the result or the typed error. Nothing here is public API except
+`Grant` and `LeaseState`, which `pg_lease_django` and `pg_lease_django.managers` re-export.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal, NamedTuple
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from . import sql
+from .exceptions import LOST_ERRORS, AlreadyFreeError, EpochMismatchError, NeverAcquiredError, NotAcquirableError
+from .status import LeaseStatus
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A successful acquire.
+
+    Attributes:
+        key: the lease key.
+        owner: the owner identity it was granted to.
+        epoch: the fencing token; present it to renew, release and guarded writes.
+        expires_at: server time at which the lease lapses unless renewed.
+        server_time: the server clock at the grant (``expires_at - server_time`` is the TTL).
+    """
+
+    key: str
+    owner: str
+    epoch: int
+    expires_at: datetime
+    server_time: datetime
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """What `LeaseManager.inspect` saw, computed from the server clock.
+
+    Attributes:
+        key: the lease key.
+        status: ``"free"``, ``"held"`` or ``"lapsed"`` (expired, not yet taken over): a `LeaseStatus` value.
+        owner: the holder; the former holder when lapsed; None when free.
+        epoch: the current epoch (0 for a key never acquired).
+        expires_at: expiry of the current or lapsed grant; None when free.
+        server_time: the server clock when the state was read.
+    """
+
+    key: str
+    status: Literal["free", "held", "lapsed"]
+    owner: str | None
+    epoch: int
+    expires_at: datetime | None
+    server_time: datetime
+
+    @property
+    def held(self) -> bool:
+        """True when someone holds the lease at ``server_time``."""
+        return self.status == LeaseStatus.HELD.value
+
+
+class Attempt(NamedTuple):
+    """A ``pg_lease_acquire`` row: granted, or refused naming who holds the key and until when."""
+
+    granted: bool
+    key: str
+    owner: str  # the grantee; when refused, the holder
+    epoch: int  # the grant's epoch; when refused, the holder's
+    expires_at: datetime  # the grant's expiry; when refused, the holder's
+    server_time: datetime
+
+    def grant(self, key: str) -> Grant | None:
+        """The `Grant` of ``key`` this attempt obtained, or None when refused."""
+        return Grant(key, self.owner, self.epoch, self.expires_at, self.server_time) if self.granted else None
+
+
+def call(connection: BaseDatabaseWrapper, template: str, params: Sequence[Any]) -> tuple[Any, ...]:
+    """Send one statement of `sql` on ``connection`` and return its one row."""
+    statement = sql.render(connection, template)
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        row = cursor.fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def attempt(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Attempt:
+    """One non-blocking acquire."""
+    return Attempt(*call(connection, sql.ACQUIRE, [key, owner, ttl]))
+
+
+def acquire(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
+    """A non-blocking acquire: the grant, or None when another owner holds the key."""
+    return attempt(connection, key, owner, ttl).grant(key)
+
+
+def acquire_or_raise(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant:
+    """A non-blocking acquire that raises `NotAcquirableError`, naming the holder, when refused."""
+    tried = attempt(connection, key, owner, ttl)
+    grant = tried.grant(key)
+    if grant is not None:
+        return grant
+    expires_at: datetime | None = tried.expires_at
+    until = f" until {expires_at.isoformat(timespec='milliseconds')}" if expires_at is not None else ""
+    raise NotAcquirableError(
+        f"lease {key!r} is held by {tried.owner!r} at epoch {tried.epoch}{until}",
+        key=key,
+        owner=owner,
+        holder=tried.owner,
+        holder_epoch=tried.epoch,
+        expires_at=expires_at,
+    )
+
+
+def renew(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int, ttl: timedelta) -> datetime:
+    """Extend ``(owner, epoch)``'s lease; the new expiry, or the `LeaseLostError` of the verdict."""
+    outcome, expires_at, _server_time = call(connection, sql.RENEW, [key, owner, epoch, ttl])
+    _raise_unless_ok(outcome, "renew", key, owner, epoch)
+    return expires_at  # type: ignore[no-any-return]
+
+
+def release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+    """Free ``(owner, epoch)``'s lease, or raise the `LeaseLostError` of the verdict."""
+    outcome, _epoch, _server_time = call(connection, sql.RELEASE, [key, owner, epoch])
+    _raise_unless_ok(outcome, "release", key, owner, epoch)
+
+
+def _raise_unless_ok(outcome: str, operation: str, key: str, owner: str, epoch: int) -> None:
+    if outcome == "ok":
+        return
+    error = LOST_ERRORS[outcome]
+    raise error(
+        f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch
+    )
+
+
+def inspect(connection: BaseDatabaseWrapper, key: str) -> LeaseState:
+    """The state of ``key`` at the server clock."""
+    _key, status, owner, epoch, expires_at, _acquired_at, server_time = call(connection, sql.INSPECT, [key])
+    return LeaseState(key, status, owner, epoch, expires_at, server_time)
+
+
+def force_release(connection: BaseDatabaseWrapper, key: str, epoch: int | None) -> int:
+    """Free ``key`` whoever holds it (at ``epoch``, if given): the new epoch, or why nothing was freed."""
+    outcome, owner, current_epoch, _server_time = call(connection, sql.FORCE_RELEASE, [key, epoch])
+    if outcome == "ok":
+        return current_epoch  # type: ignore[no-any-return]
+    if outcome == "epoch_mismatch":
+        raise EpochMismatchError(
+            f"lease {key!r} has moved on: its epoch is {current_epoch} (held by {owner!r}), not {epoch}",
+            key=key,
+            owner=owner,
+            epoch=epoch,
+        )
+    if outcome == "not_found":
+        raise NeverAcquiredError(
+            f"no lease with key {key!r} (never acquired): nothing to release", key=key, epoch=epoch
+        )
+    raise AlreadyFreeError(
+        f"lease {key!r} is already free (epoch {current_epoch}): nothing to release",
+        key=key,
+        epoch=epoch,
+        current_epoch=current_epoch,
+    )
+
+
+def prune(connection: BaseDatabaseWrapper, free_for: timedelta, dry_run: bool) -> list[str]:
+    """Delete (or, ``dry_run``, list) the rows free for at least ``free_for``: their keys, sorted."""
+    params: list[Any] = [free_for, dry_run]
+    with connection.cursor() as cursor:
+        cursor.execute(sql.render(connection, sql.PRUNE), params)
+        return sorted(row[0] for row in cursor.fetchall())
