@@ -2,7 +2,7 @@
 
 Nobody edits a lease by hand (an owner, epoch or expiry typed into a form would break fencing);
 the only write is the force-release action, which goes through `LeaseManager.force_release`
-so the epoch goes up and the holder is fenced.
+so the epoch goes up and the holder is fenced. States are read with `LeaseQuerySet.with_state`.
 """
 
 from __future__ import annotations
@@ -18,64 +18,33 @@ from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import BadRequest, PermissionDenied
 from django.db import router
-from django.db.models import CharField, DateTimeField, DurationField, ExpressionWrapper, F, Func, QuerySet
+from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from . import sql as lease_sql
-from .exceptions import EpochMismatchError, InvalidInputError, NotOwnerError
+from .display import describe_expiry, format_duration
+from .exceptions import AlreadyFreeError, EpochMismatchError, InvalidInputError, NeverAcquiredError
 from .fencing import unfenced_writes
-from .management import describe_expiry, format_duration
 from .models import Lease
+from .querysets import LeaseQuerySet
+from .status import LeaseStatus
 from .validation import check_epoch
 
-__all__ = ["FencedModelAdmin", "LeaseAdmin", "LeaseStatus", "ServerNow", "StateFilter", "lease_state"]
+__all__ = ["FencedModelAdmin", "LeaseAdmin", "StateFilter"]
 
-_BADGE_COLOURS = {
-    "held": ("#1e6b30", "#dcf1e1"),
-    "lapsed": ("#7a4b00", "#fcefd3"),
-    "free": ("#4a4a4a", "#ececec"),
+_BADGE_COLOURS: dict[str, tuple[str, str]] = {
+    LeaseStatus.HELD: ("#1e6b30", "#dcf1e1"),
+    LeaseStatus.LAPSED: ("#7a4b00", "#fcefd3"),
+    LeaseStatus.FREE: ("#4a4a4a", "#ececec"),
 }
 
 
 if TYPE_CHECKING:
-    from django.db.backends.base.base import BaseDatabaseWrapper
-    from django.db.models.sql.compiler import SQLCompiler
-
     _LeaseModelAdmin = admin.ModelAdmin[Lease]
 else:  # ModelAdmin is generic only in django-stubs
     _LeaseModelAdmin = admin.ModelAdmin
-
-
-class ServerNow(Func):
-    """The database server's clock, read once per statement: ``(SELECT clock_timestamp())``.
-
-    An uncorrelated sub-select is evaluated once (an InitPlan), so every row of a page is judged
-    against the same instant; ``clock_timestamp()`` rather than ``now()``, which is frozen at the
-    start of the transaction.
-    """
-
-    template = "(SELECT clock_timestamp())"
-    output_field = DateTimeField()
-
-
-class LeaseStatus(Func):
-    """``pg_lease_status(owner, expires_at, at)``, named with its schema like every call the package sends."""
-
-    output_field = CharField()
-
-    def as_postgresql(
-        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
-    ) -> tuple[str, Any]:
-        function = f"{lease_sql.schema(connection)}.pg_lease_status"
-        return self.as_sql(compiler, connection, function=function, **extra_context)
-
-
-def lease_state() -> Func:
-    """``pg_lease_status(owner, expires_at, server now)``: the lease functions' own status rule, in SQL."""
-    return LeaseStatus(F("owner"), F("expires_at"), ServerNow())
 
 
 class StateFilter(admin.SimpleListFilter):
@@ -86,11 +55,11 @@ class StateFilter(admin.SimpleListFilter):
 
     def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]) -> list[tuple[str, str]]:
         """The three states."""
-        return [("held", "held"), ("lapsed", "lapsed"), ("free", "free")]
+        return list(LeaseStatus.choices)
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
         """Keep the leases in the chosen state (the queryset carries the ``state`` annotation)."""
-        if self.value() in {"held", "lapsed", "free"}:
+        if self.value() in LeaseStatus.values:
             return queryset.filter(state=self.value())
         return queryset
 
@@ -105,7 +74,7 @@ class LeaseAdmin(_LeaseModelAdmin):
     """Read-only view of the lease table with a permission-gated "Force release" action.
 
     The changelist costs a fixed number of queries whatever the page size: state and "expires in"
-    are annotations computed by PostgreSQL (see `lease_state`). Force release needs the
+    are annotations computed by PostgreSQL (`LeaseQuerySet.with_state`). Force release needs the
     ``pg_lease_django.force_release_lease`` permission; without it the action is not offered.
     """
 
@@ -130,16 +99,10 @@ class LeaseAdmin(_LeaseModelAdmin):
     readonly_fields = fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Lease]:
-        """Leases annotated with ``state`` and ``expires_in``, both from the server clock."""
-        return (
-            super()
-            .get_queryset(request)
-            .annotate(
-                state=lease_state(),
-                expires_in=ExpressionWrapper(F("expires_at") - ServerNow(), output_field=DurationField()),
-                held_for=ExpressionWrapper(ServerNow() - F("acquired_at"), output_field=DurationField()),
-            )
-        )
+        """Leases annotated with ``state``, ``expires_in`` and ``held_for``, all from the server clock."""
+        leases = super().get_queryset(request)
+        assert isinstance(leases, LeaseQuerySet)  # Lease.objects' queryset
+        return leases.with_state()
 
     # -- read-only ---------------------------------------------------------------------------------
 
@@ -180,7 +143,7 @@ class LeaseAdmin(_LeaseModelAdmin):
     def expires_in_display(self, obj: Lease) -> str:
         """When the lease lapses, relative to the server clock (``in 29s``, ``lapsed 3m 05s ago``)."""
         expires_in: timedelta | None = getattr(obj, "expires_in", None)
-        return _nowrap(describe_expiry(str(getattr(obj, "state", None) or "free"), expires_in))
+        return _nowrap(describe_expiry(str(getattr(obj, "state", None) or LeaseStatus.FREE), expires_in))
 
     @admin.display(description="owner", ordering="owner")
     def owner_display(self, obj: Lease) -> str:
@@ -274,7 +237,7 @@ class LeaseAdmin(_LeaseModelAdmin):
             except EpochMismatchError as exc:
                 skipped.append(f"{lease.key!r} changed hands after you confirmed (now held by {exc.owner!r})")
                 continue
-            except NotOwnerError:
+            except (AlreadyFreeError, NeverAcquiredError):  # no row: pruned since, and only free leases are pruned
                 skipped.append(f"{lease.key!r} was already free")
                 continue
             self.log_change(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from django.db import models
 from django.db.models import F, Func, IntegerField, Q
 from django.db.models.lookups import Range
 
 from .managers import LeaseManager
+from .querysets import LeaseQuerySet
+from .validation import MAX_NAME_BYTES
 
 
 def _octet_length(field: str) -> Func:
@@ -18,7 +18,8 @@ def _octet_length(field: str) -> Func:
 class Lease(models.Model):
     """A time-scoped lease on a named resource, with its fencing epoch.
 
-    Use `Lease.objects` (a `LeaseManager`) to acquire, renew, release and inspect.
+    Use `Lease.objects` (a `LeaseManager`) to acquire, renew, release and inspect, and its
+    `LeaseQuerySet` methods to list leases with their state (``Lease.objects.with_state()``).
     Rows are written only by the SQL functions the migrations install; never edit them by hand:
     an epoch that goes backwards un-fences stale holders.
 
@@ -36,7 +37,8 @@ class Lease(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     released_at = models.DateTimeField(null=True, blank=True)
 
-    objects: ClassVar[LeaseManager] = LeaseManager()
+    # A LeaseManager (acquire, renew, release, ...) that has LeaseQuerySet's reads (with_state(), ...) too.
+    objects = LeaseManager.from_queryset(LeaseQuerySet)()
 
     class Meta:
         db_table = "pg_lease_django_lease"
@@ -44,9 +46,11 @@ class Lease(models.Model):
         permissions = [("force_release_lease", "Can force-release a lease")]
         # No index on owner, epoch or expires_at: renewals must stay HOT updates.
         constraints = [
-            models.CheckConstraint(condition=Range(_octet_length("key"), (1, 255)), name="pg_lease_key_length"),
             models.CheckConstraint(
-                condition=Q(owner__isnull=True) | Q(Range(_octet_length("owner"), (1, 255))),
+                condition=Range(_octet_length("key"), (1, MAX_NAME_BYTES)), name="pg_lease_key_length"
+            ),
+            models.CheckConstraint(
+                condition=Q(owner__isnull=True) | Q(Range(_octet_length("owner"), (1, MAX_NAME_BYTES))),
                 name="pg_lease_owner_length",
             ),
             models.CheckConstraint(condition=Q(epoch__gte=0), name="pg_lease_epoch_non_negative"),

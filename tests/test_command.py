@@ -30,10 +30,11 @@ from pg_lease_django import (
     Lease,
     NeverAcquiredError,
     NotOwnerError,
+    querysets,
 )
-from pg_lease_django.management import describe_expiry, format_duration
-from pg_lease_django.management.commands import leases as command
+from pg_lease_django.display import describe_expiry, format_duration
 from pg_lease_django.managers import NOTIFY_CHANNEL
+from pg_lease_django.supervisor import ExitCode
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -208,8 +209,8 @@ def test_limit_cuts_the_output_but_the_count_covers_everything(key: str) -> None
 
 
 def test_prefix_walks_the_primary_key_index_on_a_bytewise_collation(key: str) -> None:
-    collation = command._key_collation(connection, connection.ops.quote_name(Lease._meta.db_table))
-    if not command.collation_is_bytewise(collation):
+    collation = querysets.key_collation(connection, connection.ops.quote_name(Lease._meta.db_table))
+    if not querysets.collation_is_bytewise(collation):
         pytest.skip(f"the key column's collation {collation} does not sort by code point: seq scan by design")
     with connection.cursor() as cursor:
         cursor.execute(
@@ -231,11 +232,11 @@ def test_prefix_walks_the_primary_key_index_on_a_bytewise_collation(key: str) ->
 def test_prefix_stays_correct_without_a_bytewise_collation(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("a", "ab", "b", "a/c"):
         held(f"{key}/{name}")
-    monkeypatch.setattr(command, "collation_is_bytewise", lambda settings: False)
+    monkeypatch.setattr(querysets, "collation_is_bytewise", lambda settings: False)
     with CaptureQueriesContext(connection) as queries:
         assert set(states_of("--prefix", f"{key}/a")) == {f"{key}/a", f"{key}/ab", f"{key}/a/c"}
     listing = next(q["sql"] for q in queries.captured_queries if "pg_lease_status" in q["sql"])
-    assert "l.key >=" not in listing
+    assert '"key" >=' not in listing
 
 
 @pytest.mark.slow
@@ -288,7 +289,7 @@ def test_show_json(trio: dict[str, str]) -> None:
 
 def test_show_unknown_key_exits_3(key: str) -> None:
     result = leases("show", key)
-    assert (result.code, result.err) == (command.EXIT_NOT_FOUND, f"no lease with key {key!r} (never acquired)")
+    assert (result.code, result.err) == (ExitCode.NOT_FOUND, f"no lease with key {key!r} (never acquired)")
 
 
 # -- release ------------------------------------------------------------------------------------------
@@ -297,7 +298,7 @@ def test_show_unknown_key_exits_3(key: str) -> None:
 def test_release_refuses_without_force_and_changes_nothing(key: str) -> None:
     epoch = held(key, "w1")
     result = leases("release", key)
-    assert result.code == command.EXIT_NOT_FORCED
+    assert result.code == ExitCode.NOT_FORCED
     assert "without --force" in result.err and "'w1'" in result.err
     state = Lease.objects.inspect(key)
     assert (state.status, state.owner, state.epoch) == ("held", "w1", epoch)
@@ -340,7 +341,7 @@ def test_release_refuses_when_the_epoch_moved_on(key: str) -> None:
     old = held(key, "w1")
     new = held(key, "w1")  # self-takeover: the operator's epoch is stale
     result = leases("release", key, "--force", "--epoch", str(old))
-    assert result.code == command.EXIT_MOVED_ON
+    assert result.code == ExitCode.MOVED_ON
     assert f"its epoch is {new}" in result.err and f"not {old}" in result.err
     state = Lease.objects.inspect(key)
     assert (state.status, state.epoch) == ("held", new)
@@ -360,7 +361,7 @@ def test_release_refuses_when_the_lease_changes_hands_while_releasing(
 
     monkeypatch.setattr(type(Lease.objects), "force_release", takeover_first)
     result = leases("release", key, "--force")
-    assert result.code == command.EXIT_MOVED_ON and "nothing released" in result.err
+    assert result.code == ExitCode.MOVED_ON and "nothing released" in result.err
     state = Lease.objects.inspect(key)
     assert (state.status, state.owner) == ("held", "w2")
 
@@ -374,7 +375,7 @@ def test_release_dry_run_changes_nothing(key: str) -> None:
     )
     document = leases("release", key, "--force", "--dry-run", "--json").json()
     assert (document["released"], document["dry_run"], document["epoch"]) == (False, True, epoch + 1)
-    assert leases("release", key, "--dry-run", "--epoch", str(epoch + 5)).code == command.EXIT_MOVED_ON
+    assert leases("release", key, "--dry-run", "--epoch", str(epoch + 5)).code == ExitCode.MOVED_ON
     state = Lease.objects.inspect(key)
     assert (state.status, state.owner, state.epoch) == ("held", "w1", epoch)
 
@@ -383,11 +384,11 @@ def test_release_of_a_free_or_unknown_key(key: str) -> None:
     epoch = free(key)
     result = leases("release", key, "--force")
     assert (result.code, result.err) == (
-        command.EXIT_ALREADY_FREE,
+        ExitCode.ALREADY_FREE,
         f"lease {key!r} is already free (epoch {epoch}): nothing to release",
     )
     assert Lease.objects.inspect(key).epoch == epoch
-    assert leases("release", key + "-unknown", "--force").code == command.EXIT_NOT_FOUND
+    assert leases("release", key + "-unknown", "--force").code == ExitCode.NOT_FOUND
 
 
 # -- arguments, databases, colours -----------------------------------------------------------------
@@ -415,7 +416,7 @@ def test_release_of_a_free_or_unknown_key(key: str) -> None:
 )
 def test_bad_arguments_get_a_one_line_error_and_exit_2(args: list[str], message: str) -> None:
     result = leases(*args)
-    assert result.code == command.EXIT_USAGE
+    assert result.code == ExitCode.USAGE
     assert result.err.startswith(message)
     assert "\n" not in result.err
 
@@ -427,9 +428,9 @@ def test_database_option_on_every_subcommand(key: str) -> None:
     assert leases("list", "--prefix", key, "--json").json()["count"] == 0
     assert leases("list", "--prefix", key, "--json", "--database", "other").json()["count"] == 1
     assert leases("--database", "other", "list", "--prefix", key, "--json").json()["count"] == 1
-    assert leases("show", key).code == command.EXIT_NOT_FOUND
+    assert leases("show", key).code == ExitCode.NOT_FOUND
     assert leases("show", key, "--database", "other", "--json").json()["owner"] == "w-other"
-    assert leases("release", key, "--force").code == command.EXIT_NOT_FOUND
+    assert leases("release", key, "--force").code == ExitCode.NOT_FOUND
     assert leases("release", key, "--force", "--database", "other").code == 0
     assert Lease.objects.db_manager("other").inspect(key).epoch == grant.epoch + 1
 
@@ -458,9 +459,9 @@ def test_colour_follows_no_color(trio: dict[str, str], key: str, monkeypatch: py
 
 
 def test_database_errors_are_one_line(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(command, "_SELECT", "SELECT no_such_function(%s)")
+    monkeypatch.setattr(querysets.ServerNow, "template", "(SELECT no_such_function())")
     result = leases("show", key)
-    assert result.code == command.EXIT_DATABASE_ERROR
+    assert result.code == ExitCode.DATABASE_ERROR
     assert result.err.startswith("database error: function no_such_function(")
     assert "\n" not in result.err
 
@@ -473,7 +474,7 @@ def test_database_errors_are_one_line(key: str, monkeypatch: pytest.MonkeyPatch)
     [("a", "b"), ("job:", "job;"), ("a\U0010ffff", "b"), ("\U0010ffff", None), ("x\ud7ff", "x\ue000")],
 )
 def test_prefix_upper_bound(prefix: str, upper: str | None) -> None:
-    assert command.prefix_upper_bound(prefix) == upper
+    assert querysets.prefix_upper_bound(prefix) == upper
 
 
 @pytest.mark.parametrize(
@@ -486,7 +487,7 @@ def test_prefix_upper_bound(prefix: str, upper: str | None) -> None:
     ],
 )
 def test_glob_to_like(glob: str, like: str, literal: str) -> None:
-    assert command.glob_to_like(glob) == (like, literal)
+    assert querysets.glob_to_like(glob) == (like, literal)
 
 
 @pytest.mark.parametrize(
@@ -504,7 +505,7 @@ def test_glob_to_like(glob: str, like: str, literal: str) -> None:
     ],
 )
 def test_collation_is_bytewise(settings: dict[str, Any], bytewise: bool) -> None:
-    assert command.collation_is_bytewise(settings) is bytewise
+    assert querysets.collation_is_bytewise(settings) is bytewise
 
 
 @pytest.mark.parametrize(

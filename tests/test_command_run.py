@@ -28,7 +28,7 @@ from django.core.management import CommandError, call_command
 from django.db import connections
 
 from pg_lease_django import Lease
-from pg_lease_django.management.commands import leases as command
+from pg_lease_django.supervisor import ExitCode
 from tests.dbserver import REPO
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -229,11 +229,11 @@ def test_database_option_and_the_default_owner(key: str, runs: Callable[..., Lea
 
 def test_a_command_that_cannot_be_run_exits_127_or_126_and_releases(key: str, runs: Callable[..., LeasesRun]) -> None:
     missing = runs(key, "--ttl", "5", "--", "/nonexistent/command", "arg")
-    assert missing.finish() == command.EXIT_COMMAND_NOT_FOUND == 127
+    assert missing.finish() == ExitCode.COMMAND_NOT_FOUND.value == 127
     assert one_line_error(missing.stderr) == "/nonexistent/command: command not found"
     assert Lease.objects.inspect(key).status == "free"
     not_executable = runs(key, "--ttl", "5", "--", str(REPO / "pyproject.toml"))
-    assert not_executable.finish() == command.EXIT_CANNOT_EXECUTE == 126
+    assert not_executable.finish() == ExitCode.CANNOT_EXECUTE.value == 126
     assert "cannot execute" in one_line_error(not_executable.stderr)
     state = Lease.objects.inspect(key)
     assert (state.status, state.epoch) == ("free", 4)  # acquired and released twice
@@ -248,7 +248,7 @@ def test_a_busy_key_exits_75_without_running_the_command(
     epoch = held_by(key, "holder-1")
     marker = tmp_path / "ran"
     run = runs(key, "--ttl", "5", "--", *CHILD, "touch", str(marker))
-    assert run.finish() == command.EXIT_BUSY == 75
+    assert run.finish() == ExitCode.BUSY.value == 75
     message = one_line_error(run.stderr)
     assert message.startswith(f"lease {key!r} is held by 'holder-1' (epoch {epoch}, expires in ")
     assert message.endswith(f"; {NAME} was not run")
@@ -261,7 +261,7 @@ def test_wait_times_out_with_77_within_its_bound(key: str, runs: Callable[..., L
     epoch = held_by(key, "holder-1")
     marker = tmp_path / "ran"
     run = runs(key, "--ttl", "5", "--wait", "1.5", "--", *CHILD, "touch", str(marker))
-    assert run.finish() == command.EXIT_TIMED_OUT == 77
+    assert run.finish() == ExitCode.TIMED_OUT.value == 77
     assert run.ended_at is not None
     elapsed = run.ended_at - run.started_at
     assert 1.5 <= elapsed < 1.5 + 4.0  # the wait, plus Python and Django starting (about 0.5 s here)
@@ -318,7 +318,7 @@ def test_a_command_that_outlives_a_forced_release_is_terminated_then_killed(
     released_at = time.monotonic()
     assert Lease.objects.force_release(key) == epoch + 1
 
-    assert run.finish() == command.EXIT_LOST == 76
+    assert run.finish() == ExitCode.LOST.value == 76
     assert run.ended_at is not None
     assert run.ended_at - released_at < interval + grace + 1.0  # + the exit of two Python processes
     ignored = run.expect("ignored")
@@ -396,7 +396,7 @@ def test_in_the_foreground_of_a_terminal_the_command_shares_it_and_ctrl_c_reache
 def test_bad_arguments_get_a_one_line_error_and_exit_2(args: list[str], message: str) -> None:
     with pytest.raises(CommandError) as caught:
         call_command("leases", "run", *args, stdout=StringIO(), stderr=StringIO())
-    assert caught.value.returncode == command.EXIT_USAGE
+    assert caught.value.returncode == ExitCode.USAGE
     assert str(caught.value).startswith(message)
     assert "\n" not in str(caught.value)
 

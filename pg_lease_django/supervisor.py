@@ -1,0 +1,498 @@
+"""``leases run``: run a command while holding a lease (``flock(1)`` for a whole cluster).
+
+`Supervisor` acquires the lease with `hold()`, runs COMMAND with the lease in its environment,
+signals COMMAND if the lease is lost, passes signals on, and releases at the end. ``manage.py
+leases run`` is its command line; it needs nothing from the command and can be driven directly::
+
+    status = Supervisor("jobs:reindex", ["./reindex.sh"], ttl=30).run()  # raises RunError for 75-77, 126, 127
+
+`ExitCode` is the exit-code table of the whole ``manage.py leases`` command: written here once,
+because ``run``'s own codes are the supervisor's outcomes, and the command's help, its docstring
+and ``run``'s description are generated from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import suppress
+from datetime import timedelta
+from enum import IntEnum
+from types import FrameType
+from typing import Any
+
+from django.core.management.base import OutputWrapper
+from django.db import connections, router
+
+from .display import LeaseRow, format_duration
+from .exceptions import LeaseTimeoutError, NotAcquirableError
+from .jobs import HeldLease, hold
+from .models import Lease
+from .status import LeaseStatus
+
+__all__ = ["DEFAULT_GRACE", "FORWARDED_SIGNALS", "ExitCode", "RunError", "Supervisor"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between the SIGTERM sent to COMMAND when the lease is lost and the SIGKILL that follows.
+DEFAULT_GRACE = 10.0
+#: Signals the supervisor passes on to COMMAND.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# How often the "waiting for KEY held by OWNER" line on a terminal is refreshed, and how long a
+# wait must last before it first appears (an acquire that succeeds at once shows nothing).
+_STATUS_REFRESH = 0.25
+
+
+class ExitCode(IntEnum):
+    """The exit codes of ``manage.py leases``, each with a label (for ``--help``) and a meaning (for docs).
+
+    ``run`` otherwise exits with COMMAND's status (128 + N when signal N killed it, as a shell
+    reports it). Its own codes are kept clear of 0-6 and of the shell's 126, 127 and 128 + N; 75
+    is sysexits' EX_TEMPFAIL ("try again later", what a caller should do when busy), 76 and 77
+    the next two. 126 and 127 mean what they mean in a shell.
+    """
+
+    label: str
+    meaning: str
+
+    def __new__(cls, value: int, label: str, meaning: str) -> ExitCode:
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.label = label
+        member.meaning = meaning
+        return member
+
+    OK = 0, "ok", "success"
+    DATABASE_ERROR = 1, "database error", "database error (the message says which)"
+    USAGE = (
+        2,
+        "bad arguments",
+        "bad arguments: unknown option, bad key, epoch or limit, unknown or non-PostgreSQL database",
+    )
+    NOT_FOUND = 3, "no such lease", "no such lease: the key was never acquired"
+    NOT_FORCED = 4, "release without --force", "``release`` refused: ``--force`` not given"
+    MOVED_ON = (
+        5,
+        "lease moved on",
+        "``release`` refused: the lease moved on (``--epoch`` is not the current epoch, or it changed hands "
+        "while being released)",
+    )
+    ALREADY_FREE = 6, "already free", "``release``: nothing to release, the lease is already free"
+    BUSY = 75, "busy", "busy: the lease is held by another owner; COMMAND was not run"
+    LOST = (
+        76,
+        "lease lost",
+        "lost: the lease was lost while COMMAND ran (it was sent SIGTERM, then SIGKILL after ``--grace``), "
+        "or at its end the lease turned out to have moved on",
+    )
+    TIMED_OUT = (
+        77,
+        "timed out waiting",
+        "timed out: ``--wait`` passed and the lease was still held; COMMAND was not run",
+    )
+    CANNOT_EXECUTE = 126, "cannot execute", "COMMAND could not be executed (permission denied, not an executable)"
+    COMMAND_NOT_FOUND = 127, "not found", "COMMAND was not found"
+
+    @classmethod
+    def of(cls, *, run: bool) -> list[ExitCode]:
+        """The codes of every subcommand (``run=False``), or those only ``run`` exits with."""
+        return [code for code in cls if (code >= cls.BUSY) == run]
+
+    @classmethod
+    def summary(cls, *, run: bool) -> str:
+        """``0 ok, 1 database error, ...``: the codes and their labels on one line."""
+        return ", ".join(f"{code.value} {code.label}" for code in cls.of(run=run))
+
+    @classmethod
+    def table(cls, *, run: bool, width: int = 90) -> str:
+        """The codes and their meanings as a reStructuredText table, for a docstring."""
+        codes = cls.of(run=run)
+        digits = max(len(str(code.value)) for code in codes)
+        rule = f"{'=' * digits}  {'=' * width}"
+        lines = [rule]
+        for code in codes:
+            first, *more = textwrap.wrap(code.meaning, width)
+            lines.append(f"{code.value:<{digits}}  {first}")
+            lines += [f"{'':<{digits}}  {line}" for line in more]
+        return "\n".join([*lines, rule])
+
+
+class RunError(Exception):
+    """The run ended without COMMAND's status deciding it: busy, lost, timed out, or COMMAND not runnable.
+
+    Attributes:
+        exit_code: what to exit with (`ExitCode.BUSY`, ``LOST``, ``TIMED_OUT``, ``CANNOT_EXECUTE``
+            or ``COMMAND_NOT_FOUND``).
+    """
+
+    def __init__(self, message: str, exit_code: ExitCode) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _describe_exit(returncode: int) -> str:
+    """``exited with status 3`` / ``was killed by SIGKILL``, from a Popen return code."""
+    if returncode < 0:
+        return f"was killed by {_signal_name(-returncode)}"
+    return f"exited with status {returncode}"
+
+
+def _terminal_foreground() -> bool:
+    """Whether this process group is the foreground group of the terminal on stdin/stdout/stderr.
+
+    Then COMMAND stays in our process group, so that it can use the terminal, and Ctrl-C reaches
+    it straight from the terminal (passing that SIGINT on would deliver it twice).
+    """
+    for fd in (0, 1, 2):
+        with suppress(OSError):
+            if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
+                return True
+    return False
+
+
+class _Interrupted(BaseException):
+    """A forwarded signal arrived before COMMAND started: stop waiting, release, exit 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _WaitStatus(threading.Thread):
+    """On a terminal: one line on stderr, rewritten in place, while ``--wait`` waits for the lease.
+
+    Reads the lease as ``leases show`` does, on a connection of this thread's own (the waiting
+    acquire has its own too), and never blocks the wait: any failure only ends the status line.
+    """
+
+    def __init__(self, supervisor: Supervisor, wait: float) -> None:
+        super().__init__(name=f"leases run status {supervisor.key}"[:100], daemon=True)
+        self.supervisor, self.key, self.wait = supervisor, supervisor.key, wait
+        self.stderr = supervisor.stderr
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._shown = False
+
+    def run(self) -> None:
+        started = time.monotonic()
+        try:
+            while not self._stopped.wait(_STATUS_REFRESH):
+                row = self.supervisor.read_lease()
+                waited = format_duration(timedelta(seconds=time.monotonic() - started))
+                if row is None or row.state == LeaseStatus.FREE:
+                    text = f"waiting for {self.key} (free now)"
+                elif row.state == LeaseStatus.LAPSED:
+                    text = f"waiting for {self.key} (lapsed, last held by {row.owner})"
+                else:
+                    text = f"waiting for {self.key} held by {row.owner}, expires {row.expiry}"
+                self._show(f"{text} (waited {waited} of {format_duration(timedelta(seconds=self.wait))})")
+        except Exception:
+            logger.debug("the wait status line for %r failed", self.key, exc_info=True)
+        finally:
+            connections.close_all()  # this thread's own
+
+    def _show(self, text: str) -> None:
+        with self._lock:
+            if not self._stopped.is_set():
+                self.stderr.write(f"\r\x1b[K{text}", style_func=str, ending="")
+                self.stderr.flush()
+                self._shown = True
+
+    def stop(self) -> None:
+        """Stop refreshing and erase the line (idempotent)."""
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+            if self._shown:
+                self.stderr.write("\r\x1b[K", style_func=str, ending="")
+                self.stderr.flush()
+
+
+class Supervisor:
+    """One run: acquire with ``hold()``, run COMMAND, supervise it, release.
+
+    The lease is held with `pg_lease_django.hold` (its heartbeat thread renews it on a
+    connection of its own); this class only watches ``HeldLease.lost`` and the child. The main
+    thread sleeps in one ``select()`` on the child's pidfd (it becomes readable when the child
+    exits) and a pipe the hold's ``on_lost`` writes to, with a timeout at the end of the trust
+    window and of the grace period. Signals are handled in the main thread: before COMMAND starts
+    they interrupt the wait; afterwards they are passed on to COMMAND. So `run` must be called
+    from the main thread, once per Supervisor.
+
+    Args:
+        key: the lease key.
+        argv: COMMAND and its arguments.
+        ttl: seconds each grant and renewal lasts.
+        wait: wait up to this many seconds for the lease; None: don't wait (busy is `ExitCode.BUSY`).
+        grace: seconds between SIGTERM and SIGKILL when the lease is lost.
+        owner: the owner identity; default ``host:pid:random``, new for every run.
+        using: the database alias; default where the router sends writes of leases.
+        verbosity: 0 says nothing, 1 reports signals and losses, 2 the grant and the release too.
+        stdout, stderr: where the messages go (stderr) and what to flush before COMMAND starts.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        argv: Sequence[str],
+        *,
+        ttl: float,
+        wait: float | None = None,
+        grace: float = DEFAULT_GRACE,
+        owner: str | None = None,
+        using: str | None = None,
+        verbosity: int = 1,
+        stdout: OutputWrapper | None = None,
+        stderr: OutputWrapper | None = None,
+    ) -> None:
+        self.key, self.argv = key, list(argv)
+        self.using = using or router.db_for_write(Lease)
+        self.verbosity = verbosity
+        self.ttl, self.wait, self.grace, self.owner = ttl, wait, grace, owner
+        self.stdout = stdout or OutputWrapper(sys.stdout)
+        self.stderr = stderr or OutputWrapper(sys.stderr)
+        self.child: subprocess.Popen[bytes] | None = None
+        self._started = False  # from here on signals are forwarded, not raised
+        self._interrupted = False  # a signal already stopped the wait: further ones must not cut the release short
+        self._terminated_at_loss = False
+        self._killed = False
+        self._own_group = False
+        self._pending: list[int] = []  # forwarded signals that arrived while COMMAND was being started
+        self._wake_lock = threading.Lock()
+        self._wake_r = self._wake_w = -1  # a pipe while running: the hold's on_lost wakes the main thread
+
+    def read_lease(self) -> LeaseRow | None:
+        """The lease as ``leases show`` reads it (None when it has no row), on this thread's connection."""
+        return Lease.objects.db_manager(self.using).row(self.key)
+
+    # -- messages ------------------------------------------------------------------------------------
+
+    def _say(self, text: str, *, level: int = 1) -> None:
+        if self.verbosity >= level:
+            self.stderr.write(f"leases run: {text}")
+            self.stderr.flush()
+
+    @property
+    def _name(self) -> str:
+        return os.path.basename(self.argv[0]) or self.argv[0]
+
+    # -- signals -------------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self._started:
+            if not self._interrupted:
+                self._interrupted = True
+                raise _Interrupted(signum)
+            return
+        if self.child is None:
+            self._pending.append(signum)
+        else:
+            self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        child = self.child
+        # returncode is set only by poll()/wait() in this (the main) thread, where this handler
+        # runs too: while it is None the child has not been reaped, so its pid is still its own.
+        if child is None or child.returncode is not None:
+            return
+        if signum == signal.SIGINT and not self._own_group and _terminal_foreground():
+            return  # Ctrl-C: the terminal sent it to COMMAND as well (same process group)
+        self._signal(child, signum)
+
+    def _signal(self, child: subprocess.Popen[bytes], signum: int) -> None:
+        # COMMAND's whole process group when it has one of its own: a shell's children too.
+        with suppress(ProcessLookupError, PermissionError):
+            if self._own_group:
+                os.killpg(child.pid, signum)
+            else:
+                os.kill(child.pid, signum)
+
+    def _wake(self, lease: HeldLease) -> None:
+        # on_lost of the hold, called once from its heartbeat thread.
+        with self._wake_lock, suppress(OSError):
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"!")
+
+    # -- the run -------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Acquire, run COMMAND, release; return the exit status (COMMAND's, or 128 + N for a signal).
+
+        Raises:
+            RunError: busy, timed out, lease lost, or COMMAND could not be run (``exit_code`` says which).
+            NotAcquirableError and LeaseTimeoutError never escape; database errors do.
+        """
+        previous: dict[int, Any] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        try:
+            for signum in FORWARDED_SIGNALS:
+                handler = signal.getsignal(signum)
+                if handler == signal.SIG_IGN:
+                    continue  # ignored when we started: stays ignored, for COMMAND too (as in a shell)
+                previous[signum] = handler
+                signal.signal(signum, self._on_signal)
+            try:
+                return self._hold_and_run()
+            except _Interrupted as exc:
+                self._say(f"{_signal_name(exc.signum)} before {self._name} started: not run, lease not held")
+                return 128 + exc.signum
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+            with self._wake_lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_r = self._wake_w = -1
+
+    def _hold_and_run(self) -> int:
+        holding = hold(
+            self.key,
+            self.ttl,
+            owner=self.owner,
+            blocking=self.wait is not None,
+            timeout=self.wait,
+            on_lost=self._wake,
+            using=self.using,
+        )
+        status: _WaitStatus | None = None
+        if self.wait is not None and self.stderr.isatty():
+            status = _WaitStatus(self, self.wait)
+            status.start()
+        try:
+            with holding as lease:
+                if status is not None:
+                    status.stop()
+                returncode = self._supervise(lease)
+        except NotAcquirableError:
+            raise RunError(f"{self._holder()}; {self._name} was not run", ExitCode.BUSY) from None
+        except LeaseTimeoutError:
+            raise RunError(
+                f"timed out after waiting {self.wait:g}s: {self._holder()}; {self._name} was not run",
+                ExitCode.TIMED_OUT,
+            ) from None
+        finally:
+            if status is not None:
+                status.stop()
+                status.join(timeout=1.0)
+
+        # The hold has ended: released, or found lost (a release refused at exit counts as a loss).
+        error = lease.error
+        if error is not None:
+            what = (
+                f"{self._name} {_describe_exit(returncode)}"
+                if not self._terminated_at_loss
+                else self._kill_report(returncode)
+            )
+            raise RunError(
+                f"lease {self.key!r} (epoch {lease.epoch}) was lost while {self._name} ran ({error.code}): {what}",
+                ExitCode.LOST,
+            )
+        self._say(f"released {self.key!r} (epoch {lease.epoch}); {self._name} {_describe_exit(returncode)}", level=2)
+        return returncode if returncode >= 0 else 128 - returncode
+
+    def _holder(self) -> str:
+        row = self.read_lease()
+        connections[self.using].close()  # no idle connection left behind by a status query
+        if row is None or row.state != LeaseStatus.HELD:
+            return f"lease {self.key!r} was held by another owner"
+        return f"lease {self.key!r} is held by {row.owner!r} (epoch {row.epoch}, expires {row.expiry})"
+
+    def _supervise(self, lease: HeldLease) -> int:
+        """Start COMMAND and wait for it, signalling it if the lease is lost; its Popen return code."""
+        if lease.lost:
+            raise RunError(
+                f"lease {self.key!r} (epoch {lease.epoch}) was lost before {self._name} started; it was not run",
+                ExitCode.LOST,
+            )
+        env = {
+            **os.environ,
+            "PG_LEASE_KEY": lease.key,
+            "PG_LEASE_OWNER": lease.owner,
+            "PG_LEASE_EPOCH": str(lease.epoch),
+        }
+        self._say(f"acquired {self.key!r} as {lease.owner!r} at epoch {lease.epoch}; running {self._name}", level=2)
+        connections.close_all()  # the hold has a connection of its own: keep no idle one for COMMAND's lifetime
+        self.stdout.flush()
+        self.stderr.flush()
+        self._started = True
+        try:
+            # A process group of its own unless we run in the foreground of a terminal: then a
+            # signal (forwarded, or sent on loss) reaches the processes COMMAND started as well. In
+            # the foreground COMMAND must share our group to read the terminal (as with `timeout
+            # --foreground`); there only COMMAND itself is signalled.
+            self._own_group = not _terminal_foreground()
+            self.child = subprocess.Popen(self.argv, env=env, process_group=0 if self._own_group else None)
+        except FileNotFoundError:
+            raise RunError(f"{self.argv[0]}: command not found", ExitCode.COMMAND_NOT_FOUND) from None
+        except OSError as exc:
+            raise RunError(f"{self.argv[0]}: cannot execute: {exc.strerror or exc}", ExitCode.CANNOT_EXECUTE) from None
+        for signum in self._pending:
+            self._forward(signum)
+        return self._watch(lease, self.child)
+
+    def _watch(self, lease: HeldLease, child: subprocess.Popen[bytes]) -> int:
+        pidfd = -1
+        with suppress(AttributeError, OSError):  # no pidfd (not Linux, or before 5.3): poll the child
+            pidfd = os.pidfd_open(child.pid)
+        terminated_at: float | None = None
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self._wake_r, selectors.EVENT_READ)
+                if pidfd >= 0:
+                    selector.register(pidfd, selectors.EVENT_READ)
+                while (returncode := child.poll()) is None:
+                    now = time.monotonic()
+                    if terminated_at is None and (error := lease.error) is not None:
+                        terminated_at = now
+                        self._terminated_at_loss = True
+                        self._say(
+                            f"lease {self.key!r} lost ({error.code}): "
+                            f"sending SIGTERM to {self._name} (pid {child.pid}), SIGKILL in {self.grace:g}s"
+                        )
+                        self._signal(child, signal.SIGTERM)
+                    if terminated_at is not None and not self._killed and now >= terminated_at + self.grace:
+                        self._killed = True
+                        self._say(f"{self._name} (pid {child.pid}) still running after {self.grace:g}s: SIGKILL")
+                        self._signal(child, signal.SIGKILL)
+                    if terminated_at is None:
+                        timeout: float | None = max(lease.trust_remaining, 0.001)  # wake when trust ends
+                    elif not self._killed:
+                        timeout = max(terminated_at + self.grace - now, 0.0)
+                    else:
+                        timeout = None
+                    if pidfd < 0:
+                        timeout = 0.05 if timeout is None else min(timeout, 0.05)
+                    for ready, _events in selector.select(timeout):
+                        if ready.fd == self._wake_r:
+                            with suppress(BlockingIOError):
+                                os.read(self._wake_r, 64)
+            if terminated_at is not None and self._own_group:
+                # The lease is gone and COMMAND has ended: whatever it left behind in its group
+                # must not go on working without the lease either.
+                self._signal(child, signal.SIGKILL)
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        return returncode
+
+    def _kill_report(self, returncode: int) -> str:
+        sent = f"sent {self._name} SIGTERM" + (f", then SIGKILL after {self.grace:g}s" if self._killed else "")
+        return f"{sent}; it {_describe_exit(returncode)}"

@@ -1,0 +1,107 @@
+"""`Supervisor` driven directly, without ``call_command``: a real child process, busy, a lost lease; `ExitCode`.
+
+The child is tests/run_child.py, which reports on its stdout (inherited: pytest's captured fd 1)
+what it was given and which signals reached it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management.base import OutputWrapper
+from django.db import connections
+
+from pg_lease_django import Lease
+from pg_lease_django.management.commands.leases import Command
+from pg_lease_django.status import LeaseStatus
+from pg_lease_django.supervisor import ExitCode, RunError, Supervisor
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+REPO = Path(__file__).resolve().parent.parent
+CHILD = [sys.executable, str(REPO / "tests" / "run_child.py")]
+NAME = os.path.basename(sys.executable)  # how the supervisor names COMMAND in its messages
+
+
+def events(capfd: pytest.CaptureFixture[str], name: str) -> list[dict[str, Any]]:
+    """The child's JSON lines named ``name``, from the captured stdout."""
+    out, _err = capfd.readouterr()
+    return [event for line in out.splitlines() if line.startswith("{") and (event := json.loads(line))["event"] == name]
+
+
+def test_runs_the_child_with_the_lease_and_returns_its_status(key: str, capfd: pytest.CaptureFixture[str]) -> None:
+    stderr = StringIO()
+    supervisor = Supervisor(
+        key, [*CHILD, "env", "3"], ttl=5, owner="direct-1", verbosity=2, stderr=OutputWrapper(stderr)
+    )
+    assert supervisor.run() == 3
+    (env,) = events(capfd, "env")
+    assert (env["PG_LEASE_KEY"], env["PG_LEASE_OWNER"]) == (key, "direct-1")
+    epoch = int(env["PG_LEASE_EPOCH"])
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == (LeaseStatus.FREE, epoch + 1)  # released its own epoch at the end
+    assert stderr.getvalue().splitlines() == [
+        f"leases run: acquired {key!r} as 'direct-1' at epoch {epoch}; running {NAME}",
+        f"leases run: released {key!r} (epoch {epoch}); {NAME} exited with status 3",
+    ]
+
+
+def test_a_busy_key_raises_busy_without_running_the_child(key: str, tmp_path: Path) -> None:
+    grant = Lease.objects.acquire(key, "holder-1", ttl=30)
+    assert grant is not None
+    marker = tmp_path / "ran"
+    with pytest.raises(RunError) as caught:
+        Supervisor(key, [*CHILD, "touch", str(marker)], ttl=5).run()
+    assert caught.value.exit_code == ExitCode.BUSY.value == 75
+    assert str(caught.value).startswith(f"lease {key!r} is held by 'holder-1' (epoch {grant.epoch}, expires in ")
+    assert not marker.exists()
+    assert Lease.objects.inspect(key).owner == "holder-1"
+
+
+def test_a_lost_lease_terminates_the_child(key: str, capfd: pytest.CaptureFixture[str]) -> None:
+    def force_release_once_held() -> None:
+        try:
+            wait_until(lambda: Lease.objects.inspect(key).status == "held", what="the supervisor's grant")
+            Lease.objects.force_release(key)
+        finally:
+            connections.close_all()  # this thread's
+
+    breaker = threading.Thread(target=force_release_once_held)
+    breaker.start()
+    stderr = StringIO()
+    with pytest.raises(RunError) as caught:
+        Supervisor(key, [*CHILD, "signals"], ttl=1.5, grace=5, stderr=OutputWrapper(stderr)).run()
+    breaker.join(10)
+    assert caught.value.exit_code == ExitCode.LOST.value == 76
+    epoch = Lease.objects.inspect(key).epoch - 1  # the forced release's bump: nothing was sent after it
+    assert str(caught.value) == (
+        f"lease {key!r} (epoch {epoch}) was lost while {NAME} ran (not_owner): "
+        f"sent {NAME} SIGTERM; it was killed by SIGTERM"
+    )
+    assert [event["name"] for event in events(capfd, "signal")] == ["SIGTERM"]
+    assert f"leases run: lease {key!r} lost (not_owner): sending SIGTERM to {NAME}" in stderr.getvalue()
+
+
+def test_exit_codes_are_written_once() -> None:
+    """The help, the docstring and run's description come from ExitCode; operations.md lists every code."""
+    parser = Command().create_parser("manage.py", "leases")
+    subcommands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    run_help = subcommands.choices["run"].format_help()
+    operations = (REPO / "docs" / "operations.md").read_text()
+    doc = sys.modules[Command.__module__].__doc__ or ""
+    for code in ExitCode:
+        assert f"{code.value} {code.label}" in Command.help
+        assert re.search(rf"^{code.value} +{re.escape(code.meaning.split()[0])}", doc, flags=re.M), code
+        assert re.search(rf"^\| (?:\d+, )*{code.value}(?:, \d+)* \|", operations, flags=re.M), code
+        if code >= ExitCode.BUSY:
+            assert f"{code.value} {code.label}" in " ".join(run_help.split())
