@@ -1,13 +1,140 @@
-"""Helpers shared by test modules (fixtures stay in conftest.py)."""
+"""Helpers the tests share: raw connections, waiting, background calls, leases in a given state.
+
+Fixtures live in ``conftest.py``; this is a plain module that tests import (pytest advises against
+importing from ``conftest``).
+"""
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import quote, urlsplit
 
+import psycopg
 import pytest
 from django.db import connections, transaction
+
+from pg_lease_django import Lease
+from tests import dbserver
+
+
+def conninfo(alias: str = "default") -> str:
+    """libpq conninfo for the (test) database behind ``alias``.
+
+    Behind PgBouncer (``DIRECT_DATABASE_URL`` set by .ci/with-pgbouncer) the tests' own
+    orchestration connections go straight to the server, so backend pids and locks they observe
+    are real; the code under test still goes through the pooler.
+    """
+    database = dict(connections[alias].settings_dict)
+    direct = os.environ.get("DIRECT_DATABASE_URL")
+    if direct:
+        parts = urlsplit(direct)
+        database.update(HOST=parts.hostname, PORT=str(parts.port or 5432))
+    return dbserver.conninfo(database)
+
+
+#: Tests that need the session of Django's own connection (its backend pid, LISTEN) cannot run
+#: through a transaction-pooling PgBouncer, which hands each transaction another server session.
+needs_session = pytest.mark.skipif(
+    bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER")), reason="needs a server session; PgBouncer pools transactions"
+)
+
+
+def row_snapshot(conn: psycopg.Connection[Any], key: str) -> tuple[Any, ...] | None:
+    """The row's content and its tuple identity: unchanged means no write and no row lock."""
+    return conn.execute(
+        "SELECT l::text, xmin::text, xmax::text, ctid::text FROM pg_lease_django_lease l WHERE key = %s", [key]
+    ).fetchone()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def wait_until_blocked(conn: psycopg.Connection[Any], pid: int, timeout: float = 10.0) -> None:
+    """Wait until backend ``pid`` is waiting on a lock held by another backend."""
+    wait_until(
+        lambda: bool(conn.execute("SELECT cardinality(pg_blocking_pids(%s)) > 0", [pid]).fetchone()[0]),  # type: ignore[index]
+        timeout,
+        f"backend {pid} to block on a lock",
+    )
+
+
+class Background(threading.Thread):
+    """Run ``fn`` in a thread, keeping its result or exception for the test to inspect."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:
+            self.error = exc
+
+    def outcome(self, timeout: float = 30.0) -> Any:
+        self.join(timeout)
+        assert not self.is_alive(), "background call did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def url_of_test_database(alias: str = "default") -> str:
+    """DATABASE_URL for a child process: this run's test database (``test_<name>``), not the configured one."""
+    s = connections[alias].settings_dict
+    auth = quote(s["USER"] or "postgres", safe="") + (":" + quote(s["PASSWORD"], safe="") if s["PASSWORD"] else "")
+    host, port, name = s["HOST"] or "127.0.0.1", s["PORT"] or "5432", quote(s["NAME"], safe="")
+    if host.startswith("/"):  # a unix socket directory
+        return f"postgresql://{auth}@:{port}/{name}?host={quote(host, safe='')}"
+    return f"postgresql://{auth}@{host}:{port}/{name}"
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a server a test starts."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+# ---- leases in a given state ---------------------------------------------------------------------
+
+
+def held(key: str, owner: str = "w1", ttl: float = 30) -> int:
+    """Acquire ``key`` for ``owner``; its epoch."""
+    grant = Lease.objects.acquire(key, owner, ttl=ttl)
+    assert grant is not None
+    return grant.epoch
+
+
+def lapsed(key: str, owner: str = "w-old") -> int:
+    """``key`` held by ``owner`` and lapsed (not taken over); its epoch."""
+    epoch = held(key, owner, ttl=0.001)
+    wait_until(lambda: Lease.objects.inspect(key).status == "lapsed", what=f"{key} to lapse")
+    return epoch
+
+
+def free(key: str) -> int:
+    """``key`` acquired and released; its epoch now."""
+    epoch = held(key, "w-gone")
+    Lease.objects.release(key, "w-gone", epoch)
+    return epoch + 1
+
+
+# ---- writes and threads ----------------------------------------------------------------------
 
 
 @contextmanager

@@ -13,7 +13,6 @@ import asyncio
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -44,7 +43,7 @@ from pg_lease_django import (
     NotOwnerError,
 )
 from tests import asgi_app
-from tests.conftest import Background, needs_session, row_snapshot, wait_until
+from tests.helpers import Background, free_port, needs_session, row_snapshot, url_of_test_database, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -707,32 +706,13 @@ def test_an_async_view_waits_for_the_lease_in_process(key: str, monkeypatch: pyt
     assert (asgi_app.gauge.max_holding, asgi_app.gauge.max_waiting) == (1, len(owners))
 
 
-def database_url_of_the_test_database() -> str:
-    """DATABASE_URL for a child process: this test run's database (``test_<name>``), not the configured one."""
-    settings = connection.settings_dict
-    auth = urllib.parse.quote(settings["USER"], safe="")
-    if settings["PASSWORD"]:
-        auth += ":" + urllib.parse.quote(settings["PASSWORD"], safe="")
-    host, port = settings["HOST"] or "127.0.0.1", settings["PORT"] or "5432"
-    name = urllib.parse.quote(settings["NAME"], safe="")
-    if host.startswith("/"):  # a unix socket directory
-        return f"postgresql://{auth}@:{port}/{name}?host={urllib.parse.quote(host, safe='')}"
-    return f"postgresql://{auth}@{host}:{port}/{name}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def asgi_server(tmp_path: Path) -> Iterator[str]:
     """tests/asgi_app.py served by uvicorn in a child process on the test database; yields its base URL."""
     port = free_port()
     env = {
         **os.environ,
-        "DATABASE_URL": database_url_of_the_test_database(),
+        "DATABASE_URL": url_of_test_database(),
         "DJANGO_SETTINGS_MODULE": "tests.settings",
         "PYTHONUNBUFFERED": "1",
     }

@@ -30,8 +30,7 @@ from pg_lease_django import (
     hold,
     unfenced_writes,
 )
-from tests.conftest import Background, wait_until, wait_until_blocked
-from tests.helpers import in_thread, refused
+from tests.helpers import Background, in_thread, refused, wait_until, wait_until_blocked
 from tests.testapp.models import ArchivedReport, CreditNote, Entry, Invoice, Report
 
 

@@ -14,12 +14,11 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from io import StringIO
 from typing import Any
-from urllib.parse import quote
 
 import psycopg
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection, connections
+from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
@@ -35,7 +34,7 @@ from pg_lease_django import (
 from pg_lease_django.display import describe_expiry, format_duration
 from pg_lease_django.managers import NOTIFY_CHANNEL
 from pg_lease_django.supervisor import ExitCode
-from tests.conftest import wait_until
+from tests.helpers import free, held, lapsed, url_of_test_database, wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -63,34 +62,6 @@ def leases(*args: str) -> Result:
     except CommandError as exc:
         return Result(exc.returncode, out.getvalue(), str(exc))
     return Result(0, out.getvalue(), err.getvalue())
-
-
-def held(key: str, owner: str = "w1", ttl: float = 30) -> int:
-    grant = Lease.objects.acquire(key, owner, ttl=ttl)
-    assert grant is not None
-    return grant.epoch
-
-
-def lapsed(key: str, owner: str = "w-old") -> int:
-    epoch = held(key, owner, ttl=0.001)
-    wait_until(lambda: Lease.objects.inspect(key).status == "lapsed", what=f"{key} to lapse")
-    return epoch
-
-
-def free(key: str) -> int:
-    epoch = held(key, "w-gone")
-    Lease.objects.release(key, "w-gone", epoch)
-    return epoch + 1
-
-
-@pytest.fixture
-def trio(key: str) -> dict[str, str]:
-    """Three leases under the prefix ``key``: held, lapsed and free (created out of key order)."""
-    keys = {"held": f"{key}/b-held", "lapsed": f"{key}/a-lapsed", "free": f"{key}/c-free"}
-    free(keys["free"])
-    held(keys["held"], "worker-1")
-    lapsed(keys["lapsed"], "worker-2")
-    return keys
 
 
 # -- list ---------------------------------------------------------------------------------------------
@@ -567,19 +538,10 @@ def test_force_release_wakes_listeners(key: str, raw_connect: Callable[..., psyc
 # -- a real process -----------------------------------------------------------------------------------
 
 
-def database_url() -> str:
-    s = connections["default"].settings_dict
-    auth = quote(s["USER"] or "postgres") + (":" + quote(s["PASSWORD"]) if s["PASSWORD"] else "")
-    host = s["HOST"] or ""
-    if host.startswith("/"):
-        return f"postgresql://{auth}@:{s['PORT']}/{quote(s['NAME'])}?host={quote(host)}"
-    return f"postgresql://{auth}@{host}:{s['PORT']}/{quote(s['NAME'])}"
-
-
 @pytest.fixture
 def cli(transactional_db: None) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run ``python -m django leases ...`` in a child process against the test database."""
-    env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env = {**os.environ, "DATABASE_URL": url_of_test_database(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

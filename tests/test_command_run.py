@@ -21,30 +21,19 @@ from contextlib import suppress
 from io import StringIO
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import quote
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connections
 
 from pg_lease_django import Lease
 from pg_lease_django.supervisor import ExitCode
 from tests.dbserver import REPO
+from tests.helpers import held, url_of_test_database
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 CHILD = [sys.executable, "-m", "tests.run_child"]
 NAME = os.path.basename(sys.executable)  # how leases run names COMMAND in its messages
-
-
-def database_url(alias: str = "default") -> str:
-    """The URL of the test database (settings NAME is ``test_<name>`` during the tests)."""
-    s = connections[alias].settings_dict
-    auth = quote(s["USER"] or "postgres") + (":" + quote(s["PASSWORD"]) if s["PASSWORD"] else "")
-    host = s["HOST"] or ""
-    if host.startswith("/"):
-        return f"postgresql://{auth}@:{s['PORT']}/{quote(s['NAME'])}?host={quote(host)}"
-    return f"postgresql://{auth}@{host or '127.0.0.1'}:{s['PORT'] or 5432}/{quote(s['NAME'])}"
 
 
 def process_gone(pid: int) -> bool:
@@ -69,7 +58,7 @@ class LeasesRun:
     """
 
     def __init__(self, *args: str, tty: bool = False, foreground: bool = False) -> None:
-        env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+        env = {**os.environ, "DATABASE_URL": url_of_test_database(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
         env["PYTHONUNBUFFERED"] = "1"
         master = slave = -1
         if tty:
@@ -186,12 +175,6 @@ def runs() -> Iterator[Callable[..., LeasesRun]]:
         run.kill()
 
 
-def held_by(key: str, owner: str, ttl: float = 30) -> int:
-    grant = Lease.objects.acquire(key, owner, ttl=ttl)
-    assert grant is not None
-    return grant.epoch
-
-
 def one_line_error(stderr: str) -> str:
     """The single ``CommandError: ...`` line of stderr (and nothing else, no traceback)."""
     assert "Traceback" not in stderr
@@ -245,7 +228,7 @@ def test_a_command_that_cannot_be_run_exits_127_or_126_and_releases(key: str, ru
 def test_a_busy_key_exits_75_without_running_the_command(
     key: str, runs: Callable[..., LeasesRun], tmp_path: Path
 ) -> None:
-    epoch = held_by(key, "holder-1")
+    epoch = held(key, "holder-1")
     marker = tmp_path / "ran"
     run = runs(key, "--ttl", "5", "--", *CHILD, "touch", str(marker))
     assert run.finish() == ExitCode.BUSY.value == 75
@@ -258,7 +241,7 @@ def test_a_busy_key_exits_75_without_running_the_command(
 
 
 def test_wait_times_out_with_77_within_its_bound(key: str, runs: Callable[..., LeasesRun], tmp_path: Path) -> None:
-    epoch = held_by(key, "holder-1")
+    epoch = held(key, "holder-1")
     marker = tmp_path / "ran"
     run = runs(key, "--ttl", "5", "--wait", "1.5", "--", *CHILD, "touch", str(marker))
     assert run.finish() == ExitCode.TIMED_OUT.value == 77
@@ -274,7 +257,7 @@ def test_wait_times_out_with_77_within_its_bound(key: str, runs: Callable[..., L
 def test_wait_shows_the_holder_on_a_terminal_and_runs_once_it_is_released(
     key: str, runs: Callable[..., LeasesRun]
 ) -> None:
-    epoch = held_by(key, "holder-w")
+    epoch = held(key, "holder-w")
     run = runs(key, "--ttl", "5", "--wait", "30", "--", *CHILD, "env", "0", tty=True)
     run.expect_stderr(rf"waiting for {re.escape(key)} held by holder-w, expires in \d+s \(waited [\d.]+s of 30s\)")
     assert not run.events  # still waiting
@@ -291,7 +274,7 @@ def test_wait_shows_the_holder_on_a_terminal_and_runs_once_it_is_released(
 def test_a_signal_while_waiting_ends_the_wait_without_running_the_command(
     key: str, runs: Callable[..., LeasesRun], tmp_path: Path
 ) -> None:
-    epoch = held_by(key, "holder-w")
+    epoch = held(key, "holder-w")
     marker = tmp_path / "ran"
     run = runs(key, "--ttl", "5", "--wait", "30", "--", *CHILD, "touch", str(marker), tty=True)
     run.expect_stderr(rf"waiting for {re.escape(key)} held by holder-w")

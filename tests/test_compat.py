@@ -32,8 +32,7 @@ from pg_lease_django import (
     unfenced_writes,
 )
 from tests.compatapp.models import VAULT_KEY, Ledger, Vault
-from tests.conftest import wait_until
-from tests.helpers import refused
+from tests.helpers import refused, wait_until
 
 pytestmark = pytest.mark.django_db
 

@@ -10,7 +10,7 @@ import pytest
 from django.db import connection
 
 from pg_lease_django import Grant, LapsedError, Lease
-from tests.conftest import Background, conninfo, wait_until, wait_until_blocked
+from tests.helpers import Background, conninfo, wait_until, wait_until_blocked
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from pg_lease_django import Lease
-from tests.conftest import row_snapshot
 from tests.dbserver import REPO, LocalServer, throwaway_datadir
+from tests.helpers import row_snapshot
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

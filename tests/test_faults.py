@@ -27,8 +27,8 @@ from pg_lease_django import Grant, Lease, unfenced_writes
 from stress.agent import Agent
 from stress.checker import Op, check
 from stress.harness import Config, Run, migrate, run
-from tests.conftest import Background, wait_until, wait_until_blocked
 from tests.dbserver import LocalServer, throwaway_datadir
+from tests.helpers import Background, wait_until, wait_until_blocked
 from tests.test_stress import server_url
 from tests.testapp.models import Invoice
 

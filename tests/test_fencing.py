@@ -35,8 +35,7 @@ from pg_lease_django.checks import (
     check_fenced_models_share_the_lease_database,
 )
 from pg_lease_django.fencing import FencedModel
-from tests.conftest import Background, wait_until, wait_until_blocked
-from tests.helpers import in_thread, refused
+from tests.helpers import Background, in_thread, refused, wait_until, wait_until_blocked
 from tests.testapp.models import ArchivedReport, CommitTicket, CreditNote, Entry, Invoice, Report
 
 pytestmark = pytest.mark.django_db

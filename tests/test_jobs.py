@@ -48,8 +48,8 @@ from pg_lease_django import (
     unfenced_writes,
 )
 from pg_lease_django.jobs import Holding
-from tests.conftest import needs_session, wait_until
 from tests.dbserver import REPO
+from tests.helpers import needs_session, wait_until
 from tests.testapp.models import Entry, Invoice, Report
 
 pytestmark = pytest.mark.django_db(transaction=True)

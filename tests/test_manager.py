@@ -17,7 +17,7 @@ from pg_lease_django import (
     LeaseState,
     NotOwnerError,
 )
-from tests.conftest import row_snapshot, wait_until
+from tests.helpers import row_snapshot, wait_until
 
 pytestmark = pytest.mark.django_db
 

@@ -22,7 +22,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ import psycopg
 import pytest
 
 from tests import dbserver
+from tests.helpers import free_port
 from tests.test_docs import python_blocks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -267,12 +267,6 @@ def page_file(page: Path, name: str) -> str:
 def settings_excerpt(page: Path) -> str:
     """The page's ``# settings.py`` excerpt, to append to the project's settings."""
     return page_file(page, "settings.py")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from django.core.management.base import CommandError
 from django.db import connections
 
 from pg_lease_django import InvalidInputError, Lease
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 
 def cycle(key: str, owner: str = "w1") -> int:

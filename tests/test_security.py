@@ -27,8 +27,7 @@ from psycopg import sql as pgsql
 
 from pg_lease_django import Grant, Lease, NotOwnerError, unfenced_writes
 from pg_lease_django import sql as lease_sql
-from tests.conftest import conninfo, row_snapshot
-from tests.helpers import refused
+from tests.helpers import conninfo, refused, row_snapshot
 from tests.testapp.models import Invoice
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -24,7 +24,7 @@ from pg_lease_django import Lease
 from pg_lease_django.management.commands.leases import Command
 from pg_lease_django.status import LeaseStatus
 from pg_lease_django.supervisor import ExitCode, RunError, Supervisor
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -34,7 +34,7 @@ from pg_lease_django.testing import (
     unique_lease_key,
 )
 from tests import dbserver
-from tests.conftest import conninfo
+from tests.helpers import conninfo
 from tests.test_docs import python_blocks
 from tests.testapp.models import Invoice
 
