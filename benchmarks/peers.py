@@ -1,17 +1,28 @@
 """Stage ``peers``: acquire + release of a named lock, ours and each installed peer's, side by side.
 
 The peers come from ``requirements-peers.txt``; one that is missing (or has no server) is a skipped row.
+python-redis-lock is measured twice: against the Redis on 127.0.0.1:6379 (which keeps nothing on
+disk here), and against a Redis this stage starts itself with ``appendonly yes`` and
+``appendfsync always``, the configuration in which a granted lock survives a crash, as ours does.
 """
 
 from __future__ import annotations
 
 import importlib
+import shutil
 import socket
+import subprocess
+import tempfile
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from types import ModuleType
 from typing import Any
 
 from common import TTL, Cycle, Report, Row, Timer, available, interleave, ratio
+
+DURABLE_REDIS = "python-redis-lock fsync=always"
 
 PEERS = {
     "pg_lease_django": "durable row + fencing epoch + server-clock TTL",
@@ -19,7 +30,10 @@ PEERS = {
     "django-db-mutex": "lock row: no fencing token, TTL on client clock, deleted on release",
     "tooz (pgsql)": "advisory lock: no TTL, no fencing, not durable; 16-bit key hash",
     "python-redis-lock": "Redis SET NX EX: no fencing token, not durable (no fsync per grant)",
+    DURABLE_REDIS: "Redis SET NX EX, appendfsync always: durable grants, no fencing token",
 }
+#: The peers whose grants survive a crash: our target is to beat them (> 1x).
+DURABLE = ("django-db-mutex", DURABLE_REDIS)
 
 
 def _peer_module(name: str) -> tuple[ModuleType | None, str]:
@@ -39,8 +53,46 @@ def redis_answers(host: str = "127.0.0.1", port: int = 6379) -> bool:
         return False
 
 
+@contextmanager
+def durable_redis() -> Iterator[int | None]:
+    """A Redis of this stage's own that fsyncs every write before answering; its port, or None
+    without ``redis-server``. Started on a free port in a temporary directory, stopped by its PID."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as directory:
+        server = subprocess.Popen(
+            [
+                *(binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory, "--save", ""),
+                *("--appendonly", "yes", "--appendfsync", "always", "--daemonize", "no"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while not redis_answers(port=port):  # polling a server that is starting
+                if server.poll() is not None or time.monotonic() > deadline:
+                    yield None
+                    return
+                time.sleep(0.05)
+            yield port
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+
+
 def run(report: Report, database: dict[str, Any], rounds: int, block: float, owner: str) -> None:
     """acquire + release of a named lock, ours and each installed peer's, interleaved on one machine."""
+    with ExitStack() as stack:  # the durable Redis, stopped however the stage ends
+        _run(stack, report, database, rounds, block, owner)
+
+
+def _run(stack: ExitStack, report: Report, database: dict[str, Any], rounds: int, block: float, owner: str) -> None:
     from pg_lease_django import Lease
 
     run_id = uuid.uuid4().hex[:8]
@@ -99,21 +151,33 @@ def run(report: Report, database: dict[str, Any], rounds: int, block: float, own
         skipped["tooz (pgsql)"] = why
 
     redis_lock, why = _peer_module("redis_lock")
-    redis_client = None
-    if redis_lock is not None and not redis_answers():
-        redis_lock, why = None, "no Redis answering on 127.0.0.1:6379"
-    if redis_lock is not None:
-        redis = importlib.import_module("redis")
-        redis_client = redis.Redis(host="127.0.0.1", port=6379)
+    redis_clients: list[Any] = []
+
+    def redis_cycle_on(port: int) -> Cycle:
+        assert redis_lock is not None
+        client = importlib.import_module("redis").Redis(host="127.0.0.1", port=port)
+        redis_clients.append(client)
 
         def redis_cycle(t: Timer) -> None:
-            lock = redis_lock.Lock(redis_client, f"bench:peer:{run_id}", expire=30)
+            lock = redis_lock.Lock(client, f"bench:peer:{run_id}", expire=30)
             assert t("acquire", lock.acquire, blocking=False)
             t("release", lock.release)
 
-        cycles["python-redis-lock"] = redis_cycle
+        return redis_cycle
+
+    if redis_lock is None:
+        skipped["python-redis-lock"] = skipped[DURABLE_REDIS] = why
     else:
-        skipped["python-redis-lock"] = why
+        if redis_answers():
+            cycles["python-redis-lock"] = redis_cycle_on(6379)
+        else:
+            skipped["python-redis-lock"] = "no Redis answering on 127.0.0.1:6379"
+        durable_port = stack.enter_context(durable_redis())
+        if durable_port is None:
+            skipped[DURABLE_REDIS] = "redis-server could not be started here (Debian: apt-get install redis-server)"
+        else:
+            cycles[DURABLE_REDIS] = redis_cycle_on(durable_port)
+            assert redis_clients[-1].config_get("appendfsync") == {"appendfsync": "always"}
 
     series = interleave(cycles, rounds, block)
     us = series["pg_lease_django"]
@@ -124,7 +188,7 @@ def run(report: Report, database: dict[str, Any], rounds: int, block: float, own
             continue
         s = series[name]
         relative = ratio(us, s)
-        durable = name in ("django-db-mutex",)
+        durable = name in DURABLE
         if durable:
             durable_peers_beaten &= relative > 1
         report.add(
@@ -144,5 +208,5 @@ def run(report: Report, database: dict[str, Any], rounds: int, block: float, own
     report.details["peers_skipped"] = skipped
     if coordinator is not None:
         coordinator.stop()
-    if redis_client is not None:
-        redis_client.close()
+    for client in redis_clients:
+        client.close()
