@@ -95,6 +95,16 @@ def attempt(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelt
     return Attempt(*call(connection, sql.ACQUIRE, [key, owner, ttl]))
 
 
+def attempt_or_register(
+    connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta, retry_within: timedelta
+) -> Attempt:
+    """One attempt of a waiter that LISTENs: when refused, the next release of ``key`` notifies.
+
+    ``retry_within``: the longest the waiter sleeps before its next attempt unless notified.
+    """
+    return Attempt(*call(connection, sql.ACQUIRE_OR_REGISTER, [key, owner, ttl, retry_within]))
+
+
 def acquire(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
     """A non-blocking acquire: the grant, or None when another owner holds the key."""
     return attempt(connection, key, owner, ttl).grant(key)

@@ -14,6 +14,11 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from . import conf
 
 ACQUIRE = "SELECT * FROM {schema}.pg_lease_acquire(%s::text, %s::text, %s::interval)"
+#: A waiter's attempt while it LISTENs: ACQUIRE, and when refused, a registration that makes the next
+#: release of the key notify, until the waiter's next attempt is due (the last argument) plus a margin.
+ACQUIRE_OR_REGISTER = (
+    "SELECT * FROM {schema}.pg_lease_acquire_or_register(%s::text, %s::text, %s::interval, %s::interval)"
+)
 RENEW = "SELECT * FROM {schema}.pg_lease_renew(%s::text, %s::text, %s::bigint, %s::interval)"
 RELEASE = "SELECT * FROM {schema}.pg_lease_release(%s::text, %s::text, %s::bigint)"
 INSPECT = "SELECT * FROM {schema}.pg_lease_inspect(%s::text)"
@@ -26,7 +31,8 @@ ALLOW_UNFENCED = "SELECT {schema}.pg_lease_allow_unfenced()"
 #: End an opt-out before the transaction does (a built-in: nothing to qualify).
 END_UNFENCED = "SELECT pg_catalog.set_config('pg_lease.unfenced', 'off', true)"
 
-#: The channel release and force release notify, with the key as payload (spelled in the migrations' SQL too).
+#: The channel release and force release notify, with the key as payload, when a waiter registered for the key
+#: (ACQUIRE_OR_REGISTER); spelled in the migrations' SQL too.
 NOTIFY_CHANNEL = "pg_lease_django"
 #: What a blocking acquire waits on between attempts (outside a transaction).
 LISTEN = f"LISTEN {NOTIFY_CHANNEL}"

@@ -25,7 +25,7 @@ from psycopg.sql import SQL, Identifier
 from . import conf, operations, sql
 from .exceptions import LeaseTimeoutError
 from .operations import Attempt, Grant
-from .validation import describe_seconds
+from .validation import MAX_WAIT, describe_seconds
 
 # The logger these warnings were always logged under: the manager's, whose calls they are part of.
 logger = logging.getLogger("pg_lease_django.managers")
@@ -50,6 +50,18 @@ def pause_after_refusal(
     return pause
 
 
+def retry_within(deadline: float | None) -> timedelta:
+    """The longest a waiter sleeps before its next attempt (unless woken): what it registers for.
+
+    The poll interval, or less when the deadline (``time.monotonic()``) comes sooner; the holder's
+    expiry, the other bound, the server knows from the attempt itself.
+    """
+    seconds = conf.poll_interval()
+    if deadline is not None:
+        seconds = min(seconds, deadline - time.monotonic())
+    return min(timedelta(seconds=max(seconds, 0.0)), MAX_WAIT)
+
+
 def wait_and_acquire(
     connection: BaseDatabaseWrapper,
     key: str,
@@ -62,7 +74,8 @@ def wait_and_acquire(
     """Retry on ``connection`` until granted: on a release notification, at the holder's expiry, or every poll.
 
     ``before_attempt`` is called just before each attempt is sent (the heartbeat's trust window
-    starts there). Inside ``atomic()`` LISTEN would only start at commit, so it polls.
+    starts there). Inside ``atomic()`` LISTEN would only start at commit, so it polls. A waiter that
+    LISTENs registers with each refused attempt (``ACQUIRE_OR_REGISTER``): releases notify only then.
     """
     deadline = None if wait is None else time.monotonic() + wait.total_seconds()
     # LISTEN inside a transaction takes effect only at its commit: inside atomic() (or with
@@ -72,7 +85,10 @@ def wait_and_acquire(
         while True:
             if before_attempt is not None:
                 before_attempt()
-            tried = operations.attempt(connection, key, owner, ttl)
+            if listen:
+                tried = operations.attempt_or_register(connection, key, owner, ttl, retry_within(deadline))
+            else:
+                tried = operations.attempt(connection, key, owner, ttl)
             grant = tried.grant(key)
             if grant is not None:
                 return grant
@@ -154,7 +170,7 @@ def _wait_for_release(connection: BaseDatabaseWrapper, key: str, seconds: float)
 class _OwnWait:
     """What an async blocking acquire takes from the caller's connection to wait on one of its own."""
 
-    statement: str  # sql.ACQUIRE, rendered for that database
+    statement: str  # sql.ACQUIRE_OR_REGISTER when it listens, else sql.ACQUIRE, rendered for that database
     connect: dict[str, Any]  # psycopg.AsyncConnection.connect() arguments
     role: str | None  # OPTIONS["assume_role"], set as Django's backend sets it on its connections
     listen: bool
@@ -181,12 +197,13 @@ async def await_and_acquire(
             if grant is not None:
                 return grant
             await asyncio.sleep(pause_after_refusal(key, owner, tried, wait, deadline))
-    # Each attempt is sql.ACQUIRE on the waiter's own connection rather than an attempt in a
-    # thread: a thread cannot be interrupted, so an attempt stuck behind a row lock when the
-    # task is cancelled would run on and could commit a grant nobody receives, while psycopg
-    # cancels a statement in flight on cancellation and waits for it to end. No thread is
-    # taken even for the attempts, and, as in acquire(), LISTEN and attempts share one session:
-    # a release committed while an attempt is in flight is queued there, not missed.
+    # Each attempt is one statement (ACQUIRE, or ACQUIRE_OR_REGISTER when it listens) on the
+    # waiter's own connection rather than an attempt in a thread: a thread cannot be interrupted,
+    # so an attempt stuck behind a row lock when the task is cancelled would run on and could
+    # commit a grant nobody receives, while psycopg cancels a statement in flight on cancellation
+    # and waits for it to end. No thread is taken even for the attempts, and, as in acquire(),
+    # LISTEN and attempts share one session: a release committed while an attempt is in flight
+    # is queued there, not missed.
     with own.errors:
         conn = await psycopg.AsyncConnection.connect(**own.connect)
         try:
@@ -195,7 +212,10 @@ async def await_and_acquire(
             if own.listen:
                 await conn.execute(sql.LISTEN)
             while True:
-                row = await (await conn.execute(own.statement, [key, owner, ttl])).fetchone()
+                params: list[Any] = [key, owner, ttl]
+                if own.listen:
+                    params.append(retry_within(deadline))
+                row = await (await conn.execute(own.statement, params)).fetchone()
                 assert row is not None
                 tried = Attempt(*row)
                 grant = tried.grant(key)
@@ -234,11 +254,12 @@ def _own_wait(connection_of: Callable[[], BaseDatabaseWrapper], owner: str) -> _
         cursor_factory=psycopg.AsyncClientCursor if client_side else psycopg.AsyncCursor,
         application_name=f"pg_lease_django wait {owner}"[:63],
     )
+    listen = conf.listen_enabled()
     return _OwnWait(
-        statement=sql.render(connection, sql.ACQUIRE),
+        statement=sql.render(connection, sql.ACQUIRE_OR_REGISTER if listen else sql.ACQUIRE),
         connect=params,
         role=connection.settings_dict["OPTIONS"].get("assume_role"),
-        listen=conf.listen_enabled(),
+        listen=listen,
         errors=connection.wrap_database_errors,
     )
 

@@ -235,13 +235,23 @@ def test_wakes_on_release_long_before_the_poll_interval(key: str, raw_connect: C
 
 @needs_session  # relies on LISTEN, which transaction pooling breaks
 def test_release_and_force_release_notify_on_the_channel_waiters_listen_on(key: str, raw_connect: Connect) -> None:
-    # The channel is spelled in the migrations' SQL and, once, in Python: they must agree.
-    listener = raw_connect()
+    # The channel is spelled in the migrations' SQL and, once, in Python: they must agree. A release
+    # notifies only when a waiter registered (tests/test_notify.py): register one before each.
+    listener, waiter = raw_connect(), raw_connect()
     listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(NOTIFY_CHANNEL)))
+
+    def register() -> None:
+        row = waiter.execute(
+            "SELECT granted FROM pg_lease_acquire_or_register(%s, 'waiter', '60 s', '1 minute')", [key]
+        ).fetchone()
+        assert row == (False,)
+
     grant = Lease.objects.acquire(key, "holder", ttl=60)
     assert grant is not None
+    register()
     Lease.objects.release(key, "holder", grant.epoch)
     assert Lease.objects.acquire(key, "holder", ttl=60) is not None
+    register()
     Lease.objects.force_release(key)
     heard = [(notify.channel, notify.payload) for notify in listener.notifies(timeout=5, stop_after=2)]
     assert heard == [(NOTIFY_CHANNEL, key), (NOTIFY_CHANNEL, key)]

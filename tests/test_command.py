@@ -527,9 +527,14 @@ def test_force_release_checks_its_input(bad_key: str, epoch: Any) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_force_release_wakes_listeners(key: str, raw_connect: Callable[..., psycopg.Connection[Any]]) -> None:
-    listener = raw_connect()
+    listener, waiter = raw_connect(), raw_connect()
     listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
     held(key)
+    # Releases notify only when a waiter registered (tests/test_notify.py): one does.
+    registered = waiter.execute(
+        "SELECT granted FROM pg_lease_acquire_or_register(%s, 'waiter', '60 s', '1 minute')", [key]
+    ).fetchone()
+    assert registered == (False,)
     Lease.objects.force_release(key)
     payloads = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
     assert payloads == [key]

@@ -38,6 +38,7 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 WORKER_FUNCTIONS = {
     "pg_lease_acquire(text,text,interval)",
     "pg_lease_acquire(text,text,interval,interval)",
+    "pg_lease_acquire_or_register(text,text,interval,interval)",
     "pg_lease_renew(text,text,bigint,interval)",
     "pg_lease_release(text,text,bigint)",
     "pg_lease_inspect(text)",

@@ -40,3 +40,19 @@ def replaced_functions(template: str) -> str:
     (its triggers, which come last in those templates, left out): how a later migration unapplies."""
     functions = template.split("\nCREATE TRIGGER", 1)[0]
     return functions.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION")
+
+
+def function_definitions(template: str, *names: str) -> str:
+    """The ``CREATE FUNCTION {s}.<name>(...)`` statements of ``names`` in an earlier migration's template, in
+    order, as ``CREATE OR REPLACE``: how a later migration that redefines only those unapplies."""
+    found = []
+    for name in names:
+        for head in (f"CREATE OR REPLACE FUNCTION {{s}}.{name}(", f"CREATE FUNCTION {{s}}.{name}("):
+            start = template.find(head)
+            if start >= 0:
+                break
+        else:
+            raise LookupError(f"{name} is not defined in the template")
+        end = template.index("END $$;", start) + len("END $$;")
+        found.append(template[start:end].replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1))
+    return "\n\n".join(found) + "\n"
