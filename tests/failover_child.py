@@ -1,0 +1,185 @@
+"""A lease client in its own process, connected to a replicated cluster the way a user's project is.
+
+    python -m tests.failover_child            (PG_LEASE_FAILOVER_DATABASE: a DATABASES entry, JSON)
+
+Its Django settings are its own (below): one ``default`` database with a multi-host ``HOST``/``PORT``
+and ``target_session_attrs=read-write`` (tests/pgcluster.py, ``Cluster.django_database()``), so
+every connection it opens, Django's own and ``hold()``'s heartbeat connections, lands on
+whichever server accepts writes. It answers one JSON command per stdin line with one JSON reply
+per stdout line (:class:`Child` is the parent's side).
+
+Commands (``op``): ``migrate``; ``acquire`` (key, owner, ttl); ``inspect`` (key); ``hold`` (key,
+ttl, owner: enter ``hold()`` in a thread of its own, reply once it holds); ``held`` (how the hold
+sees itself now); ``unhold`` (leave the hold, reply how it ended). A failed call replies
+``{"ok": false, "error": ...}`` and closes Django's connection, so the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def configure() -> None:
+    from django.conf import settings
+
+    settings.configure(
+        SECRET_KEY="failover-child",
+        USE_TZ=True,
+        TIME_ZONE="UTC",
+        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+        INSTALLED_APPS=["django.contrib.contenttypes", "pg_lease_django"],
+        DATABASES={"default": json.loads(os.environ["PG_LEASE_FAILOVER_DATABASE"])},
+        LOGGING_CONFIG=None,
+    )
+    import django
+
+    django.setup()
+
+
+class HoldThread(threading.Thread):
+    """``with hold(key, ttl=..., owner=...) as lease`` until told to leave."""
+
+    def __init__(self, key: str, ttl: float, owner: str) -> None:
+        super().__init__(daemon=True)
+        self.key, self.ttl, self.owner = key, ttl, owner
+        self.entered: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.leave = threading.Event()
+        self.lease: Any = None
+        self.exit_error: str | None = None
+
+    def run(self) -> None:
+        from pg_lease_django import hold
+
+        try:
+            with hold(self.key, ttl=self.ttl, owner=self.owner) as lease:
+                self.lease = lease
+                self.entered.put({"ok": True, "epoch": lease.epoch, "expires_at": lease.expires_at.timestamp()})
+                self.leave.wait()
+        except BaseException as exc:
+            if self.lease is None:
+                self.entered.put({"ok": False, "error": type(exc).__name__, "message": str(exc)[:300]})
+            else:
+                self.exit_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    def state(self) -> dict[str, Any]:
+        """How the hold sees itself; ``renewal_sent_at``: ``time.monotonic()`` (one clock for every
+        process of this machine) when the last confirmed grant or renewal was sent."""
+        from pg_lease_django import conf
+
+        lease = self.lease
+        trust_span = self.ttl * (1 - conf.safety_margin())
+        return {
+            "ok": True,
+            "epoch": lease.epoch,
+            "lost": lease.lost,
+            "error": None if lease.error is None else type(lease.error).__name__,
+            "expires_at": lease.expires_at.timestamp(),
+            "trust_remaining": lease.trust_remaining,
+            "trust_span": trust_span,
+            "renewal_sent_at": time.monotonic() + lease.trust_remaining - trust_span,
+        }
+
+
+def serve() -> None:
+    from django.core.management import call_command
+    from django.db import connection
+
+    from pg_lease_django import Lease
+
+    holding: HoldThread | None = None
+
+    def reply(message: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
+
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command["op"]
+        try:
+            if op == "migrate":
+                call_command("migrate", "pg_lease_django", verbosity=0)
+                reply({"ok": True})
+            elif op == "acquire":
+                grant = Lease.objects.acquire(command["key"], command["owner"], ttl=command["ttl"])
+                port = connection.connection.info.port if connection.connection is not None else None
+                reply({"ok": True, "granted": grant is not None, "epoch": grant and grant.epoch, "port": port})
+            elif op == "inspect":
+                state = Lease.objects.inspect(command["key"])
+                reply({"ok": True, "status": str(state.status), "owner": state.owner, "epoch": state.epoch})
+            elif op == "hold":
+                holding = HoldThread(command["key"], command["ttl"], command["owner"])
+                holding.start()
+                reply(holding.entered.get(timeout=60))
+            elif op == "held":
+                assert holding is not None
+                reply(holding.state())
+            elif op == "unhold":
+                assert holding is not None
+                holding.leave.set()
+                holding.join(60)
+                reply({**holding.state(), "exited": not holding.is_alive(), "exit_error": holding.exit_error})
+            else:
+                reply({"ok": False, "error": "unknown op", "message": op})
+        except Exception as exc:
+            reply({"ok": False, "error": type(exc).__name__, "message": str(exc)[:300]})
+            connection.close()
+
+
+class Child:
+    """The parent's handle on a failover child process."""
+
+    def __init__(self, database: dict[str, Any]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.failover_child"],
+            cwd=REPO,
+            env={**os.environ, "PG_LEASE_FAILOVER_DATABASE": json.dumps(database), "PYTHONPATH": str(REPO)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self.replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.replies.put(json.loads(line))
+
+    def call(self, timeout: float = 60.0, **command: Any) -> dict[str, Any]:
+        """Send a command and wait for its reply (``queue.Empty`` after ``timeout`` seconds)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self.replies.get(timeout=timeout)
+
+    def close(self) -> None:
+        """End the child (closing stdin; killing it if it does not exit in time)."""
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.close()
+                self.process.wait(20)
+            except Exception:
+                self.process.kill()
+                self.process.wait(10)
+
+
+if __name__ == "__main__":
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    configure()
+    import logging
+
+    logging.getLogger("pg_lease_django").setLevel(logging.ERROR)
+    serve()

