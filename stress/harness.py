@@ -363,7 +363,13 @@ def _run_django(url: str, code: str) -> None:
 
 def migrate(url: str) -> None:
     """Apply the lease app's and the test app's migrations to the database at ``url`` (in a subprocess)."""
-    _run_django(url, "from django.core.management import call_command\ncall_command('migrate', 'testapp', verbosity=0)")
+    # Every migration of the lease app, not only those the test app depends on (0006 is nobody's dependency).
+    _run_django(
+        url,
+        "from django.core.management import call_command\n"
+        "call_command('migrate', 'pg_lease_django', verbosity=0)\n"
+        "call_command('migrate', 'testapp', verbosity=0)",
+    )
 
 
 class Run:
