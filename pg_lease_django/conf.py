@@ -60,3 +60,20 @@ def schema() -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise ImproperlyConfigured(f"PG_LEASE_SCHEMA must be a schema name or None, got {value!r}")
     return value
+
+
+def hold_connections() -> int:
+    """``PG_LEASE_HOLD_CONNECTIONS`` (int, default ``8``): how many lease connections ``hold()`` keeps per database.
+
+    The holds of a process share a small pool of lease connections per database alias (never the
+    job's, never Django's pool) and one scheduler thread. This bounds both the idle connections kept
+    per alias and the worker threads that send renewals (one renewal in flight per worker, each on a
+    connection of its own), so at most this many renewals can hang at once before another waits.
+
+    Raises:
+        ImproperlyConfigured: the setting is not a positive integer.
+    """
+    value = getattr(settings, "PG_LEASE_HOLD_CONNECTIONS", 8)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ImproperlyConfigured(f"PG_LEASE_HOLD_CONNECTIONS must be a positive integer, got {value!r}")
+    return value

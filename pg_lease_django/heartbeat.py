@@ -1,247 +1,222 @@
-"""The renewal side of ``hold()``: a connection of the lease's own, and the thread that renews on it.
+"""The renewal side of ``hold()``: one scheduler per process that renews every hold.
 
-Nothing here is public API; `pg_lease_django.jobs` is. The thread reports to its `HeldLease` only
-through the few members that class sets apart for the heartbeat and the hold.
+Nothing here is public API; `pg_lease_django.jobs` is. A `Heartbeat` reports to its `HeldLease`
+only through the few members that class sets apart for the heartbeat and the hold. Its statements
+go through connections lent by `lease_pool`.
+
+- **Renewals** (`_Scheduler`, one thread per process): it keeps the due time of every hold (its
+  next renewal, and the end of its trust window) and hands each renewal to a bounded set of worker
+  threads (at most ``PG_LEASE_HOLD_CONNECTIONS``), each sending on a connection of its own. Workers
+  rather than non-blocking I/O: the calls go through Django's backend (its error mapping, its
+  ``OPTIONS`` and ``assume_role``), which is blocking, and a thread per renewal in flight keeps one
+  slow renewal (a locked row, a dying network) from delaying any other hold's renewal. Idle
+  workers and the scheduler exit after ``IDLE_EXIT`` seconds without work, and the idle
+  connections are closed then too.
+- **Fork**: a child never uses its parent's scheduler or workers; it gets its own.
 """
 
 from __future__ import annotations
 
+import functools
+import heapq
+import itertools
 import logging
-import math
+import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
-from datetime import datetime, timedelta
-from typing import Any, Literal
+from collections import deque
+from collections.abc import Callable
+from contextlib import suppress
+from datetime import timedelta
+from typing import Literal
 
 from django.db import connections
-from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.utils import load_backend
-from psycopg import IsolationLevel
 
-from . import operations, waiting
+from . import conf, lease_pool
 from .exceptions import HeartbeatFailedError, LeaseLostError
 from .held import HeldLease
-from .operations import Grant
 
 logger = logging.getLogger(__name__)
 
 #: Longest pause between two attempts after a failed renewal (the first retry is after 50 ms).
 MAX_RETRY_DELAY = 2.0
 
+#: Seconds an idle worker thread, and the scheduler with no hold left, wait before they exit
+#: (the scheduler then closes the idle pooled connections).
+IDLE_EXIT = 2.0
+
 Outcome = Literal["freed", "kept", "gone", "unknown"]
 
 
-class LeaseConnection:
-    """A database connection that belongs to one hold: never the job's, never pooled.
+# ---- one hold's renewals -------------------------------------------------------------------------
 
-    A private copy of the alias's settings: Django's connection pool (``OPTIONS["pool"]``) is left
-    out, the session is named ``pg_lease_django <owner>`` in ``pg_stat_activity``, and TCP
-    keepalives and ``tcp_user_timeout`` bound how long a dead network can hang a call (unless the
-    settings choose otherwise). Usable from several threads, one call at a time.
+
+class Heartbeat:
+    """The renewals of one hold, driven by the process's scheduler; its release when the hold ends.
+
+    A transient failure (connection lost, server restarting, statement timeout, anything but a
+    verdict) is logged and retried on another connection; only a verdict (``not_owner``,
+    ``lapsed``, ``epoch_mismatch``) or the end of the trust window declares the lease lost. At most
+    one renewal of a hold is in flight at a time. `finish` waits for it, then makes the last move
+    (release, or keep until ``hold_at_least``) on a pooled connection.
     """
 
-    def __init__(self, alias: str, *, owner: str, io_timeout: float) -> None:
-        source = connections[alias].settings_dict  # the test database's name during tests
-        options: dict[str, Any] = dict(source.get("OPTIONS") or {})
-        settings = {**source, "OPTIONS": options, "AUTOCOMMIT": True, "ATOMIC_REQUESTS": False, "CONN_MAX_AGE": 0}
-        options.pop("pool", None)
-        # The lease functions assume READ COMMITTED (spec 8): under a stricter default a contended
-        # acquire would fail with a serialization error instead of being refused.
-        options["isolation_level"] = IsolationLevel.READ_COMMITTED
-        options["application_name"] = f"pg_lease_django {owner}"[:63]
-        whole = max(1, math.ceil(io_timeout))
-        options.setdefault("connect_timeout", max(2, whole))
-        options.setdefault("keepalives", 1)
-        options.setdefault("keepalives_idle", whole)
-        options.setdefault("keepalives_interval", whole)
-        options.setdefault("keepalives_count", 3)
-        options.setdefault("tcp_user_timeout", max(1000, int(io_timeout * 1000)))
-        self.wrapper: BaseDatabaseWrapper = load_backend(settings["ENGINE"]).DatabaseWrapper(settings, alias)
-        # Acquired in the caller's thread, renewed and released in the heartbeat thread.
-        self.wrapper.inc_thread_sharing()
-        #: time.monotonic() just before the last statement was sent.
-        self.sent_at = 0.0
-        self._lock = threading.Lock()
-
-    def acquire(self, key: str, owner: str, ttl: timedelta, *, blocking: bool, wait: timedelta | None) -> Grant:
-        """One acquire (or a blocking wait of at most ``wait``) in autocommit: the grant is committed when this returns.
-
-        Raises:
-            NotAcquirableError: not blocking, and another owner holds the key (named in the error).
-        """
-        with self._lock:
-            try:
-                if blocking:
-                    return waiting.wait_and_acquire(self.wrapper, key, owner, ttl, wait, before_attempt=self._sending)
-                self._sending()
-                return operations.acquire_or_raise(self.wrapper, key, owner, ttl)
-            except BaseException:
-                self._discard()
-                raise
-
-    def renew(self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float) -> datetime:
-        """Renew, giving up server-side after ``timeout`` seconds (statement_timeout)."""
-        with self._lock, self._bounded(timeout):
-            self._sending()
-            return operations.renew(self.wrapper, key, owner, epoch, ttl)
-
-    def release(self, key: str, owner: str, epoch: int, *, timeout: float) -> None:
-        """Release ``(owner, epoch)`` only, giving up server-side after ``timeout`` seconds."""
-        with self._lock, self._bounded(timeout):
-            self._sending()
-            operations.release(self.wrapper, key, owner, epoch)
-
-    def close(self) -> None:
-        """Close the connection for good."""
-        with self._lock:
-            self._discard()
-            with suppress(RuntimeError):
-                self.wrapper.dec_thread_sharing()
-
-    def backend_pid(self) -> int | None:
-        """The server process of the open session, or None."""
-        raw = self.wrapper.connection
-        return None if raw is None or raw.closed else int(raw.info.backend_pid)
-
-    def _sending(self) -> None:
-        # The trust window starts just before the statement that succeeds is sent: the server's
-        # grant or renewal happens after this instant, so its expiry is at least this + TTL.
-        self.sent_at = time.monotonic()
-
-    @contextmanager
-    def _bounded(self, seconds: float) -> Iterator[None]:
-        # SET LOCAL (set_config(..., true)) in a transaction of its own: the timeout cannot leak
-        # into a pooled server session behind PgBouncer in transaction mode, as a plain SET would.
-        # On any failure the connection is dropped: its state is unknown (a terminated backend, a
-        # cancelled statement, a half-sent query); the next call reconnects.
-        wrapper = self.wrapper
-        try:
-            wrapper.set_autocommit(False)
-            with wrapper.cursor() as cursor:
-                cursor.execute(
-                    "SELECT set_config('statement_timeout', %s, true)", [f"{max(1, math.ceil(seconds * 1000))}ms"]
-                )
-            yield
-            wrapper.commit()
-            wrapper.set_autocommit(True)
-        except BaseException:
-            self._discard()
-            raise
-
-    def _discard(self) -> None:
-        try:
-            self.wrapper.close()
-        except Exception:
-            logger.debug("closing a lease connection failed", exc_info=True)
-            self.wrapper.connection = None
-
-
-class Heartbeat(threading.Thread):
-    """Renews one lease every ``interval`` seconds on its own connection, then releases it.
-
-    Sleeps on an Event. A transient failure (connection lost, server restarting, statement timeout,
-    anything but a verdict) is logged and retried with a fresh connection; only a verdict
-    (``not_owner``, ``lapsed``, ``epoch_mismatch``) or the end of the trust window declares the lease
-    lost. When told to stop, it makes the last move (release, or keep until ``hold_at_least``) and
-    closes its connection, whatever happened.
-    """
-
-    def __init__(self, lease: HeldLease, connection: LeaseConnection, *, ttl: timedelta, interval: float) -> None:
-        super().__init__(name=f"pg_lease heartbeat {lease.key}"[:100], daemon=True)
+    def __init__(self, lease: HeldLease, pool: lease_pool.LeasePool, *, ttl: timedelta, interval: float) -> None:
         self.lease = lease
-        self.connection = connection
+        self.pool = pool
         self.ttl = ttl
         self.interval = interval
         self.outcome: Outcome = "unknown"
-        self._stop_requested = threading.Event()
-        self._keep_until: float | None = None
+        self._cond = threading.Condition()
+        self._next_at = lease._granted_at + interval
+        self._failures = 0
+        self._in_flight = False  # a renewal is in flight (or waiting for a worker)
+        self._jobs = 0  # jobs of this hold handed to workers and not finished: `finish` waits for them
+        self._beating = True  # False once lost (no more renewals)
+        self._stopped = False
+        self._generation = 0  # only the latest due time scheduled counts
+        self._scheduler: _Scheduler | None = None
 
-    def stop(self, *, keep_until: float | None = None) -> None:
-        """Ask the thread to finish: release, or (``keep_until``, a monotonic instant) keep until then."""
-        self._keep_until = keep_until
-        self._stop_requested.set()
+    def start(self) -> None:
+        """Hand the renewals to the process's scheduler."""
+        self._scheduler = _scheduler()
+        self._scheduler.add(self)
+        with self._cond:
+            self._schedule(min(self._next_at, self.lease._trusted_until))
 
-    def run(self) -> None:
-        lease = self.lease
+    def finish(self, *, keep_until: float | None = None) -> Outcome:
+        """Stop renewing (waiting for a renewal in flight), then release, or keep until ``keep_until`` (monotonic)."""
+        if self.pool.pid != os.getpid():
+            # A hold entered before a fork, left in the child: the parent's scheduler and
+            # connections are not the child's to use (the parent still renews and releases it).
+            self._stopped = True
+            return "unknown"
+        with self._cond:
+            self._stopped = True
+            self._generation += 1
+            while self._jobs:
+                self._cond.wait()
+        if self._scheduler is not None:
+            self._scheduler.remove(self)
         try:
-            try:
-                self._beat()
-            except BaseException as exc:
-                logger.exception("heartbeat of lease %r crashed; treating the lease as lost", lease.key)
-                crashed = HeartbeatFailedError(
-                    f"heartbeat of lease {lease.key!r} crashed ({exc!r}); no more renewals",
-                    key=lease.key,
-                    owner=lease.owner,
-                    epoch=lease.epoch,
-                )
-                crashed.__cause__ = exc
-                lease._declare_lost(crashed, definitive=False)
-            self._stop_requested.wait()
-            self.outcome = self._finish()
+            self.outcome = self._finish(keep_until)
         except BaseException:
-            logger.exception("ending the hold of lease %r failed; it lapses at its expiry", lease.key)
-        finally:
-            self.connection.close()
-            # Django connections this thread opened (an on_lost callback or a lease_lost receiver
-            # that queried the database) are this thread's to close.
-            connections.close_all()
+            logger.exception("ending the hold of lease %r failed; it lapses at its expiry", self.lease.key)
+            self.outcome = "unknown"
+        lease_pool.settle_for_tests()  # also when the end sent nothing (the lease was gone)
+        return self.outcome
 
-    def _beat(self) -> None:
+    # ---- the scheduler thread --------------------------------------------------------------------
+
+    def _schedule(self, when: float) -> None:  # with self._cond held
+        self._generation += 1
+        if self._scheduler is not None:
+            self._scheduler.at(when, self, self._generation)
+
+    def _due(self, generation: int) -> None:
+        """The scheduler woke for this hold: lose trust, or hand a renewal to a worker, or wait on."""
         lease = self.lease
-        next_at = lease._granted_at + self.interval
-        failures = 0
-        while not self._stop_requested.is_set():
+        with self._cond:
+            if generation != self._generation or self._stopped or not self._beating:
+                return
             now = time.monotonic()
             trusted_until = lease._trusted_until
             if now >= trusted_until:
-                lease._lose_trust()
+                self._beating = False
+                job: Callable[[], None] = self._lose_trust
+                self._jobs += 1
+            elif self._in_flight:
+                self._schedule(trusted_until)  # the renewal in flight may hang: still lose trust on time
                 return
-            if self._stop_requested.wait(min(next_at, trusted_until) - now):
+            elif now < self._next_at:
+                self._schedule(min(self._next_at, trusted_until))
                 return
-            if time.monotonic() < next_at:
-                continue  # woke for the trust deadline: the loop top decides
-            timeout = min(self.interval, lease._trusted_until - time.monotonic())
-            if timeout <= 0:
-                continue
+            else:
+                timeout = min(self.interval, trusted_until - now)
+                self._in_flight = True
+                self._jobs += 1
+                self._schedule(trusted_until)
+                job = functools.partial(self._renew, timeout)
+        assert self._scheduler is not None
+        self._scheduler.submit(job)
+
+    # ---- worker threads --------------------------------------------------------------------------
+
+    def _lose_trust(self) -> None:
+        try:
+            self.lease._lose_trust()  # log, on_lost, lease_lost, cancel an async job: before the exit goes on
+        finally:
+            with self._cond:
+                self._jobs -= 1
+                self._cond.notify_all()
+
+    def _renew(self, timeout: float) -> None:
+        lease = self.lease
+        next_at: float | None = None
+        try:
             try:
-                expires_at = self.connection.renew(lease.key, lease.owner, lease.epoch, self.ttl, timeout=timeout)
+                expires_at, sent_at = self.pool.renew(lease.key, lease.owner, lease.epoch, self.ttl, timeout=timeout)
             except LeaseLostError as exc:
+                self._stop_beating()
                 lease._declare_lost(exc, definitive=True)
                 return
             except Exception:
-                failures += 1
-                delay = min(self.interval, MAX_RETRY_DELAY, 0.05 * 2 ** min(failures - 1, 10))
+                self._failures += 1
+                delay = min(self.interval, MAX_RETRY_DELAY, 0.05 * 2 ** min(self._failures - 1, 10))
                 logger.warning(
                     "renewing lease %r failed (attempt %d); retrying in %.2fs until the trust window ends",
                     lease.key,
-                    failures,
+                    self._failures,
                     delay,
                     exc_info=True,
                 )
                 next_at = time.monotonic() + delay
-                continue
-            if failures:
-                logger.info("renewed lease %r after %d failed attempts", lease.key, failures)
-            failures = 0
-            sent_at = self.connection.sent_at
+                return
+            if self._failures:
+                logger.info("renewed lease %r after %d failed attempts", lease.key, self._failures)
+            self._failures = 0
             if not lease._renewed(expires_at, sent_at):
-                return  # the answer came after the trust window ended: lost all the same
+                self._stop_beating()  # the answer came after the trust window ended: lost all the same
+                return
             next_at = sent_at + self.interval
+        except BaseException as exc:
+            logger.exception("heartbeat of lease %r crashed; treating the lease as lost", lease.key)
+            self._stop_beating()
+            crashed = HeartbeatFailedError(
+                f"heartbeat of lease {lease.key!r} crashed ({exc!r}); no more renewals",
+                key=lease.key,
+                owner=lease.owner,
+                epoch=lease.epoch,
+            )
+            crashed.__cause__ = exc
+            lease._declare_lost(crashed, definitive=False)
+        finally:
+            with self._cond:
+                self._in_flight = False
+                self._jobs -= 1
+                if next_at is not None:
+                    self._next_at = next_at
+                if self._beating and not self._stopped:
+                    self._schedule(min(self._next_at, lease._trusted_until))
+                self._cond.notify_all()
 
-    def _finish(self) -> Outcome:
+    def _stop_beating(self) -> None:
+        with self._cond:
+            self._beating = False
+
+    # ---- the end of the hold (the thread that leaves it) -----------------------------------------
+
+    def _finish(self, keep_until: float | None) -> Outcome:
         lease = self.lease
         if lease._gone:
             return "gone"  # the server said it is not ours: nothing to release
-        keep_until = self._keep_until
         if keep_until is not None and not lease.lost:
             remaining = keep_until - time.monotonic()
             if remaining >= 0.001:
                 return self._keep(remaining)
         for attempt in (1, 2):
             try:
-                self.connection.release(lease.key, lease.owner, lease.epoch, timeout=max(self.interval, 1.0))
+                self.pool.release(lease.key, lease.owner, lease.epoch, timeout=max(self.interval, 1.0))
             except LeaseLostError as exc:
                 lease._declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
                 return "gone"
@@ -263,7 +238,7 @@ class Heartbeat(threading.Thread):
         # at grant + hold_at_least. A renewal can shorten a lease as well as extend it.
         lease = self.lease
         try:
-            expires_at = self.connection.renew(
+            expires_at, _sent_at = self.pool.renew(
                 lease.key, lease.owner, lease.epoch, timedelta(seconds=remaining), timeout=max(self.interval, 1.0)
             )
         except LeaseLostError as exc:
@@ -279,3 +254,159 @@ class Heartbeat(threading.Thread):
             return "unknown"
         lease.expires_at = expires_at
         return "kept"
+
+
+# ---- the scheduler -------------------------------------------------------------------------------
+
+
+class _Scheduler:
+    """One thread per process that wakes at each hold's due time, and a bounded set of workers."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Heartbeat, int]] = []
+        self._seq = itertools.count()
+        self._beats: set[Heartbeat] = set()
+        self._thread: threading.Thread | None = None
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._workers = 0
+        self._idle_workers = 0
+
+    def add(self, beat: Heartbeat) -> None:
+        with self._cond:
+            self._beats.add(beat)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pg_lease heartbeat scheduler", daemon=True)
+                self._thread.start()
+
+    def remove(self, beat: Heartbeat) -> None:
+        with self._cond:
+            self._beats.discard(beat)
+            self._cond.notify_all()
+
+    def at(self, when: float, beat: Heartbeat, generation: int) -> None:
+        with self._cond:
+            first = not self._heap or when < self._heap[0][0]
+            heapq.heappush(self._heap, (when, next(self._seq), beat, generation))
+            if first:
+                self._cond.notify_all()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._jobs.append(job)
+            # A worker per job waiting, up to the bound: a renewal that hangs never holds up another.
+            if len(self._jobs) > self._idle_workers and self._workers < _worker_limit():
+                self._workers += 1
+                threading.Thread(target=self._work, name="pg_lease heartbeat worker", daemon=True).start()
+            else:
+                self._cond.notify_all()
+
+    def active(self) -> bool:
+        """True while a hold of this process is registered (entered and not yet left)."""
+        with self._cond:
+            return bool(self._beats)
+
+    def threads(self) -> int:
+        """The scheduler thread (if running) and the worker threads."""
+        with self._cond:
+            return self._workers + (self._thread is not None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                due = self._next_due()
+                if due is None:
+                    self._thread = None
+            if due is None:
+                lease_pool.close_connections()  # no hold left for a while: no idle connection kept either
+                return
+            beat, generation = due
+            try:
+                beat._due(generation)
+            except BaseException:
+                logger.exception("the heartbeat scheduler failed on lease %r", beat.lease.key)
+
+    def _next_due(self) -> tuple[Heartbeat, int] | None:  # with self._cond held; None: time to exit
+        idle_since: float | None = None
+        while True:
+            now = time.monotonic()
+            if self._heap and self._heap[0][0] <= now:
+                _when, _seq, beat, generation = heapq.heappop(self._heap)
+                return beat, generation
+            if self._beats:
+                idle_since = None
+                self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                continue
+            self._heap.clear()  # stale due times of ended holds
+            if idle_since is None:
+                idle_since = now
+            elif now - idle_since >= IDLE_EXIT:
+                return None
+            self._cond.wait(max(0.0, IDLE_EXIT - (now - idle_since)))
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._idle_workers += 1
+                deadline = time.monotonic() + IDLE_EXIT
+                while not self._jobs:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self._idle_workers -= 1
+                        self._workers -= 1
+                        return
+                    self._cond.wait(remaining)
+                self._idle_workers -= 1
+                job = self._jobs.popleft()
+            try:
+                job()
+            except BaseException:
+                logger.exception("a heartbeat job failed")
+            finally:
+                # Django connections a job opened (an on_lost callback or a lease_lost receiver
+                # that queried the database) are this thread's to close.
+                for conn in connections.all(initialized_only=True):
+                    with suppress(Exception):
+                        conn.close()
+
+
+def _worker_limit() -> int:
+    try:
+        return conf.hold_connections()
+    except Exception:  # a setting broken while holds run: their renewals still go on
+        logger.exception("PG_LEASE_HOLD_CONNECTIONS is invalid; renewing on one worker thread")
+        return 1
+
+
+_the_scheduler: _Scheduler | None = None
+_scheduler_lock = threading.Lock()
+
+
+def _scheduler() -> _Scheduler:
+    global _the_scheduler
+    with _scheduler_lock:
+        if _the_scheduler is None or _the_scheduler.pid != os.getpid():
+            _the_scheduler = _Scheduler()
+        return _the_scheduler
+
+
+def scheduler_threads() -> int:
+    """Threads the scheduler of this process runs now (itself and its workers)."""
+    scheduler = _the_scheduler
+    return 0 if scheduler is None or scheduler.pid != os.getpid() else scheduler.threads()
+
+
+def _at_fork_child() -> None:
+    global _the_scheduler, _scheduler_lock
+    _scheduler_lock = threading.Lock()  # a lock held by another thread at fork time stays held in the child
+    _the_scheduler = None  # the child's holds get a scheduler of their own
+
+
+def _holds_active() -> bool:
+    scheduler = _the_scheduler
+    return scheduler is not None and scheduler.pid == os.getpid() and scheduler.active()
+
+
+lease_pool.holds_active = _holds_active
+os.register_at_fork(after_in_child=_at_fork_child)

@@ -1,4 +1,4 @@
-"""``hold()``: acquire on a connection of its own, renew from a heartbeat thread, release on exit.
+"""``hold()``: acquire on a lease connection (never the job's), renew from the process's scheduler, release on exit.
 
 `Holding` is what ``hold()`` returns (a context manager and a decorator); ``@leased`` builds on
 the same pieces (`pg_lease_django.jobs`). Public names are re-exported by `pg_lease_django.jobs`
@@ -27,8 +27,9 @@ from django.db import router
 
 from . import conf
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
-from .heartbeat import Heartbeat, LeaseConnection
+from .heartbeat import Heartbeat
 from .held import HeldLease, OnLost, send_lease_signal, send_robust
+from .lease_pool import pool_for
 from .operations import Grant
 from .signals import lease_acquired, lease_released, lease_skipped
 from .validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
@@ -112,7 +113,7 @@ class HoldOptions:
 
 
 class _Session:
-    """One acquisition: its connection, its heartbeat thread and its HeldLease."""
+    """One acquisition: its heartbeat (renewals by the process's scheduler) and its HeldLease."""
 
     def __init__(self, options: HoldOptions, key: str) -> None:
         self.options = options
@@ -138,42 +139,39 @@ class _Session:
             )
         if options.owner is None:
             check_name("owner", owner)  # the generated identity (a given one was checked with the options)
-        connection = LeaseConnection(alias, owner=owner, io_timeout=interval)
+        pool = pool_for(alias, io_timeout=interval)
         grant: Grant | None = None
         heartbeat: Heartbeat | None = None
         try:
-            grant = connection.acquire(self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait)
+            grant, sent_at = pool.acquire(self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait)
             lease = HeldLease(
                 grant,
                 ttl=options.ttl,
-                sent_at=connection.sent_at,
+                sent_at=sent_at,
                 trust_span=trust_span,
                 on_lost=options.on_lost,
                 using=alias,
             )
-            heartbeat = Heartbeat(lease, connection, ttl=options.ttl, interval=interval)
+            heartbeat = Heartbeat(lease, pool, ttl=options.ttl, interval=interval)
             heartbeat.start()
             logger.debug("acquired lease %r as %r at epoch %s", lease.key, lease.owner, lease.epoch)
             # Inside the try: an interrupt here must stop the heartbeat, not leave it renewing.
             send_lease_signal(lease_acquired, lease)
         except BaseException:
             # Busy, timed out, or interrupted (a signal, a cancellation) before the hold was set up.
-            if heartbeat is not None and heartbeat.is_alive():
-                heartbeat.stop()
-                heartbeat.join()
-            else:
-                if grant is not None:
-                    try:
-                        connection.release(grant.key, grant.owner, grant.epoch, timeout=max(interval, 1.0))
-                    except Exception:
-                        logger.warning("releasing lease %r after a failed start failed", self.key, exc_info=True)
-                connection.close()
+            if heartbeat is not None:
+                heartbeat.finish()
+            elif grant is not None:
+                try:
+                    pool.release(grant.key, grant.owner, grant.epoch, timeout=max(interval, 1.0))
+                except Exception:
+                    logger.warning("releasing lease %r after a failed start failed", self.key, exc_info=True)
             raise
         self.lease, self.heartbeat = lease, heartbeat
         return lease
 
     def finish(self) -> None:
-        """Stop renewing; release (or keep until ``hold_at_least``); close the connection."""
+        """Stop renewing; release (or keep until ``hold_at_least``) on a pooled lease connection."""
         lease, heartbeat = self.lease, self.heartbeat
         if lease is None or heartbeat is None:
             return
@@ -181,8 +179,7 @@ class _Session:
         keep_until = None
         if self.options.hold_at_least is not None:
             keep_until = lease._granted_at + self.options.hold_at_least.total_seconds()
-        heartbeat.stop(keep_until=keep_until)
-        heartbeat.join()
+        heartbeat.finish(keep_until=keep_until)
         if not lease.lost:
             logger.debug("ended the hold of lease %r (%s)", lease.key, heartbeat.outcome)
             send_lease_signal(lease_released, lease, freed=heartbeat.outcome == "freed")
@@ -251,7 +248,7 @@ class Holding:
     async def __aenter__(self) -> HeldLease:
         session = self._new_session()
         loop = asyncio.get_running_loop()
-        # Database calls block: acquire in a worker thread (the lease's connection is its own).
+        # Database calls block: acquire in a worker thread (on a lease connection, never the job's).
         starting = asyncio.ensure_future(asyncio.to_thread(session.start))
         try:
             lease = await asyncio.shield(starting)
@@ -267,7 +264,7 @@ class Holding:
         if task is not None:
             self._task, self._cancelling, self._cancelled_by_us = task, task.cancelling(), False
 
-            def on_loss() -> None:  # heartbeat thread
+            def on_loss() -> None:  # a heartbeat worker thread
                 with suppress(RuntimeError):  # the loop is closed: nothing left to cancel
                     loop.call_soon_threadsafe(self._cancel_task)
 
@@ -324,8 +321,9 @@ def hold(
     """Hold the lease ``key`` for the duration of a block or a call, renewing it in the background.
 
     ``with hold("nightly-billing", ttl=30) as lease: ...`` (also ``async with``, and as a decorator).
-    Entering acquires the lease on a connection of its own (never the job's: it does not join your
-    transaction), then a heartbeat thread renews it on that connection. Leaving releases exactly
+    Entering acquires the lease on a lease connection (never the job's: it does not join your
+    transaction; the holds of a process share a small pool of them), then the process's heartbeat
+    scheduler renews it, each renewal on a connection of its own. Leaving releases exactly
     this ``(owner, epoch)``; it never frees a lease someone else holds now. The current lease is
     also what FencedModel writes without a fence use, and what `current_lease` returns.
 
@@ -339,7 +337,8 @@ def hold(
             window, ``ttl * (1 - PG_LEASE_SAFETY_MARGIN)``.
         hold_at_least: on exit, keep the lease until this long after the grant instead of releasing
             it (a job that finishes fast still blocks others for that long); scoped to this epoch.
-        on_lost: called once with the HeldLease when the lease is lost, from the heartbeat thread.
+        on_lost: called once with the HeldLease when the lease is lost, from a heartbeat worker thread
+            (or from the thread that leaves the hold, if that is where the loss is found).
         using: the database alias; default the router's write database for Lease.
 
     Returns:

@@ -1,8 +1,9 @@
 """Holding a lease for a job: ``hold()``, ``@leased``, ``current_lease()`` and the ``HeldLease`` they give.
 
-A hold acquires the lease on a connection of its own, renews it from a heartbeat thread on that
-connection, trusts itself only for a window measured on its own monotonic clock, and on exit
-releases exactly its own ``(owner, epoch)``. See docs/jobs.md.
+A hold acquires the lease on a lease connection (never the job's; the holds of a process share a
+small pool of them), is renewed by the process's heartbeat scheduler, trusts itself only for a
+window measured on its own monotonic clock, and on exit releases exactly its own
+``(owner, epoch)``. See docs/jobs.md.
 
 Here are ``@leased`` and `exit_on_signals`, and the public names of the modules behind a hold:
 `pg_lease_django.holding` (``hold()``), `pg_lease_django.held` (the `HeldLease`) and

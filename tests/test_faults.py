@@ -23,6 +23,7 @@ import pytest
 from django.db import connection, transaction
 
 import pg_lease_django
+import pg_lease_django.lease_pool
 from pg_lease_django import Grant, Lease, unfenced_writes
 from stress.agent import Agent
 from stress.checker import Op, check
@@ -345,7 +346,7 @@ def test_backend_terminated_during_a_blocking_wait_raises_djangos_operational_er
 
 
 def test_terminated_heartbeat_connection_is_replaced_and_the_lease_kept(key: str) -> None:
-    """pg_terminate_backend of a ``hold()`` heartbeat connection, three times in a row: the heartbeat
+    """pg_terminate_backend of the ``hold()`` lease connections, three times in a row: the heartbeat
     reconnects and renews within the trust window, so the lease stays held at the same epoch and is
     not declared lost; leaving the block releases it. Never a second holder, never a new epoch."""
     hold = getattr(pg_lease_django, "hold", None)
@@ -353,22 +354,24 @@ def test_terminated_heartbeat_connection_is_replaced_and_the_lease_kept(key: str
         pytest.skip("pg_lease_django.hold does not exist yet: no heartbeat connection to terminate")
     with hold(key, ttl=1.5) as lease, psycopg.connect(test_db_url(), autocommit=True) as admin:
         epoch = lease.epoch
-        name = f"pg_lease_django {lease.owner}"[:63]
+        # The lease connections of hold() (one pool per process, shared by its holds).
+        name = pg_lease_django.lease_pool.APPLICATION_NAME
 
-        def heartbeat_pid() -> int | None:
-            row = admin.execute(
+        def heartbeat_pids() -> list[int]:
+            rows = admin.execute(
                 "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s",
                 [name],
-            ).fetchone()
-            return None if row is None else int(row[0])
+            ).fetchall()
+            return [int(pid) for (pid,) in rows]
 
         def renewed_after(expires_at: datetime) -> bool:
             state = Lease.objects.inspect(key)
             return state.expires_at is not None and state.expires_at > expires_at
 
         for _ in range(3):
-            wait_until(lambda: heartbeat_pid() is not None, what="the heartbeat connection")
-            admin.execute("SELECT pg_terminate_backend(%s)", [heartbeat_pid()])
+            wait_until(lambda: heartbeat_pids() != [], what="the heartbeat connection")
+            for pid in heartbeat_pids():
+                admin.execute("SELECT pg_terminate_backend(%s)", [pid])
             expires_at = Lease.objects.inspect(key).expires_at
             assert expires_at is not None
             wait_until(lambda: renewed_after(expires_at), what="a renewal after the termination")  # noqa: B023

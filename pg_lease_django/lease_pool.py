@@ -1,0 +1,391 @@
+"""The database connections of ``hold()``: one small pool per database alias, per process.
+
+A hold borrows a `LeaseConnection` for each statement it sends (acquire, each renewal, release)
+and gives it back at once. Only a clean connection goes back (autocommit, no transaction, no
+statement in flight, no LISTEN left); one that failed or timed out is closed. At most
+``PG_LEASE_HOLD_CONNECTIONS`` idle connections are kept per pool; the heartbeat's scheduler closes
+them when no hold is left, and they are closed at exit. Under Django's test environment they are
+closed as soon as no hold is active, so that the test runner can drop the test databases.
+
+A child process never uses its parent's connections: everything is per process (``os.getpid()``)
+and reset in the child; the inherited connections are kept referenced, never closed, so the child
+cannot end its parent's sessions.
+
+A pool of our own `LeaseConnection` wrappers rather than ``psycopg_pool``: the lease connections
+must be Django connections (its backend maps errors to ``django.db`` errors, applies ``OPTIONS``,
+``assume_role``, the isolation level, and the rendering of `sql`), which psycopg_pool cannot hand
+out, and what a pool must do here is small: a bounded stack of idle wrappers, a cleanliness check
+on return, a pid check, closing at exit. psycopg_pool's background maintenance threads and its
+resizing would add threads and connections, not bound them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.core import mail
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.utils import load_backend
+from psycopg import IsolationLevel
+from psycopg.pq import TransactionStatus
+
+from . import conf, operations, waiting
+from .exceptions import LeaseLostError, NotAcquirableError
+from .operations import Grant
+
+logger = logging.getLogger(__name__)
+
+#: ``application_name`` of every lease connection of ``hold()`` in ``pg_stat_activity``.
+APPLICATION_NAME = "pg_lease_django hold"
+
+
+def _timeout_ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+class LeaseConnection:
+    """A database connection of ``hold()``: never the job's, never Django's pool; lent by a `LeasePool`.
+
+    A private copy of the alias's settings: Django's connection pool (``OPTIONS["pool"]``) is left
+    out, the session is named ``pg_lease_django hold`` in ``pg_stat_activity``, and TCP keepalives
+    and ``tcp_user_timeout`` bound how long a dead network can hang a call (unless the settings
+    choose otherwise). Used by one thread at a time (the pool lends it to one borrower).
+
+    Every renewal and release is bounded server-side by ``statement_timeout``. Directly connected,
+    the timeout is a session setting, set only when it differs from what the session has, and the
+    call runs alone in autocommit: one statement, one round trip. Behind a transaction pooler
+    (``PG_LEASE_LISTEN = False``, see docs/installation.md) a session setting would stay on
+    whichever server session PgBouncer lent, or be lost: there the timeout is ``SET LOCAL`` in a
+    transaction of its own around the call, as before.
+    """
+
+    def __init__(self, alias: str, *, io_timeout: float) -> None:
+        source = connections[alias].settings_dict  # the test database's name during tests
+        options: dict[str, Any] = dict(source.get("OPTIONS") or {})
+        settings = {**source, "OPTIONS": options, "AUTOCOMMIT": True, "ATOMIC_REQUESTS": False, "CONN_MAX_AGE": 0}
+        options.pop("pool", None)
+        # The lease functions assume READ COMMITTED (spec 8): under a stricter default a contended
+        # acquire would fail with a serialization error instead of being refused.
+        options["isolation_level"] = IsolationLevel.READ_COMMITTED
+        options["application_name"] = APPLICATION_NAME
+        whole = max(1, math.ceil(io_timeout))
+        options.setdefault("connect_timeout", max(2, whole))
+        options.setdefault("keepalives", 1)
+        options.setdefault("keepalives_idle", whole)
+        options.setdefault("keepalives_interval", whole)
+        options.setdefault("keepalives_count", 3)
+        options.setdefault("tcp_user_timeout", max(1000, int(io_timeout * 1000)))
+        self.wrapper: BaseDatabaseWrapper = load_backend(settings["ENGINE"]).DatabaseWrapper(settings, alias)
+        # Lent to the thread that enters a hold, to renewal workers and to the thread that exits it.
+        self.wrapper.inc_thread_sharing()
+        self.pid = os.getpid()
+        #: Behind a transaction pooler: no session state, SET LOCAL per renewal.
+        self.per_transaction = not conf.listen_enabled()
+        #: The session's statement_timeout in ms as we set it; None: the session's default.
+        self.timeout_ms: int | None = None
+        #: time.monotonic() just before the last statement was sent.
+        self.sent_at = 0.0
+
+    def acquire(self, key: str, owner: str, ttl: timedelta, *, blocking: bool, wait: timedelta | None) -> Grant:
+        """One acquire (or a blocking wait of at most ``wait``) in autocommit: the grant is committed when this returns.
+
+        Runs under the session's default statement_timeout, as Django's own connections do.
+
+        Raises:
+            NotAcquirableError: not blocking, and another owner holds the key (named in the error).
+        """
+        attempts = 0
+
+        def sending() -> None:
+            nonlocal attempts
+            attempts += 1
+            self._sending()
+
+        try:
+            self._reset_timeout()
+            if blocking:
+                grant = waiting.wait_and_acquire(self.wrapper, key, owner, ttl, wait, before_attempt=sending)
+                if attempts > 1 and conf.listen_enabled():
+                    self._check_not_listening()  # waiting UNLISTENs on every way out: make sure
+                return grant
+            self._sending()
+            return operations.acquire_or_raise(self.wrapper, key, owner, ttl)
+        except NotAcquirableError:
+            raise  # a refusal: the connection is fine
+        except BaseException:
+            self._discard()
+            raise
+
+    def renew(self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float) -> datetime:
+        """Renew, giving up server-side after ``timeout`` seconds (statement_timeout)."""
+        with self._bounded(timeout):
+            self._sending()
+            return operations.renew(self.wrapper, key, owner, epoch, ttl)
+
+    def release(self, key: str, owner: str, epoch: int, *, timeout: float) -> None:
+        """Release ``(owner, epoch)`` only, giving up server-side after ``timeout`` seconds."""
+        with self._bounded(timeout):
+            self._sending()
+            operations.release(self.wrapper, key, owner, epoch)
+
+    def close(self) -> None:
+        """Close the connection for good (never in a process that did not open it: see `forget`)."""
+        if self.pid != os.getpid():
+            return
+        self._discard()
+        with suppress(RuntimeError):
+            self.wrapper.dec_thread_sharing()
+
+    def backend_pid(self) -> int | None:
+        """The server process of the open session, or None."""
+        raw = self.wrapper.connection
+        return None if raw is None or raw.closed else int(raw.info.backend_pid)
+
+    def clean(self) -> bool:
+        """True when the connection may be lent again: open, ours, autocommit, idle (no transaction, no statement)."""
+        raw = self.wrapper.connection
+        return (
+            self.pid == os.getpid()
+            and raw is not None
+            and not raw.closed
+            and raw.info.transaction_status == TransactionStatus.IDLE
+            and self.wrapper.get_autocommit()
+            and not self.wrapper.in_atomic_block
+        )
+
+    def _sending(self) -> None:
+        # The trust window starts just before the statement that succeeds is sent: the server's
+        # grant or renewal happens after this instant, so its expiry is at least this + TTL.
+        self.sent_at = time.monotonic()
+
+    def _reset_timeout(self) -> None:
+        if self.timeout_ms is not None and not self.per_transaction:
+            with self.wrapper.cursor() as cursor:
+                cursor.execute("RESET statement_timeout")
+            self.timeout_ms = None
+
+    def _check_not_listening(self) -> None:
+        with self.wrapper.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_listening_channels()")
+            row = cursor.fetchone()
+        if row is None or row[0]:
+            raise RuntimeError("a LISTEN outlived the blocking acquire")  # discarded by the caller
+
+    @contextmanager
+    def _bounded(self, seconds: float) -> Iterator[None]:
+        # On any failure but a verdict the connection is dropped: its state is unknown (a
+        # terminated backend, a cancelled statement, a half-sent query); the next call reconnects.
+        wrapper = self.wrapper
+        ms = _timeout_ms(seconds)
+        try:
+            if self.per_transaction:
+                # SET LOCAL (set_config(..., true)) in a transaction of its own: the timeout cannot
+                # leak into a pooled server session behind PgBouncer in transaction mode.
+                wrapper.set_autocommit(False)
+                with wrapper.cursor() as cursor:
+                    cursor.execute("SELECT set_config('statement_timeout', %s, true)", [f"{ms}ms"])
+                try:
+                    yield
+                except LeaseLostError:
+                    wrapper.commit()
+                    wrapper.set_autocommit(True)
+                    raise
+                wrapper.commit()
+                wrapper.set_autocommit(True)
+                return
+            if self.timeout_ms != ms:
+                with wrapper.cursor() as cursor:
+                    cursor.execute("SELECT set_config('statement_timeout', %s, false)", [f"{ms}ms"])
+                self.timeout_ms = ms
+            yield
+        except LeaseLostError:
+            raise  # a verdict: the statement ran to its end, the connection is clean
+        except BaseException:
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        try:
+            self.wrapper.close()
+        except Exception:
+            logger.debug("closing a lease connection failed", exc_info=True)
+            self.wrapper.connection = None
+
+
+# ---- the pool ------------------------------------------------------------------------------------
+
+# Inherited across fork: kept referenced so that their finalizers never end the parent's sessions.
+_inherited: list[Any] = []
+
+
+class LeasePool:
+    """The idle lease connections of one database alias (and one I/O bound) in this process.
+
+    Lends a connection per statement; prefers one whose session already has the statement_timeout
+    the call needs (so a renewal is one statement), opens one more while fewer than ``size`` are
+    open, and otherwise lends the most recently used. Keeps at most ``size`` idle connections.
+    """
+
+    def __init__(self, alias: str, io_timeout: float) -> None:
+        self.alias = alias
+        self.io_timeout = io_timeout
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._idle: list[LeaseConnection] = []
+        self._open = 0  # lent + idle
+
+    @contextmanager
+    def connection(self, timeout_ms: int | None) -> Iterator[LeaseConnection]:
+        """Lend a connection for one call; it goes back only if still clean, else it is closed."""
+        conn = self._take(timeout_ms)
+        try:
+            yield conn
+        finally:
+            self._give(conn)
+
+    def acquire(
+        self, key: str, owner: str, ttl: timedelta, *, blocking: bool, wait: timedelta | None
+    ) -> tuple[Grant, float]:
+        """`LeaseConnection.acquire` on a lent connection: the grant and when its statement was sent."""
+        with self.connection(None) as conn:
+            grant = conn.acquire(key, owner, ttl, blocking=blocking, wait=wait)
+            return grant, conn.sent_at
+
+    def renew(self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float) -> tuple[datetime, float]:
+        """`LeaseConnection.renew` on a lent connection: the new expiry and when its statement was sent."""
+        with self.connection(_timeout_ms(timeout)) as conn:
+            expires_at = conn.renew(key, owner, epoch, ttl, timeout=timeout)
+            return expires_at, conn.sent_at
+
+    def release(self, key: str, owner: str, epoch: int, *, timeout: float) -> None:
+        """`LeaseConnection.release` on a lent connection."""
+        with self.connection(_timeout_ms(timeout)) as conn:
+            conn.release(key, owner, epoch, timeout=timeout)
+
+    def idle_count(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def close_idle(self) -> None:
+        """Close every idle connection (lent ones go on until they come back)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+        for conn in idle:
+            conn.close()
+
+    def _take(self, timeout_ms: int | None) -> LeaseConnection:
+        if self.pid != os.getpid():
+            raise RuntimeError("a lease connection pool of the parent process was used in a forked child")
+        size = conf.hold_connections()
+        with self._lock:
+            for index in range(len(self._idle) - 1, -1, -1):
+                if self._idle[index].timeout_ms == timeout_ms or self._idle[index].per_transaction:
+                    return self._idle.pop(index)
+            if self._idle and self._open >= size:
+                return self._idle.pop()
+            self._open += 1
+        try:
+            return LeaseConnection(self.alias, io_timeout=self.io_timeout)
+        except BaseException:
+            with self._lock:
+                self._open -= 1
+            raise
+
+    def _give(self, conn: LeaseConnection) -> None:
+        if conn.pid != os.getpid():
+            return  # lent before a fork, returned in the child: the parent's, never touched here
+        kept = False
+        if conn.clean():
+            with self._lock:
+                if len(self._idle) < conf.hold_connections():
+                    self._idle.append(conn)
+                    kept = True
+        if not kept:
+            with self._lock:
+                self._open -= 1
+            conn.close()
+        settle_for_tests()
+
+
+_pools: dict[tuple[str, int], LeasePool] = {}
+_pools_lock = threading.Lock()
+_pools_pid = os.getpid()
+
+
+def pool_for(alias: str, *, io_timeout: float) -> LeasePool:
+    """The pool of ``alias`` in this process for calls that must fail within about ``io_timeout`` on a dead network."""
+    bound = max(1, math.ceil(io_timeout))  # holds with the same whole-second bound share connections
+    with _pools_lock:
+        if _pools_pid != os.getpid():
+            _after_fork_in_child()
+        pool = _pools.get((alias, bound))
+        if pool is None:
+            pool = _pools[(alias, bound)] = LeasePool(alias, float(bound))
+        return pool
+
+
+def _testing() -> bool:
+    # Django's test runners (and pytest-django) call setup_test_environment(), which sets mail.outbox.
+    return hasattr(mail, "outbox")
+
+
+#: Whether a hold of this process is active now; the heartbeat's scheduler sets it. Under Django's
+#: test environment, idle connections are closed as soon as it says no.
+def _no_hold_known() -> bool:
+    return False
+
+
+holds_active: Callable[[], bool] = _no_hold_known
+
+
+def settle_for_tests() -> None:
+    # Under Django's test environment, keep no idle session once no hold is active: the test
+    # runner drops the test databases right after the last test, and DROP DATABASE fails while
+    # any session is connected.
+    if _testing() and not holds_active():
+        close_connections()
+
+
+def close_connections() -> None:
+    """Close the idle lease connections of every pool of this process (at exit, when idle, in tests)."""
+    with _pools_lock:
+        pools = list(_pools.values()) if _pools_pid == os.getpid() else []
+    for pool in pools:
+        pool.close_idle()
+
+
+def open_connections() -> int:
+    """How many lease connections this process has open (lent or idle)."""
+    with _pools_lock:
+        pools = list(_pools.values()) if _pools_pid == os.getpid() else []
+    return sum(pool._open for pool in pools)
+
+
+def _after_fork_in_child() -> None:
+    # The child starts with no pool: its holds get their own. The parent's connections stay
+    # referenced (never closed, never finalized) so the child cannot end them.
+    global _pools_pid
+    _inherited.extend(_pools.values())
+    _pools.clear()
+    _pools_pid = os.getpid()
+
+
+def _at_fork_child() -> None:
+    global _pools_lock
+    _pools_lock = threading.Lock()  # a lock held by another thread at fork time stays held in the child
+    _after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_at_fork_child)
+atexit.register(close_connections)
