@@ -21,6 +21,7 @@ from .exceptions import (
     NeverAcquiredError,
     NotAcquirableError,
     NotOwnerError,
+    UnconfirmedCommitError,
     UnfencedWriteError,
 )
 from .jobs import HeldLease, Holding, current_lease, exit_on_signals, hold, leased
@@ -57,6 +58,7 @@ __all__ = [
     "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
+    "UnconfirmedCommitError",
     "UnfencedWriteError",
     "current_lease",
     "exit_on_signals",

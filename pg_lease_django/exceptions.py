@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from django.db.utils import OperationalError
+
 __all__ = [
     "AlreadyFreeError",
     "EpochMismatchError",
@@ -16,6 +18,7 @@ __all__ = [
     "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
+    "UnconfirmedCommitError",
     "UnfencedWriteError",
 ]
 
@@ -176,6 +179,35 @@ class UnfencedWriteError(LeaseError):
 
     code = "unfenced"
     sqlstate = "PL004"  # a fenced write the database refused for this cause
+
+
+class UnconfirmedCommitError(OperationalError):
+    """The server committed the lease write locally but could not confirm it reached the synchronous standby.
+
+    PostgreSQL answers a commit whose wait for the synchronous standby was cancelled (a cancel
+    request, ``pg_cancel_backend``) with *success* and a WARNING (SQLSTATE ``01000``, "canceling
+    wait for synchronous replication ... might not have been replicated"). Such a write is on the
+    primary only: a failover now may lose it. It is not an acknowledgement, so the call raises
+    this instead of returning its result. A `django.db.OperationalError` subclass: treat it as
+    any lost connection, an unknown outcome (the write may or may not survive); retry, or for a
+    held lease count the renewal as unconfirmed (the heartbeat does).
+
+    Raised only for statements that commit on their own (autocommit, the default outside
+    ``transaction.atomic()``): inside a transaction the commit, and its warning, are the caller's.
+
+    Attributes:
+        code: ``"unconfirmed_commit"``.
+        sqlstate, severity, notice, detail: the server's WARNING (``notice`` its primary message).
+    """
+
+    code = "unconfirmed_commit"
+    sqlstate = "01000"
+
+    def __init__(self, message: str, *, severity: str | None, notice: str | None, detail: str | None) -> None:
+        super().__init__(message)
+        self.severity = severity
+        self.notice = notice
+        self.detail = detail
 
 
 #: A renew/release verdict from the SQL functions (``not_owner``, ...) -> the error raised for it.

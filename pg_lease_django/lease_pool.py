@@ -200,7 +200,8 @@ class LeaseConnection:
                     wrapper.commit()
                     wrapper.set_autocommit(True)
                     raise
-                wrapper.commit()
+                with operations.confirmed_commit(wrapper):  # the commit here is what waits for a standby
+                    wrapper.commit()
                 wrapper.set_autocommit(True)
                 return
             if self.timeout_ms != ms:

@@ -15,14 +15,23 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from . import operations, waiting
 from .exceptions import InvalidInputError
-from .operations import Grant, LeaseState
+from .operations import EpochAdvance, Grant, LeaseState
 from .sql import NOTIFY_CHANNEL
-from .validation import MAX_PRUNE_AGE, Seconds, check_epoch, check_name, check_ttl, check_wait, to_timedelta
+from .validation import (
+    MAX_PRUNE_AGE,
+    Seconds,
+    check_advance,
+    check_epoch,
+    check_name,
+    check_ttl,
+    check_wait,
+    to_timedelta,
+)
 
 if TYPE_CHECKING:
     from .models import Lease  # noqa: F401  (named in the Manager["Lease"] base)
 
-__all__ = ["NOTIFY_CHANNEL", "Grant", "LeaseManager", "LeaseState"]
+__all__ = ["NOTIFY_CHANNEL", "EpochAdvance", "Grant", "LeaseManager", "LeaseState"]
 
 
 class LeaseManager(models.Manager["Lease"]):
@@ -302,3 +311,33 @@ class LeaseManager(models.Manager["Lease"]):
         if not isinstance(dry_run, bool):
             raise InvalidInputError(f"dry_run must be a bool, not {type(dry_run).__name__}")
         return operations.prune(self._connection(), delta, dry_run)
+
+    def advance_epochs(self, *, by: int, dry_run: bool = False) -> EpochAdvance:
+        """Raise the epoch of every lease, and the epoch floor, by ``by``, in one transaction.
+
+        The remedy for a failover to a standby that may have missed acknowledged lease writes
+        (asynchronous replication): run it on the promoted server before the application
+        reconnects, with ``by`` above the number of grants per key the lost primary could have
+        made since the last replicated point (docs/high-availability.md), and every later grant,
+        of any key, pruned ones included, is above every grant the lost primary acknowledged.
+
+        Holders keep their lease until its expiry (nobody else gets the key meanwhile), but at an
+        epoch nobody was granted: their renewals, releases and fenced writes are refused
+        (`EpochMismatchError`); they re-acquire to go on. For operators (``manage.py leases
+        advance-epochs``): the SQL function ``pg_lease_advance_epochs`` is revoked from PUBLIC.
+
+        Args:
+            by: a whole number from 1 to `MAX_ADVANCE` (2**62).
+            dry_run: only report what it would do.
+
+        Returns:
+            An `EpochAdvance`: the rows advanced, how many were held, the new floor and highest epoch.
+
+        Raises:
+            InvalidInputError: bad argument (nothing was sent), or an epoch or the floor would pass
+                `MAX_ADVANCE` (nothing was changed).
+        """
+        check_advance(by)
+        if not isinstance(dry_run, bool):
+            raise InvalidInputError(f"dry_run must be a bool, not {type(dry_run).__name__}")
+        return operations.advance_epochs(self._connection(), by, dry_run)

@@ -2,21 +2,33 @@
 
 `LeaseManager` (on the caller's connection) and the heartbeat of ``hold()`` (on a connection of its
 own) both call these. They check no argument: their callers have done so, once. Each sends its one
-statement and turns the row into the result or the typed error. Nothing here is public API except
-`Grant` and `LeaseState`, which `pg_lease_django` and `pg_lease_django.managers` re-export.
+statement and turns the row into the result or the typed error; a commit the server could not
+confirm on its synchronous standby becomes `UnconfirmedCommitError` (`confirmed_commit`). Nothing
+here is public API except `Grant` and `LeaseState`, which `pg_lease_django` and
+`pg_lease_django.managers` re-export, and `EpochAdvance` (re-exported by `pg_lease_django.managers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple
 
+from django.db import DataError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from . import sql
-from .exceptions import LOST_ERRORS, AlreadyFreeError, EpochMismatchError, NeverAcquiredError, NotAcquirableError
+from .exceptions import (
+    LOST_ERRORS,
+    AlreadyFreeError,
+    EpochMismatchError,
+    InvalidInputError,
+    NeverAcquiredError,
+    NotAcquirableError,
+    UnconfirmedCommitError,
+)
 from .status import LeaseStatus
 
 
@@ -80,10 +92,79 @@ class Attempt(NamedTuple):
         return Grant(key, self.owner, self.epoch, self.expires_at, self.server_time) if self.granted else None
 
 
+@dataclass(frozen=True)
+class EpochAdvance:
+    """What `LeaseManager.advance_epochs` did (or, dry run, would do).
+
+    Attributes:
+        by: how much every epoch and the epoch floor went up.
+        leases: the lease rows advanced.
+        held: of those, the ones held then: their holders are fenced (``epoch_mismatch``) and must re-acquire.
+        epoch_floor: the new epoch floor: a key without a row starts above it.
+        max_epoch: the new highest epoch (the floor when there are no rows).
+        server_time: the server clock when it was done.
+        dry_run: nothing was changed.
+    """
+
+    by: int
+    leases: int
+    held: int
+    epoch_floor: int
+    max_epoch: int
+    server_time: datetime
+    dry_run: bool
+
+
+#: The server's answer to a commit whose wait for a synchronous standby was cancelled: a WARNING with
+#: this SQLSTATE (and "canceling wait for synchronous replication" as its, possibly translated, message).
+UNCONFIRMED_COMMIT_SQLSTATE = "01000"
+
+
+@contextmanager
+def confirmed_commit(connection: BaseDatabaseWrapper) -> Iterator[None]:
+    """Raise `UnconfirmedCommitError` after the block if the server sent a WARNING of SQLSTATE ``01000``
+    meanwhile: a commit it could not confirm on the synchronous standby (the block ran; its result is lost).
+
+    Any generic WARNING counts (the message may be translated); none of the lease functions sends one,
+    and taking a confirmed write for an unconfirmed one only costs a retry. Python only: a handler is
+    added to the open psycopg connection and removed afterwards, no round trip.
+    """
+    raw = connection.connection
+    if raw is None:
+        yield
+        return
+    seen: list[tuple[str | None, str | None, str | None]] = []
+
+    def on_notice(diagnostic: Any) -> None:
+        # A Diagnostic is valid only inside the handler: keep its fields.
+        if diagnostic.sqlstate == UNCONFIRMED_COMMIT_SQLSTATE and diagnostic.severity_nonlocalized == "WARNING":
+            seen.append((diagnostic.severity, diagnostic.message_primary, diagnostic.message_detail))
+
+    raw.add_notice_handler(on_notice)
+    try:
+        yield
+    finally:
+        raw.remove_notice_handler(on_notice)
+    if seen:
+        severity, notice, detail = seen[0]
+        raise UnconfirmedCommitError(
+            f"the commit was not confirmed by the synchronous standby (its outcome after a failover is unknown): "
+            f"{notice}" + (f" ({detail})" if detail else ""),
+            severity=severity,
+            notice=notice,
+            detail=detail,
+        )
+
+
 def call(connection: BaseDatabaseWrapper, template: str, params: Sequence[Any]) -> tuple[Any, ...]:
-    """Send one statement of `sql` on ``connection`` and return its one row."""
+    """Send one statement of `sql` on ``connection`` and return its one row.
+
+    Raises:
+        UnconfirmedCommitError: the statement committed on its own, but the server could not confirm
+            the commit reached its synchronous standby (`confirmed_commit`).
+    """
     statement = sql.render(connection, template)
-    with connection.cursor() as cursor:
+    with connection.cursor() as cursor, confirmed_commit(connection):
         cursor.execute(statement, params)
         row = cursor.fetchone()
     assert row is not None
@@ -183,6 +264,24 @@ def force_release(connection: BaseDatabaseWrapper, key: str, epoch: int | None) 
 def prune(connection: BaseDatabaseWrapper, free_for: timedelta, dry_run: bool) -> list[str]:
     """Delete (or, ``dry_run``, list) the rows free for at least ``free_for``: their keys, sorted."""
     params: list[Any] = [free_for, dry_run]
-    with connection.cursor() as cursor:
+    with connection.cursor() as cursor, confirmed_commit(connection):
         cursor.execute(sql.render(connection, sql.PRUNE), params)
-        return sorted(row[0] for row in cursor.fetchall())
+        keys = sorted(row[0] for row in cursor.fetchall())
+    return keys
+
+
+def advance_epochs(connection: BaseDatabaseWrapper, by: int, dry_run: bool) -> EpochAdvance:
+    """Raise every epoch and the epoch floor by ``by`` in one transaction (or, ``dry_run``, say what would be).
+
+    Raises:
+        InvalidInputError: an epoch or the floor would pass the limit (``MAX_ADVANCE``); nothing changed.
+    """
+    try:
+        leases, held, epoch_floor, max_epoch, server_time = call(connection, sql.ADVANCE_EPOCHS, [by, dry_run])
+    except DataError as exc:
+        cause = exc.__cause__
+        if getattr(cause, "sqlstate", None) != "22003":
+            raise
+        message = getattr(getattr(cause, "diag", None), "message_primary", None) or str(exc)
+        raise InvalidInputError(f"{message}; nothing was changed") from exc
+    return EpochAdvance(by, leases, held, epoch_floor, max_epoch, server_time, dry_run)

@@ -24,6 +24,8 @@ RELEASE = "SELECT * FROM {schema}.pg_lease_release(%s::text, %s::text, %s::bigin
 INSPECT = "SELECT * FROM {schema}.pg_lease_inspect(%s::text)"
 FORCE_RELEASE = "SELECT * FROM {schema}.pg_lease_force_release(%s::text, %s::bigint)"
 PRUNE = "SELECT key FROM {schema}.pg_lease_prune(%s::interval, %s::boolean)"
+#: Raise every epoch and the epoch floor by N (after an asynchronous failover; operators only).
+ADVANCE_EPOCHS = "SELECT * FROM {schema}.pg_lease_advance_epochs(%s::bigint, %s::boolean)"
 #: Present a fence for this transaction (raises PL001-PL003 when it does not hold); returns the epoch.
 CHECK_FENCE = "{schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)"
 #: Opt this transaction out of fencing (operators: revoked from PUBLIC).

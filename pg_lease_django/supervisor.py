@@ -75,7 +75,8 @@ class ExitCode(IntEnum):
     USAGE = (
         2,
         "bad arguments",
-        "bad arguments: unknown option, bad key, epoch or limit, unknown or non-PostgreSQL database",
+        "bad arguments: unknown option, bad key, epoch or limit, unknown or non-PostgreSQL database; "
+        "``advance-epochs --by`` that would raise an epoch past the limit (nothing changed)",
     )
     NOT_FOUND = 3, "no such lease", "no such lease: the key was never acquired"
     NOT_FORCED = 4, "release without --force", "``release`` refused: ``--force`` not given"

@@ -19,6 +19,9 @@ MAX_EPOCH = 2**63 - 1
 MAX_WAIT = timedelta(days=365)
 #: Longest ``free_for`` accepted by `LeaseManager.prune`.
 MAX_PRUNE_AGE = timedelta(days=3650)
+#: Largest advance of `LeaseManager.advance_epochs`, and the highest epoch it may leave: 2**62 more
+#: grants per key stay possible before bigint overflows (migration 0007 checks the same).
+MAX_ADVANCE = 2**62
 
 Seconds = int | float | timedelta
 
@@ -93,3 +96,12 @@ def check_epoch(value: object) -> int:
     if not 1 <= value <= MAX_EPOCH:
         raise InvalidInputError(f"epoch must be between 1 and {MAX_EPOCH}, got {value}")
     return value
+
+
+def check_advance(by: object) -> int:
+    """Return ``by`` if it is a usable epoch advance (1 to `MAX_ADVANCE`), else raise InvalidInputError."""
+    if isinstance(by, bool) or not isinstance(by, int):
+        raise InvalidInputError(f"by must be an int, not {type(by).__name__}")
+    if not 1 <= by <= MAX_ADVANCE:
+        raise InvalidInputError(f"by must be between 1 and {MAX_ADVANCE}, got {by}")
+    return by

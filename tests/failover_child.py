@@ -10,8 +10,10 @@ per stdout line (:class:`Child` is the parent's side).
 
 Commands (``op``): ``migrate``; ``acquire`` (key, owner, ttl); ``inspect`` (key); ``hold`` (key,
 ttl, owner: enter ``hold()`` in a thread of its own, reply once it holds); ``held`` (how the hold
-sees itself now); ``unhold`` (leave the hold, reply how it ended). A failed call replies
-``{"ok": false, "error": ...}`` and closes Django's connection, so the next call reconnects.
+sees itself now); ``unhold`` (leave the hold, reply how it ended); ``leases`` (args: run ``manage.py
+leases ARGS``, as an operator would, reply its output and exit code). A failed call replies
+``{"ok": false, "error": ..., "operational": ...}`` (``operational``: a ``django.db.OperationalError``,
+an unknown outcome) and closes Django's connection, so the next call reconnects.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def configure() -> None:
         INSTALLED_APPS=["django.contrib.contenttypes", "pg_lease_django"],
         DATABASES={"default": json.loads(os.environ["PG_LEASE_FAILOVER_DATABASE"])},
         LOGGING_CONFIG=None,
+        # "0": as behind a transaction pooler (a renewal is SET LOCAL, the call, COMMIT).
+        PG_LEASE_LISTEN=os.environ.get("PG_LEASE_FAILOVER_LISTEN", "1") == "1",
     )
     import django
 
@@ -91,8 +95,11 @@ class HoldThread(threading.Thread):
 
 
 def serve() -> None:
+    from io import StringIO
+
     from django.core.management import call_command
-    from django.db import connection
+    from django.core.management.base import CommandError
+    from django.db import OperationalError, connection
 
     from pg_lease_django import Lease
 
@@ -120,6 +127,13 @@ def serve() -> None:
                 holding = HoldThread(command["key"], command["ttl"], command["owner"])
                 holding.start()
                 reply(holding.entered.get(timeout=60))
+            elif op == "leases":
+                out = StringIO()
+                try:
+                    call_command("leases", *command["args"], stdout=out)
+                    reply({"ok": True, "exit_code": 0, "output": out.getvalue()})
+                except CommandError as exc:
+                    reply({"ok": True, "exit_code": exc.returncode, "output": str(exc)})
             elif op == "held":
                 assert holding is not None
                 reply(holding.state())
@@ -131,18 +145,20 @@ def serve() -> None:
             else:
                 reply({"ok": False, "error": "unknown op", "message": op})
         except Exception as exc:
-            reply({"ok": False, "error": type(exc).__name__, "message": str(exc)[:300]})
+            operational = isinstance(exc, OperationalError)
+            reply({"ok": False, "error": type(exc).__name__, "message": str(exc)[:300], "operational": operational})
             connection.close()
 
 
 class Child:
     """The parent's handle on a failover child process."""
 
-    def __init__(self, database: dict[str, Any]) -> None:
+    def __init__(self, database: dict[str, Any], *, listen: bool = True) -> None:
+        environ = {**os.environ, "PG_LEASE_FAILOVER_DATABASE": json.dumps(database), "PYTHONPATH": str(REPO)}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.failover_child"],
             cwd=REPO,
-            env={**os.environ, "PG_LEASE_FAILOVER_DATABASE": json.dumps(database), "PYTHONPATH": str(REPO)},
+            env={**environ, "PG_LEASE_FAILOVER_LISTEN": "1" if listen else "0"},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -158,9 +174,17 @@ class Child:
 
     def call(self, timeout: float = 60.0, **command: Any) -> dict[str, Any]:
         """Send a command and wait for its reply (``queue.Empty`` after ``timeout`` seconds)."""
+        self.send(**command)
+        return self.receive(timeout)
+
+    def send(self, **command: Any) -> None:
+        """Send a command without waiting for its reply (`receive` it later)."""
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
+
+    def receive(self, timeout: float = 60.0) -> dict[str, Any]:
+        """The next reply (``queue.Empty`` after ``timeout`` seconds)."""
         return self.replies.get(timeout=timeout)
 
     def close(self) -> None:

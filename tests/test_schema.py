@@ -89,6 +89,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_fence_outcome",
         "pg_lease_force_release",
         "pg_lease_prune",
+        "pg_lease_advance_epochs",
         "pg_lease_guard_key",  # the triggers' lease-row check: locking it needs the owner's rights
     }
     assert {r[0] for r in rows} >= operations

@@ -245,6 +245,9 @@ def test_the_roles_hold_exactly_what_the_page_says(roles: Roles) -> None:
     for function in ("pg_lease_force_release(text, bigint)", "pg_lease_allow_unfenced()"):
         assert not may(roles.worker, f"public.{function}", "EXECUTE", "function"), function
         assert may(roles.operator, f"public.{function}", "EXECUTE", "function"), function
+    # Advancing every epoch (the failover runbook's step) is granted to no one: the owner may run it.
+    for role in (roles.worker, roles.operator, roles.attacker):
+        assert not may(role, "public.pg_lease_advance_epochs(bigint, boolean)", "EXECUTE", "function"), role
     assert not may(roles.worker, "public", "CREATE", "schema")
     assert not may(roles.attacker, "public", "CREATE", "schema"), "step 1 revokes CREATE on public from PUBLIC"
 
@@ -308,6 +311,18 @@ def test_worker_cannot_force_release(roles: Roles, key: str) -> None:
         worker.execute(FORCE_RELEASE, [key, None])
     with django_as(roles.worker), fails_with("42501"):
         Lease.objects.force_release(key)
+    assert row_snapshot(roles.admin, key) == before
+
+
+def test_worker_and_operator_cannot_advance_epochs(roles: Roles, key: str) -> None:
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    before = row_snapshot(roles.admin, key)
+    for role in (roles.worker, roles.operator):
+        with fails_with("42501"):
+            roles.connect(role).execute("SELECT * FROM public.pg_lease_advance_epochs(1000::bigint, false)")
+        with django_as(role), fails_with("42501"):
+            Lease.objects.advance_epochs(by=1000)
     assert row_snapshot(roles.admin, key) == before
 
 

@@ -11,11 +11,13 @@ import pytest
 
 from pg_lease_django import InvalidInputError, Lease
 from pg_lease_django.validation import (
+    MAX_ADVANCE,
     MAX_EPOCH,
     MAX_NAME_BYTES,
     MAX_TTL,
     MAX_WAIT,
     MIN_TTL,
+    check_advance,
     check_epoch,
     check_name,
     check_ttl,
@@ -154,6 +156,7 @@ def test_python_limits_are_the_sql_functions_limits(key: str, raw_connect: Any) 
     acquire = "SELECT * FROM pg_lease_acquire(%s::text, %s::text, %s::interval)"
     blocking = "SELECT * FROM pg_lease_acquire(%s::text, 'w', '30 s', %s::interval)"
     renew = "SELECT * FROM pg_lease_renew(%s::text, 'w', %s::bigint, '30 s')"
+    advance = "SELECT * FROM pg_lease_advance_epochs(%s::bigint, true)"  # a dry run
     name, wide = "k" * MAX_NAME_BYTES, "é" * (MAX_NAME_BYTES // 2) + "k"  # both MAX_NAME_BYTES long in UTF-8
     us = timedelta(microseconds=1)
     # (what, whether it is within the limit, Python's check, the SQL statement and its arguments)
@@ -175,6 +178,9 @@ def test_python_limits_are_the_sql_functions_limits(key: str, raw_connect: Any) 
         ("epoch 0", False, lambda: check_epoch(0), renew, [key, 0]),
         ("MAX_EPOCH", True, lambda: check_epoch(MAX_EPOCH), renew, [key, MAX_EPOCH]),
         ("MAX_EPOCH + 1", False, lambda: check_epoch(MAX_EPOCH + 1), renew, [key, MAX_EPOCH + 1]),
+        ("advance 1", True, lambda: check_advance(1), advance, [1]),
+        ("advance 0", False, lambda: check_advance(0), advance, [0]),
+        ("MAX_ADVANCE + 1", False, lambda: check_advance(MAX_ADVANCE + 1), advance, [MAX_ADVANCE + 1]),
     ]
     verdicts = [
         (what, within, python_accepts(check), sql_accepts(statement, params))

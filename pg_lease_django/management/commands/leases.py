@@ -1,7 +1,9 @@
 """``manage.py leases``: see who holds what, and break a stuck lease safely.
 
 Subcommands: ``list`` (the default), ``show KEY``, ``release KEY --force``,
-``prune --free-for 30d`` (delete rows of leases free that long; epochs never go back), and
+``prune --free-for 30d`` (delete rows of leases free that long; epochs never go back),
+``advance-epochs --by N`` (after a failover to a standby that may have missed lease writes: raise
+every epoch and the epoch floor by N, fencing current holders), and
 ``run KEY --ttl SECONDS -- COMMAND``, which runs a command while holding a lease (``flock(1)`` for a
 whole cluster; see `pg_lease_django.supervisor`). Every state shown is computed in SQL from the
 database server's clock with ``pg_lease_status`` (the rule the lease functions use), in one
@@ -31,7 +33,7 @@ from pg_lease_django.exceptions import AlreadyFreeError, EpochMismatchError, Inv
 from pg_lease_django.models import Lease
 from pg_lease_django.status import LeaseStatus
 from pg_lease_django.supervisor import DEFAULT_GRACE, ExitCode, RunError, Supervisor
-from pg_lease_django.validation import MAX_EPOCH, MAX_TTL, MAX_WAIT, MIN_TTL, check_name
+from pg_lease_django.validation import MAX_ADVANCE, MAX_EPOCH, MAX_TTL, MAX_WAIT, MIN_TTL, check_name
 
 __doc__ = f"""{__doc__ or ""}
 Exit codes:
@@ -83,11 +85,11 @@ class SubcommandParser(CommandParser):
 
 
 class Command(BaseCommand):
-    """``manage.py leases [list|show|release|prune|run] ...``: the operators' view of the lease table."""
+    """``manage.py leases [list|show|release|prune|advance-epochs|run] ...``: the operators' view of the lease table."""
 
     help = (
         "Inspect leases, break stuck ones, run a command under a lease. Subcommands: list (default), "
-        "show KEY, release KEY --force, run KEY --ttl SECONDS -- COMMAND. "
+        "show KEY, release KEY --force, prune --free-for AGE, advance-epochs --by N, run KEY --ttl SECONDS -- COMMAND. "
         f"Exit codes: {ExitCode.summary(run=False)}; run: COMMAND's status, {ExitCode.summary(run=True)}."
     )
 
@@ -101,7 +103,7 @@ class Command(BaseCommand):
         subparsers = parser.add_subparsers(
             dest="subcommand",
             title="subcommands",
-            metavar="{list,show,release,prune,run}",
+            metavar="{list,show,release,prune,advance-epochs,run}",
             parser_class=SubcommandParser,
         )
 
@@ -138,6 +140,20 @@ class Command(BaseCommand):
         prune_parser.add_argument("--dry-run", action="store_true", help="List what would go; change nothing.")
         prune_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
 
+        advance_parser = subparsers.add_parser(
+            "advance-epochs",
+            help="After a failover that may have lost lease writes: raise every epoch and the epoch floor by --by "
+            "(holders are fenced and must re-acquire).",
+        )
+        advance_parser.add_argument(
+            "--by",
+            required=True,
+            help="How much to raise every epoch: more than the grants per key the lost primary could have made "
+            "since the last replicated point (e.g. 1000000).",
+        )
+        advance_parser.add_argument("--dry-run", action="store_true", help="Say what would change; change nothing.")
+        advance_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
+
         run_parser = subparsers.add_parser(
             "run",
             help="Run COMMAND while holding the lease KEY (renewed by heartbeats, released at the end).",
@@ -172,7 +188,7 @@ class Command(BaseCommand):
             "-v", "--verbosity", type=int, choices=[0, 1, 2, 3], default=argparse.SUPPRESS, help="Verbosity level."
         )
 
-        for sub in (list_parser, show_parser, release_parser, prune_parser, run_parser):
+        for sub in (list_parser, show_parser, release_parser, prune_parser, advance_parser, run_parser):
             # SUPPRESS: a subcommand that is not given these must not overwrite the top-level value.
             sub.add_argument("--database", default=argparse.SUPPRESS, help="Database alias holding the leases.")
             sub.add_argument("--no-color", action="store_true", default=argparse.SUPPRESS, help="Don't colorize.")
@@ -189,6 +205,8 @@ class Command(BaseCommand):
                 self._release(alias, options)
             elif subcommand == "prune":
                 self._prune(alias, options)
+            elif subcommand == "advance-epochs":
+                self._advance_epochs(alias, options)
             elif subcommand == "run":
                 self._run(alias, options)
             else:
@@ -211,15 +229,15 @@ class Command(BaseCommand):
         return alias
 
     @staticmethod
-    def _positive_int(name: str, text: str | None) -> int | None:
+    def _positive_int(name: str, text: str | None, maximum: int = MAX_EPOCH) -> int | None:
         if text is None:
             return None
         try:
             value = int(text, 10)
         except ValueError:
             raise CommandError(f"{name} must be a whole number, got {text!r}", returncode=ExitCode.USAGE) from None
-        if not 1 <= value <= MAX_EPOCH:
-            raise CommandError(f"{name} must be between 1 and {MAX_EPOCH}, got {value}", returncode=ExitCode.USAGE)
+        if not 1 <= value <= maximum:
+            raise CommandError(f"{name} must be between 1 and {maximum}, got {value}", returncode=ExitCode.USAGE)
         return value
 
     @staticmethod
@@ -393,6 +411,34 @@ class Command(BaseCommand):
             self.stdout.write(
                 self.style.SUCCESS(f"Pruned {len(keys)} lease(s) free for at least {options['free_for']}.") + listing
             )
+
+    # -- advance-epochs ------------------------------------------------------------------------------
+
+    def _advance_epochs(self, alias: str, options: dict[str, Any]) -> None:
+        by = self._positive_int("--by", options["by"], maximum=MAX_ADVANCE)
+        assert by is not None
+        dry_run = bool(options.get("dry_run"))
+        done = Lease.objects.db_manager(alias).advance_epochs(by=by, dry_run=dry_run)
+        if options.get("json"):
+            document = {
+                "dry_run": done.dry_run,
+                "by": done.by,
+                "leases": done.leases,
+                "held": done.held,
+                "epoch_floor": done.epoch_floor,
+                "max_epoch": done.max_epoch,
+                "server_time": done.server_time.isoformat(),
+            }
+            self.stdout.write(json.dumps(document, indent=2))
+            return
+        what = (
+            f"{done.leases} lease(s) by {done.by} ({done.held} held: their holders are fenced and must re-acquire); "
+            f"epoch floor {done.epoch_floor}, highest epoch {done.max_epoch}."
+        )
+        if dry_run:
+            self.stdout.write(f"Dry run: would advance the epochs of {what}")
+        else:
+            self.stdout.write(self.style.SUCCESS(f"Advanced the epochs of {what}"))
 
     # -- run -----------------------------------------------------------------------------------------
 
