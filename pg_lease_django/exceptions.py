@@ -151,7 +151,7 @@ class EpochMismatchError(LeaseLostError):
 
 
 class HeartbeatFailedError(LeaseLostError):
-    """The heartbeat thread of a ``hold()`` crashed on something it did not expect: no more renewals.
+    """The heartbeat of a ``hold()`` crashed on something it did not expect: no more renewals.
 
     The hold counts its lease as lost at once (``lease.lost``, ``lease.check()``), though the server
     may still show it held; leaving the hold still releases it. The traceback is logged. Stop.

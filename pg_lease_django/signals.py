@@ -16,7 +16,7 @@ Receivers are called with ``send_robust``: an exception in a receiver is logged 
 ``lease_lost(sender, lease, error)``
     The lease was lost while held: ``error`` is the `LeaseLostError`
     subclass ``lease.check()`` raises from now on. Sent once, right after ``on_lost``, from the
-    heartbeat thread (or, when a hold ends after its trust window ran out before the heartbeat
+    heartbeat's worker thread (or, when a hold ends after its trust window ran out before the heartbeat
     noticed, from the thread leaving it). Not followed by ``lease_released``.
 
 ``lease_skipped(sender, key, error)``

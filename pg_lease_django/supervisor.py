@@ -228,8 +228,8 @@ class _WaitStatus(threading.Thread):
 class Supervisor:
     """One run: acquire with ``hold()``, run COMMAND, supervise it, release.
 
-    The lease is held with `pg_lease_django.hold` (its heartbeat thread renews it on a
-    connection of its own); this class only watches ``HeldLease.lost`` and the child. The main
+    The lease is held with `pg_lease_django.hold` (the process's heartbeat renews it on a
+    connection of the lease's own); this class only watches ``HeldLease.lost`` and the child. The main
     thread sleeps in one ``select()`` on the child's pidfd (it becomes readable when the child
     exits) and a pipe the hold's ``on_lost`` writes to, with a timeout at the end of the trust
     window and of the grace period. Signals are handled in the main thread: before COMMAND starts
@@ -325,7 +325,7 @@ class Supervisor:
                 os.kill(child.pid, signum)
 
     def _wake(self, lease: HeldLease) -> None:
-        # on_lost of the hold, called once from its heartbeat thread.
+        # on_lost of the hold, called once from a heartbeat worker thread.
         with self._wake_lock, suppress(OSError):
             if self._wake_w >= 0:
                 os.write(self._wake_w, b"!")

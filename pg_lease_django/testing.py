@@ -246,7 +246,7 @@ def take_over_lease(
     (``lease.lost``), so code that calls ``lease.check()`` next sees the loss.
 
     Runs on the caller's connection: in a test, the takeover must be committed for the holder's
-    heartbeat (a connection of its own) to see it, so use a transactional test
+    heartbeat (on connections of the lease's own) to see it, so use a transactional test
     (``TransactionTestCase``, ``@pytest.mark.django_db(transaction=True)``).
 
     Args:
