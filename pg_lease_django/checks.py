@@ -179,6 +179,38 @@ def check_lease_table_is_reachable(
     return warnings
 
 
+def check_lease_migrations_are_complete(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """pg_lease_django.W004: some of the lease app's migrations applied, not all (``check --database``).
+
+    ``migrate <your app>`` applies only the lease migrations your app depends on; later ones (new
+    SQL functions the package calls) are nobody's dependency, so the first call that needs one fails
+    with "function ... does not exist". A database with none applied is Django's own notice.
+    """
+    from django.db.migrations.loader import MigrationLoader
+
+    warnings: list[checks.CheckMessage] = []
+    for alias in databases or ():
+        connection = connections[alias]
+        if connection.vendor != "postgresql":
+            continue
+        loader = MigrationLoader(connection, ignore_no_migrations=True)
+        on_disk = sorted(name for app, name in loader.disk_migrations if app == "pg_lease_django")
+        applied = {name for app, name in loader.applied_migrations if app == "pg_lease_django"}
+        missing = [name for name in on_disk if name not in applied]
+        if applied and missing:
+            warnings.append(
+                checks.Warning(
+                    f"database {alias!r} lacks migrations of pg_lease_django: {', '.join(missing)}; "
+                    "lease calls that need their SQL functions will fail.",
+                    hint=f"Run: manage.py migrate pg_lease_django --database {alias} (or a plain migrate).",
+                    id="pg_lease_django.W004",
+                )
+            )
+    return warnings
+
+
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
@@ -186,3 +218,4 @@ def register() -> None:
     checks.register(check_fenced_models_have_a_fenced_admin, checks.Tags.admin)
     checks.register(check_fenced_many_to_many, checks.Tags.models)
     checks.register(check_lease_table_is_reachable, checks.Tags.database)
+    checks.register(check_lease_migrations_are_complete, checks.Tags.database)

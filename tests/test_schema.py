@@ -153,3 +153,23 @@ def test_check_reports_a_migrated_database_whose_lease_table_is_out_of_reach(raw
     finally:
         conn.execute("DROP SCHEMA no_leases_here CASCADE")
     assert warning.id == "pg_lease_django.W002" and "search_path" in warning.msg and warning.hint
+
+
+def test_check_reports_a_database_with_only_some_lease_migrations() -> None:
+    """``migrate yourapp`` applies only the lease migrations your app depends on: W004 names the rest."""
+    from pg_lease_django.checks import check_lease_migrations_are_complete
+
+    assert check_lease_migrations_are_complete(databases=["default"]) == []
+    assert check_lease_migrations_are_complete() == []  # database checks only run when asked for a database
+    with connection.cursor() as cursor:  # rolled back with the test's transaction
+        cursor.execute(
+            "DELETE FROM django_migrations WHERE app = 'pg_lease_django' AND name IN (%s, %s)",
+            ["0006_notify_waiters", "0008_cheap_refusal"],
+        )
+    [warning] = check_lease_migrations_are_complete(databases=["default"])
+    assert warning.id == "pg_lease_django.W004"
+    assert "0006_notify_waiters, 0008_cheap_refusal" in warning.msg
+    assert "migrate pg_lease_django --database default" in (warning.hint or "")
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM django_migrations WHERE app = 'pg_lease_django'")
+    assert check_lease_migrations_are_complete(databases=["default"]) == []  # none applied: Django's own notice
