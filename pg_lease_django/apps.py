@@ -2,13 +2,16 @@ from django.apps import AppConfig
 
 
 class PgLeaseConfig(AppConfig):
-    """Registers the system checks; nothing else happens at start-up."""
+    """Registers the system checks, and copies ``PG_LEASE_HISTORY`` into the database after ``migrate``."""
 
     name = "pg_lease_django"
     verbose_name = "Leases"
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks
+        from django.db.models.signals import post_migrate
+
+        from . import checks, history
 
         checks.register()
+        post_migrate.connect(history.sync_after_migrate, sender=self, dispatch_uid="pg_lease_django.history")

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.apps import apps
 from django.core import checks
-from django.db import connections, router
+from django.db import DatabaseError, connections, router
 
 
 def check_database_is_postgresql(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
@@ -211,6 +211,36 @@ def check_lease_migrations_are_complete(
     return warnings
 
 
+def check_history_scope_is_current(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """pg_lease_django.W005: a database records the history of other keys than ``PG_LEASE_HISTORY`` says.
+
+    The database decides what it records (every caller is recorded alike), from its own copy of the
+    setting, which ``migrate`` refreshes: a changed setting takes effect at the next migrate.
+    """
+    from . import conf, history
+
+    warnings: list[checks.CheckMessage] = []
+    for alias in databases or ():
+        if connections[alias].vendor != "postgresql":
+            continue
+        try:
+            recorded = history.recorded_prefixes(alias)
+        except DatabaseError:
+            continue  # W002/W004 say why
+        if recorded is not None and recorded != conf.history_prefixes():
+            warnings.append(
+                checks.Warning(
+                    f"database {alias!r} records the lease history of keys starting with {list(recorded)!r}, "
+                    f"but PG_LEASE_HISTORY is {list(conf.history_prefixes())!r}.",
+                    hint=f"Run: manage.py migrate --database {alias} (it copies the setting into the database).",
+                    id="pg_lease_django.W005",
+                )
+            )
+    return warnings
+
+
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
@@ -219,3 +249,4 @@ def register() -> None:
     checks.register(check_fenced_many_to_many, checks.Tags.models)
     checks.register(check_lease_table_is_reachable, checks.Tags.database)
     checks.register(check_lease_migrations_are_complete, checks.Tags.database)
+    checks.register(check_history_scope_is_current, checks.Tags.database)

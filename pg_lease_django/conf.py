@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -76,4 +77,44 @@ def hold_connections() -> int:
     value = getattr(settings, "PG_LEASE_HOLD_CONNECTIONS", 8)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ImproperlyConfigured(f"PG_LEASE_HOLD_CONNECTIONS must be a positive integer, got {value!r}")
+    return value
+
+
+def history_prefixes() -> tuple[str, ...]:
+    """``PG_LEASE_HISTORY`` (list of key prefixes, default ``[]``): the keys whose tenures are recorded.
+
+    Each tenure of a key starting with one of the prefixes (``""`` matches every key) is recorded in
+    `LeaseTenure` by the database itself, in the statement that grants or ends it. ``migrate``
+    copies the setting into the database (``pg_lease_django_history_scope``), so every caller of the
+    SQL functions is recorded alike, psql included; check ``pg_lease_django.W005`` says when they differ.
+
+    Raises:
+        ImproperlyConfigured: the setting is not a list or tuple of strings of at most 255 bytes.
+    """
+    value = getattr(settings, "PG_LEASE_HISTORY", ())
+    if (
+        isinstance(value, str)
+        or not isinstance(value, list | tuple)
+        or not all(isinstance(p, str) and len(p.encode()) <= 255 for p in value)
+    ):
+        raise ImproperlyConfigured(
+            f"PG_LEASE_HISTORY must be a list of key prefixes ([''] records every key), got {value!r}"
+        )
+    return tuple(sorted(set(value)))
+
+
+def history_retention() -> timedelta:
+    """``PG_LEASE_HISTORY_RETENTION`` (timedelta or seconds, default 30 days): how long ended tenures are kept.
+
+    ``manage.py leases prune-history`` (and `LeaseTenure.objects.prune`) delete the tenures that
+    ended longer ago than this (server clock). A tenure still running is never deleted.
+
+    Raises:
+        ImproperlyConfigured: the setting is not a positive duration.
+    """
+    value = getattr(settings, "PG_LEASE_HISTORY_RETENTION", timedelta(days=30))
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        value = timedelta(seconds=value)
+    if not isinstance(value, timedelta) or value <= timedelta(0):
+        raise ImproperlyConfigured(f"PG_LEASE_HISTORY_RETENTION must be a positive duration, got {value!r}")
     return value

@@ -155,7 +155,7 @@ class Heartbeat:
         next_at: float | None = None
         try:
             try:
-                expires_at, sent_at = self.pool.renew(lease.key, lease.owner, lease.epoch, self.ttl, timeout=timeout)
+                renewal, sent_at = self.pool.renew(lease.key, lease.owner, lease.epoch, self.ttl, timeout=timeout)
             except LeaseLostError as exc:
                 self._stop_beating()
                 lease._declare_lost(exc, definitive=True)
@@ -175,9 +175,11 @@ class Heartbeat:
             if self._failures:
                 logger.info("renewed lease %r after %d failed attempts", lease.key, self._failures)
             self._failures = 0
-            if not lease._renewed(expires_at, sent_at):
+            if not lease._renewed(renewal.expires_at, sent_at):
                 self._stop_beating()  # the answer came after the trust window ended: lost all the same
                 return
+            if renewal.handoff_requested:
+                lease._handoff_requested_seen()
             next_at = sent_at + self.interval
         except BaseException as exc:
             logger.exception("heartbeat of lease %r crashed; treating the lease as lost", lease.key)
@@ -238,7 +240,7 @@ class Heartbeat:
         # at grant + hold_at_least. A renewal can shorten a lease as well as extend it.
         lease = self.lease
         try:
-            expires_at, _sent_at = self.pool.renew(
+            renewal, _sent_at = self.pool.renew(
                 lease.key, lease.owner, lease.epoch, timedelta(seconds=remaining), timeout=max(self.interval, 1.0)
             )
         except LeaseLostError as exc:
@@ -252,7 +254,7 @@ class Heartbeat:
                 exc_info=True,
             )
             return "unknown"
-        lease.expires_at = expires_at
+        lease.expires_at = renewal.expires_at
         return "kept"
 
 

@@ -18,7 +18,7 @@ from django.db import DEFAULT_DB_ALIAS
 
 from .exceptions import LapsedError, LeaseLostError, NotOwnerError
 from .operations import Grant
-from .signals import lease_lost
+from .signals import lease_handoff_requested, lease_lost
 
 # The documented logger of holds (docs/jobs.md), wherever their code lives.
 logger = logging.getLogger("pg_lease_django.jobs")
@@ -54,6 +54,7 @@ class HeldLease:
         sent_at: float,
         trust_span: float,
         on_lost: OnLost | None,
+        on_handoff: OnLost | None = None,
         using: str = DEFAULT_DB_ALIAS,
     ):
         self.key: str = grant.key
@@ -68,8 +69,11 @@ class HeldLease:
         #: The monotonic instant the holder stops trusting itself (only ever pushed later, by `_renewed`).
         self._trusted_until = sent_at + trust_span
         self._on_lost = on_lost
+        self._on_handoff = on_handoff
+        self._handoff_requested = False
         self._lock = threading.Lock()
-        self._lost_event = threading.Event()
+        self._lost_event = threading.Event()  # set on loss: what wait_lost sleeps on
+        self._stop_event = threading.Event()  # set on loss and on a hand-off request: what wait_stop sleeps on
         self._error: LeaseLostError | None = None
         self._definitive_loss = False
         self._ended_at: float | None = None
@@ -90,6 +94,17 @@ class HeldLease:
         turns false again. Stays false after a normal exit.
         """
         return self._error is not None or self._trust_expired()
+
+    @property
+    def handoff_requested(self) -> bool:
+        """True once a renewal learned that someone asked this holder to step down.
+
+        Set by ``Lease.objects.request_handoff`` (the admin, ``manage.py leases handoff``), seen at
+        the next renewal. Advice: the lease is still held and fenced writes still pass; finish or
+        checkpoint the current step, then leave the hold so the next holder takes over at once.
+        Never turns false again during this hold.
+        """
+        return self._handoff_requested
 
     @property
     def error(self) -> LeaseLostError | None:
@@ -141,6 +156,26 @@ class HeldLease:
                     return False
                 pause = min(pause, deadline - now)
             self._lost_event.wait(max(pause, 0.0))
+
+    def wait_stop(self, timeout: float | None = None) -> bool:
+        """Block until the lease is lost or a hand-off is requested, or ``timeout`` seconds pass.
+
+        True if either happened (``lost`` and ``handoff_requested`` say which): a long-running
+        leader's loop waits here between steps. Returns at once after the hold has ended.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.lost or self._handoff_requested:
+                return True
+            if self._ended_at is not None:
+                return False
+            now = time.monotonic()
+            pause = self._trusted_until - now
+            if deadline is not None:
+                if now >= deadline:
+                    return False
+                pause = min(pause, deadline - now)
+            self._stop_event.wait(max(pause, 0.0))
 
     def _trust_expired(self) -> bool:
         now = time.monotonic() if self._ended_at is None else self._ended_at
@@ -194,6 +229,7 @@ class HeldLease:
             self._definitive_loss = definitive
             hooks = list(self._cancel_hooks)
         self._lost_event.set()
+        self._stop_event.set()
         logger.warning(
             "lease %r lost (owner %r, epoch %s, %s): %s", self.key, self.owner, self.epoch, error.code, error
         )
@@ -208,6 +244,21 @@ class HeldLease:
                 hook()
             except Exception:
                 logger.exception("cancelling the job of lease %r failed", self.key)
+
+    def _handoff_requested_seen(self) -> None:
+        """A renewal said someone asked this holder to step down: tell the job (once)."""
+        with self._lock:
+            if self._handoff_requested:
+                return
+            self._handoff_requested = True
+        self._stop_event.set()
+        logger.info("lease %r: a hand-off was requested (owner %r, epoch %s)", self.key, self.owner, self.epoch)
+        if self._on_handoff is not None:
+            try:
+                self._on_handoff(self)
+            except Exception:
+                logger.exception("on_handoff callback for lease %r failed", self.key)
+        send_lease_signal(lease_handoff_requested, self)
 
     def _add_cancel_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` when the lease is lost (at once if it already is): an async hold cancels its task."""

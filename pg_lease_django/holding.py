@@ -82,6 +82,7 @@ class HoldOptions:
     hold_at_least: timedelta | None
     on_lost: OnLost | None
     using: str | None
+    on_handoff: OnLost | None = None
 
     @classmethod
     def build(
@@ -94,6 +95,7 @@ class HoldOptions:
         hold_at_least: Seconds | None,
         on_lost: OnLost | None,
         using: str | None,
+        on_handoff: OnLost | None = None,
     ) -> HoldOptions:
         ttl_delta = check_ttl(ttl)
         if owner is not None:
@@ -105,11 +107,12 @@ class HoldOptions:
         at_least = None
         if hold_at_least is not None:
             at_least = to_timedelta("hold_at_least", hold_at_least, minimum=timedelta(0), maximum=MAX_TTL)
-        if on_lost is not None and not callable(on_lost):
-            raise InvalidInputError(f"on_lost must be callable, not {type(on_lost).__name__}")
+        for name, callback in (("on_lost", on_lost), ("on_handoff", on_handoff)):
+            if callback is not None and not callable(callback):
+                raise InvalidInputError(f"{name} must be callable, not {type(callback).__name__}")
         if using is not None and not isinstance(using, str):
             raise InvalidInputError(f"using must be a database alias, not {type(using).__name__}")
-        return cls(ttl_delta, owner, blocking, wait, every, at_least, on_lost, using)
+        return cls(ttl_delta, owner, blocking, wait, every, at_least, on_lost, using, on_handoff)
 
 
 class _Session:
@@ -150,6 +153,7 @@ class _Session:
                 sent_at=sent_at,
                 trust_span=trust_span,
                 on_lost=options.on_lost,
+                on_handoff=options.on_handoff,
                 using=alias,
             )
             heartbeat = Heartbeat(lease, pool, ttl=options.ttl, interval=interval)
@@ -317,6 +321,7 @@ def hold(
     hold_at_least: Seconds | None = None,
     on_lost: OnLost | None = None,
     using: str | None = None,
+    on_handoff: OnLost | None = None,
 ) -> Holding:
     """Hold the lease ``key`` for the duration of a block or a call, renewing it in the background.
 
@@ -340,6 +345,9 @@ def hold(
         on_lost: called once with the HeldLease when the lease is lost, from a heartbeat worker thread
             (or from the thread that leaves the hold, if that is where the loss is found).
         using: the database alias; default the router's write database for Lease.
+        on_handoff: called once with the HeldLease when a renewal learns that someone asked this
+            holder to step down (``Lease.objects.request_handoff``), from a heartbeat worker thread.
+            ``lease.handoff_requested`` and ``lease.wait_stop()`` tell the job without a callback.
 
     Returns:
         A `Holding`; entering it gives the `HeldLease`.
@@ -349,7 +357,7 @@ def hold(
         NotAcquirableError: on entering, the key is held by another owner (non-blocking).
         LeaseTimeoutError: on entering, ``blocking=True`` and ``timeout`` passed.
     """
-    options = HoldOptions.build(ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using)
+    options = HoldOptions.build(ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using, on_handoff)
     return Holding(check_name("key", key), options)
 
 

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from django.core import mail
@@ -126,7 +126,7 @@ class LeaseConnection:
             self._discard()
             raise
 
-    def renew(self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float) -> datetime:
+    def renew(self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float) -> operations.Renewal:
         """Renew, giving up server-side after ``timeout`` seconds (statement_timeout)."""
         with self._bounded(timeout):
             self._sending()
@@ -262,11 +262,13 @@ class LeasePool:
             grant = conn.acquire(key, owner, ttl, blocking=blocking, wait=wait)
             return grant, conn.sent_at
 
-    def renew(self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float) -> tuple[datetime, float]:
-        """`LeaseConnection.renew` on a lent connection: the new expiry and when its statement was sent."""
+    def renew(
+        self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float
+    ) -> tuple[operations.Renewal, float]:
+        """`LeaseConnection.renew` on a lent connection: the `Renewal` and when its statement was sent."""
         with self.connection(_timeout_ms(timeout)) as conn:
-            expires_at = conn.renew(key, owner, epoch, ttl, timeout=timeout)
-            return expires_at, conn.sent_at
+            renewal = conn.renew(key, owner, epoch, ttl, timeout=timeout)
+            return renewal, conn.sent_at
 
     def release(self, key: str, owner: str, epoch: int, *, timeout: float) -> None:
         """`LeaseConnection.release` on a lent connection."""

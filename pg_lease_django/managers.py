@@ -15,7 +15,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from . import operations, waiting
 from .exceptions import InvalidInputError
-from .operations import EpochAdvance, Grant, LeaseState
+from .operations import EpochAdvance, Grant, HandoffRequest, LeaseState
 from .sql import NOTIFY_CHANNEL
 from .validation import (
     MAX_PRUNE_AGE,
@@ -121,7 +121,7 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("owner", owner)
         check_epoch(epoch)
         ttl_delta = check_ttl(ttl)
-        return operations.renew(self._connection(), key, owner, epoch, ttl_delta)
+        return operations.renew(self._connection(), key, owner, epoch, ttl_delta).expires_at
 
     def release(self, key: str, owner: str, epoch: int) -> None:
         """Free a live lease held by ``(owner, epoch)``; the epoch goes up, fencing the holder.
@@ -143,7 +143,7 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("key", key)
         return operations.inspect(self._connection(), key)
 
-    def force_release(self, key: str, *, epoch: int | None = None) -> int:
+    def force_release(self, key: str, *, epoch: int | None = None, operator: str | None = None) -> int:
         """Free ``key`` whoever holds it (the operator override); the epoch goes up, fencing the holder.
 
         For humans and scripts breaking a stuck lease (``manage.py leases release --force``, the
@@ -154,6 +154,7 @@ class LeaseManager(models.Manager["Lease"]):
         Args:
             key: the lease key.
             epoch: release only if this is still the current epoch; None releases any holder.
+            operator: who forces it, recorded in the lease's history (None: the database role).
 
         Returns:
             The new epoch (the released one plus one).
@@ -169,7 +170,40 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("key", key)
         if epoch is not None:
             check_epoch(epoch)
-        return operations.force_release(self._connection(), key, epoch)
+        if operator is not None:
+            check_name("operator", operator)
+        return operations.force_release(self._connection(), key, epoch, operator)
+
+    def request_handoff(self, key: str, *, epoch: int | None = None) -> HandoffRequest:
+        """Ask the holder of ``key`` to step down at its next safe point (a rolling deploy's hand-over).
+
+        Advice, never a force: the lease stays granted. A ``hold()`` learns of it at its next renewal
+        (within its renew interval, ``ttl / 3`` by default) and exposes it as
+        ``lease.handoff_requested``; ``elect()`` steps down, releasing the lease to the next campaigner.
+        A holder that ignores it keeps its lease; its release is recorded as ``handed_off``. Any new
+        grant clears the request. Asking again is harmless (``requested_at`` stays the first request's).
+
+        Args:
+            key: the lease key.
+            epoch: ask only if this is still the current epoch (the holder you looked at).
+
+        Returns:
+            The `HandoffRequest`: who was asked, at which epoch, since when.
+
+        Raises:
+            NeverAcquiredError: the key has no row; AlreadyFreeError: it is free; LapsedError: it
+                lapsed: nobody holds it to ask (acquire it instead).
+            EpochMismatchError: ``epoch`` was given and the lease has moved on.
+            InvalidInputError: bad argument; nothing was sent.
+        """
+        check_name("key", key)
+        if epoch is not None:
+            check_epoch(epoch)
+        return operations.request_handoff(self._connection(), key, epoch)
+
+    async def arequest_handoff(self, key: str, *, epoch: int | None = None) -> HandoffRequest:
+        """Async `request_handoff`: the same arguments, result and errors (via ``sync_to_async``)."""
+        return await sync_to_async(self.request_handoff)(key, epoch=epoch)
 
     # --- the async API: each method runs its sync twin's rules (validation, result, errors) as is --
     # sync_to_async with thread_sensitive=True (its default), as Django's own async ORM methods use
@@ -265,7 +299,7 @@ class LeaseManager(models.Manager["Lease"]):
         """
         return await sync_to_async(self.inspect)(key)
 
-    async def aforce_release(self, key: str, *, epoch: int | None = None) -> int:
+    async def aforce_release(self, key: str, *, epoch: int | None = None, operator: str | None = None) -> int:
         """Async `force_release`: the same arguments, result and errors (the statement runs via ``sync_to_async``).
 
         The operator override, for humans and scripts, never for workers.
@@ -273,6 +307,7 @@ class LeaseManager(models.Manager["Lease"]):
         Args:
             key: the lease key.
             epoch: release only if this is still the current epoch; None releases any holder.
+            operator: who forces it, recorded in the lease's history (None: the database role).
 
         Returns:
             The new epoch (the released one plus one).
@@ -285,7 +320,7 @@ class LeaseManager(models.Manager["Lease"]):
                 current holder. Look again before releasing.
             InvalidInputError: bad argument; nothing was sent.
         """
-        return await sync_to_async(self.force_release)(key, epoch=epoch)
+        return await sync_to_async(self.force_release)(key, epoch=epoch, operator=operator)
 
     def prune(self, *, free_for: Seconds, dry_run: bool = False) -> list[str]:
         """Delete the rows of leases free (released, or lapsed) for at least ``free_for``.

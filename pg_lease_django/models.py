@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.db import models
-from django.db.models import F, Func, IntegerField, Q
+from django.db.models import F, Func, IntegerField, Q, Value
 from django.db.models.lookups import Range
 
+from . import conf
 from .managers import LeaseManager
-from .querysets import LeaseQuerySet
-from .validation import MAX_NAME_BYTES
+from .querysets import LeaseQuerySet, ServerNow
+from .validation import MAX_NAME_BYTES, MAX_PRUNE_AGE, to_timedelta
 
 
 def _octet_length(field: str) -> Func:
@@ -36,6 +39,9 @@ class Lease(models.Model):
     acquired_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     released_at = models.DateTimeField(null=True, blank=True)
+    #: When someone asked the holder to step down (`LeaseManager.request_handoff`); None when nobody
+    #: did since the grant. Advice only: the holder's renewals learn it, the grant is unchanged.
+    handoff_requested_at = models.DateTimeField(null=True, blank=True)
 
     # A LeaseManager (acquire, renew, release, ...) that has LeaseQuerySet's reads (with_state(), ...) too.
     objects = LeaseManager.from_queryset(LeaseQuerySet)()
@@ -63,3 +69,73 @@ class Lease(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+
+class EndReason(models.TextChoices):
+    """How a tenure ended (`LeaseTenure.end_reason`)."""
+
+    RELEASED = "released", "released by its holder"
+    HANDED_OFF = "handed_off", "handed off (released after a hand-off request)"
+    LAPSED = "lapsed", "lapsed (then taken over, or pruned)"
+    REACQUIRED = "reacquired", "re-acquired by its holder under a new epoch"
+    FORCE_RELEASED = "force_released", "force-released by an operator"
+    EPOCHS_ADVANCED = "epochs_advanced", "fenced by an epoch advance"
+
+
+class TenureQuerySet(models.QuerySet["LeaseTenure"]):
+    def for_key(self, key: str) -> TenureQuerySet:
+        """The tenures of ``key``, oldest first."""
+        return self.filter(key=key).order_by("epoch")
+
+    def prune(self, *, older_than: float | timedelta | None = None, dry_run: bool = False) -> int:
+        """Delete the tenures that ended more than ``older_than`` ago (server clock; default
+        ``PG_LEASE_HISTORY_RETENTION``): how many were (or, ``dry_run``, would be) deleted.
+
+        A tenure still running (``ended_at`` is None) is never deleted.
+
+        Raises:
+            InvalidInputError: ``older_than`` is not seconds or a timedelta from 0 to 3,650 days.
+        """
+        if older_than is None:
+            older_than = conf.history_retention()
+        age = to_timedelta("older_than", older_than, minimum=timedelta(0), maximum=MAX_PRUNE_AGE)
+        doomed = self.filter(ended_at__lt=ServerNow() - Value(age, output_field=models.DurationField()))
+        if dry_run:
+            return doomed.count()
+        deleted, _ = doomed.delete()
+        return deleted
+
+
+class LeaseTenure(models.Model):
+    """One tenure of a lease: a grant, from the statement that made it to the one that ended it.
+
+    Written only by the database (triggers on the lease table, in the statement of each transition,
+    for the keys ``PG_LEASE_HISTORY`` names), never per renewal. ``ended_at`` is None while the
+    tenure lasts, and also after it lapsed until someone takes the key over (or it is pruned): the
+    lease row says whether it is lapsed. Delete old rows with ``manage.py leases prune-history``.
+
+    Columns: ``key``; ``epoch`` (of the grant); ``owner``; ``granted_at``; ``ended_at``;
+    ``end_reason`` (an `EndReason`); ``ended_by``: who ended it: the holder (released, handed off,
+    re-acquired), the owner that took the key over (lapsed; None when the row was pruned), the
+    operator (force-released, as passed to ``force_release(operator=...)``, else the database role),
+    or the database role that advanced the epochs.
+    """
+
+    key = models.TextField()
+    epoch = models.BigIntegerField()
+    owner = models.TextField()
+    granted_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end_reason = models.TextField(choices=EndReason.choices, null=True, blank=True)  # noqa: DJ001
+    ended_by = models.TextField(null=True, blank=True)  # noqa: DJ001
+
+    objects = TenureQuerySet.as_manager()
+
+    class Meta:
+        db_table = "pg_lease_django_tenure"
+        ordering = ["key", "epoch"]
+        # Not unique: a history must never refuse a grant (an epoch may repeat after an asynchronous failover).
+        indexes = [models.Index(fields=["key", "epoch"], name="pg_lease_tenure_key_epoch")]
+
+    def __str__(self) -> str:
+        return f"{self.key} #{self.epoch} ({self.owner})"

@@ -25,6 +25,7 @@ from .exceptions import (
     AlreadyFreeError,
     EpochMismatchError,
     InvalidInputError,
+    LapsedError,
     NeverAcquiredError,
     NotAcquirableError,
     UnconfirmedCommitError,
@@ -209,11 +210,18 @@ def acquire_or_raise(connection: BaseDatabaseWrapper, key: str, owner: str, ttl:
     )
 
 
-def renew(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int, ttl: timedelta) -> datetime:
-    """Extend ``(owner, epoch)``'s lease; the new expiry, or the `LeaseLostError` of the verdict."""
-    outcome, expires_at, _server_time = call(connection, sql.RENEW, [key, owner, epoch, ttl])
+class Renewal(NamedTuple):
+    """A renewal that succeeded: the new expiry, and whether someone asked the holder to step down."""
+
+    expires_at: datetime
+    handoff_requested: bool
+
+
+def renew(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int, ttl: timedelta) -> Renewal:
+    """Extend ``(owner, epoch)``'s lease; the `Renewal`, or the `LeaseLostError` of the verdict."""
+    outcome, expires_at, _server_time, handoff_requested = call(connection, sql.RENEW, [key, owner, epoch, ttl])
     _raise_unless_ok(outcome, "renew", key, owner, epoch)
-    return expires_at  # type: ignore[no-any-return]
+    return Renewal(expires_at, bool(handoff_requested))
 
 
 def release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
@@ -237,9 +245,12 @@ def inspect(connection: BaseDatabaseWrapper, key: str) -> LeaseState:
     return LeaseState(key, status, owner, epoch, expires_at, server_time)
 
 
-def force_release(connection: BaseDatabaseWrapper, key: str, epoch: int | None) -> int:
-    """Free ``key`` whoever holds it (at ``epoch``, if given): the new epoch, or why nothing was freed."""
-    outcome, owner, current_epoch, _server_time = call(connection, sql.FORCE_RELEASE, [key, epoch])
+def force_release(connection: BaseDatabaseWrapper, key: str, epoch: int | None, operator: str | None = None) -> int:
+    """Free ``key`` whoever holds it (at ``epoch``, if given): the new epoch, or why nothing was freed.
+
+    ``operator``: who forces it, for the history (None: the database role).
+    """
+    outcome, owner, current_epoch, _server_time = call(connection, sql.FORCE_RELEASE, [key, epoch, operator])
     if outcome == "ok":
         return current_epoch  # type: ignore[no-any-return]
     if outcome == "epoch_mismatch":
@@ -255,6 +266,58 @@ def force_release(connection: BaseDatabaseWrapper, key: str, epoch: int | None) 
         )
     raise AlreadyFreeError(
         f"lease {key!r} is already free (epoch {current_epoch}): nothing to release",
+        key=key,
+        epoch=epoch,
+        current_epoch=current_epoch,
+    )
+
+
+@dataclass(frozen=True)
+class HandoffRequest:
+    """A hand-off request recorded on a held lease (`LeaseManager.request_handoff`).
+
+    Attributes:
+        key: the lease key.
+        owner: the holder asked to step down.
+        epoch: its epoch.
+        expires_at: its expiry when asked.
+        requested_at: when the hand-off was first requested during this grant (server clock).
+        server_time: the server clock when this request was made.
+    """
+
+    key: str
+    owner: str
+    epoch: int
+    expires_at: datetime
+    requested_at: datetime
+    server_time: datetime
+
+
+def request_handoff(connection: BaseDatabaseWrapper, key: str, epoch: int | None) -> HandoffRequest:
+    """Ask the holder of ``key`` (at ``epoch``, if given) to step down; why nobody can be asked, raised."""
+    outcome, owner, current_epoch, expires_at, requested_at, server_time = call(
+        connection, sql.REQUEST_HANDOFF, [key, epoch]
+    )
+    if outcome == "ok":
+        return HandoffRequest(key, owner, current_epoch, expires_at, requested_at, server_time)
+    if outcome == "epoch_mismatch":
+        raise EpochMismatchError(
+            f"lease {key!r} has moved on: its epoch is {current_epoch} (held by {owner!r}), not {epoch}",
+            key=key,
+            owner=owner,
+            epoch=epoch,
+        )
+    if outcome == "not_found":
+        raise NeverAcquiredError(f"no lease with key {key!r} (never acquired): nobody to ask", key=key, epoch=epoch)
+    if outcome == "lapsed":
+        raise LapsedError(
+            f"lease {key!r} lapsed (owner {owner!r}, epoch {current_epoch}): nobody holds it to hand it off",
+            key=key,
+            owner=owner,
+            epoch=current_epoch,
+        )
+    raise AlreadyFreeError(
+        f"lease {key!r} is free (epoch {current_epoch}): nobody holds it to hand it off",
         key=key,
         epoch=epoch,
         current_epoch=current_epoch,

@@ -19,6 +19,11 @@ Receivers are called with ``send_robust``: an exception in a receiver is logged 
     heartbeat's worker thread (or, when a hold ends after its trust window ran out before the heartbeat
     noticed, from the thread leaving it). Not followed by ``lease_released``.
 
+``lease_handoff_requested(sender, lease)``
+    Someone asked the holder to step down (``Lease.objects.request_handoff``): sent once per hold,
+    right after ``on_handoff``, from the heartbeat's worker thread whose renewal learned it.
+    ``lease.handoff_requested`` is True from then on. The lease is still held.
+
 ``lease_skipped(sender, key, error)``
     ``@leased(on_busy="skip")`` did not run its function because the lease could not be had:
     ``sender`` is the decorated function, ``error`` the `NotAcquirableError` or `LeaseTimeoutError`.
@@ -29,9 +34,10 @@ from __future__ import annotations
 
 from django.dispatch import Signal
 
-__all__ = ["lease_acquired", "lease_lost", "lease_released", "lease_skipped"]
+__all__ = ["lease_acquired", "lease_handoff_requested", "lease_lost", "lease_released", "lease_skipped"]
 
 lease_acquired = Signal()
 lease_released = Signal()
 lease_lost = Signal()
 lease_skipped = Signal()
+lease_handoff_requested = Signal()

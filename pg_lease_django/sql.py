@@ -22,7 +22,9 @@ ACQUIRE_OR_REGISTER = (
 RENEW = "SELECT * FROM {schema}.pg_lease_renew(%s::text, %s::text, %s::bigint, %s::interval)"
 RELEASE = "SELECT * FROM {schema}.pg_lease_release(%s::text, %s::text, %s::bigint)"
 INSPECT = "SELECT * FROM {schema}.pg_lease_inspect(%s::text)"
-FORCE_RELEASE = "SELECT * FROM {schema}.pg_lease_force_release(%s::text, %s::bigint)"
+FORCE_RELEASE = "SELECT * FROM {schema}.pg_lease_force_release(%s::text, %s::bigint, %s::text)"
+#: Ask the holder to step down at its next renewal (advice: the grant is unchanged).
+REQUEST_HANDOFF = "SELECT * FROM {schema}.pg_lease_request_handoff(%s::text, %s::bigint)"
 PRUNE = "SELECT key FROM {schema}.pg_lease_prune(%s::interval, %s::boolean)"
 #: Raise every epoch and the epoch floor by N (after an asynchronous failover; operators only).
 ADVANCE_EPOCHS = "SELECT * FROM {schema}.pg_lease_advance_epochs(%s::bigint, %s::boolean)"

@@ -91,6 +91,8 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_prune",
         "pg_lease_advance_epochs",
         "pg_lease_guard_key",  # the triggers' lease-row check: locking it needs the owner's rights
+        "pg_lease_request_handoff",
+        "pg_lease_record_transition",  # the history trigger: whoever changes a lease row, its tenure is recorded
     }
     assert {r[0] for r in rows} >= operations
     # Hot helpers without a SET clause (it blocks inlining, or costs a switch per call): they name

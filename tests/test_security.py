@@ -242,7 +242,11 @@ def test_the_roles_hold_exactly_what_the_page_says(roles: Roles) -> None:
     for privilege in ("SELECT", "INSERT", "UPDATE", "DELETE"):
         assert may(roles.worker, "public.testapp_invoice", privilege)
     assert not may(roles.worker, "public.testapp_invoice", "TRUNCATE")
-    for function in ("pg_lease_force_release(text, bigint)", "pg_lease_allow_unfenced()"):
+    for function in (
+        "pg_lease_force_release(text, bigint)",
+        "pg_lease_force_release(text, bigint, text)",
+        "pg_lease_allow_unfenced()",
+    ):
         assert not may(roles.worker, f"public.{function}", "EXECUTE", "function"), function
         assert may(roles.operator, f"public.{function}", "EXECUTE", "function"), function
     # Advancing every epoch (the failover runbook's step) is granted to no one: the owner may run it.

@@ -1,0 +1,69 @@
+"""Which keys the database records the tenures of: ``PG_LEASE_HISTORY``, copied into the database.
+
+The triggers of migration 0009 record a tenure when its key starts with a prefix listed in
+``pg_lease_django_history_scope``, whoever sends the statement, so the setting lives in the database
+too. ``migrate`` copies it there (a ``post_migrate`` receiver); check ``pg_lease_django.W005``
+(``check --database``) says when a database's copy differs from the setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
+
+from . import conf, sql
+
+SCOPE_TABLE = "pg_lease_django_history_scope"
+
+
+def _scope_table(using: str) -> str | None:
+    """The qualified scope table of database ``using``, or None when it has none (not migrated that far)."""
+    connection = connections[using]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_catalog.to_regclass(%s) IS NOT NULL", [SCOPE_TABLE])
+        row = cursor.fetchone()
+    if row is None or not row[0]:
+        return None
+    return sql.render(connection, "{schema}." + connection.ops.quote_name(SCOPE_TABLE))
+
+
+def recorded_prefixes(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...] | None:
+    """The key prefixes database ``using`` records the tenures of, sorted; None when it cannot record any."""
+    table = _scope_table(using)
+    if table is None:
+        return None
+    with connections[using].cursor() as cursor:
+        cursor.execute(f"SELECT prefix FROM {table} ORDER BY prefix")
+        return tuple(row[0] for row in cursor.fetchall())
+
+
+def sync_scope(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...]:
+    """Make database ``using`` record the keys ``PG_LEASE_HISTORY`` names (from the next transition on).
+
+    ``migrate`` calls it; call it yourself after changing the setting without migrating (tests do).
+
+    Raises:
+        ImproperlyConfigured: the setting is invalid, or the database has no lease table.
+        RuntimeError: the database is not migrated far enough to record history (0009).
+    """
+    prefixes = conf.history_prefixes()
+    table = _scope_table(using)
+    if table is None:
+        raise RuntimeError(
+            f"database {using!r} cannot record lease history: "
+            f"run `manage.py migrate pg_lease_django --database {using}`"
+        )
+    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+        cursor.execute(f"DELETE FROM {table} WHERE NOT prefix = ANY(%s)", [list(prefixes)])
+        for prefix in prefixes:
+            cursor.execute(f"INSERT INTO {table} (prefix) VALUES (%s) ON CONFLICT DO NOTHING", [prefix])
+    return prefixes
+
+
+def sync_after_migrate(using: str = DEFAULT_DB_ALIAS, **kwargs: Any) -> None:
+    """``post_migrate`` receiver: copy the setting into each database the lease app is migrated in."""
+    from .models import Lease
+
+    if router.allow_migrate_model(using, Lease) and _scope_table(using) is not None:
+        sync_scope(using)
