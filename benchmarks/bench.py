@@ -29,7 +29,7 @@ of a ratio alike. Quote ratios, not absolutes. Prints a table; writes the same a
 (``benchmarks/results/latest.json`` by default). Worker processes use the spawn start method.
 
 This file only runs the stages. Each is a module of its own: ``floor.py`` (single), ``fenced_save.py``
-(save), ``peers.py``, ``scale_out.py`` (scale), ``contention.py``, ``soak.py`` (and the TTL
+(save), ``history.py``, ``peers.py``, ``scale_out.py`` (scale), ``contention.py``, ``soak.py`` (and the TTL
 recommendation), ``handoff.py``; ``common.py`` has what they share (set-up, timing, the table, the JSON).
 """
 
@@ -48,12 +48,13 @@ import contention
 import fenced_save
 import floor
 import handoff
+import history
 import peers
 import scale_out
 import soak
 from common import DEFAULT_JSON, HEADER, OWNER, Report, bench_database, installed_apps, run_meta, setup_django, stage
 
-STAGES = ("single", "save", "peers", "scale", "contention", "soak", "handoff")
+STAGES = ("single", "save", "history", "peers", "scale", "contention", "soak", "handoff")
 
 
 def main() -> None:
@@ -95,6 +96,9 @@ def main() -> None:
     if "save" in only:
         with stage("fenced save", timings):
             fenced_save.run(report, rounds, block, owner)
+    if "history" in only:
+        with stage("history: acquire + release with the tenure recorded", timings):
+            report.details["history"] = history.run(report, rounds, block, owner)
     if "peers" in only and not args.no_peers:
         with stage("peers: acquire + release of a named lock", timings):
             peers.run(report, database, rounds, block, owner)
