@@ -12,6 +12,12 @@ go through connections lent by `lease_pool`.
   slow renewal (a locked row, a dying network) from delaying any other hold's renewal. Idle
   workers and the scheduler exit after ``IDLE_EXIT`` seconds without work, and the idle
   connections are closed then too.
+- **Bounded exits**: leaving a hold waits for a renewal in flight no longer than the end of the
+  trust window, and for the release no longer than ``max(renew interval, 1 s)`` plus
+  ``INTERRUPT_GRACE``; past that the call is interrupted (`LeaseConnection.interrupt`: a cancel,
+  which also ends a commit's wait for a synchronous standby that ``statement_timeout`` does not, then
+  the socket shut if the server cannot be reached) and the outcome is ``unknown``: the lease lapses
+  at its expiry. A renewal still in flight when the trust window ends is interrupted the same way.
 - **Fork**: a child never uses its parent's scheduler or workers; it gets its own.
 """
 
@@ -25,8 +31,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Literal
 
@@ -44,6 +50,9 @@ MAX_RETRY_DELAY = 2.0
 #: Seconds an idle worker thread, and the scheduler with no hold left, wait before they exit
 #: (the scheduler then closes the idle pooled connections).
 IDLE_EXIT = 2.0
+
+#: Seconds between the cancel request of an interrupted call and shutting its socket.
+INTERRUPT_GRACE = 1.0
 
 Outcome = Literal["freed", "kept", "gone", "unknown"]
 
@@ -76,6 +85,7 @@ class Heartbeat:
         self._stopped = False
         self._generation = 0  # only the latest due time scheduled counts
         self._scheduler: _Scheduler | None = None
+        self._renewing: _Call | None = None  # the renewal in flight, to interrupt
 
     def start(self) -> None:
         """Hand the renewals to the process's scheduler."""
@@ -94,15 +104,27 @@ class Heartbeat:
         with self._cond:
             self._stopped = True
             self._generation += 1
+            # A renewal in flight ends within its statement_timeout, unless its commit waits for a
+            # synchronous standby that is gone: wait no longer than the trust window, then interrupt it.
             while self._jobs:
-                self._cond.wait()
-        if self._scheduler is not None:
-            self._scheduler.remove(self)
+                remaining = self.lease._trusted_until - time.monotonic()
+                if self._in_flight and remaining <= 0:
+                    break
+                self._cond.wait(remaining if self._in_flight else None)
+            stuck = self._renewing if self._in_flight else None
+        if stuck is not None:
+            logger.warning(
+                "a renewal of lease %r did not return within the trust window; interrupting it", self.lease.key
+            )
+            stuck.interrupt()
         try:
             self.outcome = self._finish(keep_until)
         except BaseException:
             logger.exception("ending the hold of lease %r failed; it lapses at its expiry", self.lease.key)
             self.outcome = "unknown"
+        finally:
+            if self._scheduler is not None:
+                self._scheduler.remove(self)  # after the end: its watchdog runs on the scheduler
         lease_pool.settle_for_tests()  # also when the end sent nothing (the lease was gone)
         return self.outcome
 
@@ -111,7 +133,7 @@ class Heartbeat:
     def _schedule(self, when: float) -> None:  # with self._cond held
         self._generation += 1
         if self._scheduler is not None:
-            self._scheduler.at(when, self, self._generation)
+            self._scheduler.at(when, functools.partial(self._due, self._generation))
 
     def _due(self, generation: int) -> None:
         """The scheduler woke for this hold: lose trust, or hand a renewal to a worker, or wait on."""
@@ -123,7 +145,9 @@ class Heartbeat:
             trusted_until = lease._trusted_until
             if now >= trusted_until:
                 self._beating = False
-                job: Callable[[], None] = self._lose_trust
+                job: Callable[[], None] = functools.partial(
+                    self._lose_trust, self._renewing if self._in_flight else None
+                )
                 self._jobs += 1
             elif self._in_flight:
                 self._schedule(trusted_until)  # the renewal in flight may hang: still lose trust on time
@@ -142,9 +166,11 @@ class Heartbeat:
 
     # ---- worker threads --------------------------------------------------------------------------
 
-    def _lose_trust(self) -> None:
+    def _lose_trust(self, in_flight: _Call | None) -> None:
         try:
             self.lease._lose_trust()  # log, on_lost, lease_lost, cancel an async job: before the exit goes on
+            if in_flight is not None:
+                in_flight.interrupt()  # a renewal hung past the trust window (a commit waiting for a gone standby)
         finally:
             with self._cond:
                 self._jobs -= 1
@@ -153,9 +179,12 @@ class Heartbeat:
     def _renew(self, timeout: float) -> None:
         lease = self.lease
         next_at: float | None = None
+        call = self._renewing = _Call()
         try:
             try:
-                renewal, sent_at = self.pool.renew(lease.key, lease.owner, lease.epoch, self.ttl, timeout=timeout)
+                renewal, sent_at = self.pool.renew(
+                    lease.key, lease.owner, lease.epoch, self.ttl, timeout=timeout, on_lent=call.lent
+                )
             except LeaseLostError as exc:
                 self._stop_beating()
                 lease._declare_lost(exc, definitive=True)
@@ -193,6 +222,7 @@ class Heartbeat:
             crashed.__cause__ = exc
             lease._declare_lost(crashed, definitive=False)
         finally:
+            call.done.set()
             with self._cond:
                 self._in_flight = False
                 self._jobs -= 1
@@ -216,14 +246,17 @@ class Heartbeat:
             remaining = keep_until - time.monotonic()
             if remaining >= 0.001:
                 return self._keep(remaining)
+        bound = max(self.interval, 1.0)
         for attempt in (1, 2):
+            call = _Call()
             try:
-                self.pool.release(lease.key, lease.owner, lease.epoch, timeout=max(self.interval, 1.0))
+                with self._watchdog(call, bound):
+                    self.pool.release(lease.key, lease.owner, lease.epoch, timeout=bound, on_lent=call.lent)
             except LeaseLostError as exc:
                 lease._declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
                 return "gone"
             except Exception:
-                if attempt == 2:
+                if attempt == 2 or call.interrupted:  # a release that hung would hang again: give up
                     logger.warning(
                         "releasing lease %r failed; it lapses at its expiry (%s)",
                         lease.key,
@@ -239,10 +272,13 @@ class Heartbeat:
         # Renew to exactly the time left, under our (owner, epoch): the lease then lapses on its own
         # at grant + hold_at_least. A renewal can shorten a lease as well as extend it.
         lease = self.lease
+        bound = max(self.interval, 1.0)
+        call = _Call()
         try:
-            renewal, _sent_at = self.pool.renew(
-                lease.key, lease.owner, lease.epoch, timedelta(seconds=remaining), timeout=max(self.interval, 1.0)
-            )
+            with self._watchdog(call, bound):
+                renewal, _sent_at = self.pool.renew(
+                    lease.key, lease.owner, lease.epoch, timedelta(seconds=remaining), timeout=bound, on_lent=call.lent
+                )
         except LeaseLostError as exc:
             lease._declare_lost(exc, definitive=True)
             return "gone"
@@ -257,6 +293,45 @@ class Heartbeat:
         lease.expires_at = renewal.expires_at
         return "kept"
 
+    @contextmanager
+    def _watchdog(self, call: _Call, bound: float) -> Iterator[None]:
+        """Interrupt ``call`` if it has not returned ``bound`` seconds (plus a margin) from now.
+
+        The margin lets the server's own statement_timeout (``bound``) answer first when it can.
+        """
+        scheduler = self._scheduler if self._scheduler is not None and self._scheduler.pid == os.getpid() else None
+        if scheduler is not None:
+            scheduler.at(time.monotonic() + bound + INTERRUPT_GRACE, lambda: call.interrupt_later(scheduler))
+        try:
+            yield
+        finally:
+            call.done.set()
+
+
+class _Call:
+    """One statement of a hold in flight on a lent connection: what another thread may interrupt."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.interrupted = False
+        self._conn: lease_pool.LeaseConnection | None = None
+
+    def lent(self, conn: lease_pool.LeaseConnection) -> None:
+        self._conn = conn
+
+    def interrupt(self) -> None:
+        """Cancel the statement, then shut its socket if it still has not returned (blocks up to the grace)."""
+        conn = self._conn
+        if conn is None or self.done.is_set():
+            return
+        self.interrupted = True
+        conn.interrupt(self.done, grace=INTERRUPT_GRACE)
+
+    def interrupt_later(self, scheduler: _Scheduler) -> None:
+        """From the scheduler thread, which must not block: interrupt on a worker."""
+        if not self.done.is_set():
+            scheduler.submit(self.interrupt)
+
 
 # ---- the scheduler -------------------------------------------------------------------------------
 
@@ -267,7 +342,7 @@ class _Scheduler:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, Heartbeat, int]] = []
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._beats: set[Heartbeat] = set()
         self._thread: threading.Thread | None = None
@@ -287,10 +362,11 @@ class _Scheduler:
             self._beats.discard(beat)
             self._cond.notify_all()
 
-    def at(self, when: float, beat: Heartbeat, generation: int) -> None:
+    def at(self, when: float, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the scheduler thread at ``when`` (monotonic): it must not block."""
         with self._cond:
             first = not self._heap or when < self._heap[0][0]
-            heapq.heappush(self._heap, (when, next(self._seq), beat, generation))
+            heapq.heappush(self._heap, (when, next(self._seq), callback))
             if first:
                 self._cond.notify_all()
 
@@ -323,19 +399,18 @@ class _Scheduler:
             if due is None:
                 lease_pool.close_connections()  # no hold left for a while: no idle connection kept either
                 return
-            beat, generation = due
             try:
-                beat._due(generation)
+                due()
             except BaseException:
-                logger.exception("the heartbeat scheduler failed on lease %r", beat.lease.key)
+                logger.exception("the heartbeat scheduler failed")
 
-    def _next_due(self) -> tuple[Heartbeat, int] | None:  # with self._cond held; None: time to exit
+    def _next_due(self) -> Callable[[], None] | None:  # with self._cond held; None: time to exit
         idle_since: float | None = None
         while True:
             now = time.monotonic()
             if self._heap and self._heap[0][0] <= now:
-                _when, _seq, beat, generation = heapq.heappop(self._heap)
-                return beat, generation
+                _when, _seq, callback = heapq.heappop(self._heap)
+                return callback
             if self._beats:
                 idle_since = None
                 self._cond.wait(self._heap[0][0] - now if self._heap else None)

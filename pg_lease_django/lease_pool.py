@@ -25,6 +25,7 @@ import atexit
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 #: ``application_name`` of every lease connection of ``hold()`` in ``pg_stat_activity``.
 APPLICATION_NAME = "pg_lease_django hold"
+
+
+#: Told which connection a call was lent, before it is sent: so that another thread can interrupt it.
+OnLent = Callable[["LeaseConnection"], object]
 
 
 def _timeout_ms(seconds: float) -> int:
@@ -137,6 +142,27 @@ class LeaseConnection:
         with self._bounded(timeout):
             self._sending()
             operations.release(self.wrapper, key, owner, epoch)
+
+    def interrupt(self, done: threading.Event, *, grace: float) -> None:
+        """End the call in flight on this connection, from another thread (a hold's bounded exit).
+
+        First a cancel request, which also ends a commit's wait for a synchronous standby (a
+        ``statement_timeout`` does not). If the call is still blocked ``grace`` seconds later (the
+        server cannot be reached: a dead network), the socket is shut down, so that the blocked call
+        fails at once instead of after the TCP keepalives. ``done`` is set when the call has returned.
+        Either way the connection is discarded by the call's own error handling.
+        """
+        raw = self.wrapper.connection
+        if raw is None or raw.closed:
+            return
+        started = time.monotonic()
+        with suppress(Exception):
+            raw.cancel_safe(timeout=grace)
+        if not done.wait(max(0.0, grace - (time.monotonic() - started))):
+            with suppress(Exception):
+                fd = raw.pgconn.socket
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Close the connection for good (never in a process that did not open it: see `forget`)."""
@@ -263,16 +289,20 @@ class LeasePool:
             return grant, conn.sent_at
 
     def renew(
-        self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float
+        self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float, on_lent: OnLent | None = None
     ) -> tuple[operations.Renewal, float]:
         """`LeaseConnection.renew` on a lent connection: the `Renewal` and when its statement was sent."""
         with self.connection(_timeout_ms(timeout)) as conn:
+            if on_lent is not None:
+                on_lent(conn)
             renewal = conn.renew(key, owner, epoch, ttl, timeout=timeout)
             return renewal, conn.sent_at
 
-    def release(self, key: str, owner: str, epoch: int, *, timeout: float) -> None:
+    def release(self, key: str, owner: str, epoch: int, *, timeout: float, on_lent: OnLent | None = None) -> None:
         """`LeaseConnection.release` on a lent connection."""
         with self.connection(_timeout_ms(timeout)) as conn:
+            if on_lent is not None:
+                on_lent(conn)
             conn.release(key, owner, epoch, timeout=timeout)
 
     def idle_count(self) -> int:

@@ -1,0 +1,108 @@
+"""Leaving a hold is bounded, whatever the database does.
+
+``hold()`` returns to its caller within the trust window plus a bounded release attempt, even when
+a renewal or the release never returns: a commit waiting for a synchronous standby that is gone
+(``statement_timeout`` does not end that wait), or a server that stopped answering while its TCP
+connections stay up (SIGSTOP). Before the bound, the exit joined the renewal in flight: it never
+returned in the first case, and in the second only once the TCP keepalives gave up (about four renew
+intervals later: 8.7 s against 5.0 s here with a 4 s TTL).
+
+A hold in a child process (tests/failover_child.py, Django over the cluster's multi-host settings)
+on a primary with a synchronous standby (tests/pgcluster.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.failover_child import Child
+from tests.pgcluster import Cluster, find_bindir, poll
+
+BINDIR = find_bindir()
+pytestmark = pytest.mark.skipif(BINDIR is None, reason="no PostgreSQL server binaries with pg_basebackup")
+
+TTL = 4.0  # trust window 3.6 s, renewals every 1.33 s
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    assert BINDIR is not None
+    cluster = Cluster(synchronous=True, bindir=BINDIR)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def holder(cluster: Cluster) -> Iterator[Child]:
+    child = Child(cluster.django_database())
+    try:
+        assert child.call(op="migrate")["ok"]
+        yield child
+    finally:
+        child.process.kill()  # a stuck child must not hold the test up
+        child.process.wait(10)
+
+
+def waiting_in(cluster: Cluster, wait_event: str, statement: str) -> Callable[[], list[int] | None]:
+    def backends() -> list[int] | None:
+        rows = cluster.primary.query(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event = %s AND position(%s in query) > 0",
+            (wait_event, statement),
+        )
+        return [int(pid) for (pid,) in rows] or None
+
+    return backends
+
+
+def leave(holder: Child) -> tuple[dict[str, Any], float]:
+    started = time.monotonic()
+    reply = holder.call(op="unhold", timeout=60)
+    return reply, time.monotonic() - started
+
+
+def test_exit_is_bounded_when_commits_wait_for_a_standby_that_is_gone(cluster: Cluster, holder: Child) -> None:
+    assert holder.call(op="hold", key="bounded-sync", ttl=TTL, owner="holder")["ok"]
+    cluster.standby.stop("fast")  # every commit on the primary now waits for it, for ever
+    poll(waiting_in(cluster, "SyncRep", "pg_lease_renew"), timeout=30, what="a renewal to wait for the standby")
+    reply, took = leave(holder)
+    print(f"\nexit with a renewal stuck in its commit: {took:.2f}s (ttl {TTL}s)")
+    assert reply["exited"] and reply["exit_error"] is None, reply
+    # Within the trust window, plus the release's bound (max(renew interval, 1 s)) and the interrupt's margins.
+    assert took < TTL * 0.9 + max(TTL / 3, 1.0) + 3.0, took
+    # Nothing of the hold's is left waiting on the primary: the stuck calls were cancelled.
+    poll(
+        lambda: not waiting_in(cluster, "SyncRep", "pg_lease_")(),
+        timeout=10,
+        what="the hold's cancelled calls to leave the primary",
+    )
+
+
+def test_exit_is_bounded_when_the_server_stops_answering(cluster: Cluster, holder: Child) -> None:
+    assert holder.call(op="hold", key="bounded-stopped", ttl=TTL, owner="holder")["ok"]
+    pgid = cluster.primary.pid
+    os.killpg(pgid, signal.SIGSTOP)  # connections stay up; nothing answers
+    try:
+        # A renewal is due every ttl/3: once the trust left is below that much less than the window,
+        # one was sent, and it hangs.
+        poll(
+            lambda: holder.call(op="held")["trust_remaining"] < TTL * 0.9 - TTL / 3 - 0.3,
+            timeout=30,
+            what="a renewal to be sent to the stopped server",
+        )
+        reply, took = leave(holder)
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    print(f"\nexit with the server stopped: {took:.2f}s (ttl {TTL}s)")
+    assert reply["exited"] and reply["exit_error"] is None, reply
+    # The trust window, one interrupted renewal, and a release that cannot connect (connect_timeout 3 s,
+    # tried twice on each of the two hosts) at most.
+    assert took < TTL * 0.9 + 2 * 2 * 3.0 + 4.0, took
