@@ -192,8 +192,9 @@ class UnconfirmedCommitError(OperationalError):
     any lost connection, an unknown outcome (the write may or may not survive); retry, or for a
     held lease count the renewal as unconfirmed (the heartbeat does).
 
-    Raised only for statements that commit on their own (autocommit, the default outside
-    ``transaction.atomic()``): inside a transaction the commit, and its warning, are the caller's.
+    Raised by a call whose statement commits on its own (autocommit, the default outside
+    ``transaction.atomic()``); for a call inside the caller's ``atomic()``, out of that block, after
+    its COMMIT (an ``on_commit`` hook of the call checks it): the whole transaction's outcome is unknown.
 
     Attributes:
         code: ``"unconfirmed_commit"``.

@@ -11,7 +11,7 @@ here is public API except `Grant` and `LeaseState`, which `pg_lease_django` and
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple
@@ -121,6 +121,35 @@ class EpochAdvance:
 UNCONFIRMED_COMMIT_SQLSTATE = "01000"
 
 
+class _Notices:
+    """A notice handler on a psycopg connection keeping the WARNINGs of SQLSTATE ``01000`` it sees."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.seen: list[tuple[str | None, str | None, str | None]] = []
+        raw.add_notice_handler(self.on_notice)
+
+    def on_notice(self, diagnostic: Any) -> None:
+        # A Diagnostic is valid only inside the handler: keep its fields.
+        if diagnostic.sqlstate == UNCONFIRMED_COMMIT_SQLSTATE and diagnostic.severity_nonlocalized == "WARNING":
+            self.seen.append((diagnostic.severity, diagnostic.message_primary, diagnostic.message_detail))
+
+    def remove(self) -> None:
+        with suppress(ValueError):
+            self.raw.remove_notice_handler(self.on_notice)
+
+    def raise_if_unconfirmed(self) -> None:
+        if self.seen:
+            severity, notice, detail = self.seen[0]
+            raise UnconfirmedCommitError(
+                "the commit was not confirmed by the synchronous standby (its outcome after a failover is "
+                f"unknown): {notice}" + (f" ({detail})" if detail else ""),
+                severity=severity,
+                notice=notice,
+                detail=detail,
+            )
+
+
 @contextmanager
 def confirmed_commit(connection: BaseDatabaseWrapper) -> Iterator[None]:
     """Raise `UnconfirmedCommitError` after the block if the server sent a WARNING of SQLSTATE ``01000``
@@ -134,31 +163,50 @@ def confirmed_commit(connection: BaseDatabaseWrapper) -> Iterator[None]:
     if raw is None:
         yield
         return
-    seen: list[tuple[str | None, str | None, str | None]] = []
-
-    def on_notice(diagnostic: Any) -> None:
-        # A Diagnostic is valid only inside the handler: keep its fields.
-        if diagnostic.sqlstate == UNCONFIRMED_COMMIT_SQLSTATE and diagnostic.severity_nonlocalized == "WARNING":
-            seen.append((diagnostic.severity, diagnostic.message_primary, diagnostic.message_detail))
-
-    raw.add_notice_handler(on_notice)
+    notices = _Notices(raw)
     try:
         yield
     finally:
-        raw.remove_notice_handler(on_notice)
-    if seen:
-        severity, notice, detail = seen[0]
-        raise UnconfirmedCommitError(
-            f"the commit was not confirmed by the synchronous standby (its outcome after a failover is unknown): "
-            f"{notice}" + (f" ({detail})" if detail else ""),
-            severity=severity,
-            notice=notice,
-            detail=detail,
-        )
+        notices.remove()
+    notices.raise_if_unconfirmed()
+
+
+class _CallerCommit:
+    """Inside the caller's ``atomic()``, the caller's COMMIT is what waits for the synchronous standby:
+    watch the transaction's notices, and check them in an ``on_commit`` hook, which raises
+    `UnconfirmedCommitError` out of the caller's ``atomic()`` when the commit was not confirmed.
+    One per transaction (a rolled-back transaction's watch is dropped by the next call)."""
+
+    def __init__(self, connection: BaseDatabaseWrapper, raw: Any) -> None:
+        self.connection = connection
+        self.notices = _Notices(raw)
+
+    def check(self) -> None:
+        self.notices.remove()
+        if getattr(self.connection, "_pg_lease_caller_commit", None) is self:
+            del self.connection._pg_lease_caller_commit
+        self.notices.raise_if_unconfirmed()
+
+    @classmethod
+    def watch(cls, connection: BaseDatabaseWrapper) -> None:
+        current: _CallerCommit | None = getattr(connection, "_pg_lease_caller_commit", None)
+        if current is not None:
+            if any(entry[1] == current.check for entry in connection.run_on_commit):
+                return  # this transaction is watched already
+            current.notices.remove()  # a transaction that rolled back (its hooks were dropped)
+        raw = connection.connection
+        if raw is None:
+            return
+        watch = cls(connection, raw)
+        connection._pg_lease_caller_commit = watch  # type: ignore[attr-defined]
+        connection.on_commit(watch.check)
 
 
 def call(connection: BaseDatabaseWrapper, template: str, params: Sequence[Any]) -> tuple[Any, ...]:
     """Send one statement of `sql` on ``connection`` and return its one row.
+
+    Inside the caller's ``atomic()`` the statement does not commit: the caller's COMMIT is checked
+    instead, after it returns, by an ``on_commit`` hook (`_CallerCommit`) that raises out of ``atomic()``.
 
     Raises:
         UnconfirmedCommitError: the statement committed on its own, but the server could not confirm
@@ -168,6 +216,8 @@ def call(connection: BaseDatabaseWrapper, template: str, params: Sequence[Any]) 
     with connection.cursor() as cursor, confirmed_commit(connection):
         cursor.execute(statement, params)
         row = cursor.fetchone()
+    if connection.in_atomic_block:
+        _CallerCommit.watch(connection)
     assert row is not None
     return tuple(row)
 

@@ -13,15 +13,18 @@ on a primary with a synchronous standby (tests/pgcluster.py).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from tests.failover_child import Child
+from tests.failover_child import REPO, Child
 from tests.pgcluster import Cluster, find_bindir, poll
 
 BINDIR = find_bindir()
@@ -106,3 +109,84 @@ def test_exit_is_bounded_when_the_server_stops_answering(cluster: Cluster, holde
     # The trust window, one interrupted renewal, and a release that cannot connect (connect_timeout 3 s,
     # tried twice on each of the two hosts) at most.
     assert took < TTL * 0.9 + 2 * 2 * 3.0 + 4.0, took
+
+
+# ---- a lease call inside the caller's atomic(): the caller's COMMIT is the one checked -------------------
+
+ATOMIC_CLIENT = """
+import json, sys
+from tests.failover_child import configure
+configure()
+from django.core.management import call_command
+from django.db import transaction
+from pg_lease_django import Lease
+call_command("migrate", "pg_lease_django", verbosity=0)
+print(json.dumps({"ready": True}), flush=True)
+sys.stdin.readline()
+try:
+    with transaction.atomic():
+        grant = Lease.objects.acquire("atomic-unconfirmed", "worker", ttl=60)
+    print(json.dumps({"granted": grant is not None}), flush=True)
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+"""
+
+
+def test_a_grant_whose_callers_commit_is_not_confirmed_raises_out_of_atomic(cluster: Cluster) -> None:
+    """``with atomic(): Lease.objects.acquire(...)``: the COMMIT at the block's end waits for the stopped
+    standby and is cancelled; PostgreSQL answers success with a WARNING. The block raises
+    ``UnconfirmedCommitError`` (an on_commit hook of the lease call checks the commit), not a grant."""
+    database = json.dumps(cluster.django_database())
+    client = subprocess.Popen(
+        [sys.executable, "-c", ATOMIC_CLIENT],
+        cwd=REPO,
+        env={**os.environ, "PG_LEASE_FAILOVER_DATABASE": database, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert client.stdout is not None and client.stdin is not None
+        assert json.loads(client.stdout.readline()) == {"ready": True}
+        cluster.standby.stop("fast")
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        (pid,) = poll(waiting_in(cluster, "SyncRep", "COMMIT"), timeout=30, what="the caller's COMMIT to wait")
+        cluster.primary.query("SELECT pg_cancel_backend(%s)", (pid,))
+        outcome = json.loads(client.stdout.readline())
+    finally:
+        client.kill()
+        client.wait(10)
+    assert outcome["error"] == "UnconfirmedCommitError", outcome
+    assert "canceling wait for synchronous replication" in outcome["message"], outcome
+    # Committed on the primary only: the caller was told it cannot know.
+    assert cluster.primary.query("SELECT owner FROM pg_lease_django_lease WHERE key = 'atomic-unconfirmed'") == [
+        ("worker",)
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_commit_check_per_transaction_and_none_left_after_a_rollback(key: str) -> None:
+    """The watch costs one on_commit hook per transaction, and its notice handler goes with the
+    transaction, committed or rolled back."""
+    from django.db import connection, transaction
+
+    from pg_lease_django import Lease
+
+    connection.ensure_connection()
+    raw = connection.connection
+    handlers = len(raw._notice_handlers)
+    with transaction.atomic():
+        grant = Lease.objects.acquire(key, "w1", ttl=30)
+        assert grant is not None
+        Lease.objects.renew(key, "w1", grant.epoch, ttl=30)
+        assert len(connection.run_on_commit) == 1
+    assert len(raw._notice_handlers) == handlers
+    with pytest.raises(RuntimeError), transaction.atomic():
+        Lease.objects.inspect(key)
+        raise RuntimeError("roll back")
+    with transaction.atomic():
+        Lease.objects.inspect(key)
+        assert len(connection.run_on_commit) == 1
+        assert len(raw._notice_handlers) == handlers + 1  # the rolled-back transaction's handler is gone
+    assert len(raw._notice_handlers) == handlers
