@@ -91,7 +91,7 @@ def history_prefixes() -> tuple[str, ...]:
     Raises:
         ImproperlyConfigured: the setting is not a list or tuple of strings of at most 255 bytes.
     """
-    value = getattr(settings, "PG_LEASE_HISTORY", ())
+    value = getattr(settings, "PG_LEASE_HISTORY", [])
     if (
         isinstance(value, str)
         or not isinstance(value, list | tuple)
@@ -112,7 +112,7 @@ def history_retention() -> timedelta:
     Raises:
         ImproperlyConfigured: the setting is not a positive duration.
     """
-    value = getattr(settings, "PG_LEASE_HISTORY_RETENTION", timedelta(days=30))
+    value = getattr(settings, "PG_LEASE_HISTORY_RETENTION", 2592000)  # 30 days
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         value = timedelta(seconds=value)
     if not isinstance(value, timedelta) or value <= timedelta(0):
