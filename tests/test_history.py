@@ -273,3 +273,42 @@ def test_settings_are_checked_and_a_stale_copy_is_reported(key: str) -> None:
         call_command("migrate", "pg_lease_django", verbosity=0)  # migrate copies the setting
         assert check_history_scope_is_current(databases=["default"]) == []
     sync_scope()
+
+
+def test_migration_0009_unapplies_and_keeps_the_grants_of_what_it_redefines(raw_connect: Connect) -> None:
+    """Unapplied, the functions take their 0008 shapes back; applied again, ``pg_lease_renew`` (dropped and
+    created: it returns a fourth column) keeps an operator's REVOKE and GRANT, and the three-argument
+    ``pg_lease_force_release`` gets the two-argument one's grants."""
+    conn = raw_connect()
+    renew, force, force_by = (
+        "pg_lease_renew(text,text,bigint,interval)",
+        "pg_lease_force_release(text,bigint)",
+        "pg_lease_force_release(text,bigint,text)",
+    )
+
+    def may(role: str, function: str) -> bool:
+        row = conn.execute("SELECT has_function_privilege(%s, %s, 'EXECUTE')", [role, function]).fetchone()
+        return bool(row and row[0])
+
+    def columns(function: str) -> int:
+        row = conn.execute(
+            "SELECT cardinality(proallargtypes) - pronargs FROM pg_proc WHERE oid = to_regprocedure(%s)", [function]
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    call_command("migrate", "pg_lease_django", "0008", verbosity=0)
+    try:
+        assert columns(renew) == 3
+        assert conn.execute("SELECT to_regclass('pg_lease_django_tenure')").fetchone() == (None,)
+        assert conn.execute("SELECT to_regprocedure(%s)", [force_by]).fetchone() == (None,)
+        conn.execute(f"REVOKE EXECUTE ON FUNCTION {renew} FROM PUBLIC")
+        conn.execute(f"GRANT EXECUTE ON FUNCTION {renew}, {force} TO pg_monitor")
+    finally:
+        call_command("migrate", "pg_lease_django", verbosity=0)
+    try:
+        assert columns(renew) == 4
+        assert may("pg_monitor", renew) and not may("pg_read_all_settings", renew)
+        assert may("pg_monitor", force_by) and not may("pg_read_all_settings", force_by)
+    finally:
+        conn.execute(f"GRANT EXECUTE ON FUNCTION {renew} TO PUBLIC")
+        conn.execute(f"REVOKE EXECUTE ON FUNCTION {renew}, {force}, {force_by} FROM pg_monitor")
