@@ -9,6 +9,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from .election import Election, aelect, current_election, elect
 from .exceptions import (
     AlreadyFreeError,
     EpochMismatchError,
@@ -39,6 +40,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 __all__ = [
     "AlreadyFreeError",
+    "Election",
     "EpochMismatchError",
     "FencedManager",
     "FencedModel",
@@ -60,7 +62,10 @@ __all__ = [
     "NotOwnerError",
     "UnconfirmedCommitError",
     "UnfencedWriteError",
+    "aelect",
+    "current_election",
     "current_lease",
+    "elect",
     "exit_on_signals",
     "hold",
     "lease_acquired",

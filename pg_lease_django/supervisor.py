@@ -6,6 +6,10 @@ leases run`` is its command line; it needs nothing from the command and can be d
 
     status = Supervisor("jobs:reindex", ["./reindex.sh"], ttl=30).run()  # raises RunError for 75-77, 126, 127
 
+With ``campaign=True`` (``leases run --campaign``) it keeps COMMAND running on exactly one
+machine of many: it campaigns with `pg_lease_django.elect`, runs COMMAND while it leads, and
+campaigns again when COMMAND exits or the lease is lost or handed off, until a signal stops it.
+
 `ExitCode` is the exit-code table of the whole ``manage.py leases`` command: written here once,
 because ``run``'s own codes are the supervisor's outcomes, and the command's help, its docstring
 and ``run``'s description are generated from it.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import selectors
 import signal
 import subprocess
@@ -33,7 +38,8 @@ from django.core.management.base import OutputWrapper
 from django.db import connections, router
 
 from .display import LeaseRow, format_duration
-from .exceptions import LeaseTimeoutError, NotAcquirableError
+from .election import Election
+from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
 from .jobs import HeldLease, hold
 from .models import Lease
 from .status import LeaseStatus
@@ -46,6 +52,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_GRACE = 10.0
 #: Signals the supervisor passes on to COMMAND.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+#: Of those, the ones that also end a campaign (``--campaign``): COMMAND is not restarted after them.
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # How often the "waiting for KEY held by OWNER" line on a terminal is refreshed, and how long a
 # wait must last before it first appears (an acquire that succeeds at once shows nothing).
 _STATUS_REFRESH = 0.25
@@ -246,6 +254,7 @@ class Supervisor:
         using: the database alias; default where the router sends writes of leases.
         verbosity: 0 says nothing, 1 reports signals and losses, 2 the grant and the release too.
         stdout, stderr: where the messages go (stderr) and what to flush before COMMAND starts.
+        campaign: keep COMMAND running on one machine of many (see `_campaign`); not with ``wait``.
     """
 
     def __init__(
@@ -261,7 +270,12 @@ class Supervisor:
         verbosity: int = 1,
         stdout: OutputWrapper | None = None,
         stderr: OutputWrapper | None = None,
+        campaign: bool = False,
     ) -> None:
+        if campaign and wait is not None:
+            raise InvalidInputError("--campaign waits for the lease as long as it takes: leave out --wait")
+        self.campaign = campaign
+        self._election: Election | None = None
         self.key, self.argv = key, list(argv)
         self.using = using or router.db_for_write(Lease)
         self.verbosity = verbosity
@@ -296,6 +310,11 @@ class Supervisor:
     # -- signals -------------------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._election is not None:
+            if signum not in STOPPING_SIGNALS and not self._started:
+                return  # campaigning, COMMAND not running: SIGUSR1/SIGUSR2 have no one to go to
+            if signum in STOPPING_SIGNALS:
+                self._election.stop()  # no new term after this one
         if not self._started:
             if not self._interrupted:
                 self._interrupted = True
@@ -324,8 +343,9 @@ class Supervisor:
             else:
                 os.kill(child.pid, signum)
 
-    def _wake(self, lease: HeldLease) -> None:
-        # on_lost of the hold, called once from a heartbeat worker thread.
+    def _wake(self, lease: HeldLease | None = None) -> None:
+        # on_lost of the hold, called once from a heartbeat worker thread (and, campaigning, the
+        # election's: the lease was lost, a hand-off was requested, or the campaign was stopped).
         with self._wake_lock, suppress(OSError):
             if self._wake_w >= 0:
                 os.write(self._wake_w, b"!")
@@ -351,9 +371,12 @@ class Supervisor:
                 previous[signum] = handler
                 signal.signal(signum, self._on_signal)
             try:
-                return self._hold_and_run()
+                return self._campaign() if self.campaign else self._hold_and_run()
             except _Interrupted as exc:
-                self._say(f"{_signal_name(exc.signum)} before {self._name} started: not run, lease not held")
+                if self.campaign:
+                    self._say(f"{_signal_name(exc.signum)} while {self._name} was not running: stopped campaigning")
+                else:
+                    self._say(f"{_signal_name(exc.signum)} before {self._name} started: not run, lease not held")
                 return 128 + exc.signum
         finally:
             for number, handler in previous.items():
@@ -461,12 +484,10 @@ class Supervisor:
                     selector.register(pidfd, selectors.EVENT_READ)
                 while (returncode := child.poll()) is None:
                     now = time.monotonic()
-                    if terminated_at is None and (error := lease.error) is not None:
+                    if terminated_at is None and (why := self._why_stop(lease)) is not None:
                         terminated_at = now
-                        self._terminated_at_loss = True
                         self._say(
-                            f"lease {self.key!r} lost ({error.code}): "
-                            f"sending SIGTERM to {self._name} (pid {child.pid}), SIGKILL in {self.grace:g}s"
+                            f"{why}: sending SIGTERM to {self._name} (pid {child.pid}), SIGKILL in {self.grace:g}s"
                         )
                         self._signal(child, signal.SIGTERM)
                     if terminated_at is not None and not self._killed and now >= terminated_at + self.grace:
@@ -494,6 +515,92 @@ class Supervisor:
                 os.close(pidfd)
         return returncode
 
+    def _why_stop(self, lease: HeldLease) -> str | None:
+        """Why COMMAND must stop now (the lease was lost; campaigning, a hand-off was asked for), or None."""
+        error = lease.error
+        if error is not None:
+            self._terminated_at_loss = True
+            return f"lease {self.key!r} lost ({error.code})"
+        if self.campaign and lease.handoff_requested:
+            return f"hand-off of {self.key!r} requested"
+        return None
+
     def _kill_report(self, returncode: int) -> str:
         sent = f"sent {self._name} SIGTERM" + (f", then SIGKILL after {self.grace:g}s" if self._killed else "")
         return f"{sent}; it {_describe_exit(returncode)}"
+
+    # -- run --campaign ------------------------------------------------------------------------------
+
+    def _campaign(self) -> int:
+        """Campaign; run COMMAND for each term; campaign again when it ends. Returns once a signal stops it.
+
+        The election runs in its thread (`pg_lease_django.elect`). Its leader callback hands each
+        term's lease to this (the main) thread, which starts, watches and signals COMMAND as a
+        plain ``run`` does, then lets the callback return: the election releases the lease (unless
+        lost) and campaigns again. A signal that arrives while COMMAND runs is passed on, and
+        SIGTERM, SIGINT or SIGHUP also stop the campaign (COMMAND is not restarted; the status is
+        COMMAND's); one that arrives between terms stops at once (128 + N). COMMAND ending with an
+        error makes the election back off before the next term (doubling up to one TTL); after a
+        hand-off it rests until another campaigner leads (or one TTL).
+        """
+        terms: queue.Queue[HeldLease] = queue.Queue()
+        term_over = threading.Event()
+
+        def lead(lease: HeldLease) -> None:  # the election's thread
+            term_over.clear()
+            terms.put(lease)
+            term_over.wait()
+
+        election = Election(
+            self.key,
+            ttl=self.ttl,
+            on_started_leading=lead,
+            on_stopped_leading=lambda: None,
+            on_new_leader=lambda identity: self._say(f"{self.key!r} is led by {identity!r}", level=2),
+            owner=self.owner,
+            using=self.using,
+        )
+        election._wakers.append(self._wake)
+        self._election = election
+        election._start()
+        try:
+            while True:
+                lease = terms.get()  # a signal here raises _Interrupted: stop campaigning
+                try:
+                    returncode = self._term(lease)
+                finally:
+                    term_over.set()
+                if election.stopping:
+                    if returncode is None:
+                        return int(ExitCode.LOST)
+                    return returncode if returncode >= 0 else 128 - returncode
+        finally:
+            election.stop()
+            term_over.set()
+            election.join()
+
+    def _term(self, lease: HeldLease) -> int | None:
+        """COMMAND for one term: its Popen return code (None when the lease was lost before it started)."""
+        self.child, self._pending = None, []
+        self._terminated_at_loss = self._killed = False
+        try:
+            returncode = self._supervise(lease)
+        except RunError as exc:
+            if exc.exit_code != ExitCode.LOST:
+                raise  # COMMAND cannot be run: no point in campaigning for it
+            self._say(f"{exc}; campaigning again")
+            return None
+        finally:
+            self._started = False  # from here a signal stops the campaign at once
+        ended = f"{self._name} {_describe_exit(returncode)}"
+        if self._terminated_at_loss:
+            self._say(f"lease {self.key!r} (epoch {lease.epoch}) was lost: {self._kill_report(returncode)}")
+        elif lease.handoff_requested:
+            self._say(f"stepped down from {self.key!r} (epoch {lease.epoch}) for a hand-off; {ended}")
+        elif self._election is not None and not self._election.stopping:
+            self._say(f"{ended}; stepping down from {self.key!r} (epoch {lease.epoch}), campaigning again")
+            if returncode != 0:
+                self._election._term_failed = True  # back off before the next term
+        else:
+            self._say(f"{ended}; releasing {self.key!r} (epoch {lease.epoch}), stopped campaigning", level=2)
+        return returncode

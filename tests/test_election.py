@@ -1,0 +1,349 @@
+"""``elect()`` / ``aelect()``: leader election on ``hold()``.
+
+In this process: a term's life (callbacks and their order, release on stop), a stop while
+campaigning, a failing callback (step down, back off, campaign again), a hand-off, the async twin.
+In several processes (tests/election_child.py): leaders killed (SIGKILL) and frozen (SIGSTOP past
+the TTL) and a hand-off, with the whole history checked: every leader writes fenced rows stamped
+with the server clock, and the terms must be disjoint with strictly increasing epochs.
+
+Waits are for events (a line from a child, a callback having run) with deadlines; the bounds on
+time are the ones the feature promises (failover within TTL + one renew interval, a hand-off well
+within one TTL, a stop at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from asgiref.sync import async_to_sync
+
+from pg_lease_django import Election, HeldLease, InvalidInputError, Lease, aelect, conf, current_election, elect
+from tests.election_child import Campaigner
+from tests.helpers import held, url_of_test_database, wait_until
+from tests.testapp.models import Entry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TTL = 3.0
+RENEW = TTL / 3  # hold()'s default renew interval
+#: What a failover may take: the TTL (the dead leader's lease lapses) plus one renew interval.
+FAILOVER_BOUND = TTL + RENEW
+#: What a hand-off may take: the leader learns of it at its next renewal (one renew interval at
+#: most), releases, and another campaigner's next attempt (one poll interval at most) wins.
+HANDOFF_BOUND = RENEW + 0.5 + 0.5
+
+
+def leader_until_stopped(lease: HeldLease) -> None:
+    """A leader callback doing nothing until its term must end."""
+    election = current_election()
+    assert election is not None
+    election.wait_stop()
+
+
+# ---- in this process -----------------------------------------------------------------------------
+
+
+def test_a_term_starts_with_the_grant_and_ends_with_stop_and_the_release(key: str) -> None:
+    calls: list[tuple[Any, ...]] = []
+
+    def lead(lease: HeldLease) -> None:
+        calls.append(("started", lease.epoch, current_election(), Lease.objects.inspect(key).owner))
+        leader_until_stopped(lease)
+
+    with elect(
+        key,
+        ttl=TTL,
+        on_started_leading=lead,
+        on_stopped_leading=lambda: calls.append(("stopped", Lease.objects.inspect(key).status)),
+        on_new_leader=lambda identity: calls.append(("leader", identity)),
+    ) as election:
+        wait_until(lambda: len(calls) == 2, what="the term to start")
+        assert election.leading and election.leader == election.owner
+        assert election.lease is not None and Lease.objects.inspect(key).epoch == election.lease.epoch
+        stopping = time.monotonic()
+    stopped_in = time.monotonic() - stopping
+    epoch = calls[1][1]
+    assert calls == [
+        ("leader", election.owner),
+        ("started", epoch, election, election.owner),
+        ("stopped", "free"),  # on_stopped_leading comes after the release
+    ]
+    assert not election.leading and election.lease is None and current_election() is None
+    assert stopped_in < 1.0, f"stop, release and join took {stopped_in:.3f}s"
+
+
+def test_a_stop_while_campaigning_ends_the_campaign_at_once(key: str) -> None:
+    held(key, "incumbent", ttl=30)
+    seen: list[str] = []
+    election = elect(
+        key,
+        ttl=TTL,
+        on_started_leading=leader_until_stopped,
+        on_stopped_leading=lambda: None,
+        on_new_leader=seen.append,
+    )
+    wait_until(lambda: seen == ["incumbent"], what="the campaigner to see the incumbent")
+    assert election.leader == "incumbent" and not election.leading
+    stopping = time.monotonic()
+    election.stop()
+    assert election.join(timeout=5)
+    assert time.monotonic() - stopping < 0.2  # it sleeps on an event between attempts, not in time.sleep
+    assert Lease.objects.inspect(key).owner == "incumbent"
+
+
+def test_a_failing_callback_steps_down_and_campaigns_again_after_a_growing_back_off(
+    key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    starts: list[tuple[float, int]] = []
+    stops: list[float] = []
+
+    def lead(lease: HeldLease) -> None:
+        starts.append((time.monotonic(), lease.epoch))
+        if len(starts) <= 2:
+            raise RuntimeError("boom")
+        leader_until_stopped(lease)
+
+    stopped = lambda: stops.append(time.monotonic())  # noqa: E731
+    with (
+        caplog.at_level(logging.ERROR, logger="pg_lease_django.election"),
+        elect(key, ttl=TTL, on_started_leading=lead, on_stopped_leading=stopped),
+    ):
+        wait_until(lambda: len(starts) == 3, what="the third term")
+    poll = conf.poll_interval()
+    assert len(stops) == 3
+    assert starts[1][0] - stops[0] >= poll  # first back-off: one poll interval
+    assert starts[2][0] - stops[1] >= 2 * poll  # then doubling (up to one TTL)
+    assert starts[0][1] < starts[1][1] < starts[2][1]
+    failures = [r for r in caplog.records if "on_started_leading failed" in r.getMessage()]
+    assert len(failures) == 2 and all("boom" in r.getMessage() for r in failures)
+    assert Lease.objects.inspect(key).status == "free"
+
+
+def test_a_handoff_passes_leadership_to_another_campaigner_which_the_old_leader_sees(key: str) -> None:
+    leaders: dict[str, list[str]] = {"a": [], "b": []}
+    led = {"a": threading.Event(), "b": threading.Event()}
+
+    def campaign(name: str) -> Election:
+        def lead(lease: HeldLease) -> None:
+            led[name].set()
+            leader_until_stopped(lease)
+
+        return elect(
+            key,
+            ttl=TTL,
+            owner=name,
+            on_started_leading=lead,
+            on_stopped_leading=lambda: None,
+            on_new_leader=leaders[name].append,
+        )
+
+    with campaign("a") as a:
+        assert led["a"].wait(10)
+        with campaign("b") as b:
+            wait_until(lambda: leaders["b"] == ["a"], what="b to see a leading")
+            asked = time.monotonic()
+            Lease.objects.request_handoff(key)
+            assert led["b"].wait(10)
+            took = time.monotonic() - asked
+            wait_until(lambda: leaders["a"] == ["a", "b"], what="a to see b leading")
+            assert b.leading and not a.leading and a.leader == "b"
+    # the leader learns of it at its next renewal, then releases; b's next attempt wins
+    assert took < HANDOFF_BOUND, f"hand-off took {took:.2f}s"
+
+
+def test_invalid_arguments_are_refused_before_anything_starts(key: str) -> None:
+    with pytest.raises(InvalidInputError):
+        elect("", ttl=TTL, on_started_leading=leader_until_stopped, on_stopped_leading=lambda: None)
+    with pytest.raises(InvalidInputError):
+        elect(key, ttl=0, on_started_leading=leader_until_stopped, on_stopped_leading=lambda: None)
+    with pytest.raises(InvalidInputError, match="on_stopped_leading must be callable"):
+        elect(key, ttl=TTL, on_started_leading=leader_until_stopped, on_stopped_leading=3)  # type: ignore[arg-type]
+    campaign = aelect(key, ttl=TTL, on_started_leading=leader_until_stopped, on_stopped_leading=lambda: None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="coroutine function"):
+        asyncio.run(campaign)
+    assert not Lease.objects.filter(key=key).exists()
+
+
+def test_aelect_leads_in_a_task_cancelled_on_handoff_and_steps_down_on_cancellation(key: str) -> None:
+    events: list[tuple[Any, ...]] = []
+
+    async def lead(lease: HeldLease) -> None:
+        events.append(("started", lease.epoch))
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            events.append(("cancelled", lease.handoff_requested))
+            raise
+
+    async def stopped() -> None:
+        events.append(("stopped", (await Lease.objects.ainspect(key)).status))
+
+    async def scenario() -> None:
+        campaign = asyncio.ensure_future(
+            aelect(key, ttl=TTL, owner="me", on_started_leading=lead, on_stopped_leading=stopped)
+        )
+        while len(events) < 1:
+            await asyncio.sleep(0.01)
+        await Lease.objects.arequest_handoff(key)
+        while len(events) < 3:  # cancelled on the hand-off, stepped down; then it rests one TTL
+            await asyncio.sleep(0.01)
+        other = await Lease.objects.aacquire(key, "other", ttl=1)  # taken while it rests
+        assert other is not None
+        while len(events) < 4:  # "other" lapses; the campaign takes the lease again
+            await asyncio.sleep(0.01)
+        campaign.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await campaign
+
+    async_to_sync(scenario)()
+    first, second = events[0][1], events[3][1]
+    assert events == [
+        ("started", first),
+        ("cancelled", True),
+        ("stopped", "free"),
+        ("started", second),
+        ("cancelled", False),
+        ("stopped", "free"),
+    ]
+    assert second > first + 1
+
+
+# ---- several processes ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def campaigners(key: str) -> Iterator[list[Campaigner]]:
+    """Start campaigner processes with ``start(mode, name)``; every one is closed at the end."""
+    started: list[Campaigner] = []
+    yield started
+    for child in started:
+        child.close()
+
+
+def start(started: list[Campaigner], mode: str, key: str, *names: str) -> list[Campaigner]:
+    children = [Campaigner(mode, key, TTL, name, url_of_test_database()) for name in names]
+    started.extend(children)
+    for child in children:
+        child.expect("ready")
+    return children
+
+
+def next_leader(children: list[Campaigner], terms: int, timeout: float = 30.0) -> dict[str, Any]:
+    """The ``terms``-th ``leading`` event among ``children`` (by time), once that leader has written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = sorted((e for c in children for e in c.of("leading")), key=lambda e: e["at"])
+        if len(events) >= terms:
+            term = events[terms - 1]
+            child = next(c for c in children if c.name == term["name"])
+            wrote = [e for e in child.of("wrote") if e["epoch"] == term["epoch"]]
+            if wrote:
+                return term
+        assert time.monotonic() < deadline, f"no term #{terms} with a write: {events}"
+        time.sleep(0.01)
+
+
+def check_history(key: str, children: list[Campaigner]) -> list[tuple[int, str]]:
+    """The terms of ``key`` as written: disjoint on the server clock, epochs strictly increasing.
+
+    Returns ``(epoch, writer)`` per term, in order.
+    """
+    rows = list(
+        Entry.objects.filter(account=key).order_by("ticket", "id").values_list("ticket", "writer", "lease_epoch")
+    )
+    assert rows and all(ticket is not None for ticket, _, _ in rows)
+    terms: list[tuple[int, str]] = []
+    for _ticket, writer, epoch in rows:
+        assert epoch is not None
+        if terms and terms[-1][0] == epoch:
+            assert terms[-1][1] == writer, f"two writers at epoch {epoch}"
+            continue
+        assert not terms or epoch > terms[-1][0], f"epoch {epoch} by {writer} after {terms[-1]}: terms overlap"
+        terms.append((epoch, writer))
+    started = sorted((e["epoch"], e["name"]) for c in children for e in c.of("leading"))
+    assert terms == [term for term in started if term in terms]  # every written term was announced
+    for child in children:  # on_new_leader: once per change
+        seen = [e["identity"] for e in child.of("leader")]
+        assert all(a != b for a, b in itertools.pairwise(seen)), seen
+    return terms
+
+
+def test_killed_and_frozen_leaders_are_replaced_within_ttl_plus_a_renew_interval_and_a_handoff_is_quick(
+    key: str, campaigners: list[Campaigner]
+) -> None:
+    children = start(campaigners, "sync", key, "a", "b", "c")
+    by_name = {child.name: child for child in children}
+    first = next_leader(children, 1)
+
+    # SIGKILL the leader: its lease lapses at most TTL after its last renewal.
+    killed_at = time.monotonic()
+    by_name[first["name"]].signal(signal.SIGKILL)
+    second = next_leader(children, 2)
+    after_kill = second["at"] - killed_at
+    assert second["name"] != first["name"] and after_kill < FAILOVER_BOUND, after_kill
+
+    # Freeze the next one (between two fenced writes) past its TTL, then let it go on.
+    frozen = by_name[second["name"]]
+    frozen.signal(signal.SIGUSR1)
+    froze_at = frozen.expect("freezing")["at"]
+    third = next_leader(children, 3)
+    after_freeze = third["at"] - froze_at
+    assert third["name"] not in (first["name"], second["name"]) and after_freeze < FAILOVER_BOUND, after_freeze
+    frozen.signal(signal.SIGCONT)
+    stepping = frozen.expect("stepping")
+    assert stepping["lost"] and stepping["epoch"] == second["epoch"]
+    frozen.expect("stopped")
+    wait_until(  # campaigning again, it sees the new leader
+        lambda: any(e["identity"] == third["name"] and e["at"] > froze_at for e in frozen.of("leader")),
+        what="the unfrozen leader to see the new one",
+    )
+
+    # A hand-off: the leader steps down at its next renewal, the other campaigner takes over.
+    asked_at = time.monotonic()
+    Lease.objects.request_handoff(key)
+    fourth = next_leader(children, 4)
+    after_handoff = fourth["at"] - asked_at
+    assert fourth["name"] == second["name"] and after_handoff < HANDOFF_BOUND, after_handoff
+    assert by_name[third["name"]].expect("stepping", count=1)["handoff"]
+
+    for child in children:
+        child.close()
+    terms = check_history(key, children)
+    assert [name for _epoch, name in terms] == [first["name"], second["name"], third["name"], fourth["name"]]
+    assert Lease.objects.inspect(key).status == "free"  # the last leader released when stopped
+    took = f"after SIGKILL {after_kill:.2f}s, after SIGSTOP {after_freeze:.2f}s, hand-off {after_handoff:.2f}s"
+    print(f"\nsync: failover {took}")
+
+
+def test_async_campaigners_fail_over_and_hand_off(key: str, campaigners: list[Campaigner]) -> None:
+    children = start(campaigners, "async", key, "a", "b", "c")
+    by_name = {child.name: child for child in children}
+    first = next_leader(children, 1)
+
+    killed_at = time.monotonic()
+    by_name[first["name"]].signal(signal.SIGKILL)
+    second = next_leader(children, 2)
+    after_kill = second["at"] - killed_at
+    assert second["name"] != first["name"] and after_kill < FAILOVER_BOUND, after_kill
+
+    asked_at = time.monotonic()
+    Lease.objects.request_handoff(key)
+    third = next_leader(children, 3)
+    after_handoff = third["at"] - asked_at
+    assert third["name"] not in (first["name"], second["name"]) and after_handoff < HANDOFF_BOUND, after_handoff
+    assert by_name[second["name"]].expect("stepping")["handoff"]  # its task was cancelled
+
+    for child in children:
+        child.close()
+    terms = check_history(key, children)
+    assert [name for _epoch, name in terms] == [first["name"], second["name"], third["name"]]
+    assert Lease.objects.inspect(key).status == "free"
+    print(f"\nasync: failover after SIGKILL {after_kill:.2f}s, hand-off {after_handoff:.2f}s")
