@@ -4,15 +4,20 @@ Act 1: three workers compete; one holds the lease and increments the counter (re
 write). Act 2: the holder is frozen (SIGSTOP) mid-work, past its TTL; another takes over with a
 higher epoch; the frozen one wakes and its write is rejected by the database. Act 3: the holder is
 killed (kill -9); its lease lapses and is taken over. Act 4: an operator force-releases the lease
-with `manage.py leases release --force`; the holder is fenced out and the lease moves on.
+with `manage.py leases release --force`; the holder is fenced out and the lease moves on. Act 5:
+two workers come back on ``hold()``; the operator asks the holder to hand off (`manage.py leases
+handoff`); it finishes its unit of work and steps down, and the other takes over at once.
 
-Prints a timeline as it goes, writes an SVG chart, and exits non-zero if any invariant it shows
-was broken: epochs strictly increase, no grant before the previous holder's expiry (unless it was
-released), every accepted write counted exactly once, every stale write rejected.
+Prints a timeline as it goes, writes two SVG charts (the workers' view, and the lease's history
+as the database recorded it, `pg_lease_django.timeline`), and exits non-zero if any invariant it
+shows was broken: epochs strictly increase, no grant before the previous holder's expiry (unless
+it was released), every accepted write counted exactly once, every stale write rejected, and the
+recorded history has every grant the workers saw, ending the way they saw it end.
 """
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -51,8 +56,9 @@ class Conductor:
     def now(self) -> float:
         return time.monotonic() - self.started
 
-    def start(self, name: str) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "demo.worker", name], stdout=subprocess.PIPE, text=True)
+    def start(self, name: str, *, hold: bool = False) -> None:
+        args = [sys.executable, "-m", "demo.worker", name, *(["--hold"] if hold else [])]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         self.procs[name] = proc
         threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
 
@@ -73,7 +79,7 @@ class Conductor:
         if kind == "acquired":
             self.open_hold[name] = (t, event["epoch"])
             self.last_grant = event
-        elif kind in ("rejected", "lost", "released", "stopped") and name in self.open_hold:
+        elif kind in ("rejected", "lost", "released", "handed_off", "stopped") and name in self.open_hold:
             self.close_hold(name, t)
         if kind == "write":
             lane.writes.append((t, event["epoch"]))
@@ -147,6 +153,31 @@ def is_(kind: str, worker: str | None = None, not_worker: str | None = None) -> 
     )
 
 
+def manage(*args: str) -> subprocess.CompletedProcess[str]:
+    """``manage.py leases ARGS`` in a process of its own, as an operator types it."""
+    return subprocess.run(
+        [sys.executable, "-m", "django", "leases", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "demo.settings"},
+    )
+
+
+def check_recorded(history: list[Event], recorded: list[tuple[int, str, str]]) -> list[str]:
+    """The database's history of this run (epoch, owner, outcome) against what the workers saw."""
+    grants = [(e["epoch"], e["worker"]) for e in history if e["event"] == "acquired"]
+    if [(epoch, owner) for epoch, owner, _ in recorded] != grants:
+        return [f"the recorded tenures {recorded} are not the grants the workers saw {grants}"]
+    failures = []
+    handed = {e["epoch"] for e in history if e["event"] == "handed_off"}
+    for epoch, owner, outcome in recorded:
+        if (epoch in handed) != (outcome == "handed_off"):
+            failures.append(f"epoch {epoch} ({owner}) was recorded as {outcome}")
+    if not {"lapsed", "force_released", "handed_off"} <= {outcome for _, _, outcome in recorded}:
+        failures.append(f"the recorded history lacks a lapse, a force release or a hand-off: {recorded}")
+    return failures
+
+
 def check_invariants(history: list[Event], initial: int, final: int) -> list[str]:
     """The promises the demo shows, checked on the full history."""
     failures = []
@@ -156,7 +187,7 @@ def check_invariants(history: list[Event], initial: int, final: int) -> list[str
         failures.append(f"epochs did not strictly increase: {epochs}")
     # No grant before the previous grant's last known expiry, unless that holder released or was
     # force-released (then the lease was free).
-    freed_epochs = {e["epoch"] for e in history if e["event"] in ("released",)} | {
+    freed_epochs = {e["epoch"] for e in history if e["event"] in ("released", "handed_off")} | {
         e["epoch"] for e in history if e["event"] in ("lost", "rejected") and e.get("cause") == "not_owner"
     }
     for previous, grant in itertools.pairwise(grants):
@@ -185,6 +216,7 @@ def main() -> int:
     from demo.models import JobCounter
     from pg_lease_django import Lease
     from pg_lease_django.fencing import unfenced_writes
+    from pg_lease_django.timeline import read_history, render_timeline
 
     call_command("migrate", verbosity=0)
     with unfenced_writes():  # set-up by the demo itself, not by a lease holder
@@ -228,12 +260,7 @@ def main() -> int:
 
         c.say("Act 4. An operator breaks the lease: manage.py leases release --force")
         command_started = c.now()
-        done = subprocess.run(
-            [sys.executable, "-m", "django", "leases", "release", KEY, "--force"],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "DJANGO_SETTINGS_MODULE": "demo.settings"},
-        )
+        done = manage("release", KEY, "--force")
         c.timeline.marks.append((command_started, c.now(), "leases release --force"))
         print("  $ manage.py leases release", KEY, "--force")
         for line in (done.stdout + done.stderr).strip().splitlines():
@@ -244,7 +271,23 @@ def main() -> int:
             fourth = c.wait_for(is_("acquired"))
         c.wait_for(is_("write", fourth["worker"]))
 
-        c.say("Finally every worker is stopped with SIGTERM; the holder releases its own epoch:")
+        c.say("Every worker is stopped with SIGTERM; the holder releases its own epoch:")
+        c.stop_all()
+
+        c.say("Act 5. A deploy: two workers come back on hold(); the operator asks the holder to hand off:")
+        for name in WORKERS[:2]:
+            c.start(name, hold=True)
+        leader = c.wait_for(is_("acquired"))
+        c.wait_for(is_("write", leader["worker"]))
+        handoff = manage("handoff", KEY)
+        print("  $ manage.py leases handoff", KEY)
+        for line in (handoff.stdout + handoff.stderr).strip().splitlines():
+            print(f"  | {line}")
+        c.wait_for(is_("handed_off", leader["worker"]))
+        successor = c.wait_for(is_("acquired", not_worker=leader["worker"]))
+        c.wait_for(is_("write", successor["worker"]))
+
+        c.say("Finally the last worker is stopped with SIGTERM; it releases its own epoch:")
         c.stop_all()
     finally:
         for proc in c.procs.values():
@@ -258,12 +301,25 @@ def main() -> int:
     OUTPUT.mkdir(exist_ok=True)
     chart = OUTPUT / "timeline.svg"
     chart.write_text(render(c.timeline, f"pg_lease_django demo — lease {KEY!r}, TTL {TTL}s"))
+    # The same run as the database recorded it (PG_LEASE_HISTORY in demo/settings.py): this run's grants.
+    grants_seen = sum(1 for e in c.history if e["event"] == "acquired")
+    recorded = read_history(KEY, limit=grants_seen)
+    history_chart = OUTPUT / "history.svg"
+    history_chart.write_text(render_timeline(recorded))
+    c.say(f"The lease's history, as the database recorded it: manage.py leases history {KEY} --limit {grants_seen}")
+    shown = io.StringIO()
+    call_command("leases", "history", KEY, "--limit", str(grants_seen), stdout=shown, no_color=True)
+    for line in shown.getvalue().strip().splitlines():
+        print(f"  | {line}")
 
     failures = check_invariants(c.history, initial, final)
+    failures += check_recorded(c.history, [(t.epoch, t.owner, t.outcome) for t in recorded.tenures])
     if state.status != "free":
         failures.append(f"the last holder was stopped with SIGTERM but the lease is {state.status}, not free")
     if done.returncode != 0:
         failures.append(f"the operator's force release failed: {done.stderr.strip()}")
+    if handoff.returncode != 0:
+        failures.append(f"the operator's hand-off request failed: {handoff.stderr.strip()}")
     if stale["cause"] not in ("not_owner", "lapsed", "epoch_mismatch"):
         failures.append(f"the frozen worker's write was not rejected as a lost lease: {stale}")
     writes = sum(1 for e in c.history if e["event"] == "write")
@@ -273,6 +329,7 @@ def main() -> int:
     print(f"Counter: {initial} -> {final}; {writes} fenced writes accepted, {rejected} rejected.")
     print(f"Lease now: {state.status}, epoch {state.epoch}.")
     print(f"Timeline chart: {chart}")
+    print(f"History chart:  {history_chart}")
     if failures:
         print("\nINVARIANT BROKEN:\n  " + "\n  ".join(failures))
         return 1

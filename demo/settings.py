@@ -8,3 +8,5 @@ TIME_ZONE = "UTC"
 DATABASES = {"default": database_settings()}
 INSTALLED_APPS = ["pg_lease_django", "demo"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+# Record the demo lease's tenures (the history chart and `leases history`); migrate copies this into the database.
+PG_LEASE_HISTORY = ["demo:"]

@@ -1,5 +1,7 @@
 """One demo worker: wait for the lease, then read -> work -> fenced write, renewing between units.
 
+``python -m demo.worker NAME --hold`` does the same work inside ``hold()`` (renewed in the
+background) and steps down when a hand-off is requested: the shape of a deploy-friendly leader.
 Every step is printed as a JSON line for the conductor (``python -m demo``) to collect.
 """
 
@@ -19,6 +21,7 @@ KEY = "demo:nightly-report"
 TTL = 1.5  # seconds; renewed after every unit of work
 WORK = 0.3  # seconds per unit of work, between reading the counter and writing it back
 NAME = sys.argv[1] if len(sys.argv) > 1 else f"worker-{os.getpid()}"
+HOLD = "--hold" in sys.argv[2:]
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -76,5 +79,41 @@ def main() -> None:
     emit("stopped")
 
 
+def main_hold() -> None:
+    """Hold the lease with ``hold()``; between units of work, step down if a hand-off was requested."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "demo.settings")
+    django.setup()
+    from demo.models import JobCounter
+    from pg_lease_django import LeaseTimeoutError, hold
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    emit("started", pid=os.getpid())
+    while not stopping.is_set():
+        try:
+            # Renewed four times a TTL: a hand-off request is seen within a quarter of it.
+            with hold(KEY, ttl=TTL, owner=NAME, blocking=True, timeout=0.5, renew_every=TTL / 4) as lease:
+                server_time = lease.expires_at - lease.ttl  # the grant's own clock reading
+                emit("acquired", epoch=lease.epoch, server_time=server_time, expires_at=lease.expires_at)
+                while not stopping.is_set() and not lease.wait_stop(timeout=0):
+                    counter = JobCounter.objects.get(name="demo")
+                    emit("read", epoch=lease.epoch, value=counter.value)
+                    time.sleep(WORK)
+                    counter.value += 1
+                    counter.save()  # fenced by the hold: lands only while it is the live lease
+                    emit("write", epoch=lease.epoch, value=counter.value)
+                    emit("renewed", epoch=lease.epoch, expires_at=lease.expires_at)  # by hold()'s heartbeat
+                handed_off = lease.handoff_requested and not lease.lost
+            # Leaving the hold released the lease; a waiting worker takes it over at once.
+            emit("handed_off" if handed_off else "released", epoch=lease.epoch)
+            if handed_off:
+                break  # a deploy replaces this process: it does not compete again
+        except LeaseTimeoutError:
+            continue
+    emit("stopped")
+
+
 if __name__ == "__main__":
-    main()
+    if HOLD:
+        main_hold()
+    else:
+        main()

@@ -1,38 +1,49 @@
-"""The Lease admin: read-only, states from the server clock, and a guarded "Force release" action.
+"""The Lease admin: read-only, states from the server clock, a lease's history, and two guarded writes.
 
-Nobody edits a lease by hand (an owner, epoch or expiry typed into a form would break fencing);
-the only write is the force-release action, which goes through `LeaseManager.force_release`
-so the epoch goes up and the holder is fenced. States are read with `LeaseQuerySet.with_state`.
+Nobody edits a lease by hand (an owner, epoch or expiry typed into a form would break fencing).
+The writes go through the manager: "Force release" (`LeaseManager.force_release`: the epoch goes
+up and the holder is fenced; the user is recorded as the operator) and "Request hand-off"
+(`LeaseManager.request_handoff`: advice the holder reads at its next renewal). States are read with
+`LeaseQuerySet.with_state`; a lease's page also draws its recorded tenures
+(`pg_lease_django.timeline`). `LeaseTenureAdmin` lists the tenures, read-only.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.admin.utils import quote, unquote
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import BadRequest, PermissionDenied
 from django.db import router
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
-from django.utils.safestring import SafeString
+from django.utils.safestring import SafeString, mark_safe
+from django.views.decorators.http import require_POST
 
 from .display import describe_expiry, format_duration
-from .exceptions import AlreadyFreeError, EpochMismatchError, InvalidInputError, NeverAcquiredError
+from .exceptions import AlreadyFreeError, EpochMismatchError, InvalidInputError, LapsedError, NeverAcquiredError
 from .fencing import unfenced_writes
-from .models import Lease
+from .models import Lease, LeaseTenure
 from .querysets import LeaseQuerySet
 from .status import LeaseStatus
+from .timeline import read_history, render_timeline
 from .validation import check_epoch
 
-__all__ = ["FencedModelAdmin", "LeaseAdmin", "StateFilter"]
+__all__ = ["FencedModelAdmin", "LeaseAdmin", "LeaseTenureAdmin", "StateFilter"]
+
+#: How many of a lease's tenures its page draws and lists (the newest; the tenure list has all).
+HISTORY_LIMIT = 20
 
 _BADGE_COLOURS: dict[str, tuple[str, str]] = {
     LeaseStatus.HELD: ("#1e6b30", "#dcf1e1"),
@@ -43,8 +54,10 @@ _BADGE_COLOURS: dict[str, tuple[str, str]] = {
 
 if TYPE_CHECKING:
     _LeaseModelAdmin = admin.ModelAdmin[Lease]
+    _TenureModelAdmin = admin.ModelAdmin[LeaseTenure]
 else:  # ModelAdmin is generic only in django-stubs
     _LeaseModelAdmin = admin.ModelAdmin
+    _TenureModelAdmin = admin.ModelAdmin
 
 
 class StateFilter(admin.SimpleListFilter):
@@ -71,11 +84,13 @@ def _nowrap(text: str, title: str = "") -> SafeString:
 
 @admin.register(Lease)
 class LeaseAdmin(_LeaseModelAdmin):
-    """Read-only view of the lease table with a permission-gated "Force release" action.
+    """Read-only view of the lease table with permission-gated "Force release" and "Request hand-off".
 
     The changelist costs a fixed number of queries whatever the page size: state and "expires in"
-    are annotations computed by PostgreSQL (`LeaseQuerySet.with_state`). Force release needs the
-    ``pg_lease_django.force_release_lease`` permission; without it the action is not offered.
+    are annotations computed by PostgreSQL (`LeaseQuerySet.with_state`). A lease's page adds its
+    history: a timeline chart (inline SVG drawn on the server) and a table of its newest tenures.
+    Both writes need the ``pg_lease_django.force_release_lease`` permission (whoever may break a
+    lease may ask its holder to step down); without it neither is offered.
     """
 
     list_display = ("key", "state_badge", "owner_display", "epoch", "expires_in_display", "acquired_display")
@@ -85,7 +100,7 @@ class LeaseAdmin(_LeaseModelAdmin):
     list_per_page = 100
     # On a filtered page, skip the extra COUNT(*) over the whole table (100k rows and more).
     show_full_result_count = False
-    actions = ["force_release"]
+    actions = ["force_release", "request_handoff"]
     fields = (
         "key",
         "state_badge",
@@ -175,6 +190,131 @@ class LeaseAdmin(_LeaseModelAdmin):
         )
         return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', snippet)
 
+    # -- history and hand-off ------------------------------------------------------------------------
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Lease | None = None,
+    ) -> HttpResponse:
+        """The lease's facts, then its history: the timeline chart and the newest tenures.
+
+        Here rather than in ``change_view``: Django has checked the permissions and found the row.
+        """
+        if obj is not None:
+            context.update(self._history_context(request, obj.key))
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def _history_context(self, request: HttpRequest, key: str) -> dict[str, Any]:
+        history = read_history(key, using=router.db_for_read(LeaseTenure), limit=HISTORY_LIMIT)
+        now = history.server_time
+        return {
+            "history": history,
+            # Safe: render_timeline escapes every text it draws (keys and owners are user data).
+            "history_chart": mark_safe(render_timeline(history)),
+            "tenures": [
+                {
+                    "row": row,
+                    "granted_at": _utc(row.granted_at),
+                    "ended_at": _utc(row.ended_at),
+                    "outcome": row.describe(now),
+                    "duration": format_duration(row.duration(now)),
+                }
+                for row in reversed(history.tenures)  # newest first, as the eye reads a log
+            ],
+            "tenure_list_url": self._tenure_list_url(request, key),
+            "can_request_handoff": self.has_force_release_permission(request),
+            "handoff_url": reverse(
+                f"{self.admin_site.name}:pg_lease_django_lease_handoff",
+                args=[quote(key)],
+                current_app=self.admin_site.name,
+            ),
+        }
+
+    def _tenure_list_url(self, request: HttpRequest, key: str) -> str | None:
+        tenure_admin = (
+            self.admin_site.get_model_admin(LeaseTenure) if self.admin_site.is_registered(LeaseTenure) else None
+        )
+        if tenure_admin is None or not tenure_admin.has_view_permission(request):
+            return None
+        url = reverse(
+            f"{self.admin_site.name}:pg_lease_django_leasetenure_changelist", current_app=self.admin_site.name
+        )
+        return f"{url}?{urlencode({'key': key})}"
+
+    def get_urls(self) -> list[URLPattern]:
+        """The admin's URLs, plus ``<key>/handoff/`` (POST) for the button on a lease's page."""
+        handoff = path(
+            "<path:object_id>/handoff/",
+            self.admin_site.admin_view(require_POST(self.handoff_view)),
+            name=f"{self.opts.app_label}_{self.opts.model_name}_handoff",
+        )
+        return [handoff, *super().get_urls()]  # before the catch-all "<path:object_id>/"
+
+    def handoff_view(self, request: HttpRequest, object_id: str) -> HttpResponseRedirect:
+        """Ask the holder of one lease to step down, if it still holds the epoch the page showed."""
+        if not self.has_force_release_permission(request):
+            raise PermissionDenied
+        key = unquote(object_id)
+        epoch_text = request.POST.get("epoch", "")
+        if not epoch_text.isdecimal() or not epoch_text.isascii():
+            raise BadRequest("malformed hand-off request: no epoch")
+        try:
+            epoch = check_epoch(int(epoch_text))
+        except InvalidInputError:
+            raise BadRequest("malformed hand-off request: no such epoch") from None
+        lease = self.get_object(request, key)
+        if lease is None:
+            raise BadRequest("no such lease")
+        self._request_handoffs(request, [lease], {key: epoch})
+        return HttpResponseRedirect(
+            reverse(
+                f"{self.admin_site.name}:pg_lease_django_lease_change",
+                args=[quote(key)],
+                current_app=self.admin_site.name,
+            )
+        )
+
+    @admin.action(permissions=["force_release"], description="Request hand-off from the holders of selected leases")
+    def request_handoff(self, request: HttpRequest, queryset: QuerySet[Lease]) -> None:
+        """Ask each selected lease's holder to step down at its next renewal.
+
+        Advice, not a force: no confirmation page. Each is asked at the epoch read as the action
+        starts, so a lease that changes hands meanwhile is left alone and reported.
+        """
+        if not self.has_force_release_permission(request):
+            raise PermissionDenied
+        leases = list(queryset)
+        self._request_handoffs(request, leases, {lease.key: lease.epoch for lease in leases})
+
+    def _request_handoffs(self, request: HttpRequest, leases: list[Lease], epochs: dict[str, int]) -> None:
+        manager = Lease.objects.db_manager(router.db_for_write(Lease))
+        asked: list[str] = []
+        skipped: list[str] = []
+        for lease in leases:
+            try:
+                done = manager.request_handoff(lease.key, epoch=epochs[lease.key])
+            except EpochMismatchError as exc:
+                skipped.append(f"{lease.key!r} changed hands since it was shown (now held by {exc.owner!r})")
+                continue
+            except (AlreadyFreeError, LapsedError, NeverAcquiredError):
+                skipped.append(f"{lease.key!r} is not held: nobody to ask")
+                continue
+            self.log_change(request, lease, f"Requested a hand-off from {done.owner!r} at epoch {done.epoch}.")
+            asked.append(f"{done.key!r} ({done.owner!r}, epoch {done.epoch})")
+        if asked:
+            self.message_user(
+                request,
+                f"Hand-off requested from {', '.join(asked)}: each holder learns it at its next renewal.",
+                messages.SUCCESS,
+            )
+        if skipped:
+            self.message_user(request, f"No hand-off requested: {'; '.join(skipped)}.", messages.WARNING)
+
     # -- force release -------------------------------------------------------------------------------
 
     @admin.action(permissions=["force_release"], description="Force release selected leases")
@@ -233,7 +373,7 @@ class LeaseAdmin(_LeaseModelAdmin):
             if epoch is None:  # free when the page was shown, or not on it
                 continue
             try:
-                new_epoch = manager.force_release(lease.key, epoch=epoch)
+                new_epoch = manager.force_release(lease.key, epoch=epoch, operator=request.user.get_username())
             except EpochMismatchError as exc:
                 skipped.append(f"{lease.key!r} changed hands after you confirmed (now held by {exc.owner!r})")
                 continue
@@ -255,6 +395,39 @@ class LeaseAdmin(_LeaseModelAdmin):
             self.message_user(request, f"Not released: {'; '.join(skipped)}.", messages.WARNING)
         if not released and not skipped:
             self.message_user(request, "Nothing to release: the selected leases are free.", messages.INFO)
+
+
+def _utc(moment: datetime | None) -> str:
+    """A server time for a table cell: UTC, to the millisecond."""
+    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+@admin.register(LeaseTenure)
+class LeaseTenureAdmin(_TenureModelAdmin):
+    """The recorded tenures, read-only: written by the database's triggers, deleted by ``prune-history``.
+
+    The ``ended at`` of a tenure still open is empty here; a lease's own page says whether it is
+    held or lapsed (`pg_lease_django.timeline.read_history`).
+    """
+
+    list_display = ("key", "epoch", "owner", "granted_at", "ended_at", "end_reason", "ended_by")
+    list_filter = ("end_reason",)
+    search_fields = ("key", "owner", "ended_by")
+    ordering = ("key", "-epoch")
+    list_per_page = 100
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        """Never: the database records tenures."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: LeaseTenure | None = None) -> bool:
+        """Never: a history edited by hand tells nothing."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: LeaseTenure | None = None) -> bool:
+        """Never here: ``manage.py leases prune-history`` deletes by age."""
+        return False
 
 
 # ---- fenced models ---------------------------------------------------------------------------

@@ -324,11 +324,11 @@ def test_release_refuses_when_the_lease_changes_hands_while_releasing(
     held(key, "w1")
     real = type(Lease.objects).force_release
 
-    def takeover_first(self: Any, lease_key: str, *, epoch: int | None = None) -> int:
+    def takeover_first(self: Any, lease_key: str, *, epoch: int | None = None, operator: str | None = None) -> int:
         # Between the command's look and its release, the lease is freed and taken by w2.
         Lease.objects.release(lease_key, "w1", Lease.objects.inspect(lease_key).epoch)
         held(lease_key, "w2")
-        return real(self, lease_key, epoch=epoch)
+        return real(self, lease_key, epoch=epoch, operator=operator)
 
     monkeypatch.setattr(type(Lease.objects), "force_release", takeover_first)
     result = leases("release", key, "--force")

@@ -1,6 +1,8 @@
 """``manage.py leases``: see who holds what, and break a stuck lease safely.
 
-Subcommands: ``list`` (the default), ``show KEY``, ``release KEY --force``,
+Subcommands: ``list`` (the default), ``show KEY``, ``release KEY --force [--operator NAME]``,
+``handoff KEY`` (ask the holder to step down at its next renewal), ``history KEY`` (the recorded
+tenures of a key, `pg_lease_django.timeline`), ``prune-history [--older-than 30d]``,
 ``prune --free-for 30d`` (delete rows of leases free that long; epochs never go back),
 ``advance-epochs --by N`` (after a failover to a standby that may have missed lease writes: raise
 every epoch and the epoch floor by N, fencing current holders), and
@@ -17,22 +19,33 @@ generated from `ExitCode`, like the help texts.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import math
+import os
 import re
+import socket
 import threading
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections, router
 
-from pg_lease_django.display import LeaseRow
-from pg_lease_django.exceptions import AlreadyFreeError, EpochMismatchError, InvalidInputError, NeverAcquiredError
-from pg_lease_django.models import Lease
+from pg_lease_django import conf
+from pg_lease_django.display import LeaseRow, format_duration
+from pg_lease_django.exceptions import (
+    AlreadyFreeError,
+    EpochMismatchError,
+    InvalidInputError,
+    LapsedError,
+    NeverAcquiredError,
+)
+from pg_lease_django.models import Lease, LeaseTenure
 from pg_lease_django.status import LeaseStatus
 from pg_lease_django.supervisor import DEFAULT_GRACE, ExitCode, RunError, Supervisor
+from pg_lease_django.timeline import History, read_history
 from pg_lease_django.validation import MAX_ADVANCE, MAX_EPOCH, MAX_TTL, MAX_WAIT, MIN_TTL, check_name
 
 __doc__ = f"""{__doc__ or ""}
@@ -85,11 +98,13 @@ class SubcommandParser(CommandParser):
 
 
 class Command(BaseCommand):
-    """``manage.py leases [list|show|release|prune|advance-epochs|run] ...``: the operators' view of the lease table."""
+    """``manage.py leases [list|show|history|handoff|release|prune|prune-history|advance-epochs|run] ...``:
+    the operators' view of the lease table."""
 
     help = (
         "Inspect leases, break stuck ones, run a command under a lease. Subcommands: list (default), "
-        "show KEY, release KEY --force, prune --free-for AGE, advance-epochs --by N, run KEY --ttl SECONDS -- COMMAND. "
+        "show KEY, history KEY, handoff KEY, release KEY --force, prune --free-for AGE, prune-history, "
+        "advance-epochs --by N, run KEY --ttl SECONDS -- COMMAND. "
         f"Exit codes: {ExitCode.summary(run=False)}; run: COMMAND's status, {ExitCode.summary(run=True)}."
     )
 
@@ -103,7 +118,7 @@ class Command(BaseCommand):
         subparsers = parser.add_subparsers(
             dest="subcommand",
             title="subcommands",
-            metavar="{list,show,release,prune,advance-epochs,run}",
+            metavar="{list,show,history,handoff,release,prune,prune-history,advance-epochs,run}",
             parser_class=SubcommandParser,
         )
 
@@ -127,8 +142,35 @@ class Command(BaseCommand):
         release_parser.add_argument("key", help="The lease key.")
         release_parser.add_argument("--force", action="store_true", help="Required: this overrides the holder.")
         release_parser.add_argument("--epoch", help="Release only if this is still the current epoch.")
+        release_parser.add_argument(
+            "--operator", help="Who is releasing, recorded in the lease's history (default: your user@host)."
+        )
         release_parser.add_argument("--dry-run", action="store_true", help="Say what would happen; change nothing.")
         release_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
+
+        history_parser = subparsers.add_parser(
+            "history", help="The recorded tenures of a lease (keys named by PG_LEASE_HISTORY), oldest first."
+        )
+        history_parser.add_argument("key", help="The lease key.")
+        history_parser.add_argument("--limit", help="Show only the newest this many tenures (the count covers all).")
+        history_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
+
+        handoff_parser = subparsers.add_parser(
+            "handoff", help="Ask the holder to step down at its next renewal (advice: the lease stays granted)."
+        )
+        handoff_parser.add_argument("key", help="The lease key.")
+        handoff_parser.add_argument("--epoch", help="Ask only if this is still the current epoch.")
+        handoff_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
+
+        prune_history_parser = subparsers.add_parser(
+            "prune-history", help="Delete the recorded tenures that ended longer ago than --older-than."
+        )
+        prune_history_parser.add_argument(
+            "--older-than",
+            help="30d, 12h, 90m, 45s or seconds (default: PG_LEASE_HISTORY_RETENTION, 30 days).",
+        )
+        prune_history_parser.add_argument("--dry-run", action="store_true", help="Count what would go; change nothing.")
+        prune_history_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
 
         prune_parser = subparsers.add_parser(
             "prune",
@@ -179,6 +221,12 @@ class Command(BaseCommand):
         )
         run_parser.add_argument("--owner", help="Owner identity (default: host:pid:random, new for every run).")
         run_parser.add_argument(
+            "--campaign",
+            action="store_true",
+            help="Keep COMMAND running on exactly one machine of many: campaign for KEY, run COMMAND while leading, "
+            "campaign again when it exits or the lease is lost or handed off; until SIGTERM/SIGINT/SIGHUP.",
+        )
+        run_parser.add_argument(
             "--grace",
             help=f"Seconds between SIGTERM and SIGKILL when the lease is lost (default: {DEFAULT_GRACE:g}).",
         )
@@ -188,7 +236,17 @@ class Command(BaseCommand):
             "-v", "--verbosity", type=int, choices=[0, 1, 2, 3], default=argparse.SUPPRESS, help="Verbosity level."
         )
 
-        for sub in (list_parser, show_parser, release_parser, prune_parser, advance_parser, run_parser):
+        for sub in (
+            list_parser,
+            show_parser,
+            history_parser,
+            handoff_parser,
+            release_parser,
+            prune_parser,
+            prune_history_parser,
+            advance_parser,
+            run_parser,
+        ):
             # SUPPRESS: a subcommand that is not given these must not overwrite the top-level value.
             sub.add_argument("--database", default=argparse.SUPPRESS, help="Database alias holding the leases.")
             sub.add_argument("--no-color", action="store_true", default=argparse.SUPPRESS, help="Don't colorize.")
@@ -201,10 +259,16 @@ class Command(BaseCommand):
         try:
             if subcommand == "show":
                 self._show(alias, options)
+            elif subcommand == "history":
+                self._history(alias, options)
+            elif subcommand == "handoff":
+                self._handoff(alias, options)
             elif subcommand == "release":
                 self._release(alias, options)
             elif subcommand == "prune":
                 self._prune(alias, options)
+            elif subcommand == "prune-history":
+                self._prune_history(alias, options)
             elif subcommand == "advance-epochs":
                 self._advance_epochs(alias, options)
             elif subcommand == "run":
@@ -336,6 +400,8 @@ class Command(BaseCommand):
     def _release(self, alias: str, options: dict[str, Any]) -> None:
         key = check_name("key", options["key"])
         expected = self._positive_int("--epoch", options.get("epoch"))
+        operator = options.get("operator")
+        operator = check_name("operator", _os_operator() if operator is None else operator)
         manager = Lease.objects.db_manager(alias)
         row = manager.row(key)  # who holds it: for the report, --dry-run and the refusal without --force
         if row is None:  # nothing seen, nothing released: a key acquired since is not ours to break
@@ -345,7 +411,7 @@ class Command(BaseCommand):
             return
         try:
             # The epoch we looked at, not "whatever is there now": we report who we released.
-            new_epoch = manager.force_release(key, epoch=row.epoch if expected is None else expected)
+            new_epoch = manager.force_release(key, epoch=row.epoch if expected is None else expected, operator=operator)
         except NeverAcquiredError:  # pruned since we looked
             raise CommandError(f"no lease with key {key!r} (never acquired)", returncode=ExitCode.NOT_FOUND) from None
         except AlreadyFreeError as exc:
@@ -394,6 +460,108 @@ class Command(BaseCommand):
             self.stdout.write(f"Dry run: would release {row.key!r} ({was}); its epoch would become {new_epoch}.")
         else:
             self.stdout.write(self.style.SUCCESS(f"Released {row.key!r} ({was}). New epoch: {new_epoch}"))
+
+    # -- history, handoff, prune-history ------------------------------------------------------------
+
+    def _history(self, alias: str, options: dict[str, Any]) -> None:
+        key = check_name("key", options["key"])
+        limit = self._positive_int("--limit", options.get("limit"))
+        history = read_history(key, using=alias, limit=limit)
+        if history.count == 0 and Lease.objects.db_manager(alias).row(key) is None:
+            raise CommandError(f"no lease with key {key!r} (never acquired)", returncode=ExitCode.NOT_FOUND)
+        if options.get("json"):
+            self.stdout.write(json.dumps(history.as_json(), indent=2, ensure_ascii=False))
+            return
+        if history.count == 0:
+            self.stdout.write(
+                f"No recorded tenures of {key!r}: its history is recorded only if PG_LEASE_HISTORY names it "
+                "(and from then on)."
+            )
+            return
+        self._history_table(history)
+        summary = f"{history.count} tenure{'' if history.count == 1 else 's'}"
+        if len(history.tenures) < history.count:
+            summary = f"showing the last {len(history.tenures)} of {summary}"
+        self.stdout.write(f"{summary} of {key!r} (server time {_shown(_iso(history.server_time))})")
+
+    def _history_table(self, history: History) -> None:
+        header = ("EPOCH", "OWNER", "GRANTED AT", "ENDED AT", "HOW IT ENDED", "ENDED BY", "DURATION")
+        now = history.server_time
+        cells = [
+            (
+                str(row.epoch),
+                row.owner,
+                _shown(_iso(row.granted_at)),
+                _shown(_iso(row.ended_at)),
+                row.describe(now),
+                row.ended_by or "-",
+                format_duration(row.duration(now)),
+            )
+            for row in history.tenures
+        ]
+        widths = [max(len(header[i]), *(len(c[i]) for c in cells)) for i in range(len(header))]
+        right = {0, 6}  # epochs and durations are right-aligned
+
+        def line(values: Sequence[str]) -> list[str]:
+            return [
+                v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths, strict=True))
+            ]
+
+        out = [self.style.MIGRATE_HEADING("  ".join(line(header)).rstrip())]
+        for row, values in zip(history.tenures, cells, strict=True):
+            padded = line(values)
+            if row.forced:
+                padded[4] = self.style.ERROR(padded[4])
+            elif row.current:
+                padded[4] = self._state_style(row.outcome, padded[4])
+            out.append("  ".join(padded).rstrip())
+        self.stdout.write("\n".join(out))
+
+    def _handoff(self, alias: str, options: dict[str, Any]) -> None:
+        key = check_name("key", options["key"])
+        epoch = self._positive_int("--epoch", options.get("epoch"))
+        try:
+            done = Lease.objects.db_manager(alias).request_handoff(key, epoch=epoch)
+        except NeverAcquiredError:
+            raise CommandError(f"no lease with key {key!r} (never acquired)", returncode=ExitCode.NOT_FOUND) from None
+        except (AlreadyFreeError, LapsedError) as exc:  # nobody holds it: nobody to ask
+            raise CommandError(f"{exc}; nobody to hand off from", returncode=ExitCode.ALREADY_FREE) from None
+        except EpochMismatchError as exc:
+            raise CommandError(f"{exc}; nothing requested", returncode=ExitCode.MOVED_ON) from None
+        if options.get("json"):
+            document = {
+                "key": done.key,
+                "owner": done.owner,
+                "epoch": done.epoch,
+                "expires_at": _iso(done.expires_at),
+                "requested_at": _iso(done.requested_at),
+                "server_time": _iso(done.server_time),
+            }
+            self.stdout.write(json.dumps(document, indent=2, ensure_ascii=False))
+            return
+        expires_in = format_duration(max(done.expires_at - done.server_time, timedelta(0)))
+        self.stdout.write(
+            self.style.SUCCESS(f"Hand-off requested from {done.owner!r} (epoch {done.epoch}) on {done.key!r}")
+            + f": it learns at its next renewal and may step down; the lease stays held until then "
+            f"(expires in {expires_in} unless renewed)."
+        )
+
+    def _prune_history(self, alias: str, options: dict[str, Any]) -> None:
+        text = options.get("older_than")
+        older_than = None if text is None else _duration("--older-than", text)
+        dry_run = bool(options.get("dry_run"))
+        count = LeaseTenure.objects.db_manager(alias).prune(older_than=older_than, dry_run=dry_run)
+        if older_than is None:
+            older_than = conf.history_retention().total_seconds()
+        if options.get("json"):
+            document = {"dry_run": dry_run, "older_than_seconds": older_than, "tenures": count}
+            self.stdout.write(json.dumps(document, indent=2))
+            return
+        age = text or format_duration(timedelta(seconds=older_than))
+        if dry_run:
+            self.stdout.write(f"Dry run: would delete {count} tenure(s) that ended more than {age} ago.")
+        else:
+            self.stdout.write(self.style.SUCCESS(f"Deleted {count} tenure(s) that ended more than {age} ago."))
 
     def _prune(self, alias: str, options: dict[str, Any]) -> None:
         free_for = _duration("--free-for", options["free_for"])
@@ -478,6 +646,7 @@ class Command(BaseCommand):
             verbosity=options.get("verbosity", 1),
             stdout=self.stdout,
             stderr=self.stderr,
+            campaign=bool(options.get("campaign")),
         )
         try:
             status = supervisor.run()
@@ -486,6 +655,20 @@ class Command(BaseCommand):
         if status:
             # Like Django's own `test` and `makemigrations --check`: the status is the whole message.
             raise SystemExit(status)
+
+
+def _iso(moment: datetime | None) -> str | None:
+    """A server time as the stable JSON text: ISO 8601 in UTC, with microseconds (as `LeaseRow`'s)."""
+    return None if moment is None else moment.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+def _os_operator() -> str:
+    """Who runs the command, for the history of a forced release: ``user@host``."""
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):  # no login name and no passwd entry (a bare container)
+        user = f"uid-{os.getuid()}" if hasattr(os, "getuid") else "unknown"
+    return f"{user}@{socket.gethostname()}"
 
 
 def _seconds(name: str, text: str, minimum: timedelta, maximum: timedelta) -> float:

@@ -1,0 +1,467 @@
+"""A lease's history for people: its tenures as rows, and as an SVG timeline chart.
+
+`read_history` reads the recorded tenures of one key (`LeaseTenure`) and settles the one still
+open against the lease row, in one statement on the server clock: held until its expiry, or
+lapsed at it. ``manage.py leases history`` prints those rows and the admin draws them with
+`render_timeline`, so both tell the same story. The chart is drawn here, server-side, as a plain
+SVG string: no script, every text escaped (keys and owners are user data).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from html import escape
+from typing import Any
+
+from django.db import connections, router
+from django.db.models import Case, Count, F, OuterRef, Q, Subquery, When, Window
+
+from .display import format_duration
+from .models import EndReason, Lease, LeaseTenure
+from .querysets import ServerNow, StatusAt
+from .status import LeaseStatus
+
+__all__ = ["History", "TenureRow", "read_history", "render_timeline"]
+
+#: Outcomes beyond `EndReason`: the current grant, still held; and an open tenure the lease row does
+#: not account for (its end was not recorded: history was switched off meanwhile, or a failover).
+HELD = "held"
+UNKNOWN = "unknown"
+
+#: Ends an operator or the database imposed on the holder: drawn with a red or purple mark.
+FORCED = frozenset({EndReason.FORCE_RELEASED, EndReason.EPOCHS_ADVANCED})
+
+_OUTCOME_TEXT = {
+    EndReason.RELEASED: "released",
+    EndReason.HANDED_OFF: "handed off",
+    EndReason.LAPSED: "lapsed",
+    EndReason.REACQUIRED: "re-acquired",
+    EndReason.FORCE_RELEASED: "force-released",
+    EndReason.EPOCHS_ADVANCED: "epochs advanced",
+    HELD: "held",
+    UNKNOWN: "end not recorded",
+}
+
+
+@dataclass(frozen=True)
+class TenureRow:
+    """One tenure as people see it, its end settled on the server clock.
+
+    Attributes:
+        epoch: the epoch of the grant.
+        owner: who held it.
+        granted_at: when it was granted.
+        ended_at: when it ended: as recorded, or the expiry of a lapsed grant nobody took over yet;
+            None while it is held (and when its end was not recorded).
+        outcome: an `EndReason` value, ``"held"`` (the current grant) or ``"unknown"``.
+        ended_by: who ended it (see `LeaseTenure`); None when nobody did yet.
+        expires_at: the current grant's expiry (held, or lapsed and not yet taken over); else None.
+        handoff_requested_at: when a hand-off was requested of the current holder; else None.
+    """
+
+    epoch: int
+    owner: str
+    granted_at: datetime
+    ended_at: datetime | None
+    outcome: str
+    ended_by: str | None
+    expires_at: datetime | None = None
+    handoff_requested_at: datetime | None = None
+
+    @property
+    def current(self) -> bool:
+        """Whether this is the lease's latest grant (held, or lapsed and not yet taken over)."""
+        return self.expires_at is not None
+
+    @property
+    def forced(self) -> bool:
+        """Whether an operator or an epoch advance ended it."""
+        return self.outcome in FORCED
+
+    @property
+    def outcome_text(self) -> str:
+        """How it ended, in words: ``released``, ``force-released``, ``held``..."""
+        return _OUTCOME_TEXT.get(self.outcome, self.outcome)
+
+    def duration(self, server_time: datetime) -> timedelta:
+        """How long it lasted (so far, at ``server_time``, while held)."""
+        return (self.ended_at or server_time) - self.granted_at
+
+    def describe(self, server_time: datetime) -> str:
+        """The outcome for a table cell: ``force-released``, ``held, expires in 29s``, ``lapsed (free to take)``."""
+        if self.outcome == HELD and self.expires_at is not None:
+            text = f"held, expires in {format_duration(max(self.expires_at - server_time, timedelta(0)))}"
+            return text + (", hand-off requested" if self.handoff_requested_at else "")
+        if self.outcome == EndReason.LAPSED and self.current:
+            return "lapsed (free to take)"
+        return self.outcome_text
+
+    def as_json(self, server_time: datetime) -> dict[str, Any]:
+        """The stable JSON form: these field names, ISO 8601 times in UTC, ``duration_seconds`` a float."""
+        return {
+            "epoch": self.epoch,
+            "owner": self.owner,
+            "granted_at": _iso(self.granted_at),
+            "ended_at": _iso(self.ended_at),
+            "outcome": self.outcome,
+            "ended_by": self.ended_by,
+            "expires_at": _iso(self.expires_at),
+            "handoff_requested_at": _iso(self.handoff_requested_at),
+            "duration_seconds": self.duration(server_time).total_seconds(),
+        }
+
+
+@dataclass(frozen=True)
+class History:
+    """The recorded tenures of one key, oldest first, as `read_history` found them.
+
+    Attributes:
+        key: the lease key.
+        tenures: the newest tenures (all of them, or the ``limit`` asked for), oldest first.
+        count: how many tenures of the key are recorded in all.
+        server_time: the server clock the open tenure was judged at.
+    """
+
+    key: str
+    tenures: list[TenureRow]
+    count: int
+    server_time: datetime
+
+    def as_json(self) -> dict[str, Any]:
+        """The stable JSON form (``manage.py leases history --json``)."""
+        return {
+            "key": self.key,
+            "server_time": _iso(self.server_time),
+            "count": self.count,
+            "tenures": [row.as_json(self.server_time) for row in self.tenures],
+        }
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+def read_history(key: str, *, using: str | None = None, limit: int | None = None) -> History:
+    """The tenures of ``key`` (the newest ``limit`` of them, oldest first), in one statement.
+
+    The open tenure is judged against the lease row in that same statement, on the server clock,
+    so it never disagrees with the state: held (ending at its expiry, to come), lapsed (ended at
+    its expiry), or, when the row is at another grant, ``unknown``.
+
+    Args:
+        key: the lease key.
+        using: the database alias (default: where the router sends reads of tenures).
+        limit: at most this many tenures, the newest; None for all.
+    """
+    alias = using or router.db_for_read(LeaseTenure)
+    lease = Lease.objects.using(alias).filter(key=OuterRef("key"))
+    is_open = Q(ended_at__isnull=True)
+
+    def of_lease(field: str) -> Case:
+        # Only the open tenure needs the lease row: the CASE keeps the sub-select off the others.
+        return Case(When(is_open, then=Subquery(lease.values(field)[:1])), default=None)
+
+    tenures = (
+        LeaseTenure.objects.using(alias)
+        .filter(key=key)
+        .annotate(
+            server_time=ServerNow(),
+            total=Window(Count("*")),
+            lease_epoch=of_lease("epoch"),
+            lease_owner=of_lease("owner"),
+            lease_expires_at=of_lease("expires_at"),
+            lease_handoff_at=of_lease("handoff_requested_at"),
+            lease_state=Case(
+                When(is_open, then=StatusAt(F("lease_owner"), F("lease_expires_at"), ServerNow())), default=None
+            ),
+        )
+        .order_by("-epoch", "-granted_at", "-id")
+    )
+    found = list(tenures if limit is None else tenures[:limit])
+    if not found:
+        return History(key, [], 0, _server_now(alias))
+    rows = [_settled(tenure) for tenure in reversed(found)]
+    first: Any = found[0]
+    return History(key, rows, first.total, first.server_time)
+
+
+def _settled(tenure: Any) -> TenureRow:
+    """A tenure row with its end: recorded, or read from the lease row when still open."""
+    row = TenureRow(
+        tenure.epoch, tenure.owner, tenure.granted_at, tenure.ended_at, tenure.end_reason or UNKNOWN, tenure.ended_by
+    )
+    if tenure.ended_at is not None:
+        return row
+    if (tenure.lease_epoch, tenure.lease_owner) != (tenure.epoch, tenure.owner):
+        return row  # the lease row is at another grant: this end was never recorded
+    expires_at = tenure.lease_expires_at
+    if tenure.lease_state == LeaseStatus.HELD:
+        return TenureRow(row.epoch, row.owner, row.granted_at, None, HELD, None, expires_at, tenure.lease_handoff_at)
+    return TenureRow(row.epoch, row.owner, row.granted_at, expires_at, EndReason.LAPSED, None, expires_at)
+
+
+def _server_now(alias: str) -> datetime:
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        (now,) = cursor.fetchone()
+    moment: datetime = now
+    return moment
+
+
+# ---- the chart -----------------------------------------------------------------------------------
+
+_LEFT, _RIGHT, _TOP, _LANE, _BAR = 180, 30, 64, 46, 16
+_COLOURS = {
+    "bar": "#4a90d9",
+    "held": "#2e9e44",
+    "unknown": "#9b9b9b",
+    "lapsed": "#e08e0b",
+    "forced": "#d0021b",
+    "advanced": "#7b3fb5",
+    "handoff": "#1e7b8c",
+    "gap": "#f1f1f1",
+}
+# Characters XML 1.0 cannot carry at all (escaping does not help): shown as U+FFFD.
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400]
+
+
+def _text(value: object) -> str:
+    """Text for an SVG element or attribute: escaped, quotes too, and without XML-illegal characters."""
+    return escape(_NOT_XML.sub("\ufffd", str(value)), quote=True)
+
+
+def _short(value: str, limit: int = 24) -> str:
+    return value if len(value) <= limit else value[: limit - 1] + "\N{HORIZONTAL ELLIPSIS}"
+
+
+def _clock(moment: datetime, with_date: bool) -> str:
+    moment = moment.astimezone(UTC)
+    return moment.strftime("%m-%d %H:%M" if with_date else "%H:%M:%S")
+
+
+def render_timeline(history: History, *, width: int = 960) -> str:
+    """Draw ``history`` as a self-contained SVG document (a string), one lane per owner.
+
+    Bars run along the server clock from grant to end; the gaps between tenures are shaded. How a
+    tenure ended is marked at its end: a red cross for a force release, a purple arrow for an epoch
+    advance, an orange ring for a lapse, a teal chevron for a hand-off. The current grant is green,
+    solid up to now and outlined up to its expiry. Each bar has a ``<title>`` (the tooltip) and
+    classes (``pg-lease-tenure``, ``pg-lease-outcome-<outcome>``, ``pg-lease-mark-<outcome>``) and
+    ``data-epoch`` / ``data-owner`` attributes for tests and styling.
+    """
+    if not history.tenures:
+        return _empty_chart(history, width)
+    tenures = history.tenures
+    now = history.server_time
+    owners = list(dict.fromkeys(t.owner for t in tenures))
+    start = min(t.granted_at for t in tenures)
+    happened = max([now, *(t.ended_at or now for t in tenures)])
+    # A long TTL would squeeze the past into a corner: show a current expiry only a little ahead.
+    ahead = happened + max((happened - start) / 4, timedelta(seconds=1))
+    end = max([happened, *(min(t.expires_at, ahead) for t in tenures if t.expires_at)])
+    span = max((end - start).total_seconds(), 1.0) * 1.03
+    scale = (width - _LEFT - _RIGHT) / span
+    lanes_bottom = _TOP + _LANE * len(owners)
+    height = lanes_bottom + 92
+
+    def x(moment: datetime) -> float:
+        return round(_LEFT + (moment - start).total_seconds() * scale, 1)
+
+    noun = "tenure" if history.count == 1 else "tenures"
+    shown = f"{history.count} {noun}" if len(tenures) == history.count else f"last {len(tenures)} of {history.count}"
+    title = f"Lease {history.key!r}: {shown}, server time {_clock(now, False)} UTC"
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="pg-lease-timeline" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{_text(title)}" '
+        'font-family="sans-serif" font-size="12">',
+        f"<title>{_text(title)}</title>",
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text class="pg-lease-heading" x="10" y="22" font-size="15" font-weight="bold">{_text(title)}</text>',
+    ]
+    out += _gaps(tenures, now, x, lanes_bottom)
+    out += _axis(start, end, x, lanes_bottom)
+    for row, owner in enumerate(owners):
+        y = _TOP + row * _LANE
+        out.append(f'<line x1="{_LEFT}" y1="{y + _LANE}" x2="{width - _RIGHT}" y2="{y + _LANE}" stroke="#e4e4e4"/>')
+        out.append(
+            f"<g><title>{_text(owner)}</title>"
+            f'<text class="pg-lease-lane" x="10" y="{y + 32}" font-weight="bold">{_text(_short(owner))}</text></g>'
+        )
+    label_edges: dict[str, float] = {}
+    for tenure in tenures:
+        out += _bar(tenure, now, end, x, _TOP + owners.index(tenure.owner) * _LANE, label_edges)
+    if any(t.outcome == HELD for t in tenures):
+        out.append(
+            f'<line class="pg-lease-now" x1="{x(now)}" y1="{_TOP - 6}" x2="{x(now)}" y2="{lanes_bottom}" '
+            'stroke="#333" stroke-dasharray="2,3"/>'
+        )
+        out.append(f'<text x="{x(now)}" y="{_TOP - 9}" text-anchor="middle" fill="#333">now</text>')
+    out += _legend(lanes_bottom + 50)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _empty_chart(history: History, width: int) -> str:
+    message = f"No recorded tenures of lease {history.key!r} (is it in PG_LEASE_HISTORY?)"
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="pg-lease-timeline" width="{width}" height="40" '
+        f'viewBox="0 0 {width} 40" role="img" aria-label="{_text(message)}" font-family="sans-serif" font-size="13">'
+        f'<text class="pg-lease-heading" x="10" y="24" fill="#555">{_text(message)}</text></svg>'
+    )
+
+
+def _gaps(tenures: list[TenureRow], now: datetime, x: Any, bottom: int) -> list[str]:
+    """Shade the stretches of server time when nobody held the lease."""
+    out = []
+    covered_until: datetime | None = None
+    for tenure in sorted(tenures, key=lambda t: t.granted_at):
+        if covered_until is not None and tenure.granted_at > covered_until:
+            left, right = x(covered_until), x(tenure.granted_at)
+            if right - left >= 1:
+                free_for = format_duration(tenure.granted_at - covered_until)
+                out.append(
+                    f'<rect class="pg-lease-gap" x="{left}" y="{_TOP}" width="{round(right - left, 1)}" '
+                    f'height="{bottom - _TOP}" fill="{_COLOURS["gap"]}"><title>no holder for {free_for}</title></rect>'
+                )
+        tenure_end = tenure.ended_at or tenure.expires_at or now
+        covered_until = tenure_end if covered_until is None else max(covered_until, tenure_end)
+    return out
+
+
+def _axis(start: datetime, end: datetime, x: Any, bottom: int) -> list[str]:
+    """Ticks on round server times (UTC), about eight of them."""
+    span = (end - start).total_seconds()
+    step = next((s for s in _STEPS if span / s <= 8), math.ceil(span / 8 / 86400) * 86400)
+    with_date = span > 86400
+    first = math.ceil(start.timestamp() / step) * step
+    out = []
+    tick = first
+    while tick <= end.timestamp():
+        moment = datetime.fromtimestamp(tick, UTC)
+        out.append(f'<line x1="{x(moment)}" y1="{_TOP}" x2="{x(moment)}" y2="{bottom + 4}" stroke="#ddd"/>')
+        out.append(
+            f'<text class="pg-lease-tick" x="{x(moment)}" y="{bottom + 18}" text-anchor="middle" fill="#555">'
+            f"{_clock(moment, with_date)}</text>"
+        )
+        tick += step
+    out.append(f'<text x="10" y="{bottom + 18}" fill="#555">server time (UTC)</text>')
+    return out
+
+
+def _bar(tenure: TenureRow, now: datetime, end: datetime, x: Any, y: int, label_edges: dict[str, float]) -> list[str]:
+    """One tenure: its bar, its epoch label, the mark of how it ended, and its tooltip."""
+    top = y + 18
+    left = x(tenure.granted_at)
+    solid_end = tenure.ended_at or (now if tenure.outcome == HELD else tenure.granted_at)
+    right = max(x(solid_end), left + 3)
+    colour = _COLOURS["held" if tenure.outcome == HELD else "unknown" if tenure.outcome == UNKNOWN else "bar"]
+    out = [
+        f'<g class="pg-lease-tenure pg-lease-outcome-{_text(tenure.outcome)}" data-epoch="{tenure.epoch}" '
+        f'data-owner="{_text(tenure.owner)}">',
+        f"<title>{_text(_tooltip(tenure, now))}</title>",
+        f'<rect class="pg-lease-bar" x="{left}" y="{top}" width="{round(right - left, 1)}" height="{_BAR}" rx="2" '
+        f'fill="{colour}"/>',
+    ]
+    if tenure.outcome == HELD and tenure.expires_at is not None and x(tenure.expires_at) > right:
+        until = x(min(tenure.expires_at, end))
+        out.append(
+            f'<rect class="pg-lease-until-expiry" x="{right}" y="{top}" width="{round(until - right, 1)}" '
+            f'height="{_BAR}" fill="{colour}" fill-opacity="0.25" stroke="{colour}" stroke-dasharray="3,2"/>'
+        )
+        if tenure.expires_at > end:  # cut at the chart's edge: say when it ends
+            left_in = format_duration(tenure.expires_at - now)
+            out.append(
+                f'<text class="pg-lease-expiry" x="{until}" y="{top + _BAR + 12}" font-size="10" text-anchor="end" '
+                f'fill="{_COLOURS["held"]}">expires in {left_in} \N{RIGHTWARDS ARROW}</text>'
+            )
+    if tenure.handoff_requested_at is not None:
+        at = x(tenure.handoff_requested_at)
+        out.append(
+            f'<path class="pg-lease-mark pg-lease-mark-handoff-requested" d="M{at} {top - 4} l4 -6 h-8 z" '
+            f'fill="{_COLOURS["handoff"]}"/>'
+        )
+    label = f"#{tenure.epoch}"
+    if left >= label_edges.get(tenure.owner, 0):
+        out.append(f'<text class="pg-lease-epoch" x="{left}" y="{top - 3}" font-size="11" fill="#333">{label}</text>')
+        label_edges[tenure.owner] = left + 7 * len(label) + 4
+    out += _mark(tenure, right, top)
+    out.append("</g>")
+    return out
+
+
+def _mark(tenure: TenureRow, at: float, top: int) -> list[str]:
+    """How it ended, drawn at its end: a shape (colour-blind safe) and a word under the bar."""
+    mid, bottom = top + _BAR / 2, top + _BAR
+    outcome = tenure.outcome
+    cls = f"pg-lease-mark pg-lease-mark-{outcome}"
+    if outcome == EndReason.FORCE_RELEASED:
+        colour = _COLOURS["forced"]
+        shape = (
+            f'<path class="{cls}" d="M{at - 5} {mid - 5} l10 10 M{at + 5} {mid - 5} l-10 10" stroke="{colour}" '
+            'stroke-width="3"/>'
+        )
+    elif outcome == EndReason.EPOCHS_ADVANCED:
+        colour = _COLOURS["advanced"]
+        shape = f'<path class="{cls}" d="M{at} {top - 3} l6 10 h-12 z" fill="{colour}" stroke="white"/>'
+    elif outcome == EndReason.LAPSED:
+        colour = _COLOURS["lapsed"]
+        shape = f'<circle class="{cls}" cx="{at}" cy="{mid}" r="6" fill="white" stroke="{colour}" stroke-width="3"/>'
+    elif outcome == EndReason.HANDED_OFF:
+        colour = _COLOURS["handoff"]
+        shape = f'<path class="{cls}" d="M{at - 2} {top - 2} l8 {_BAR / 2 + 2} l-8 {_BAR / 2 + 2} z" fill="{colour}"/>'
+    else:
+        return []
+    word = "lapsed" if outcome == EndReason.LAPSED else tenure.outcome_text
+    if tenure.forced and tenure.ended_by:
+        word += f" by {_short(tenure.ended_by, 16)}"
+    return [
+        shape,
+        f'<text class="pg-lease-outcome" x="{at}" y="{bottom + 12}" font-size="10" text-anchor="middle" '
+        f'fill="{colour}">{_text(word)}</text>',
+    ]
+
+
+def _tooltip(tenure: TenureRow, now: datetime) -> str:
+    granted = tenure.granted_at.astimezone(UTC).isoformat(sep=" ", timespec="milliseconds")
+    parts = [f"epoch {tenure.epoch}", tenure.owner, f"granted {granted}"]
+    if tenure.outcome == HELD and tenure.expires_at is not None:
+        parts.append(f"held for {format_duration(tenure.duration(now))}")
+        parts.append(f"expires {tenure.expires_at.astimezone(UTC).isoformat(sep=' ', timespec='milliseconds')}")
+        if tenure.handoff_requested_at is not None:
+            parts.append("hand-off requested")
+    elif tenure.ended_at is not None:
+        ended = tenure.ended_at.astimezone(UTC).isoformat(sep=" ", timespec="milliseconds")
+        how = tenure.describe(now) + (f" by {tenure.ended_by}" if tenure.ended_by else "")
+        parts += [f"ended {ended}", how, f"lasted {format_duration(tenure.duration(now))}"]
+    else:
+        parts.append(tenure.outcome_text)
+    return " \N{MIDDLE DOT} ".join(parts)
+
+
+def _legend(y: int) -> list[str]:
+    c = _COLOURS
+    items = [
+        f'<rect x="{_LEFT}" y="{y - 10}" width="14" height="10" fill="{c["bar"]}"/>',
+        f'<text x="{_LEFT + 18}" y="{y}">tenure</text>',
+        f'<rect x="{_LEFT + 80}" y="{y - 10}" width="14" height="10" fill="{c["held"]}"/>',
+        f'<text x="{_LEFT + 98}" y="{y}">held now (outlined: until expiry)</text>',
+        f'<rect x="{_LEFT + 300}" y="{y - 10}" width="14" height="10" fill="{c["gap"]}" stroke="#ccc"/>',
+        f'<text x="{_LEFT + 318}" y="{y}">no holder</text>',
+        f'<circle cx="{_LEFT + 400}" cy="{y - 4}" r="5" fill="white" stroke="{c["lapsed"]}" stroke-width="3"/>',
+        f'<text x="{_LEFT + 410}" y="{y}">lapsed</text>',
+        f'<path d="M{_LEFT + 466} {y - 9} l8 8 M{_LEFT + 474} {y - 9} l-8 8" stroke="{c["forced"]}" stroke-width="3"/>',
+        f'<text x="{_LEFT + 480}" y="{y}">force-released</text>',
+        f'<path d="M{_LEFT + 578} {y - 11} l6 10 h-12 z" fill="{c["advanced"]}"/>',
+        f'<text x="{_LEFT + 588}" y="{y}">epochs advanced</text>',
+        f'<path d="M{_LEFT + 692} {y - 11} l7 6 l-7 6 z" fill="{c["handoff"]}"/>',
+        f'<text x="{_LEFT + 704}" y="{y}">handed off</text>',
+        f'<text x="{_LEFT}" y="{y + 20}" fill="#333">#7</text>',
+        f'<text x="{_LEFT + 24}" y="{y + 20}">epoch of the grant (fencing token)</text>',
+        f'<path d="M{_LEFT + 304} {y + 18} l4 -6 h-8 z" fill="{c["handoff"]}"/>',
+        f'<text x="{_LEFT + 318}" y="{y + 20}">hand-off requested</text>',
+    ]
+    return ['<g class="pg-lease-legend" font-size="11">', *items, "</g>"]
