@@ -27,11 +27,12 @@ from .exceptions import (
 )
 from .jobs import HeldLease, Holding, current_lease, exit_on_signals, hold, leased
 from .managers import Grant, LeaseManager, LeaseState
-from .signals import lease_acquired, lease_lost, lease_released, lease_skipped
+from .operations import HandoffRequest
+from .signals import lease_acquired, lease_handoff_requested, lease_lost, lease_released, lease_skipped
 
 if TYPE_CHECKING:
     from .fencing import FencedManager, FencedModel, FencedQuerySet, unfenced_writes
-    from .models import Lease
+    from .models import EndReason, Lease, LeaseTenure
 
 try:
     __version__ = version("pg-lease-django")
@@ -41,11 +42,13 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 __all__ = [
     "AlreadyFreeError",
     "Election",
+    "EndReason",
     "EpochMismatchError",
     "FencedManager",
     "FencedModel",
     "FencedQuerySet",
     "Grant",
+    "HandoffRequest",
     "HeartbeatFailedError",
     "HeldLease",
     "Holding",
@@ -56,6 +59,7 @@ __all__ = [
     "LeaseLostError",
     "LeaseManager",
     "LeaseState",
+    "LeaseTenure",
     "LeaseTimeoutError",
     "NeverAcquiredError",
     "NotAcquirableError",
@@ -69,6 +73,7 @@ __all__ = [
     "exit_on_signals",
     "hold",
     "lease_acquired",
+    "lease_handoff_requested",
     "lease_lost",
     "lease_released",
     "lease_skipped",
@@ -80,7 +85,9 @@ _LAZY_MODELS = {
     "FencedManager": "fencing",
     "FencedModel": "fencing",
     "FencedQuerySet": "fencing",
+    "EndReason": "models",
     "Lease": "models",
+    "LeaseTenure": "models",
     "unfenced_writes": "fencing",
 }
 

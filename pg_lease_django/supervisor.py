@@ -91,10 +91,14 @@ class ExitCode(IntEnum):
     MOVED_ON = (
         5,
         "lease moved on",
-        "``release`` refused: the lease moved on (``--epoch`` is not the current epoch, or it changed hands "
-        "while being released)",
+        "``release`` or ``handoff`` refused: the lease moved on (``--epoch`` is not the current epoch, or it "
+        "changed hands while being released)",
     )
-    ALREADY_FREE = 6, "already free", "``release``: nothing to release, the lease is already free"
+    ALREADY_FREE = (
+        6,
+        "already free",
+        "``release``: nothing to release, the lease is already free; ``handoff``: nobody holds it (free or lapsed)",
+    )
     BUSY = 75, "busy", "busy: the lease is held by another owner; COMMAND was not run"
     LOST = (
         76,

@@ -200,8 +200,8 @@ class Command(BaseCommand):
             "run",
             help="Run COMMAND while holding the lease KEY (renewed by heartbeats, released at the end).",
             usage=(
-                "%(prog)s KEY --ttl SECONDS [--wait SECONDS] [--owner ID] [--grace SECONDS] [--database ALIAS] "
-                "-- COMMAND [ARGS ...]"
+                "%(prog)s KEY --ttl SECONDS [--wait SECONDS | --campaign] [--owner ID] [--grace SECONDS] "
+                "[--database ALIAS] -- COMMAND [ARGS ...]"
             ),
             description=(
                 "Acquire KEY, run COMMAND with PG_LEASE_KEY, PG_LEASE_OWNER and PG_LEASE_EPOCH in its environment, "
