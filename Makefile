@@ -46,7 +46,7 @@ migrations-check: venv
 
 check: lint type migrations-check test
 
-## make demo: three workers, a fenced counter, a frozen holder, a kill -9 and a force release; writes a chart.
+## make demo: three workers, a fenced counter, a frozen holder, a kill -9, a force release and a hand-off; writes charts.
 demo: venv
 	$(BIN)/python -m demo
 
