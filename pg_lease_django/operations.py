@@ -172,19 +172,36 @@ def confirmed_commit(connection: BaseDatabaseWrapper) -> Iterator[None]:
 
 
 class _CallerCommit:
-    """Inside the caller's ``atomic()``, the caller's COMMIT is what waits for the synchronous standby:
-    watch the transaction's notices, and check them in an ``on_commit`` hook, which raises
-    `UnconfirmedCommitError` out of the caller's ``atomic()`` when the commit was not confirmed.
-    One per transaction (a rolled-back transaction's watch is dropped by the next call)."""
+    """Inside the caller's ``atomic()``, the caller's COMMIT is what waits for the synchronous standby.
+
+    From the first lease call of a transaction to its end, a notice handler keeps the WARNINGs of
+    SQLSTATE ``01000`` and an execute wrapper forgets them after each statement, so that only those
+    of the COMMIT count (a trigger's ``RAISE WARNING`` in a statement does not); an ``on_commit`` hook
+    raises `UnconfirmedCommitError` out of the caller's ``atomic()`` when there is one. Like any
+    failing hook, it keeps the hooks registered after it from running: the transaction may be lost.
+    One watch per transaction; a rolled-back transaction's is dropped by the next call.
+    """
 
     def __init__(self, connection: BaseDatabaseWrapper, raw: Any) -> None:
         self.connection = connection
         self.notices = _Notices(raw)
+        connection.execute_wrappers.append(self.forget_statement_notices)
 
-    def check(self) -> None:
+    def forget_statement_notices(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            self.notices.seen.clear()
+
+    def end(self) -> None:
         self.notices.remove()
+        with suppress(ValueError):
+            self.connection.execute_wrappers.remove(self.forget_statement_notices)
         if getattr(self.connection, "_pg_lease_caller_commit", None) is self:
             del self.connection._pg_lease_caller_commit
+
+    def check(self) -> None:
+        self.end()
         self.notices.raise_if_unconfirmed()
 
     @classmethod
@@ -193,7 +210,7 @@ class _CallerCommit:
         if current is not None:
             if any(entry[1] == current.check for entry in connection.run_on_commit):
                 return  # this transaction is watched already
-            current.notices.remove()  # a transaction that rolled back (its hooks were dropped)
+            current.end()  # a transaction that rolled back (its hooks were dropped)
         raw = connection.connection
         if raw is None:
             return
@@ -218,6 +235,8 @@ def call(connection: BaseDatabaseWrapper, template: str, params: Sequence[Any]) 
         row = cursor.fetchone()
     if connection.in_atomic_block:
         _CallerCommit.watch(connection)
+    elif (stale := getattr(connection, "_pg_lease_caller_commit", None)) is not None:
+        stale.end()  # the watch of a transaction that rolled back
     assert row is not None
     return tuple(row)
 

@@ -19,7 +19,8 @@ ACQUIRE = "SELECT * FROM {schema}.pg_lease_acquire(%s::text, %s::text, %s::inter
 ACQUIRE_OR_REGISTER = (
     "SELECT * FROM {schema}.pg_lease_acquire_or_register(%s::text, %s::text, %s::interval, %s::interval)"
 )
-RENEW = "SELECT * FROM {schema}.pg_lease_renew(%s::text, %s::text, %s::bigint, %s::interval)"
+#: A renewal that also says whether a hand-off was requested (pg_lease_renew without that fourth column).
+RENEW = "SELECT * FROM {schema}.pg_lease_heartbeat(%s::text, %s::text, %s::bigint, %s::interval)"
 RELEASE = "SELECT * FROM {schema}.pg_lease_release(%s::text, %s::text, %s::bigint)"
 INSPECT = "SELECT * FROM {schema}.pg_lease_inspect(%s::text)"
 FORCE_RELEASE = "SELECT * FROM {schema}.pg_lease_force_release(%s::text, %s::bigint, %s::text)"

@@ -177,9 +177,10 @@ def test_command_output_and_exit_codes(key: str) -> None:
         call_command("leases", "advance-epochs", stdout=StringIO(), stderr=StringIO())
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)
 def test_each_call_removes_its_notice_handler() -> None:
-    """The check for an unconfirmed commit (operations.confirmed_commit) leaves nothing on the connection."""
+    """The check for an unconfirmed commit (operations.confirmed_commit) leaves nothing on the connection
+    (outside ``atomic()``; inside, the transaction's watch goes with it: tests/test_bounded_exit.py)."""
     Lease.objects.inspect("no-such-key-advance")
     raw = connection.connection
     assert raw is not None and not raw._notice_handlers

@@ -75,7 +75,7 @@ def leave(holder: Child) -> tuple[dict[str, Any], float]:
 def test_exit_is_bounded_when_commits_wait_for_a_standby_that_is_gone(cluster: Cluster, holder: Child) -> None:
     assert holder.call(op="hold", key="bounded-sync", ttl=TTL, owner="holder")["ok"]
     cluster.standby.stop("fast")  # every commit on the primary now waits for it, for ever
-    poll(waiting_in(cluster, "SyncRep", "pg_lease_renew"), timeout=30, what="a renewal to wait for the standby")
+    poll(waiting_in(cluster, "SyncRep", "pg_lease_heartbeat"), timeout=30, what="a renewal to wait for the standby")
     reply, took = leave(holder)
     print(f"\nexit with a renewal stuck in its commit: {took:.2f}s (ttl {TTL}s)")
     assert reply["exited"] and reply["exit_error"] is None, reply
@@ -173,9 +173,10 @@ def test_one_commit_check_per_transaction_and_none_left_after_a_rollback(key: st
 
     from pg_lease_django import Lease
 
-    connection.ensure_connection()
+    Lease.objects.inspect(key)  # outside atomic(): drops the watch an earlier rolled-back test left
     raw = connection.connection
     handlers = len(raw._notice_handlers)
+    wrappers = len(connection.execute_wrappers)
     with transaction.atomic():
         grant = Lease.objects.acquire(key, "w1", ttl=30)
         assert grant is not None
@@ -189,4 +190,21 @@ def test_one_commit_check_per_transaction_and_none_left_after_a_rollback(key: st
         Lease.objects.inspect(key)
         assert len(connection.run_on_commit) == 1
         assert len(raw._notice_handlers) == handlers + 1  # the rolled-back transaction's handler is gone
+        assert len(connection.execute_wrappers) == wrappers + 1
     assert len(raw._notice_handlers) == handlers
+    assert len(connection.execute_wrappers) == wrappers
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_warning_of_a_statement_is_not_taken_for_an_unconfirmed_commit(key: str) -> None:
+    """SQLSTATE 01000 is any WARNING: one a statement of the transaction raises (a trigger's ``RAISE
+    WARNING``) is not the COMMIT's, and the block commits without an error."""
+    from django.db import connection, transaction
+
+    from pg_lease_django import Lease
+
+    with transaction.atomic():
+        assert Lease.objects.acquire(key, "w1", ttl=30) is not None
+        with connection.cursor() as cursor:
+            cursor.execute("DO $$ BEGIN RAISE WARNING 'audit: row changed'; END $$")
+    assert Lease.objects.inspect(key).owner == "w1"

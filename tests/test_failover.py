@@ -449,7 +449,7 @@ def test_a_renewal_answered_with_the_warning_is_not_taken_as_confirmed_by_the_ho
     ``SET LOCAL``, the call and a ``COMMIT`` of its own: that ``COMMIT`` is what waits, and is checked alike."""
     cluster = sync_cluster
     holder = children(cluster, listen=not pooled)
-    waiting_statement = "COMMIT" if pooled else "pg_lease_renew"
+    waiting_statement = "COMMIT" if pooled else "pg_lease_heartbeat"
     ok(holder.call(op="migrate"))
     key = "sync-unconfirmed-hold"
     held = ok(holder.call(op="hold", key=key, ttl=10, owner="holder-h"))

@@ -34,7 +34,11 @@ from pg_lease_django.models import EndReason, LeaseTenure
 from pg_lease_django.signals import lease_handoff_requested
 from tests.helpers import Background, held, lapsed, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# Most tests run in a transaction rolled back at their end: the epoch advance and the prune below
+# raise the epoch floor, which other tests' new keys start above. Those that need other connections
+# (a raw client, threads, hold()'s lease connections) commit.
+pytestmark = pytest.mark.django_db
+committing = pytest.mark.django_db(transaction=True)
 
 Connect = Callable[..., psycopg.Connection[Any]]
 
@@ -127,6 +131,7 @@ def test_only_the_keys_of_the_setting_are_recorded(key: str) -> None:
     assert not LeaseTenure.objects.filter(key=f"{key}/jobs:b").exists()
 
 
+@committing
 def test_a_raw_client_is_recorded_in_the_same_statement(recorded: str, raw_connect: Connect) -> None:
     """No second round trip: the tenure exists inside the acquiring transaction, and goes with its rollback."""
     key = recorded
@@ -143,6 +148,7 @@ def test_a_raw_client_is_recorded_in_the_same_statement(recorded: str, raw_conne
     assert client.execute("SELECT count(*) FROM pg_lease_django_tenure WHERE key = %s", [key]).fetchone() == (0,)
 
 
+@committing
 def test_concurrent_grants_match_the_history_one_to_one(recorded: str) -> None:
     """Eight threads, each on its own connection, race for three keys: every grant is one tenure."""
     keys = [f"{recorded}/{n}" for n in range(3)]
@@ -201,6 +207,7 @@ def test_request_handoff_refuses_when_nobody_holds(key: str) -> None:
     assert Lease.objects.get(key=key).handoff_requested_at is None
 
 
+@committing
 def test_a_hold_learns_of_a_handoff_at_its_next_renewal_and_may_ignore_it(key: str) -> None:
     seen: list[HeldLease] = []
     signalled: list[HeldLease] = []
@@ -227,6 +234,7 @@ def test_a_hold_learns_of_a_handoff_at_its_next_renewal_and_may_ignore_it(key: s
     assert Lease.objects.inspect(key).status == "free"
 
 
+@committing
 def test_handoff_hands_over_well_within_a_ttl(recorded: str) -> None:
     """A holder that steps down on request lets a blocked waiter in after about one renew interval."""
     key = recorded
@@ -260,6 +268,7 @@ def test_prune_history_keeps_running_tenures(recorded: str) -> None:
         mine.prune(older_than=-1)
 
 
+@committing
 def test_settings_are_checked_and_a_stale_copy_is_reported(key: str) -> None:
     for bad in ("jobs:", [1], ["x" * 256], None):
         with override_settings(PG_LEASE_HISTORY=bad), pytest.raises(ImproperlyConfigured):
@@ -275,13 +284,16 @@ def test_settings_are_checked_and_a_stale_copy_is_reported(key: str) -> None:
     sync_scope()
 
 
-def test_migration_0009_unapplies_and_keeps_the_grants_of_what_it_redefines(raw_connect: Connect) -> None:
-    """Unapplied, the functions take their 0008 shapes back; applied again, ``pg_lease_renew`` (dropped and
-    created: it returns a fourth column) keeps an operator's REVOKE and GRANT, and the three-argument
-    ``pg_lease_force_release`` gets the two-argument one's grants."""
+@committing
+def test_migration_0009_unapplies_and_gives_its_new_functions_the_grants_of_the_old(raw_connect: Connect) -> None:
+    """Unapplied, the functions take their 0008 shapes back; applied again, ``pg_lease_heartbeat`` (the
+    renewal with the hand-off flag) gets ``pg_lease_renew``'s grants, an operator's REVOKE and GRANT
+    included, and the three-argument ``pg_lease_force_release`` the two-argument one's;
+    ``pg_lease_renew`` keeps its three columns (SQL clients, the previous version in a rolling deploy)."""
     conn = raw_connect()
-    renew, force, force_by = (
+    renew, heartbeat, force, force_by = (
         "pg_lease_renew(text,text,bigint,interval)",
+        "pg_lease_heartbeat(text,text,bigint,interval)",
         "pg_lease_force_release(text,bigint)",
         "pg_lease_force_release(text,bigint,text)",
     )
@@ -290,25 +302,57 @@ def test_migration_0009_unapplies_and_keeps_the_grants_of_what_it_redefines(raw_
         row = conn.execute("SELECT has_function_privilege(%s, %s, 'EXECUTE')", [role, function]).fetchone()
         return bool(row and row[0])
 
-    def columns(function: str) -> int:
-        row = conn.execute(
-            "SELECT cardinality(proallargtypes) - pronargs FROM pg_proc WHERE oid = to_regprocedure(%s)", [function]
-        ).fetchone()
-        return int(row[0]) if row else 0
+    def exists(function: str) -> bool:
+        return conn.execute("SELECT to_regprocedure(%s) IS NOT NULL", [function]).fetchone() == (True,)
 
     call_command("migrate", "pg_lease_django", "0008", verbosity=0)
     try:
-        assert columns(renew) == 3
+        assert not exists(heartbeat) and not exists(force_by)
         assert conn.execute("SELECT to_regclass('pg_lease_django_tenure')").fetchone() == (None,)
-        assert conn.execute("SELECT to_regprocedure(%s)", [force_by]).fetchone() == (None,)
         conn.execute(f"REVOKE EXECUTE ON FUNCTION {renew} FROM PUBLIC")
-        conn.execute(f"GRANT EXECUTE ON FUNCTION {renew}, {force} TO pg_monitor")
+        conn.execute(f"GRANT EXECUTE ON FUNCTION {renew}, {force} TO pg_monitor WITH GRANT OPTION")
     finally:
         call_command("migrate", "pg_lease_django", verbosity=0)
     try:
-        assert columns(renew) == 4
-        assert may("pg_monitor", renew) and not may("pg_read_all_settings", renew)
+        assert may("pg_monitor", heartbeat) and not may("pg_read_all_settings", heartbeat)
         assert may("pg_monitor", force_by) and not may("pg_read_all_settings", force_by)
+        grantable = "SELECT has_function_privilege('pg_monitor', %s, 'EXECUTE WITH GRANT OPTION')"
+        assert conn.execute(grantable, [heartbeat]).fetchone() == (True,)
+        row = conn.execute(
+            "SELECT outcome, expires_at FROM pg_lease_renew('never-acquired', 'w', 1, '30 s')"
+        ).fetchone()
+        assert row == ("not_owner", None)  # three columns, as before
     finally:
-        conn.execute(f"GRANT EXECUTE ON FUNCTION {renew} TO PUBLIC")
-        conn.execute(f"REVOKE EXECUTE ON FUNCTION {renew}, {force}, {force_by} FROM pg_monitor")
+        conn.execute(f"GRANT EXECUTE ON FUNCTION {renew}, {heartbeat} TO PUBLIC")
+        conn.execute(f"REVOKE EXECUTE ON FUNCTION {renew}, {heartbeat}, {force}, {force_by} FROM pg_monitor CASCADE")
+
+
+def test_a_lapsed_tenure_ends_at_its_expiry_whatever_clears_it(recorded: str) -> None:
+    """A force release or an epoch advance of a lease that had already lapsed records the lapse, at its
+    expiry, not the later clearing (the force release adds its operator)."""
+    forced, advanced = f"{recorded}/forced", f"{recorded}/advanced"
+    for key in (forced, advanced):
+        lapsed(key, "w-old")
+    Lease.objects.force_release(forced, operator="alice@ops")
+    Lease.objects.advance_epochs(by=3)
+    rows = {row.key: row for row in LeaseTenure.objects.filter(key__in=[forced, advanced])}
+    for key, by in ((forced, "alice@ops"), (advanced, None)):
+        row = rows[key]
+        expired = Lease.objects.get(key=key).released_at if key == forced else None
+        assert (row.end_reason, row.ended_by) == (EndReason.LAPSED, by), (key, row.end_reason, row.ended_by)
+        assert row.ended_at is not None and (expired is None or row.ended_at < expired)
+        assert row.ended_at <= row.granted_at + timedelta(seconds=1)  # its 1 ms TTL, not the clearing
+
+
+def test_a_setting_a_caller_controls_cannot_make_a_release_look_forced(recorded: str) -> None:
+    """Only pg_lease_force_release labels a tenure force-released: a session setting of the caller's
+    (the 0009 draft read one) changes nothing."""
+    from django.db import connection
+
+    key = recorded
+    epoch = held(key, "alice")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('pg_lease.force_released_by', 'ops-admin', true)")
+    Lease.objects.release(key, "alice", epoch)
+    [(_, owner, reason, by, _)] = tenures(key)
+    assert (owner, reason, by) == ("alice", EndReason.RELEASED, "alice")

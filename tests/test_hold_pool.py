@@ -196,7 +196,7 @@ def test_a_renewal_is_one_statement_and_the_session_timeout_bounds_it(
         conn.wrapper.queries_log.clear()
         conn.renew(key, grant.owner, grant.epoch, timedelta(seconds=5), timeout=0.3)
         statements = [q["sql"] for q in conn.wrapper.queries_log]
-        assert len(statements) == 1 and "pg_lease_renew" in statements[0], statements
+        assert len(statements) == 1 and "pg_lease_heartbeat" in statements[0], statements
         # The server bounds it: a renewal blocked on the row lock is cancelled after 0.3 s.
         blocker = raw_connect(autocommit=False)
         lock_row(blocker, key)

@@ -40,6 +40,7 @@ WORKER_FUNCTIONS = {
     "pg_lease_acquire(text,text,interval,interval)",
     "pg_lease_acquire_or_register(text,text,interval,interval)",
     "pg_lease_renew(text,text,bigint,interval)",
+    "pg_lease_heartbeat(text,text,bigint,interval)",
     "pg_lease_release(text,text,bigint)",
     "pg_lease_inspect(text)",
     "pg_lease_fence(text,text,bigint)",
@@ -482,6 +483,9 @@ BEGIN
 END $$;
 CREATE FUNCTION {schema}.pg_lease_fence(text, text, {int}) RETURNS text LANGUAGE sql AS $$ SELECT 'ok' $$;
 CREATE FUNCTION {schema}.pg_lease_fence_outcome(text, text, {int}) RETURNS text LANGUAGE sql AS $$ SELECT 'ok' $$;
+CREATE FUNCTION {schema}.pg_lease_heartbeat(text, text, {int}, interval)
+  RETURNS TABLE (outcome text, expires_at timestamptz, server_time timestamptz, handoff_requested boolean)
+  LANGUAGE sql AS $$ SELECT 'ok', clock_timestamp() + $4, clock_timestamp(), false $$;
 CREATE FUNCTION {schema}.pg_lease_renew(text, text, {int}, interval)
   RETURNS TABLE (outcome text, expires_at timestamptz, server_time timestamptz)
   LANGUAGE sql AS $$ SELECT 'ok', clock_timestamp() + $4, clock_timestamp() $$;

@@ -8,12 +8,14 @@
   renewal changes no epoch and fires nothing. Which keys are recorded is a table the database reads
   (``pg_lease_django_history_scope``, one row per prefix), which ``migrate`` fills from the setting.
 - **Hand-off**: ``pg_lease_request_handoff`` stamps ``handoff_requested_at`` on a held lease; the
-  holder's renewals return it (``pg_lease_renew`` gains a fourth column, ``handoff_requested``) and
-  its release is recorded as ``handed_off``. Any grant clears the stamp (the BEFORE UPDATE trigger).
-  It is advice: nothing else changes, and a holder that ignores it keeps its lease.
+  holder's renewals return it (``pg_lease_heartbeat``: ``pg_lease_renew`` with a fourth column,
+  ``handoff_requested``; ``pg_lease_renew`` keeps its three for SQL clients and for processes of the
+  previous version during a rolling deploy) and its release is recorded as ``handed_off``. Any
+  grant clears the stamp (the BEFORE UPDATE trigger). It is advice: nothing else changes, and a
+  holder that ignores it keeps its lease.
 - ``pg_lease_force_release(key, epoch, operator)`` records who forced the release; the two-argument
   form calls it with no operator (the database role is recorded). It gets the two-argument form's
-  grants, as the new ``pg_lease_renew`` gets the old one's.
+  grants, as ``pg_lease_heartbeat`` gets ``pg_lease_renew``'s.
 """
 
 from importlib import import_module
@@ -28,6 +30,7 @@ airtight = import_module("pg_lease_django.migrations.0004_airtight")
 notify = import_module("pg_lease_django.migrations.0006_notify_waiters")
 
 RENEW = "pg_lease_renew(text, text, bigint, interval)"
+HEARTBEAT = "pg_lease_heartbeat(text, text, bigint, interval)"
 FORCE_RELEASE = "pg_lease_force_release(text, bigint)"
 FORCE_RELEASE_BY = "pg_lease_force_release(text, bigint, text)"
 
@@ -47,7 +50,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
   row_key text;
-  ending text;
+  now_at timestamptz;
   reason text;
   ended timestamptz;
   by_whom text;
@@ -65,22 +68,19 @@ BEGIN
   END IF;
 
   IF TG_OP <> 'INSERT' AND OLD.owner IS NOT NULL THEN  -- the tenure of OLD ends here
-    IF TG_OP = 'DELETE' THEN  -- pruned after it lapsed
-      reason := 'lapsed'; ended := OLD.expires_at; by_whom := NULL;
-    ELSIF NEW.owner IS NULL THEN
-      ending := current_setting('pg_lease.force_released_by', true);
-      IF ending IS NOT NULL AND ending <> '' THEN
-        reason := 'force_released'; by_whom := ending;
-      ELSIF OLD.handoff_requested_at IS NOT NULL THEN
-        reason := 'handed_off'; by_whom := OLD.owner;
-      ELSE
-        reason := 'released'; by_whom := OLD.owner;
-      END IF;
-      ended := coalesce(NEW.released_at, clock_timestamp());
+    now_at := CASE WHEN NEW.owner IS NULL THEN coalesce(NEW.released_at, clock_timestamp())  -- a release
+                   WHEN NEW.acquired_at IS DISTINCT FROM OLD.acquired_at THEN NEW.acquired_at  -- a grant
+                   ELSE clock_timestamp() END;  -- an epoch advance
+    IF TG_OP = 'DELETE' OR OLD.expires_at <= now_at THEN
+      -- It had lapsed: it ended at its expiry, whatever cleared the row (a take-over: by the new
+      -- owner; a prune, an epoch advance: nobody; a force release: pg_lease_force_release adds who).
+      reason := 'lapsed'; ended := OLD.expires_at;
+      by_whom := CASE WHEN TG_OP = 'UPDATE' AND NEW.owner IS DISTINCT FROM OLD.owner THEN NEW.owner END;
+    ELSIF NEW.owner IS NULL THEN  -- a release (pg_lease_force_release relabels its own afterwards)
+      reason := CASE WHEN OLD.handoff_requested_at IS NOT NULL THEN 'handed_off' ELSE 'released' END;
+      ended := now_at; by_whom := OLD.owner;
     ELSIF NEW.acquired_at IS NOT DISTINCT FROM OLD.acquired_at THEN  -- epochs advanced under it
-      reason := 'epochs_advanced'; ended := clock_timestamp(); by_whom := session_user;
-    ELSIF OLD.expires_at <= NEW.acquired_at THEN
-      reason := 'lapsed'; ended := OLD.expires_at; by_whom := NEW.owner;
+      reason := 'epochs_advanced'; ended := now_at; by_whom := session_user;
     ELSE
       reason := 'reacquired'; ended := NEW.acquired_at; by_whom := NEW.owner;
     END IF;
@@ -146,9 +146,10 @@ BEGIN
                       coalesce(cur.handoff_requested_at, now_at), now_at;
 END $$;
 
--- Renew (0004), also saying whether a hand-off was requested (read under the row lock it takes).
-DROP FUNCTION {s}.pg_lease_renew(text, text, bigint, interval);
-CREATE FUNCTION {s}.pg_lease_renew(p_key text, p_owner text, p_epoch bigint, p_ttl interval)
+-- Renew (0004), also saying whether a hand-off was requested (read under the row lock it takes): what
+-- the package sends for every renewal. pg_lease_renew keeps its three columns, for SQL clients and for
+-- processes still running the previous version during a rolling deploy: it calls this one.
+CREATE FUNCTION {s}.pg_lease_heartbeat(p_key text, p_owner text, p_epoch bigint, p_ttl interval)
 RETURNS TABLE (outcome text, expires_at timestamptz, server_time timestamptz, handoff_requested boolean)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -181,6 +182,14 @@ BEGIN
   RETURN QUERY SELECT 'ok'::text, now_at + ttl, now_at, cur.handoff_requested_at IS NOT NULL;
 END $$;
 
+CREATE OR REPLACE FUNCTION {s}.pg_lease_renew(p_key text, p_owner text, p_epoch bigint, p_ttl interval)
+RETURNS TABLE (outcome text, expires_at timestamptz, server_time timestamptz)
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+  SELECT h.outcome, h.expires_at, h.server_time FROM {s}.pg_lease_heartbeat(p_key, p_owner, p_epoch, p_ttl) h
+$$;
+
 -- Force release (0006), recording who forced it (p_operator, else the database role) in the history.
 CREATE FUNCTION {s}.pg_lease_force_release(p_key text, p_expected_epoch bigint, p_operator text)
 RETURNS TABLE (outcome text, owner text, epoch bigint, server_time timestamptz)
@@ -212,12 +221,14 @@ BEGIN
     RETURN QUERY SELECT 'epoch_mismatch'::text, cur.owner, cur.epoch, clock_timestamp();
     RETURN;
   END IF;
-  -- Read by the history trigger of the UPDATE below, and cleared right after it.
-  PERFORM set_config('pg_lease.force_released_by', coalesce(p_operator, session_user::text), true);
   UPDATE {t} l SET owner = NULL, epoch = l.epoch + 1, acquired_at = NULL, expires_at = NULL,
                    released_at = clock_timestamp()
    WHERE l.key = p_key;
-  PERFORM set_config('pg_lease.force_released_by', '', true);
+  -- The history trigger recorded a release (or a lapse); say who forced it. Only this function can:
+  -- nothing a caller sets makes the trigger record a force release.
+  UPDATE {r} r SET end_reason = CASE WHEN r.end_reason = 'lapsed' THEN 'lapsed' ELSE 'force_released' END,
+                   ended_by = coalesce(p_operator, session_user::text)
+   WHERE r.key = p_key AND r.epoch = cur.epoch AND r.ended_at IS NOT NULL;
   PERFORM {s}.pg_lease_wake_waiters(p_key);
   RETURN QUERY SELECT 'ok'::text, cur.owner, cur.epoch + 1, clock_timestamp();
 END $$;
@@ -238,12 +249,14 @@ DROP TRIGGER IF EXISTS pg_lease_record_transition ON {t};
 DROP TRIGGER IF EXISTS pg_lease_record_prune ON {t};
 DROP FUNCTION IF EXISTS {s}.pg_lease_record_transition();
 DROP FUNCTION IF EXISTS {s}.pg_lease_request_handoff(text, bigint);
-DROP FUNCTION IF EXISTS {s}.pg_lease_force_release(text, bigint, text);
-DROP TABLE IF EXISTS {h};
-DROP FUNCTION {s}.pg_lease_renew(text, text, bigint, interval);
 """
-    + function_definitions(airtight.FUNCTIONS_SQL, "pg_lease_renew").replace("CREATE OR REPLACE", "CREATE", 1)
+    + function_definitions(airtight.FUNCTIONS_SQL, "pg_lease_renew")
     + function_definitions(notify.FUNCTIONS_SQL, "pg_lease_force_release")
+    + r"""
+DROP FUNCTION IF EXISTS {s}.pg_lease_force_release(text, bigint, text);
+DROP FUNCTION IF EXISTS {s}.pg_lease_heartbeat(text, text, bigint, interval);
+DROP TABLE IF EXISTS {h};
+"""
 )
 
 
@@ -255,43 +268,49 @@ def _tables(template: str) -> str:
     )
 
 
-def _grants(schema_editor: BaseDatabaseSchemaEditor, function: str) -> list[str] | None:
-    """The ACL of ``function`` in the current schema (None: the default, EXECUTE for PUBLIC)."""
+def _grants(schema_editor: BaseDatabaseSchemaEditor, function: str) -> list[tuple[str, bool]] | None:
+    """The EXECUTE grants of ``function`` in the current schema: (grantee, with grant option), the grantee
+    quoted (``PUBLIC`` for everyone); None when it has the default privileges (EXECUTE for PUBLIC)."""
     with schema_editor.connection.cursor() as cursor:
         cursor.execute(
-            "SELECT p.proacl::text[] FROM pg_catalog.pg_proc p WHERE p.oid = "
-            "to_regprocedure(pg_catalog.quote_ident(current_schema()) || '.' || %s)",
+            "SELECT p.proacl IS NULL FROM pg_catalog.pg_proc p WHERE p.oid = "
+            "pg_catalog.to_regprocedure(pg_catalog.quote_ident(current_schema()) || '.' || %s)",
             [function],
         )
         row = cursor.fetchone()
-    return None if row is None else row[0]
+        if row is None or row[0]:
+            return None
+        cursor.execute(
+            "SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END, a.is_grantable "
+            "FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a WHERE p.oid = "
+            "pg_catalog.to_regprocedure(pg_catalog.quote_ident(current_schema()) || '.' || %s) "
+            "AND a.privilege_type = 'EXECUTE'",
+            [function],
+        )
+        return [(grantee, grantable) for grantee, grantable in cursor.fetchall()]
 
 
-def _grant_like(schema_editor: BaseDatabaseSchemaEditor, acl: list[str] | None, function: str) -> None:
-    """Give ``function`` the EXECUTE grants of ``acl`` (an operator's REVOKE/GRANT survive a redefinition)."""
-    if acl is None:
+def _grant_like(schema_editor: BaseDatabaseSchemaEditor, grants: list[tuple[str, bool]] | None, function: str) -> None:
+    """Give ``function`` the EXECUTE grants ``_grants`` read (an operator's REVOKE and GRANT carry over)."""
+    if grants is None:
         return
     statements = [f"REVOKE EXECUTE ON FUNCTION {{s}}.{function} FROM PUBLIC;"]
-    for item in acl:
-        grantee, _, rest = item.partition("=")
-        if "X" in rest.split("/", 1)[0]:
-            role = "PUBLIC" if grantee == "" else schema_editor.connection.ops.quote_name(grantee.strip('"'))
-            statements.append(f"GRANT EXECUTE ON FUNCTION {{s}}.{function} TO {role};")
+    for grantee, grantable in grants:
+        option = " WITH GRANT OPTION" if grantable else ""
+        statements.append(f"GRANT EXECUTE ON FUNCTION {{s}}.{function} TO {grantee}{option};")
     run_template("\n".join(statements), schema_editor)
 
 
 def forward(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    renew_acl = _grants(schema_editor, RENEW)
-    force_acl = _grants(schema_editor, FORCE_RELEASE)
+    renew_grants = _grants(schema_editor, RENEW)
+    force_grants = _grants(schema_editor, FORCE_RELEASE)
     run_template(_tables(FORWARD_SQL), schema_editor)
-    _grant_like(schema_editor, renew_acl, RENEW)
-    _grant_like(schema_editor, force_acl, FORCE_RELEASE_BY)
+    _grant_like(schema_editor, renew_grants, HEARTBEAT)
+    _grant_like(schema_editor, force_grants, FORCE_RELEASE_BY)
 
 
 def backward(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    renew_acl = _grants(schema_editor, RENEW)
     run_template(_tables(BACKWARD_SQL), schema_editor)
-    _grant_like(schema_editor, renew_acl, RENEW)
 
 
 class Migration(migrations.Migration):
