@@ -127,8 +127,13 @@ class Election:
 
     @property
     def leading(self) -> bool:
-        """True while this campaigner leads (its ``on_started_leading`` runs under the lease)."""
-        return self._lease is not None
+        """True while this campaigner leads: its ``on_started_leading`` runs under a lease not lost.
+
+        False from the instant the lease is lost (the holder's trust window, a verdict), even before
+        the callback returns: two campaigners never both say True at one instant of the holder's clock.
+        """
+        lease = self._lease
+        return lease is not None and not lease.lost
 
     @property
     def leader(self) -> str | None:

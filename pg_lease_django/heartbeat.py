@@ -85,7 +85,7 @@ class Heartbeat:
         self._stopped = False
         self._generation = 0  # only the latest due time scheduled counts
         self._scheduler: _Scheduler | None = None
-        self._renewing: _Call | None = None  # the renewal in flight, to interrupt
+        self._renewing: lease_pool.InFlight | None = None  # the renewal in flight, to interrupt
 
     def start(self) -> None:
         """Hand the renewals to the process's scheduler."""
@@ -116,7 +116,7 @@ class Heartbeat:
             logger.warning(
                 "a renewal of lease %r did not return within the trust window; interrupting it", self.lease.key
             )
-            stuck.interrupt()
+            stuck.interrupt(grace=INTERRUPT_GRACE)
         try:
             self.outcome = self._finish(keep_until)
         except BaseException:
@@ -149,6 +149,8 @@ class Heartbeat:
                     self._lose_trust, self._renewing if self._in_flight else None
                 )
                 self._jobs += 1
+                # Even when every worker is stuck in a renewal: this is what frees them.
+                urgent = True
             elif self._in_flight:
                 self._schedule(trusted_until)  # the renewal in flight may hang: still lose trust on time
                 return
@@ -161,16 +163,19 @@ class Heartbeat:
                 self._jobs += 1
                 self._schedule(trusted_until)
                 job = functools.partial(self._renew, timeout)
+                urgent = False
         assert self._scheduler is not None
-        self._scheduler.submit(job)
+        self._scheduler.submit(job, beyond_limit=urgent)
 
     # ---- worker threads --------------------------------------------------------------------------
 
-    def _lose_trust(self, in_flight: _Call | None) -> None:
+    def _lose_trust(self, in_flight: lease_pool.InFlight | None) -> None:
         try:
-            self.lease._lose_trust()  # log, on_lost, lease_lost, cancel an async job: before the exit goes on
             if in_flight is not None:
-                in_flight.interrupt()  # a renewal hung past the trust window (a commit waiting for a gone standby)
+                # A renewal hung past the trust window (a commit waiting for a gone standby): free its
+                # worker and connection (on a thread of its own: a cancel may block up to the grace).
+                _interrupt_soon(in_flight)
+            self.lease._lose_trust()  # log, on_lost, lease_lost, cancel an async job: before the exit goes on
         finally:
             with self._cond:
                 self._jobs -= 1
@@ -179,11 +184,14 @@ class Heartbeat:
     def _renew(self, timeout: float) -> None:
         lease = self.lease
         next_at: float | None = None
-        call = self._renewing = _Call()
+        handoff = False
+        call = self._renewing = lease_pool.InFlight()
         try:
+            if self._stopped:
+                return  # the hold ended while this renewal waited for a worker: never renew after the end
             try:
                 renewal, sent_at = self.pool.renew(
-                    lease.key, lease.owner, lease.epoch, self.ttl, timeout=timeout, on_lent=call.lent
+                    lease.key, lease.owner, lease.epoch, self.ttl, timeout=timeout, call=call
                 )
             except LeaseLostError as exc:
                 self._stop_beating()
@@ -207,8 +215,7 @@ class Heartbeat:
             if not lease._renewed(renewal.expires_at, sent_at):
                 self._stop_beating()  # the answer came after the trust window ended: lost all the same
                 return
-            if renewal.handoff_requested:
-                lease._handoff_requested_seen()
+            handoff = renewal.handoff_requested
             next_at = sent_at + self.interval
         except BaseException as exc:
             logger.exception("heartbeat of lease %r crashed; treating the lease as lost", lease.key)
@@ -231,6 +238,11 @@ class Heartbeat:
                 if self._beating and not self._stopped:
                     self._schedule(min(self._next_at, lease._trusted_until))
                 self._cond.notify_all()
+        if handoff and not lease.handoff_requested:
+            # On a thread of its own, once: a slow on_handoff or receiver delays no renewal of any hold.
+            threading.Thread(
+                target=_run_job, args=(lease._handoff_requested_seen,), name="pg_lease hand-off", daemon=True
+            ).start()
 
     def _stop_beating(self) -> None:
         with self._cond:
@@ -248,10 +260,10 @@ class Heartbeat:
                 return self._keep(remaining)
         bound = max(self.interval, 1.0)
         for attempt in (1, 2):
-            call = _Call()
+            call = lease_pool.InFlight()
             try:
                 with self._watchdog(call, bound):
-                    self.pool.release(lease.key, lease.owner, lease.epoch, timeout=bound, on_lent=call.lent)
+                    self.pool.release(lease.key, lease.owner, lease.epoch, timeout=bound, call=call)
             except LeaseLostError as exc:
                 lease._declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
                 return "gone"
@@ -273,11 +285,11 @@ class Heartbeat:
         # at grant + hold_at_least. A renewal can shorten a lease as well as extend it.
         lease = self.lease
         bound = max(self.interval, 1.0)
-        call = _Call()
+        call = lease_pool.InFlight()
         try:
             with self._watchdog(call, bound):
                 renewal, _sent_at = self.pool.renew(
-                    lease.key, lease.owner, lease.epoch, timedelta(seconds=remaining), timeout=bound, on_lent=call.lent
+                    lease.key, lease.owner, lease.epoch, timedelta(seconds=remaining), timeout=bound, call=call
                 )
         except LeaseLostError as exc:
             lease._declare_lost(exc, definitive=True)
@@ -294,43 +306,27 @@ class Heartbeat:
         return "kept"
 
     @contextmanager
-    def _watchdog(self, call: _Call, bound: float) -> Iterator[None]:
+    def _watchdog(self, call: lease_pool.InFlight, bound: float) -> Iterator[None]:
         """Interrupt ``call`` if it has not returned ``bound`` seconds (plus a margin) from now.
 
-        The margin lets the server's own statement_timeout (``bound``) answer first when it can.
+        The margin lets the server's own statement_timeout (``bound``) answer first when it can. The
+        interrupt runs on a thread of its own: the workers may all be stuck in what it is to end.
         """
         scheduler = self._scheduler if self._scheduler is not None and self._scheduler.pid == os.getpid() else None
         if scheduler is not None:
-            scheduler.at(time.monotonic() + bound + INTERRUPT_GRACE, lambda: call.interrupt_later(scheduler))
+            scheduler.at(time.monotonic() + bound + INTERRUPT_GRACE, functools.partial(_interrupt_soon, call))
         try:
             yield
         finally:
             call.done.set()
 
 
-class _Call:
-    """One statement of a hold in flight on a lent connection: what another thread may interrupt."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.interrupted = False
-        self._conn: lease_pool.LeaseConnection | None = None
-
-    def lent(self, conn: lease_pool.LeaseConnection) -> None:
-        self._conn = conn
-
-    def interrupt(self) -> None:
-        """Cancel the statement, then shut its socket if it still has not returned (blocks up to the grace)."""
-        conn = self._conn
-        if conn is None or self.done.is_set():
-            return
-        self.interrupted = True
-        conn.interrupt(self.done, grace=INTERRUPT_GRACE)
-
-    def interrupt_later(self, scheduler: _Scheduler) -> None:
-        """From the scheduler thread, which must not block: interrupt on a worker."""
-        if not self.done.is_set():
-            scheduler.submit(self.interrupt)
+def _interrupt_soon(call: lease_pool.InFlight) -> None:
+    """Interrupt ``call`` on a thread of its own: the caller (the scheduler, a worker) must not block."""
+    if not call.done.is_set():
+        threading.Thread(
+            target=call.interrupt, kwargs={"grace": INTERRUPT_GRACE}, name="pg_lease interrupt", daemon=True
+        ).start()
 
 
 # ---- the scheduler -------------------------------------------------------------------------------
@@ -370,8 +366,13 @@ class _Scheduler:
             if first:
                 self._cond.notify_all()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None], *, beyond_limit: bool = False) -> None:
+        """Hand ``job`` to a worker. ``beyond_limit``: when no worker is idle, on a thread of its own
+        at once, past the bound and the queue (declaring a loss must not wait for hung renewals)."""
         with self._cond:
+            if beyond_limit and self._idle_workers <= len(self._jobs):
+                threading.Thread(target=_run_job, args=(job,), name="pg_lease heartbeat job", daemon=True).start()
+                return
             self._jobs.append(job)
             # A worker per job waiting, up to the bound: a renewal that hangs never holds up another.
             if len(self._jobs) > self._idle_workers and self._workers < _worker_limit():
@@ -436,16 +437,20 @@ class _Scheduler:
                     self._cond.wait(remaining)
                 self._idle_workers -= 1
                 job = self._jobs.popleft()
-            try:
-                job()
-            except BaseException:
-                logger.exception("a heartbeat job failed")
-            finally:
-                # Django connections a job opened (an on_lost callback or a lease_lost receiver
-                # that queried the database) are this thread's to close.
-                for conn in connections.all(initialized_only=True):
-                    with suppress(Exception):
-                        conn.close()
+            _run_job(job)
+
+
+def _run_job(job: Callable[[], None]) -> None:
+    try:
+        job()
+    except BaseException:
+        logger.exception("a heartbeat job failed")
+    finally:
+        # Django connections a job opened (an on_lost callback or a lease_lost receiver that queried
+        # the database) are this thread's to close.
+        for conn in connections.all(initialized_only=True):
+            with suppress(Exception):
+                conn.close()
 
 
 def _worker_limit() -> int:

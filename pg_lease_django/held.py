@@ -246,7 +246,8 @@ class HeldLease:
                 logger.exception("cancelling the job of lease %r failed", self.key)
 
     def _handoff_requested_seen(self) -> None:
-        """A renewal said someone asked this holder to step down: tell the job (once)."""
+        """A renewal said someone asked this holder to step down: tell the job (once; every renewal
+        after the request says so)."""
         with self._lock:
             if self._handoff_requested:
                 return

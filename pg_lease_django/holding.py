@@ -346,7 +346,7 @@ def hold(
             (or from the thread that leaves the hold, if that is where the loss is found).
         using: the database alias; default the router's write database for Lease.
         on_handoff: called once with the HeldLease when a renewal learns that someone asked this
-            holder to step down (``Lease.objects.request_handoff``), from a heartbeat worker thread.
+            holder to step down (``Lease.objects.request_handoff``), from a thread of its own.
             ``lease.handoff_requested`` and ``lease.wait_stop()`` tell the job without a callback.
 
     Returns:

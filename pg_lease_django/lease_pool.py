@@ -50,8 +50,28 @@ logger = logging.getLogger(__name__)
 APPLICATION_NAME = "pg_lease_django hold"
 
 
-#: Told which connection a call was lent, before it is sent: so that another thread can interrupt it.
-OnLent = Callable[["LeaseConnection"], object]
+class InFlight:
+    """One statement of a hold on a lent connection: what another thread may interrupt (`interrupt`).
+
+    ``done`` is set when the statement has returned, before its connection goes back to the pool.
+    """
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.interrupted = False
+        self._conn: LeaseConnection | None = None
+        self._lend = 0
+
+    def lent(self, conn: LeaseConnection, lend: int) -> None:
+        self._conn, self._lend = conn, lend
+
+    def interrupt(self, *, grace: float) -> None:
+        """Cancel the statement, then shut its socket if it still has not returned (blocks up to ``grace`` s)."""
+        conn = self._conn
+        if conn is None or self.done.is_set():
+            return
+        self.interrupted = True
+        conn.interrupt(self._lend, self.done, grace=grace)
 
 
 def _timeout_ms(seconds: float) -> int:
@@ -100,6 +120,9 @@ class LeaseConnection:
         self.timeout_ms: int | None = None
         #: time.monotonic() just before the last statement was sent.
         self.sent_at = 0.0
+        #: Serialises `interrupt` with lending and closing (see there); `_lends` counts the lendings.
+        self._guard = threading.Lock()
+        self._lends = 0
 
     def acquire(self, key: str, owner: str, ttl: timedelta, *, blocking: bool, wait: timedelta | None) -> Grant:
         """One acquire (or a blocking wait of at most ``wait``) in autocommit: the grant is committed when this returns.
@@ -143,26 +166,42 @@ class LeaseConnection:
             self._sending()
             operations.release(self.wrapper, key, owner, epoch)
 
-    def interrupt(self, done: threading.Event, *, grace: float) -> None:
+    def lend(self) -> int:
+        """Count a new lending: an interrupt meant for an earlier one never touches this one."""
+        with self._guard:
+            self._lends += 1
+            return self._lends
+
+    def interrupt(self, lend: int, done: threading.Event, *, grace: float) -> None:
         """End the call in flight on this connection, from another thread (a hold's bounded exit).
 
         First a cancel request, which also ends a commit's wait for a synchronous standby (a
         ``statement_timeout`` does not). If the call is still blocked ``grace`` seconds later (the
         server cannot be reached: a dead network), the socket is shut down, so that the blocked call
-        fails at once instead of after the TCP keepalives. ``done`` is set when the call has returned.
-        Either way the connection is discarded by the call's own error handling.
+        fails at once instead of after the TCP keepalives. Only while the connection is still in the
+        same lending (``lend``) and its call has not returned (``done``): the guard keeps it from
+        being lent again, or closed, meanwhile. The call's own error handling discards it.
         """
-        raw = self.wrapper.connection
-        if raw is None or raw.closed:
-            return
-        started = time.monotonic()
-        with suppress(Exception):
-            raw.cancel_safe(timeout=grace)
-        if not done.wait(max(0.0, grace - (time.monotonic() - started))):
+        with self._guard:
+            raw = self._in_call(lend, done)
+            if raw is None:
+                return
             with suppress(Exception):
-                fd = raw.pgconn.socket
-                with socket.socket(fileno=os.dup(fd)) as sock:
-                    sock.shutdown(socket.SHUT_RDWR)
+                raw.cancel_safe(timeout=grace)
+        if done.wait(grace):
+            return
+        with self._guard:
+            raw = self._in_call(lend, done)
+            if raw is None:
+                return
+            with suppress(Exception), socket.socket(fileno=os.dup(raw.pgconn.socket)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _in_call(self, lend: int, done: threading.Event) -> Any:  # with self._guard held
+        raw = self.wrapper.connection
+        if self._lends != lend or done.is_set() or raw is None or raw.closed:
+            return None
+        return raw
 
     def close(self) -> None:
         """Close the connection for good (never in a process that did not open it: see `forget`)."""
@@ -242,11 +281,12 @@ class LeaseConnection:
             raise
 
     def _discard(self) -> None:
-        try:
-            self.wrapper.close()
-        except Exception:
-            logger.debug("closing a lease connection failed", exc_info=True)
-            self.wrapper.connection = None
+        with self._guard:
+            try:
+                self.wrapper.close()
+            except Exception:
+                logger.debug("closing a lease connection failed", exc_info=True)
+                self.wrapper.connection = None
 
 
 # ---- the pool ------------------------------------------------------------------------------------
@@ -272,12 +312,20 @@ class LeasePool:
         self._open = 0  # lent + idle
 
     @contextmanager
-    def connection(self, timeout_ms: int | None) -> Iterator[LeaseConnection]:
-        """Lend a connection for one call; it goes back only if still clean, else it is closed."""
+    def connection(self, timeout_ms: int | None, call: InFlight | None = None) -> Iterator[LeaseConnection]:
+        """Lend a connection for one call; it goes back only if still clean, else it is closed.
+
+        ``call``, when given, may interrupt the call from another thread until it returns.
+        """
         conn = self._take(timeout_ms)
+        lend = conn.lend()
+        if call is not None:
+            call.lent(conn, lend)
         try:
             yield conn
         finally:
+            if call is not None:
+                call.done.set()  # before the connection can be lent again
             self._give(conn)
 
     def acquire(
@@ -289,20 +337,16 @@ class LeasePool:
             return grant, conn.sent_at
 
     def renew(
-        self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float, on_lent: OnLent | None = None
+        self, key: str, owner: str, epoch: int, ttl: timedelta, *, timeout: float, call: InFlight | None = None
     ) -> tuple[operations.Renewal, float]:
         """`LeaseConnection.renew` on a lent connection: the `Renewal` and when its statement was sent."""
-        with self.connection(_timeout_ms(timeout)) as conn:
-            if on_lent is not None:
-                on_lent(conn)
+        with self.connection(_timeout_ms(timeout), call) as conn:
             renewal = conn.renew(key, owner, epoch, ttl, timeout=timeout)
             return renewal, conn.sent_at
 
-    def release(self, key: str, owner: str, epoch: int, *, timeout: float, on_lent: OnLent | None = None) -> None:
+    def release(self, key: str, owner: str, epoch: int, *, timeout: float, call: InFlight | None = None) -> None:
         """`LeaseConnection.release` on a lent connection."""
-        with self.connection(_timeout_ms(timeout)) as conn:
-            if on_lent is not None:
-                on_lent(conn)
+        with self.connection(_timeout_ms(timeout), call) as conn:
             conn.release(key, owner, epoch, timeout=timeout)
 
     def idle_count(self) -> int:

@@ -21,7 +21,7 @@ Receivers are called with ``send_robust``: an exception in a receiver is logged 
 
 ``lease_handoff_requested(sender, lease)``
     Someone asked the holder to step down (``Lease.objects.request_handoff``): sent once per hold,
-    right after ``on_handoff``, from the heartbeat's worker thread whose renewal learned it.
+    right after ``on_handoff``, from a thread of its own (a slow receiver delays no renewal).
     ``lease.handoff_requested`` is True from then on. The lease is still held.
 
 ``lease_skipped(sender, key, error)``

@@ -233,3 +233,63 @@ def test_hold_connections_setting_is_checked(key: str) -> None:
     for bad in (0, -1, 1.5, True, "3"):
         with override_settings(PG_LEASE_HOLD_CONNECTIONS=bad), pytest.raises(ImproperlyConfigured), hold(key, ttl=2):
             pass
+
+
+def test_an_interrupt_meant_for_a_returned_call_never_touches_the_next_borrower(key: str, raw_connect: Connect) -> None:
+    """A renewal has returned and its connection went back to the pool; another hold borrows it for a
+    long statement; the first call's late interrupt (a watchdog, the end of a trust window) does nothing."""
+    observer = raw_connect()
+    # A hold kept open meanwhile: in tests, idle lease connections are closed once no hold is active.
+    with override_settings(PG_LEASE_HOLD_CONNECTIONS=1), hold(f"{key}-keep", ttl=60):
+        pool = lease_pool.pool_for(DEFAULT_DB_ALIAS, io_timeout=5.0)
+        grant, _ = pool.acquire(key, "A", timedelta(seconds=30), blocking=False, wait=None)
+        first = lease_pool.InFlight()
+        pool.renew(key, "A", grant.epoch, timedelta(seconds=30), timeout=5, call=first)
+        assert first.done.is_set()
+        first.done.clear()  # as if its thread had not got that far yet: only the lending count protects now
+        outcome: dict[str, str] = {}
+        pids: list[int] = []
+
+        def next_borrower() -> None:
+            with pool.connection(5000) as conn, conn.wrapper.cursor() as cursor:
+                pids.append(conn.backend_pid() or 0)
+                try:
+                    cursor.execute("SELECT pg_sleep(1.5)")
+                    outcome["next"] = "completed"
+                except Exception as exc:
+                    outcome["next"] = f"{type(exc).__name__}: {exc}"
+
+        borrower = threading.Thread(target=next_borrower)
+        borrower.start()
+
+        def sleeping() -> bool:
+            row = observer.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s) AND state = 'active' "
+                "AND query LIKE 'SELECT pg_sleep%%'",
+                [pids],
+            ).fetchone()
+            return bool(row and row[0])
+
+        wait_until(sleeping, what="the next borrower's statement to run")
+        assert first._conn is not None and first._conn.backend_pid() == pids[0]  # the same connection
+        first.interrupt(grace=0.2)
+        borrower.join(10)
+        assert outcome == {"next": "completed"}
+        pool.release(key, "A", grant.epoch, timeout=5)
+
+
+def test_a_slow_on_handoff_delays_no_renewal(key: str) -> None:
+    """on_handoff runs on a thread of its own: a callback slower than the trust window, with a single
+    renewal worker, does not cost the hold its lease."""
+    finished = threading.Event()
+
+    def slow(lease: HeldLease) -> None:
+        finished.wait(10)  # until the test has seen the hold survive a whole trust window
+
+    with override_settings(PG_LEASE_HOLD_CONNECTIONS=1), hold(key, ttl=1.5, on_handoff=slow) as lease:
+        Lease.objects.request_handoff(key)
+        assert lease.wait_stop(timeout=5) and lease.handoff_requested
+        expiry = lease.expires_at
+        wait_until(lambda: lease.expires_at > expiry + timedelta(seconds=1.5), what="renewals past a whole ttl")
+        finished.set()
+        lease.check()
