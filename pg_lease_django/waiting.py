@@ -3,6 +3,16 @@
 Nothing here is public API: ``acquire(blocking=True)``, ``aacquire(blocking=True)`` and
 ``hold(blocking=True)`` are (see docs/blocking.md). Between attempts no transaction or snapshot is
 held (outside ``atomic()``), and a refused attempt takes no lock.
+
+A waiter outside a transaction that loses its connection (the server crashed, a failover) reconnects
+and goes on waiting: through a multi-host ``HOST`` with ``target_session_attrs=read-write`` that is
+the promoted server, where it LISTENs and registers again with its next attempt. It keeps trying for
+`REJOIN_WITHIN` seconds of lost connection at most, never past its deadline, then raises the
+connection error (``django.db.OperationalError``). When the connection was lost during an attempt,
+that attempt may have been granted unseen: the waiter first reads the key on its new connection
+(`_nothing_granted`), goes on only if the key's epoch is still the one its last refused attempt
+saw (no grant since, its own included), and otherwise raises ``OperationalError``: outcome unknown,
+as for any lost call. So a call returns at most one grant, the one it was told of.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from typing import Any
 
 import psycopg
 from asgiref.sync import sync_to_async
+from django.db import InterfaceError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper
 from psycopg.sql import SQL, Identifier
@@ -29,6 +40,75 @@ from .validation import MAX_WAIT, describe_seconds
 
 # The logger these warnings were always logged under: the manager's, whose calls they are part of.
 logger = logging.getLogger("pg_lease_django.managers")
+
+#: Seconds a waiter whose connection was lost keeps trying to get one back (never past its own
+#: deadline) before it raises the connection error: time for a failover manager to promote a standby.
+REJOIN_WITHIN = 60.0
+#: Pauses before the successive reconnection attempts of a waiter: the first at once, then backing off.
+REJOIN_PAUSES = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class _Rejoin:
+    """How a waiter outside a transaction gets back a lost connection: when it tries, when it gives up."""
+
+    def __init__(self, key: str, deadline: float | None) -> None:
+        self.key = key
+        self.deadline = deadline
+        self.since: float | None = None  # time.monotonic() when the connection was lost; None: not lost
+        self.tries = 0
+        self.answered_once = False
+
+    def pause(self, error: BaseException) -> float | None:
+        """Seconds to wait before reconnecting after ``error``; None: give up (raise it).
+
+        Only a connection that answered an attempt of this wait is rejoined: one that never could
+        (a server down, wrong settings) fails the call at once, as any other call.
+        """
+        if not self.answered_once:
+            return None
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            logger.warning("blocking acquire of %r lost its connection (%s): reconnecting", self.key, cause)
+        limit = self.since + REJOIN_WITHIN
+        if self.deadline is not None:
+            limit = min(limit, self.deadline)
+        if now >= limit:
+            return None
+        pause = REJOIN_PAUSES[min(self.tries, len(REJOIN_PAUSES) - 1)]
+        self.tries += 1
+        return min(pause, limit - now)
+
+    def answered(self) -> None:
+        """An attempt got its answer: the connection is back (or was never lost)."""
+        self.answered_once = True
+        if self.since is not None:
+            logger.info(
+                "blocking acquire of %r reconnected after %.1f s: waiting on", self.key, time.monotonic() - self.since
+            )
+            self.since, self.tries = None, 0
+
+
+@dataclass
+class _Session:
+    """One connection's stretch of a wait; ``lost``: it ended because the connection was lost;
+    ``attempting``: an attempt was in flight then (its outcome unknown)."""
+
+    lost: bool = False
+    attempting: bool = False
+
+
+def _nothing_granted(key: str, refused: Attempt, epoch: int, lost: BaseException) -> None:
+    """Go on after losing the connection during an attempt only if ``key`` is still at the epoch of
+    the last refused attempt: every grant raises the epoch, so the lost attempt granted nothing.
+    Otherwise raise OperationalError: the lost attempt's outcome is unknown."""
+    if epoch == refused.epoch:
+        return
+    raise OperationalError(
+        f"blocking acquire of {key!r}: the connection was lost during an attempt, and the lease has changed "
+        f"since (epoch {refused.epoch} -> {epoch}): the attempt's outcome is unknown ({lost})"
+    ) from lost
 
 
 def pause_after_refusal(
@@ -76,35 +156,66 @@ def wait_and_acquire(
     ``before_attempt`` is called just before each attempt is sent (the heartbeat's trust window
     starts there). Inside ``atomic()`` LISTEN would only start at commit, so it polls. A waiter that
     LISTENs registers with each refused attempt (``ACQUIRE_OR_REGISTER``): releases notify only then.
+    Outside a transaction a lost connection is reopened (`_Rejoin`), LISTEN included.
     """
     deadline = None if wait is None else time.monotonic() + wait.total_seconds()
     # LISTEN inside a transaction takes effect only at its commit: inside atomic() (or with
     # autocommit off) a waiter could never hear a release, so it polls.
-    listen = conf.listen_enabled() and connection.get_autocommit()
-    with _listening(connection, listen):
-        while True:
-            if before_attempt is not None:
-                before_attempt()
-            if listen:
-                tried = operations.attempt_or_register(connection, key, owner, ttl, retry_within(deadline))
-            else:
-                tried = operations.attempt(connection, key, owner, ttl)
-            grant = tried.grant(key)
-            if grant is not None:
-                return grant
-            pause = pause_after_refusal(key, owner, tried, wait, deadline)
-            if listen:
-                _wait_for_release(connection, key, pause)
-            else:
-                time.sleep(pause)
+    autocommit = connection.get_autocommit() and not connection.in_atomic_block
+    listen = conf.listen_enabled() and autocommit
+    # Outside a transaction a lost connection loses nothing but the attempt in flight: reconnect
+    # (Django's next cursor does) and go on, once sure that attempt granted nothing. Inside one,
+    # the transaction is gone: raise.
+    rejoin = _Rejoin(key, deadline) if autocommit else None
+    refused: Attempt | None = None  # the last refused attempt
+    unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
+    while True:
+        session = _Session()
+        try:
+            with _listening(connection, listen, session):
+                if unsure is not None and refused is not None:
+                    _nothing_granted(key, refused, operations.inspect(connection, key).epoch, unsure)
+                    unsure = None
+                while True:
+                    if before_attempt is not None:
+                        before_attempt()
+                    session.attempting = True
+                    if listen:
+                        tried = operations.attempt_or_register(connection, key, owner, ttl, retry_within(deadline))
+                    else:
+                        tried = operations.attempt(connection, key, owner, ttl)
+                    session.attempting = False
+                    if rejoin is not None:
+                        rejoin.answered()
+                    grant = tried.grant(key)
+                    if grant is not None:
+                        return grant
+                    refused = tried
+                    pause = pause_after_refusal(key, owner, tried, wait, deadline)
+                    if listen:
+                        _wait_for_release(connection, key, pause)
+                    else:
+                        time.sleep(pause)
+        except (OperationalError, InterfaceError) as exc:
+            if rejoin is None or not session.lost:
+                raise
+            rejoining = rejoin.pause(exc)
+            if rejoining is None:
+                raise
+            if session.attempting:
+                unsure = exc
+        with suppress(Exception):
+            connection.close()  # already closed by _listening; makes sure the next cursor reconnects
+        time.sleep(rejoining)
 
 
 @contextmanager
-def _listening(connection: BaseDatabaseWrapper, listen: bool) -> Iterator[None]:
+def _listening(connection: BaseDatabaseWrapper, listen: bool, session: _Session) -> Iterator[None]:
     """LISTEN for the wait (if ``listen``); on every way out leave no LISTEN and no running statement.
 
     Cleanup never replaces the exception in flight (the timeout, a database error, or an
     interrupt such as KeyboardInterrupt, an exception from a signal handler, a cancellation).
+    An exception with no open connection left (lost, or never opened) sets ``session.lost``.
     """
     try:
         if listen:
@@ -112,6 +223,8 @@ def _listening(connection: BaseDatabaseWrapper, listen: bool) -> Iterator[None]:
                 cursor.execute(sql.LISTEN)
         yield
     except BaseException:
+        raw = connection.connection
+        session.lost = raw is None or raw.closed
         _abandon_statement(connection)
         if listen:
             _unlisten(connection)
@@ -137,7 +250,12 @@ def _abandon_statement(connection: BaseDatabaseWrapper) -> None:
 
 
 def _unlisten(connection: BaseDatabaseWrapper) -> None:
-    if connection.connection is None:  # closed: the server dropped the LISTEN with the session
+    raw = connection.connection
+    if raw is None:  # closed: the server dropped the LISTEN with the session
+        return
+    if raw.closed:  # lost: so is the LISTEN; let Django's wrapper know the connection is gone
+        with suppress(Exception):
+            connection.close()
         return
     try:
         with connection.cursor() as cursor:
@@ -171,6 +289,7 @@ class _OwnWait:
     """What an async blocking acquire takes from the caller's connection to wait on one of its own."""
 
     statement: str  # sql.ACQUIRE_OR_REGISTER when it listens, else sql.ACQUIRE, rendered for that database
+    inspect: str  # sql.INSPECT, rendered: after losing the connection during an attempt
     connect: dict[str, Any]  # psycopg.AsyncConnection.connect() arguments
     role: str | None  # OPTIONS["assume_role"], set as Django's backend sets it on its connections
     listen: bool
@@ -204,32 +323,62 @@ async def await_and_acquire(
     # and waits for it to end. No thread is taken even for the attempts, and, as in acquire(),
     # LISTEN and attempts share one session: a release committed while an attempt is in flight
     # is queued there, not missed.
+    # A lost connection (the server crashed, a failover) is reconnected, as in wait_and_acquire.
+    rejoin = _Rejoin(key, deadline)
+    refused: Attempt | None = None  # the last refused attempt
+    unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
     with own.errors:
-        conn = await psycopg.AsyncConnection.connect(**own.connect)
+        conn: psycopg.AsyncConnection[Any] | None = None
         try:
-            if own.role:
-                await conn.execute(SQL("SET ROLE {}").format(Identifier(own.role)))
-            if own.listen:
-                await conn.execute(sql.LISTEN)
             while True:
-                params: list[Any] = [key, owner, ttl]
-                if own.listen:
-                    params.append(retry_within(deadline))
-                row = await (await conn.execute(own.statement, params)).fetchone()
-                assert row is not None
-                tried = Attempt(*row)
-                grant = tried.grant(key)
-                if grant is not None:
-                    return grant
-                pause = pause_after_refusal(key, owner, tried, wait, deadline)
-                if own.listen:
-                    await _await_release(conn, key, pause)
-                else:
-                    await asyncio.sleep(pause)
+                attempting = False
+                try:
+                    if conn is None:
+                        conn = await psycopg.AsyncConnection.connect(**own.connect)
+                        if own.role:
+                            await conn.execute(SQL("SET ROLE {}").format(Identifier(own.role)))
+                        if own.listen:
+                            await conn.execute(sql.LISTEN)
+                    if unsure is not None and refused is not None:
+                        seen = await (await conn.execute(own.inspect, [key])).fetchone()
+                        assert seen is not None
+                        _nothing_granted(key, refused, seen[3], unsure)
+                        unsure = None
+                    params: list[Any] = [key, owner, ttl]
+                    if own.listen:
+                        params.append(retry_within(deadline))
+                    attempting = True
+                    row = await (await conn.execute(own.statement, params)).fetchone()
+                    attempting = False
+                    assert row is not None
+                    rejoin.answered()
+                    tried = Attempt(*row)
+                    grant = tried.grant(key)
+                    if grant is not None:
+                        return grant
+                    refused = tried
+                    pause = pause_after_refusal(key, owner, tried, wait, deadline)
+                    if own.listen:
+                        await _await_release(conn, key, pause)
+                    else:
+                        await asyncio.sleep(pause)
+                except psycopg.Error as exc:
+                    if not (conn is None or conn.closed):
+                        raise  # an error of the statement, the connection is fine
+                    rejoining = rejoin.pause(exc)
+                    if rejoining is None:
+                        raise
+                    if attempting:
+                        unsure = exc
+                    if conn is not None:
+                        await conn.close()
+                        conn = None
+                    await asyncio.sleep(rejoining)
         finally:
             # Ending the session ends its LISTEN; no statement runs any more (psycopg has already
             # cancelled and waited out one interrupted by a cancellation).
-            await conn.close()
+            if conn is not None:
+                await conn.close()
 
 
 def _attempt_on(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta) -> Attempt:
@@ -257,6 +406,7 @@ def _own_wait(connection_of: Callable[[], BaseDatabaseWrapper], owner: str) -> _
     listen = conf.listen_enabled()
     return _OwnWait(
         statement=sql.render(connection, sql.ACQUIRE_OR_REGISTER if listen else sql.ACQUIRE),
+        inspect=sql.render(connection, sql.INSPECT),
         connect=params,
         role=connection.settings_dict["OPTIONS"].get("assume_role"),
         listen=listen,

@@ -321,17 +321,28 @@ def test_backend_terminated_between_operations_fails_the_next_call_only(key: str
     assert Lease.objects.renew(key, "holder", grant.epoch, 30) is not None
 
 
-def test_backend_terminated_during_a_blocking_wait_raises_djangos_operational_error(key: str) -> None:
-    """A blocking acquire waiting (LISTEN) for a held key, its backend terminated: not granted; the
-    caller should see the same error type as for any other lost connection."""
-    _held(key)
-    thread, pid = _in_thread_with_pid(lambda: Lease.objects.acquire(key, "waiter", 30, blocking=True, timeout=20))
+@pytest.mark.parametrize("in_atomic", [False, True], ids=["autocommit", "in-atomic"])
+def test_backend_terminated_during_a_blocking_wait(key: str, in_atomic: bool) -> None:
+    """A blocking acquire waiting for a held key, its backend terminated between attempts. Outside a
+    transaction the waiter reconnects and waits on: granted, once, when the holder releases
+    (tests/test_failover_listen.py: the same across a failover). Inside ``atomic()`` the transaction is
+    gone: Django's ``OperationalError``, as for any other lost connection, and no grant."""
+    grant = _held(key)
+
+    def wait() -> Grant | None:
+        if in_atomic:
+            with transaction.atomic():
+                return Lease.objects.acquire(key, "waiter", 30, blocking=True, timeout=20)
+        return Lease.objects.acquire(key, "waiter", 30, blocking=True, timeout=20)
+
+    thread, pid = _in_thread_with_pid(wait)
     with psycopg.connect(test_db_url(), autocommit=True) as admin:
-        # Waiting between attempts: idle, its last statement an acquire attempt (it LISTENs meanwhile).
+        # Waiting between attempts: idle (in its transaction, inside atomic()), its last statement an attempt.
         wait_until(
             lambda: (
                 admin.execute(
-                    "SELECT state = 'idle' AND query ILIKE '%%pg_lease_acquire%%' FROM pg_stat_activity WHERE pid = %s",
+                    "SELECT state LIKE 'idle%%' AND query ILIKE '%%pg_lease_acquire%%' FROM pg_stat_activity "
+                    "WHERE pid = %s",
                     [pid],
                 ).fetchone()
                 == (True,)
@@ -339,10 +350,16 @@ def test_backend_terminated_during_a_blocking_wait_raises_djangos_operational_er
             what="the waiter to wait",
         )
         admin.execute("SELECT pg_terminate_backend(%s)", [pid])
-    thread.join(30)
-    assert not thread.is_alive()
-    assert Lease.objects.inspect(key).owner == "holder"
-    assert isinstance(thread.error, django.db.OperationalError), repr(thread.error)
+    if in_atomic:
+        thread.join(30)
+        assert not thread.is_alive()
+        assert Lease.objects.inspect(key).owner == "holder"
+        assert isinstance(thread.error, django.db.OperationalError), repr(thread.error)
+        return
+    Lease.objects.release(key, "holder", grant.epoch)
+    won = thread.outcome(30)
+    assert won is not None and (won.owner, won.epoch) == ("waiter", grant.epoch + 2)
+    assert Lease.objects.inspect(key).owner == "waiter"
 
 
 def test_terminated_heartbeat_connection_is_replaced_and_the_lease_kept(key: str) -> None:
