@@ -61,6 +61,11 @@ bench:
 	  done
 	.venvs/bench/bin/python benchmarks/bench.py $(BENCH_ARGS)
 
+.PHONY: stress-failover
+## make stress-failover: the stress harness while the primary of a replicated pair is SIGKILLed and its standby promoted, 10 times a run (synchronous; asynchronous, loss measured; asynchronous + advance-epochs), every history checked; 4-5 minutes, needs pg_basebackup.
+stress-failover: venv
+	$(BIN)/python -m stress failover --suite $(STRESS_FAILOVER_ARGS)
+
 clean:
 	rm -rf $(VENV) .pgdata .mypy_cache .ruff_cache .pytest_cache
 

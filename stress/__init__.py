@@ -4,4 +4,8 @@
 --minutes N`` (a local soak). Workers in separate processes run seeded random schedules of
 acquire, renew, release, inspect and fenced writes; :mod:`stress.checker` verifies the recorded
 history against the server's own record. See :mod:`stress.harness` and docs/FAILURE-MODEL.md.
+
+``python -m stress failover`` (:mod:`stress.failover`, ``make stress-failover``): the same against a
+primary and a standby whose primary is SIGKILLed mid-load and the standby promoted, again and
+again; see docs/high-availability.md.
 """

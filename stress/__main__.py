@@ -1,5 +1,8 @@
 """``python -m stress --short`` | ``--long --minutes N``: run the stress harness and check every history.
 
+``python -m stress failover ...``: the same against a primary and a standby whose primary is
+SIGKILLed and the standby promoted, again and again (:mod:`stress.failover`).
+
 The database server is ``--url`` or ``DATABASE_URL`` (else the embedded server of the test suite);
 each run creates its own database there and drops it afterwards. Exit status 1 on any violation,
 after printing the seed and the offending slice of history.
@@ -30,6 +33,11 @@ def _print(result: Result, *, verbose: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run, print; return the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["failover"]:
+        from .failover import main as failover_main
+
+        return failover_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m stress", description=__doc__)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--short", action="store_true", help="fixed seeds, about a minute (CI)")

@@ -17,6 +17,19 @@ server record, including effects of unknown operations, never shows two holders.
 Violations are split in two: ``violations`` (safety: epochs, fencing, lost updates, durability)
 and ``clock_violations`` (properties that also need the server clock to run forward at the normal
 rate: grant times in epoch order, no two holders overlapping in server time).
+
+Failover histories (:mod:`stress.failover`: the primary SIGKILLed mid-load, a standby promoted)
+add three things. An operation cut off by the kill, or answered with ``UnconfirmedCommitError``
+(the commit's wait for the synchronous standby was cancelled), is ``unknown``, like any lost
+connection: indeterminate, as in Jepsen histories; the server record is the promoted server's,
+which decides what happened. An operator's ``advance`` (``leases advance-epochs --by N``, one
+:class:`Op` per key, ``by`` = N) explains an audit row that raises an epoch by exactly N, owner and
+expiry unchanged, or a first grant of a key at the raised floor. And ``grants_durable=False``
+(asynchronous replication): an acknowledged grant missing from the promoted server is a *loss*
+(``Report.losses``, counted), not a violation, unless its epoch went to someone else
+(``regranted_epoch``, always a violation). :func:`summarize` sorts what was found into what a
+failover must not do: lose acknowledged grants, move epochs back, grant an epoch twice, accept a
+stale fenced write.
 """
 
 from __future__ import annotations
@@ -35,6 +48,8 @@ Outcome = Literal["ok", "fail", "unknown"]
 EPOCH_BUMPING = frozenset({"acquire", "release"})
 #: Kinds reported in ``clock_violations`` rather than ``violations``.
 CLOCK_KINDS = frozenset({"grant_time_order", "overlap"})
+#: Operations whose acceptance with a stale epoch lets a former holder act.
+STALE_SENSITIVE = frozenset({"write", "renew", "release"})
 
 
 @dataclass
@@ -44,7 +59,8 @@ class Op:
     Attributes:
         worker: the worker (and owner identity) that ran it.
         key: the lease key.
-        op: ``acquire``, ``renew``, ``release``, ``inspect`` or ``write`` (a fenced write).
+        op: ``acquire``, ``renew``, ``release``, ``inspect``, ``write`` (a fenced write) or
+            ``advance`` (an operator's ``advance-epochs``, ``by`` = N; its worker is the operator).
         invoke: client monotonic time just before the call.
         complete: client monotonic time just after it returned; None when it never did (killed).
         outcome: ``ok``, ``fail`` (a definite refusal, see ``cause``) or ``unknown``.
@@ -59,6 +75,7 @@ class Op:
         status: inspect: ``free``, ``held`` or ``lapsed``.
         tag: write: the unique id of the row the write inserts (to match :class:`WriteRow`).
         blocking: acquire: whether it waited.
+        by: advance: how much every epoch (and the epoch floor) was raised.
     """
 
     worker: str
@@ -76,11 +93,12 @@ class Op:
     status: str | None = None
     tag: str | None = None
     blocking: bool = False
+    by: int | None = None
 
     @property
     def witnessed_epoch(self) -> int | None:
         """The lease's epoch right after this operation, if it succeeded and that is known."""
-        if self.outcome != "ok" or self.epoch is None:
+        if self.outcome != "ok" or self.epoch is None or self.op == "advance":
             return None
         return self.epoch + 1 if self.op == "release" else self.epoch
 
@@ -98,6 +116,7 @@ class Op:
                 ("status", self.status),
                 ("owner", self.owner if self.op == "inspect" else None),
                 ("tag", self.tag),
+                ("by", self.by),
             )
             if value is not None
         )
@@ -143,6 +162,7 @@ class Violation:
     key: str
     message: str
     ops: list[Op] = field(default_factory=list)
+    epoch: int | None = None  # the epoch concerned, where one is (lost and regranted grants)
 
     def render(self) -> str:
         """The violation and its history slice, one operation per line."""
@@ -153,11 +173,16 @@ class Violation:
 
 @dataclass
 class Report:
-    """What the checker found. ``ok`` means no safety violation and no clock violation."""
+    """What the checker found. ``ok`` means no safety violation and no clock violation.
+
+    ``losses``: acknowledged effects missing from the server record where the run allowed it
+    (``grants_durable=False`` / ``writes_durable=False``): measured, not violations.
+    """
 
     violations: list[Violation] = field(default_factory=list)
     clock_violations: list[Violation] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    losses: list[Violation] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -180,11 +205,21 @@ class Report:
     def render(self, limit: int = 20) -> str:
         """Counts and the first ``limit`` violations of each list."""
         lines = ["operations: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))]
+        if self.losses:
+            lost = ", ".join(f"{kind}={n}" for kind, n in sorted(_tally(v.kind for v in self.losses).items()))
+            lines.append(f"losses allowed by the run (not violations): {lost}")
         for title, found in (("SAFETY VIOLATIONS", self.violations), ("CLOCK VIOLATIONS", self.clock_violations)):
             if found:
                 lines.append(f"{title} ({len(found)}):")
                 lines += [v.render() for v in found[:limit]]
         return "\n".join(lines)
+
+
+def _tally(items: Iterable[str]) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for item in items:
+        counts[item] += 1
+    return dict(counts)
 
 
 def _end(op: Op) -> float:
@@ -209,6 +244,7 @@ def check(
     counters: dict[str, int] | None = None,
     *,
     writes_durable: bool = True,
+    grants_durable: bool = True,
 ) -> Report:
     """Check a history. See the module docstring for the properties.
 
@@ -219,7 +255,12 @@ def check(
         counters: per key, the final value of the counter incremented by each fenced write.
         writes_durable: whether acknowledged fenced writes must survive (False on a server with
             ``synchronous_commit = off`` that crashed: the library forces durable commits for lease
-            changes only; guarded data follows the server's setting).
+            changes only; guarded data follows the server's setting). When False, acknowledged
+            writes missing from the resource are counted in ``Report.losses``.
+        grants_durable: whether every acknowledged grant must be in the server record (False
+            after a failover to an asynchronous standby: missing ones are counted in
+            ``Report.losses``; one whose epoch the server granted to another owner is still a
+            ``regranted_epoch`` violation).
     """
     all_ops = list(ops)
     report = Report()
@@ -240,7 +281,7 @@ def check(
         _check_grants(report, key, key_ops)
         _check_realtime(report, key, key_ops)
         if audit is not None:
-            _check_audit(report, key, key_ops, audit_by_key.get(key, []))
+            _check_audit(report, key, key_ops, audit_by_key.get(key, []), grants_durable)
         else:
             _check_overlap_from_client(report, key, key_ops)
         if writes is not None:
@@ -257,7 +298,13 @@ def _check_grants(report: Report, key: str, ops: list[Op]) -> None:
         assert grant.epoch is not None
         if grant.epoch in seen:
             report.add(
-                Violation("duplicate_epoch", key, f"epoch {grant.epoch} granted twice", [seen[grant.epoch], grant])
+                Violation(
+                    "duplicate_epoch",
+                    key,
+                    f"epoch {grant.epoch} granted twice",
+                    [seen[grant.epoch], grant],
+                    epoch=grant.epoch,
+                )
             )
         seen[grant.epoch] = grant
     timed = sorted((g for g in grants if g.server_time is not None), key=lambda g: (g.server_time, g.epoch))
@@ -348,13 +395,29 @@ def _check_overlap_from_client(report: Report, key: str, ops: list[Op]) -> None:
             )
 
 
-def _check_audit(report: Report, key: str, ops: list[Op], rows: list[AuditRow]) -> None:
-    """The server record: epochs step by one, every grant explained, every acknowledged grant kept, no overlap."""
+def _explained_by_advances(pending: list[int], jump: int) -> bool:
+    """Whether a prefix of the pending advances (oldest first) adds up to ``jump``; consume it if so."""
+    total = 0
+    for n, by in enumerate(pending, 1):
+        total += by
+        if total == jump:
+            del pending[:n]
+            return True
+        if total > jump:
+            return False
+    return False
+
+
+def _check_audit(report: Report, key: str, ops: list[Op], rows: list[AuditRow], grants_durable: bool = True) -> None:
+    """The server record: epochs step by one (or by an operator's advance), every grant explained,
+    every acknowledged grant kept (or, when not durable, counted as lost), no overlap."""
     rows = sorted(rows, key=lambda r: r.seq)
+    advances = [
+        op.by for op in sorted(ops, key=lambda o: o.invoke) if op.op == "advance" and op.by and op.outcome != "fail"
+    ]
     acquires = [op for op in ops if op.op == "acquire"]
-    acked: dict[tuple[int, str], Op] = {
-        (op.epoch, op.worker): op for op in acquires if op.outcome == "ok" and op.epoch is not None
-    }
+    acknowledged = [op for op in acquires if op.outcome == "ok" and op.epoch is not None]
+    acked = {(op.epoch, op.worker) for op in acknowledged}
     maybe = defaultdict(list)  # owner -> acquires that may have been granted without us learning the epoch
     for op in acquires:
         if op.outcome == "unknown":
@@ -369,6 +432,12 @@ def _check_audit(report: Report, key: str, ops: list[Op], rows: list[AuditRow]) 
                 Violation("audit_gap", key, f"audit row {row.seq} follows epoch {row.old_epoch}, not {before_epoch}")
             )
         step = row.epoch - row.old_epoch
+        unchanged = previous is not None and row.owner == row.old_owner and row.expires_at == previous.expires_at
+        if step > 1 and unchanged and _explained_by_advances(advances, step):
+            previous = row  # every epoch raised by the operator's advance, the holder unchanged
+            continue
+        if previous is None and step > 1 and _explained_by_advances(advances, step - 1):
+            step = 1  # a key's first grant, at the epoch floor raised by an advance
         if step not in (0, 1):
             report.add(
                 Violation(
@@ -377,7 +446,9 @@ def _check_audit(report: Report, key: str, ops: list[Op], rows: list[AuditRow]) 
             )
         if step == 1 and row.owner is not None:
             if row.epoch in granted:
-                report.add(Violation("duplicate_epoch", key, f"the server granted epoch {row.epoch} twice"))
+                report.add(
+                    Violation("duplicate_epoch", key, f"the server granted epoch {row.epoch} twice", epoch=row.epoch)
+                )
             granted[row.epoch] = row
             # A grant nobody was told about must be the effect of an acquire whose outcome is
             # unknown; each such acquire explains at most one grant.
@@ -398,18 +469,42 @@ def _check_audit(report: Report, key: str, ops: list[Op], rows: list[AuditRow]) 
             # The last change at an epoch decides its expiry: a renewal with a shorter TTL shortens it.
             expiry[row.epoch] = row.expires_at
         previous = row
-    for (epoch, worker), op in acked.items():
+    for op in acknowledged:
+        epoch, worker = op.epoch, op.worker
+        assert epoch is not None
         grant = granted.get(epoch)
-        if grant is None or grant.owner != worker:
+        # The same owner granted the same epoch again: another grant (its grant time is the row's
+        # acquired_at, which the acquire returns as its server time).
+        another = (
+            grant is not None
+            and grant.owner == worker
+            and grant.acquired_at is not None
+            and op.server_time is not None
+            and abs(grant.acquired_at - op.server_time) > 1e-5
+        )
+        if grant is not None and (grant.owner != worker or another):
             report.add(
                 Violation(
-                    "lost_grant",
+                    "regranted_epoch",
                     key,
-                    f"{worker} was told it holds epoch {epoch}, but the server has no such grant"
-                    + ("" if grant is None else f" (it records {grant.owner})"),
+                    f"{worker} was told it holds epoch {epoch}, but the server granted that epoch to "
+                    + (f"{worker} again, at server time {grant.acquired_at:.6f}" if another else f"{grant.owner}"),
                     [op],
+                    epoch=epoch,
                 )
             )
+        elif grant is None:
+            lost = Violation(
+                "lost_grant",
+                key,
+                f"{worker} was told it holds epoch {epoch}, but the server has no such grant",
+                [op],
+                epoch=epoch,
+            )
+            if grants_durable:
+                report.add(lost)
+            else:
+                report.losses.append(lost)
     for epoch, row in granted.items():
         nxt = granted.get(epoch + 1)
         if nxt is None or nxt.owner == row.owner or nxt.acquired_at is None:
@@ -450,8 +545,12 @@ def _check_writes(
     writes = {op.tag: op for op in ops if op.op == "write" and op.tag is not None}
     committed = {row.tag: row for row in rows}
     for tag, op in writes.items():
-        if op.outcome == "ok" and durable and tag not in committed:
-            report.add(Violation("lost_write", key, f"write {tag} was acknowledged but is not in the resource", [op]))
+        if op.outcome == "ok" and tag not in committed:
+            lost = Violation("lost_write", key, f"write {tag} was acknowledged but is not in the resource", [op])
+            if durable:
+                report.add(lost)
+            else:
+                report.losses.append(lost)
         if op.outcome == "ok" and tag in committed and committed[tag].epoch != op.epoch:
             report.add(
                 Violation(
@@ -483,6 +582,52 @@ def _check_writes(
                 [op for op in ops if op.op == "write" and op.outcome != "fail"][-6:],
             )
         )
+
+
+def summarize(report: Report) -> dict[str, int]:
+    """What a failover must not do, counted from a report (each count 0 in a safe run).
+
+    - ``acknowledged_grants_lost``: acknowledged grants missing from the server record, or held
+      there by another owner (``lost_grant``, ``regranted_epoch``), violations or allowed losses;
+    - ``double_grants``: epochs granted to two owners (``duplicate_epoch``: both told so;
+      ``regranted_epoch``: the server record shows the second), per key and epoch;
+    - ``epoch_regressions``: an acquire or inspect that saw a lower epoch than one already seen
+      (``realtime_order``), a lower epoch granted at a later server time (``grant_time_order``),
+      or a server record whose epoch went back or jumped unexplained (one regression may be
+      reported by several of these);
+    - ``stale_fenced_writes_accepted``: a fenced write accepted with an epoch after a newer one had
+      been seen (``realtime_order``), committed after one with a newer epoch (``fence_order``),
+      stored with another epoch, or accepted though its writer was told it was refused;
+    - ``stale_renewals_or_releases_accepted``: the same for a renewal or a release;
+    - ``other``: every other violation (lost writes and updates, phantom grants, overlaps...).
+    """
+    everything = report.violations + report.clock_violations
+    double = {(v.key, v.epoch) for v in everything if v.kind in ("regranted_epoch", "duplicate_epoch")}
+    counts = {
+        "acknowledged_grants_lost": sum(
+            1 for v in everything + report.losses if v.kind in ("lost_grant", "regranted_epoch")
+        ),
+        "double_grants": len(double),
+        "epoch_regressions": 0,
+        "stale_fenced_writes_accepted": 0,
+        "stale_renewals_or_releases_accepted": 0,
+        "other": 0,
+    }
+    for v in everything:
+        late = v.ops[-1].op if v.ops else None
+        if (v.kind == "realtime_order" and late == "write") or v.kind in (
+            "fence_order",
+            "phantom_write",
+            "write_epoch",
+        ):
+            counts["stale_fenced_writes_accepted"] += 1
+        elif v.kind == "realtime_order" and late in STALE_SENSITIVE:
+            counts["stale_renewals_or_releases_accepted"] += 1
+        elif v.kind in ("realtime_order", "epoch_regression", "grant_time_order"):
+            counts["epoch_regressions"] += 1
+        elif v.kind not in ("lost_grant", "regranted_epoch", "duplicate_epoch"):
+            counts["other"] += 1
+    return counts
 
 
 def to_json(op: Op) -> dict[str, Any]:

@@ -11,6 +11,14 @@ The fenced resource is the test app's models: per key one ``Invoice`` whose ``am
 incremented read -> pause -> fenced save, and one ``Entry`` row per accepted increment, inserted in
 the same transaction with a commit-order ticket (the bump of a single ``CommitTicket`` row, whose
 row lock hands out tickets in commit order).
+
+The URL may name several hosts (``postgresql://u@h1:p1,h2:p2/db?target_session_attrs=read-write``,
+libpq's multi-host form): the workers' Django then gets a multi-host ``HOST``/``PORT`` with those
+options, as a project on a replicated PostgreSQL does, and every connection of the run lands on
+whichever server accepts writes (``python -m stress failover``, :mod:`stress.failover`). A worker
+whose connection is gone reconnects before its next operation; while no server accepts it, it
+starts no operation (the refused connection attempts are counted, not recorded as operations: no
+request was sent).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
     from pg_lease_django import Grant
 
 from .checker import AuditRow, Op, Report, Violation, WriteRow, check
+from .tenures import READ_TENURES, RECORD_EVERY_KEY, TenureRow, check_tenures
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,7 +91,7 @@ class Config:
         ttl_min, ttl_max: range of TTLs (seconds) for acquires and renewals.
         long_pause: probability that a pause lasts one to two TTLs (a holder that stalls).
         terminate_every: if set, ``pg_terminate_backend`` a random worker backend this often (seconds).
-        writes_durable: see :func:`stress.checker.check`.
+        writes_durable, grants_durable: see :func:`stress.checker.check`.
         keep_database: leave the run's database in place (to inspect it after a failure).
     """
 
@@ -96,6 +105,7 @@ class Config:
     long_pause: float = 0.1
     terminate_every: float | None = None
     writes_durable: bool = True
+    grants_durable: bool = True
     keep_database: bool = False
 
 
@@ -112,6 +122,8 @@ class Result:
     report: Report
     terminated: int = 0
     logs: dict[str, str] = field(default_factory=dict)
+    refused_connections: int = 0
+    tenures: list[TenureRow] = field(default_factory=list)
 
     def describe(self) -> str:
         """Seed, database and the checker's report (with the offending history slices)."""
@@ -124,6 +136,34 @@ def with_dbname(url: str, dbname: str) -> str:
     """``url`` pointing at database ``dbname`` instead."""
     parts = urlsplit(url)
     return urlunsplit(parts._replace(path="/" + quote(dbname)))
+
+
+def django_database(url: str) -> dict[str, Any] | None:
+    """The fields of a Django ``DATABASES`` entry for a multi-host URL (``HOST`` and ``PORT`` lists,
+    the URL's other parameters as ``OPTIONS``); None for a single-host URL, which ``tests.settings``
+    parses itself."""
+    params = psycopg.conninfo.conninfo_to_dict(url)
+    host = str(params.pop("host", "") or "")
+    if "," not in host:
+        return None
+    return {
+        "NAME": str(params.pop("dbname", "postgres")),
+        "USER": str(params.pop("user", "postgres")),
+        "PASSWORD": str(params.pop("password", "") or ""),
+        "HOST": host,
+        "PORT": str(params.pop("port", "")),
+        "OPTIONS": {name: str(value) for name, value in params.items()},
+    }
+
+
+def _settings_url(url: str) -> str:
+    """A URL ``tests.settings`` can parse standing in for ``url`` (its first host) until the
+    multi-host entry replaces it."""
+    database = django_database(url)
+    if database is None:
+        return url
+    host, port = database["HOST"].split(",")[0], database["PORT"].split(",")[0]
+    return f"postgresql://{quote(database['USER'])}@{host}:{port}/{quote(database['NAME'])}"
 
 
 def _seconds(value: datetime | None) -> float | None:
@@ -143,14 +183,18 @@ class _Log:
         os.write(self.fd, (json.dumps(record) + "\n").encode())
 
 
-def worker_main(spec: dict[str, Any]) -> None:
-    """Entry point of a worker process: set up Django on ``spec["url"]``, then run the schedule."""
-    os.environ["DATABASE_URL"] = spec["url"]
+def worker_main(spec: dict[str, Any], stopping: Any = None) -> None:
+    """Entry point of a worker process: set up Django on ``spec["url"]``, then run the schedule
+    (until its deadline or until ``stopping``, a multiprocessing Event, is set)."""
+    os.environ["DATABASE_URL"] = _settings_url(spec["url"])
     os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from django.conf import settings
 
+    database = django_database(spec["url"])
+    if database is not None:
+        settings.DATABASES["default"].update(database)
     settings.DATABASES["default"].setdefault("OPTIONS", {})["application_name"] = f"stress-{spec['worker']}"
     import django
 
@@ -158,16 +202,17 @@ def worker_main(spec: dict[str, Any]) -> None:
     # A terminated backend makes the blocking acquire log a warning with a traceback; the outcome
     # is recorded anyway, so keep the run's output readable.
     logging.getLogger("pg_lease_django").setLevel(logging.ERROR)
-    _Worker(spec).run()
+    _Worker(spec, stopping).run()
 
 
 class _Worker:
     """One worker's schedule: decisions come from its seeded RNG; outcomes from the database."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], stopping: Any = None) -> None:
         from django.db import connection
 
         self.connection = connection
+        self.stopping = stopping
         self.me: str = spec["worker"]
         self.keys: list[str] = spec["keys"]
         # Counted from here: starting a process and Django can take seconds on a busy machine.
@@ -189,8 +234,31 @@ class _Worker:
             return self.rng.uniform(ttl, 2 * ttl)  # a holder that stalls past its TTL
         return self.rng.uniform(0, ttl / 4)
 
+    def connected(self) -> bool:
+        """Whether Django's connection is open, opening it if not (through the host list: the server
+        that accepts writes now). A refused attempt is counted in the log, not recorded as an
+        operation (nothing was sent); the worker backs off a little before trying again."""
+        from django.db import InterfaceError, OperationalError
+
+        if self.connection.connection is not None:
+            return True
+        try:
+            self.connection.ensure_connection()
+            return True
+        except (OperationalError, InterfaceError):
+            with suppress(Exception):
+                self.connection.close()
+            self.log.write({"worker": self.me, "refused": time.monotonic()})
+            time.sleep(self.rng.uniform(0.02, 0.06))
+            return False
+
+    def stopped(self) -> bool:
+        return time.monotonic() >= self.deadline or (self.stopping is not None and self.stopping.is_set())
+
     def run(self) -> None:
-        while time.monotonic() < self.deadline:
+        while not self.stopped():
+            if not self.connected():
+                continue
             key = self.rng.choice(self.keys)
             grant = self.held.get(key)
             r = self.rng.random()
@@ -222,7 +290,7 @@ class _Worker:
         """Log the invocation, run the body, log the completion; classify the exception if any."""
         from django.db import InterfaceError, OperationalError
 
-        from pg_lease_django import LeaseLostError, LeaseTimeoutError
+        from pg_lease_django import LeaseLostError, LeaseTimeoutError, UnconfirmedCommitError
 
         self.n += 1
         entry: dict[str, Any] = {"worker": self.me, "key": key, "op": op, "n": self.n, **fields}
@@ -234,6 +302,10 @@ class _Worker:
             entry.update(outcome="fail", cause="timeout")
         except LeaseLostError as exc:
             entry.update(outcome="fail", cause=exc.code)
+        except UnconfirmedCommitError as exc:  # committed on the primary, not confirmed by the standby
+            entry.update(outcome="unknown", cause=f"unconfirmed: {str(exc).strip()[:200]}")
+            with suppress(Exception):
+                self.connection.close()
         except (OperationalError, InterfaceError, psycopg.OperationalError, psycopg.InterfaceError) as exc:
             entry.update(outcome="unknown", cause=f"connection: {type(exc).__name__}: {str(exc).strip()[:200]}")
             with suppress(Exception):
@@ -345,12 +417,30 @@ class _Worker:
 # ---- the driver (runs in the caller's process) ------------------------------------------------
 
 
-def _run_django(url: str, code: str) -> None:
+def _run_django(url: str, code: str, *, options: dict[str, str] | None = None) -> str:
+    """Run ``code`` in a Django process on ``url`` (tests.settings; a multi-host URL, and
+    ``options`` added to OPTIONS, applied before setup); its standard output."""
     import subprocess
 
-    env = {**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    database = django_database(url) or {}
+    if options:
+        database["OPTIONS"] = {**database.get("OPTIONS", {}), **options}
+    env = {
+        **os.environ,
+        "DATABASE_URL": _settings_url(url),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PG_LEASE_STRESS_DATABASE": json.dumps(database),
+    }
+    prelude = (
+        "import json, os\n"
+        "from django.conf import settings\n"
+        "database = json.loads(os.environ['PG_LEASE_STRESS_DATABASE'])\n"
+        "options = {**settings.DATABASES['default'].get('OPTIONS', {}), **database.pop('OPTIONS', {})}\n"
+        "settings.DATABASES['default'].update(database, OPTIONS=options)\n"
+        "import django; django.setup()\n"
+    )
     done = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup()\n" + code],
+        [sys.executable, "-c", prelude + code],
         env=env,
         cwd=REPO,
         capture_output=True,
@@ -358,7 +448,8 @@ def _run_django(url: str, code: str) -> None:
         timeout=300,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"setting up the stress database failed:\n{done.stderr}")
+        raise RuntimeError(f"a Django process on the stress database failed:\n{done.stderr}")
+    return done.stdout
 
 
 def migrate(url: str) -> None:
@@ -391,6 +482,8 @@ class Run:
         self.generation: dict[int, int] = {}
         self.deadline = 0.0
         self.terminated = 0
+        self.stopping = self.context.Event()  # set: workers finish their operation and exit
+        self.extra_ops: list[Op] = []  # operations of others than the workers (an operator's)
         self._chaos_stop = threading.Event()
         self._chaos: threading.Thread | None = None
 
@@ -403,6 +496,7 @@ class Run:
         migrate(self.url)
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute(AUDIT_SQL)
+            conn.execute(RECORD_EVERY_KEY)  # the lease history, checked against the workers' record
             with conn.transaction():  # setting up the resource is no lease holder's write: opt out
                 conn.execute("SELECT pg_lease_allow_unfenced()")
                 for key in self.keys:
@@ -446,10 +540,14 @@ class Run:
             "seed": self.config.seed * 1_000_003 + index * 1009 + generation,
             "log": str(self.logdir / f"{name}.jsonl"),
         }
-        process = self.context.Process(target=worker_main, args=(spec,), name=name, daemon=True)
+        process = self.context.Process(target=worker_main, args=(spec, self.stopping), name=name, daemon=True)
         process.start()
         self.processes[name] = process
         return name
+
+    def stop(self) -> None:
+        """Tell every worker to finish its current operation and exit (before its deadline)."""
+        self.stopping.set()
 
     def alive(self) -> list[str]:
         """Names of workers still running."""
@@ -511,13 +609,24 @@ class Run:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # the last line of a worker killed mid-write
                     continue
+                if "refused" in record:  # a refused connection attempt, no operation
+                    continue
                 fields = {k: v for k, v in record.items() if k in known}
                 ident = (record["worker"], record["n"])
                 if "complete" in record:  # the completion repeats every field of the invocation
                     ops[ident] = Op(**fields)
                 else:
                     ops[ident] = Op(**{**fields, "outcome": "unknown", "cause": "killed"})
-        return sorted(ops.values(), key=lambda op: op.invoke)
+        return sorted([*ops.values(), *self.extra_ops], key=lambda op: op.invoke)
+
+    def refused_connections(self) -> int:
+        """How many connection attempts of the workers no server accepted."""
+        refused = 0
+        for path in self.logdir.glob("*.jsonl"):
+            for line in path.read_text().splitlines():
+                with suppress(json.JSONDecodeError):
+                    refused += "refused" in json.loads(line)
+        return refused
 
     def server_record(self) -> tuple[list[AuditRow], list[WriteRow], dict[str, int]]:
         """The audit log, the accepted fenced writes and the final counters."""
@@ -543,13 +652,37 @@ class Run:
         self.join()
         ops = self.history()
         audit, writes, counters = self.server_record()
-        report = check(ops, audit, writes, counters, writes_durable=self.config.writes_durable)
+        report = check(
+            ops,
+            audit,
+            writes,
+            counters,
+            writes_durable=self.config.writes_durable,
+            grants_durable=self.config.grants_durable,
+        )
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            tenures = [TenureRow(*row) for row in conn.execute(READ_TENURES)]
+        if self.config.grants_durable:  # after a lossy failover the history lost grants too
+            for found in check_tenures(ops, tenures):
+                kind, key = found.pop("kind"), found.pop("key")
+                report.violations.append(Violation(f"history_{kind}", key, json.dumps(found, default=str)))
         for op in ops:
             if op.cause and op.cause.startswith("unexpected"):
                 report.violations.append(
                     Violation("unexpected_error", op.key, f"{op.worker} {op.op}: {op.cause}", [op])
                 )
-        return Result(self.config, self.database, ops, audit, writes, counters, report, self.terminated)
+        return Result(
+            self.config,
+            self.database,
+            ops,
+            audit,
+            writes,
+            counters,
+            report,
+            self.terminated,
+            refused_connections=self.refused_connections(),
+            tenures=tenures,
+        )
 
 
 def run(config: Config, during: Callable[[Run], None] | None = None) -> Result:

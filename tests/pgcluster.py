@@ -11,6 +11,12 @@ SYSTEM`` before the base backup, so the standby inherits it, as a copied configu
 ``synchronous_commit`` stays ``on`` (the lease functions force it on for their own writes anyway).
 ``Cluster(synchronous=False)`` leaves replication asynchronous.
 
+After a failover, :meth:`Cluster.rebuild_standby` makes the promoted server the primary and a new
+standby from it (``pg_basebackup -R`` again, on the dead primary's port, so the clients' host list
+stays valid), naming it in ``synchronous_standby_names`` again for a synchronous cluster once it
+streams: the cluster can fail over again, as often as wanted (the stress nemesis,
+``python -m stress failover``).
+
 Clients reach the cluster the way users do: both hosts in one multi-host connection string with
 ``target_session_attrs=read-write`` (:meth:`Cluster.django_database` for Django's ``DATABASES``).
 
@@ -40,6 +46,16 @@ T = TypeVar("T")
 
 TOOLS = ("initdb", "pg_ctl", "pg_basebackup", "postgres")
 STANDBY_NAME = "standby1"
+#: Every server of a cluster runs with these (a standby may become the primary, and the reverse).
+#: ``wal_keep_size``: WAL written between a base backup's end and its standby's first connection
+#: must still be there when it connects.
+NODE_SETTINGS = (
+    "wal_level=replica",
+    "max_wal_senders=4",
+    "wal_sender_timeout=5s",
+    "wal_keep_size=256MB",
+    "wal_receiver_status_interval=1s",
+)
 
 
 def _complete(bindir: Path) -> bool:
@@ -115,16 +131,31 @@ class Node(LocalServer):
         """The postmaster's PID (first line of postmaster.pid)."""
         return int((self.datadir / "postmaster.pid").read_text().split()[0])
 
-    def conninfo(self, **extra: Any) -> str:
-        return psycopg.conninfo.make_conninfo(
-            host="127.0.0.1", port=self.port, user="postgres", dbname="postgres", **extra
-        )
+    def start(self, *settings: str, port: int | None = None) -> None:
+        """Start; on ``port`` when given (a new standby taking a dead server's place), else a free one."""
+        if port is None:
+            super().start(*settings)
+            return
+        self.init()
+        self.port_file.write_text(str(port))
+        options = [f"-p {port}", "-c listen_addresses=127.0.0.1", "-c unix_socket_directories=''"]
+        options += [f"-c {setting}" for setting in settings]
+        log = self.datadir / "server.log"
+        self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start")
+
+    def conninfo(self, dbname: str = "postgres", **extra: Any) -> str:
+        return psycopg.conninfo.make_conninfo(host="127.0.0.1", port=self.port, user="postgres", dbname=dbname, **extra)
 
     def query(
-        self, sql: str | pgsql.Composable, params: tuple[Any, ...] = (), *, connect_timeout: int = 5
+        self,
+        sql: str | pgsql.Composable,
+        params: tuple[Any, ...] = (),
+        *,
+        connect_timeout: int = 5,
+        dbname: str = "postgres",
     ) -> list[tuple[Any, ...]]:
         """Run one statement in autocommit on this server alone; its rows (empty for a command)."""
-        with psycopg.connect(self.conninfo(connect_timeout=connect_timeout), autocommit=True) as conn:
+        with psycopg.connect(self.conninfo(dbname, connect_timeout=connect_timeout), autocommit=True) as conn:
             cursor = conn.execute(sql, params)  # type: ignore[arg-type]
             return cursor.fetchall() if cursor.description else []
 
@@ -142,6 +173,8 @@ class Node(LocalServer):
         os.killpg(pgid, sig)
         if sig == signal.SIGKILL:
             poll(lambda: not _group_alive(pgid), timeout=timeout, what=f"{self.name}'s processes to die")
+            # Stale now: its PID may be reused by an unrelated process, which destroy() must not signal.
+            (self.datadir / "postmaster.pid").unlink(missing_ok=True)
 
     def destroy(self) -> None:
         """Stop at once (resuming a stopped server first) and delete the data directory."""
@@ -179,15 +212,27 @@ class Cluster:
         self.primary.name = "primary"
         self.standby = Node(self.root / "standby", bindir)
         self.standby.name = "standby"
+        self.standby_name = STANDBY_NAME  # the standby's cluster_name, its application_name on the primary
+        self.generation = 1  # standbys made so far
+        self.promotions = 0
+        self._ports: tuple[int, int] | None = None  # fixed at start: the clients' host list
 
     # ---- life cycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.primary.start("wal_level=replica", "max_wal_senders=4", "wal_sender_timeout=5s")
+        self.primary.start("cluster_name=primary", *NODE_SETTINGS)
         if self.synchronous:
             self.primary.query(f"ALTER SYSTEM SET synchronous_standby_names = 'FIRST 1 ({STANDBY_NAME})'")
             self.primary.query("ALTER SYSTEM SET synchronous_commit = 'on'")
             self.primary.query("SELECT pg_reload_conf()")
+        self._base_backup()
+        # cluster_name is the walreceiver's application_name, the name synchronous_standby_names matches.
+        self.standby.start(f"cluster_name={STANDBY_NAME}", *NODE_SETTINGS)
+        self._ports = (self.primary.port, self.standby.port)
+        self.wait_streaming()
+
+    def _base_backup(self) -> None:
+        """``pg_basebackup -R`` of the primary into the standby's (new) data directory."""
         self.primary._run(
             "pg_basebackup",
             "-D",
@@ -204,18 +249,15 @@ class Cluster:
             "fast",
             "-R",
         )
-        # cluster_name is the walreceiver's application_name, the name synchronous_standby_names matches.
-        self.standby.start(f"cluster_name={STANDBY_NAME}", "wal_receiver_status_interval=1s")
-        self.wait_streaming()
 
-    def wait_streaming(self, timeout: float = 30) -> None:
+    def wait_streaming(self, timeout: float = 30, *, sync_state: str | None = None) -> None:
         """Wait until the primary has the standby attached (``sync`` for a synchronous cluster)."""
-        wanted = "sync" if self.synchronous else "async"
+        wanted = sync_state or ("sync" if self.synchronous else "async")
         poll(
             lambda: self.primary.query(
                 "SELECT 1 FROM pg_stat_replication WHERE application_name = %s AND state = 'streaming' "
                 "AND sync_state = %s",
-                (STANDBY_NAME, wanted),
+                (self.standby_name, wanted),
             ),
             timeout=timeout,
             what=f"the standby to stream ({wanted})",
@@ -236,7 +278,10 @@ class Cluster:
 
     @property
     def ports(self) -> str:
-        return f"{self.primary.port},{self.standby.port}"
+        """Both servers' ports, in the same order whichever is the primary now (a client's settings
+        are written once)."""
+        first, second = self._ports or (self.primary.port, self.standby.port)
+        return f"{first},{second}"
 
     def conninfo(self, **extra: Any) -> str:
         """Multi-host libpq conninfo that lands on whichever server accepts writes."""
@@ -248,6 +293,14 @@ class Cluster:
             target_session_attrs="read-write",
             connect_timeout=3,
             **extra,
+        )
+
+    def url(self, dbname: str = "postgres") -> str:
+        """The same as a libpq URL (both hosts, ``target_session_attrs=read-write``), for the stress harness."""
+        first, second = self.ports.split(",")
+        return (
+            f"postgresql://postgres@127.0.0.1:{first},127.0.0.1:{second}/{dbname}"
+            "?target_session_attrs=read-write&connect_timeout=3"
         )
 
     def django_database(self) -> dict[str, Any]:
@@ -313,6 +366,7 @@ class Cluster:
         """
         self.standby._run("pg_ctl", "-D", str(self.standby.datadir), "-w", "-t", str(int(timeout)), "promote")
         poll(lambda: not self.standby.in_recovery(), timeout=timeout, what="the standby to leave recovery")
+        self.promotions += 1
         if clear_synchronous:
             self.standby.query("ALTER SYSTEM SET synchronous_standby_names = ''")
             self.standby.query("SELECT pg_reload_conf()")
@@ -321,6 +375,55 @@ class Cluster:
                 timeout=timeout,
                 what="the promoted server to drop its synchronous standby",
             )
+
+    def rebuild_standby(self, timeout: float = 60) -> None:
+        """After :meth:`promote` (the old primary killed): a new standby, so the cluster can fail over again.
+
+        The promoted server becomes :attr:`primary`; the dead primary's data directory is deleted
+        and a new standby made from the new primary with ``pg_basebackup -R`` (a fresh data
+        directory, a new ``cluster_name``), started on the dead primary's port (so the clients'
+        host list still names both servers). Returns once it streams; for a synchronous cluster,
+        once the primary names it in ``synchronous_standby_names`` again, lists it as ``sync``, and
+        it has flushed everything the primary wrote before (what the primary acknowledged while it
+        had no standby included): from then on, a kill of the primary loses nothing acknowledged.
+        """
+        if self._ports is None or self.standby.in_recovery():
+            raise RuntimeError("rebuild_standby() needs a promoted standby")
+        dead = self.primary
+        port = dead.port
+        shutil.rmtree(dead.datadir, ignore_errors=True)
+        dead.port_file.unlink(missing_ok=True)
+        self.primary = self.standby
+        self.primary.name = "primary"
+        self.generation += 1
+        self.standby_name = f"standby{self.generation}"
+        self.standby = Node(self.root / f"standby{self.generation}", self.bindir)
+        self.standby.name = "standby"
+        self._base_backup()
+        self.standby.start(f"cluster_name={self.standby_name}", *NODE_SETTINGS, port=port)
+        self.wait_streaming(timeout, sync_state="async")
+        if self.synchronous:
+            self.primary.query(
+                pgsql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}").format(
+                    pgsql.Literal(f"FIRST 1 ({self.standby_name})")
+                )
+            )
+            self.primary.query("SELECT pg_reload_conf()")
+            self.wait_streaming(timeout, sync_state="sync")
+            self.wait_flushed(timeout)
+
+    def wait_flushed(self, timeout: float = 30) -> str:
+        """Wait until the standby has flushed everything the primary has written so far; that LSN."""
+        lsn = str(self.primary.query("SELECT pg_current_wal_lsn()::text")[0][0])
+        poll(
+            lambda: self.primary.query(
+                "SELECT 1 FROM pg_stat_replication WHERE application_name = %s AND flush_lsn >= %s::pg_lsn",
+                (self.standby_name, lsn),
+            ),
+            timeout=timeout,
+            what=f"the standby to flush up to {lsn}",
+        )
+        return lsn
 
 
 def _unused_port() -> int:
