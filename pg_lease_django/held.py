@@ -143,19 +143,7 @@ class HeldLease:
 
         A leader-election loop can simply wait here. Returns at once after the hold has ended.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self.lost:
-                return True
-            if self._ended_at is not None:
-                return False
-            now = time.monotonic()
-            pause = self._trusted_until - now
-            if deadline is not None:
-                if now >= deadline:
-                    return False
-                pause = min(pause, deadline - now)
-            self._lost_event.wait(max(pause, 0.0))
+        return self._wait(lambda: self.lost, self._lost_event, timeout)
 
     def wait_stop(self, timeout: float | None = None) -> bool:
         """Block until the lease is lost or a hand-off is requested, or ``timeout`` seconds pass.
@@ -163,9 +151,14 @@ class HeldLease:
         True if either happened (``lost`` and ``handoff_requested`` say which): a long-running
         leader's loop waits here between steps. Returns at once after the hold has ended.
         """
+        return self._wait(lambda: self.lost or self._handoff_requested, self._stop_event, timeout)
+
+    def _wait(self, done: Callable[[], bool], event: threading.Event, timeout: float | None) -> bool:
+        """Until ``done()`` (True), the end of the hold or ``timeout`` (False); ``event`` wakes it, and
+        so does the end of the trust window by itself (a loss nobody has to announce)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self.lost or self._handoff_requested:
+            if done():
                 return True
             if self._ended_at is not None:
                 return False
@@ -175,7 +168,7 @@ class HeldLease:
                 if now >= deadline:
                     return False
                 pause = min(pause, deadline - now)
-            self._stop_event.wait(max(pause, 0.0))
+            event.wait(max(pause, 0.0))
 
     def _trust_expired(self) -> bool:
         now = time.monotonic() if self._ended_at is None else self._ended_at

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
 from django.db import DataError
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -322,22 +322,26 @@ def force_release(connection: BaseDatabaseWrapper, key: str, epoch: int | None, 
     outcome, owner, current_epoch, _server_time = call(connection, sql.FORCE_RELEASE, [key, epoch, operator])
     if outcome == "ok":
         return current_epoch  # type: ignore[no-any-return]
+    _raise_not_held(outcome, key, owner, current_epoch, epoch, "nothing to release")
+
+
+def _raise_not_held(outcome: str, key: str, owner: str | None, current: int, epoch: int | None, so: str) -> NoReturn:
+    """The error of an operator's call on ``key`` that found nobody holding it at ``epoch`` (``so``: what follows)."""
     if outcome == "epoch_mismatch":
         raise EpochMismatchError(
-            f"lease {key!r} has moved on: its epoch is {current_epoch} (held by {owner!r}), not {epoch}",
+            f"lease {key!r} has moved on: its epoch is {current} (held by {owner!r}), not {epoch}",
             key=key,
             owner=owner,
             epoch=epoch,
         )
     if outcome == "not_found":
-        raise NeverAcquiredError(
-            f"no lease with key {key!r} (never acquired): nothing to release", key=key, epoch=epoch
+        raise NeverAcquiredError(f"no lease with key {key!r} (never acquired): {so}", key=key, epoch=epoch)
+    if outcome == "lapsed":
+        raise LapsedError(
+            f"lease {key!r} lapsed (owner {owner!r}, epoch {current}): {so}", key=key, owner=owner, epoch=current
         )
     raise AlreadyFreeError(
-        f"lease {key!r} is already free (epoch {current_epoch}): nothing to release",
-        key=key,
-        epoch=epoch,
-        current_epoch=current_epoch,
+        f"lease {key!r} is already free (epoch {current}): {so}", key=key, epoch=epoch, current_epoch=current
     )
 
 
@@ -369,28 +373,7 @@ def request_handoff(connection: BaseDatabaseWrapper, key: str, epoch: int | None
     )
     if outcome == "ok":
         return HandoffRequest(key, owner, current_epoch, expires_at, requested_at, server_time)
-    if outcome == "epoch_mismatch":
-        raise EpochMismatchError(
-            f"lease {key!r} has moved on: its epoch is {current_epoch} (held by {owner!r}), not {epoch}",
-            key=key,
-            owner=owner,
-            epoch=epoch,
-        )
-    if outcome == "not_found":
-        raise NeverAcquiredError(f"no lease with key {key!r} (never acquired): nobody to ask", key=key, epoch=epoch)
-    if outcome == "lapsed":
-        raise LapsedError(
-            f"lease {key!r} lapsed (owner {owner!r}, epoch {current_epoch}): nobody holds it to hand it off",
-            key=key,
-            owner=owner,
-            epoch=current_epoch,
-        )
-    raise AlreadyFreeError(
-        f"lease {key!r} is free (epoch {current_epoch}): nobody holds it to hand it off",
-        key=key,
-        epoch=epoch,
-        current_epoch=current_epoch,
-    )
+    _raise_not_held(outcome, key, owner, current_epoch, epoch, "nobody holds it to hand it off")
 
 
 def prune(connection: BaseDatabaseWrapper, free_for: timedelta, dry_run: bool) -> list[str]:

@@ -87,13 +87,13 @@ def test_release_reports_what_happened_between_its_look_and_its_release(
     assert grant is not None
     real = type(Lease.objects).force_release
 
-    def meanwhile(self: Any, lease_key: str, *, epoch: int | None = None) -> int:
+    def meanwhile(self: Any, lease_key: str, *, epoch: int | None = None, operator: str | None = None) -> int:
         Lease.objects.release(lease_key, "w1", grant.epoch)
         if outcome == "pruned":
             raise NeverAcquiredError(f"no lease with key {lease_key!r} (never acquired): nothing to release")
         if outcome == "taken over":
             assert Lease.objects.acquire(lease_key, "w2", ttl=30) is not None
-        return real(self, lease_key, epoch=epoch)
+        return real(self, lease_key, epoch=epoch, operator=operator)
 
     monkeypatch.setattr(type(Lease.objects), "force_release", meanwhile)
     with pytest.raises(CommandError) as caught:
