@@ -90,5 +90,6 @@ def test_a_stress_runs_history_matches_its_grants_one_to_one() -> None:
     assert {"released", "lapsed"} <= reasons, reasons
     unknown = sum(op.op == "acquire" and op.outcome == "unknown" for op in result.ops)
     print(
-        f"\nstress history: {len(granted)} acknowledged grants, {unknown} unknown acquires, {len(result.tenures)} tenures"
+        f"\nstress history: {len(granted)} acknowledged grants, {unknown} unknown acquires, "
+        f"{len(result.tenures)} tenures"
     )
