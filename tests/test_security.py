@@ -580,6 +580,7 @@ def test_lookalikes_in_an_earlier_schema_do_not_answer_the_package(
         stale, live, invoice = stale_and_live(key)  # the schema lookup is cached here, before the attack
         if lookup != "cached":
             monkeypatch.setattr(lease_sql, "_schemas", {})  # a process started after the attack
+            monkeypatch.setattr(lease_sql, "_rendered", {})
         if lookup == "PG_LEASE_SCHEMA":
             attacker.execute(f"CREATE TABLE {evil}.pg_lease_django_lease (key text PRIMARY KEY)")
             stack.enter_context(override_settings(PG_LEASE_SCHEMA="public"))
@@ -604,6 +605,7 @@ def test_a_lookalike_lease_table_in_an_earlier_schema_does_not_redirect_the_pack
         stale, _live, invoice = stale_and_live(key)
         attacker.execute(f"CREATE TABLE {evil}.pg_lease_django_lease (key text PRIMARY KEY)")
         monkeypatch.setattr(lease_sql, "_schemas", {})  # a process started after the attacker's table
+        monkeypatch.setattr(lease_sql, "_rendered", {})
         invoice.status = "stale"
         # Two schemas have a lease table: the lookup refuses to guess rather than follow the decoy.
         with pytest.raises(ImproperlyConfigured, match="PG_LEASE_SCHEMA"):

@@ -1,0 +1,85 @@
+"""How a lease call reaches psycopg: through Django's cursor whenever anything watches it, else directly.
+
+Skipping Django's CursorWrapper saves a few microseconds per call (docs/performance.md); it must never
+hide a call from what watches Django's cursor nor skip a check Django's cursor makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
+from django.db.transaction import TransactionManagementError
+from django.test.utils import CaptureQueriesContext
+
+from pg_lease_django import Lease, operations
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# The connection object itself, as the manager uses it (``django.db.connection`` is a proxy to it).
+connection = connections[DEFAULT_DB_ALIAS]
+
+
+def test_nothing_watching_takes_the_direct_path() -> None:
+    connection.ensure_connection()
+    assert operations._unwatched(connection)
+
+
+def test_an_execute_wrapper_sees_every_lease_call(key: str) -> None:
+    seen: list[str] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(wrapper):
+        assert not operations._unwatched(connection)
+        grant = Lease.objects.acquire(key, "w1", 30)
+        assert grant is not None
+        Lease.objects.renew(key, "w1", grant.epoch, 30)
+        Lease.objects.inspect(key)
+        Lease.objects.release(key, "w1", grant.epoch)
+    names = ["pg_lease_acquire", "pg_lease_heartbeat", "pg_lease_inspect", "pg_lease_release"]
+    assert [name for sql in seen for name in names if name in sql] == names
+
+
+def test_the_query_log_counts_every_lease_call(key: str) -> None:
+    with CaptureQueriesContext(connection) as captured:
+        grant = Lease.objects.acquire(key, "w1", 30)
+        assert grant is not None
+        Lease.objects.release(key, "w1", grant.epoch)
+    assert len(captured.captured_queries) == 2
+
+
+@pytest.fixture
+def patched_cursor() -> Iterator[None]:
+    """What django-debug-toolbar does: replace ``cursor`` on the connection object."""
+    original = connection.cursor
+    connection.cursor = original  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del connection.cursor
+
+
+def test_a_patched_connection_cursor_is_used(patched_cursor: None) -> None:
+    assert not operations._unwatched(connection)
+
+
+def test_the_direct_path_refuses_a_broken_transaction_as_django_does(key: str) -> None:
+    with transaction.atomic():
+        with pytest.raises(DatabaseError), transaction.atomic(savepoint=False):
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1/0")
+        assert operations._unwatched(connection)
+        with pytest.raises(TransactionManagementError):
+            Lease.objects.inspect(key)
+
+
+def test_the_direct_path_wraps_database_errors_as_django_does(key: str) -> None:
+    assert operations._unwatched(connection)
+    with pytest.raises(DatabaseError) as info:  # django.db's, not psycopg's
+        operations.call(connection, "SELECT 1/0 FROM {schema}.pg_lease_django_lease", [])
+    assert type(info.value).__module__ == "django.db.utils"
