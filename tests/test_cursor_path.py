@@ -70,9 +70,8 @@ def test_a_patched_connection_cursor_is_used(patched_cursor: None) -> None:
 
 def test_the_direct_path_refuses_a_broken_transaction_as_django_does(key: str) -> None:
     with transaction.atomic():
-        with pytest.raises(DatabaseError), transaction.atomic(savepoint=False):
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT 1/0")
+        with pytest.raises(DatabaseError), transaction.atomic(savepoint=False), connection.cursor() as cursor:
+            cursor.execute("SELECT 1/0")
         assert operations._unwatched(connection)
         with pytest.raises(TransactionManagementError):
             Lease.objects.inspect(key)
