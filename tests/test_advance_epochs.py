@@ -178,12 +178,18 @@ def test_command_output_and_exit_codes(key: str) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_each_call_removes_its_notice_handler() -> None:
-    """The check for an unconfirmed commit (operations.confirmed_commit) leaves nothing on the connection
-    (outside ``atomic()``; inside, the transaction's watch goes with it: tests/test_bounded_exit.py)."""
-    Lease.objects.inspect("no-such-key-advance")
+def test_calls_keep_one_notice_handler_per_connection() -> None:
+    """The check for an unconfirmed commit (operations.confirmed_commit) keeps one handler on the
+    connection however many calls it makes (adding and removing one per call cost more than the
+    call's own Python); a new connection gets its own (outside ``atomic()``; inside, the
+    transaction's watch goes with it: tests/test_bounded_exit.py)."""
+    for _ in range(3):
+        Lease.objects.inspect("no-such-key-advance")
     raw = connection.connection
-    assert raw is not None and not raw._notice_handlers
+    assert raw is not None and len(raw._notice_handlers) == 1
+    connection.close()
+    Lease.objects.inspect("no-such-key-advance")
+    assert connection.connection is not raw and len(connection.connection._notice_handlers) == 1
 
 
 @pytest.fixture

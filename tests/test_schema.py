@@ -98,7 +98,13 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
     assert {r[0] for r in rows} >= operations
     # Hot helpers without a SET clause (it blocks inlining, or costs a switch per call): they name
     # only exact-typed built-ins and are called from functions that pin their own search_path.
-    inlinable = {"pg_lease_status", "pg_lease_verdict", "pg_lease_remember_fence", "pg_lease_waiter_lock"}
+    inlinable = {
+        "pg_lease_status",
+        "pg_lease_verdict",
+        "pg_lease_remember_fence",
+        "pg_lease_waiter_lock",
+        "pg_lease_wake_waiters",  # every release (0010); revoked from PUBLIC
+    }
     for name, security_definer, config in rows:
         # Workers need no privilege on the lease table: the operations run as its owner. The rest
         # (input checks, triggers) run as the caller, so the triggers see the writer's own role.

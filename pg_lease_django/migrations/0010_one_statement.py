@@ -40,8 +40,68 @@ history = import_module("pg_lease_django.migrations.0009_history_and_handoff")
 prune = import_module("pg_lease_django.migrations.0005_prune")
 cheap = import_module("pg_lease_django.migrations.0008_cheap_refusal")
 
+# Acquire: 0008's, with its locked attempt (SELECT … FOR UPDATE in a subtransaction, then UPDATE) made
+# one UPDATE in the subtransaction.
+ONE_UPDATE_ATTEMPT = r"""
+    -- Acquirable at the look: one UPDATE in a subtransaction, rolled back when it finds the row taken
+    -- meanwhile (an UPDATE that waited for the row and then fails its WHERE keeps the row locked; the
+    -- rollback drops that lock). key = l.key: lock FOR UPDATE, which waits for the old holder's fenced
+    -- transactions (FOR KEY SHARE). server_time is the clock read of the expiry, as in a renewal.
+    ttl := make_interval(secs => extract(epoch FROM p_ttl)::double precision);  -- as pg_lease_ttl
+    BEGIN
+      UPDATE {t} l SET key = l.key, owner = p_owner, epoch = l.epoch + 1, acquired_at = clock_timestamp(),
+                       expires_at = clock_timestamp() + ttl, released_at = NULL
+       WHERE l.key = p_key AND (l.owner IS NULL OR l.owner = p_owner OR l.expires_at <= clock_timestamp())
+      RETURNING l.epoch, l.expires_at INTO first_epoch, now_at;
+      IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PLR01';
+      END IF;
+      PERFORM set_config('synchronous_commit', 'on', true);
+      RETURN QUERY SELECT true, p_key, p_owner, first_epoch, now_at, now_at - ttl;
+      RETURN;
+    EXCEPTION WHEN SQLSTATE 'PLR01' THEN
+      NULL;  -- taken (or pruned) since the look: look again
+    END;
+""".removeprefix("\n")
+
+
+def _acquire_with_one_update(acquire: str) -> str:
+    """0008's acquire with ``ONE_UPDATE_ATTEMPT`` in place of its locked attempt."""
+    start = acquire.index(
+        "    PERFORM set_config('synchronous_commit', 'on', true);\n    ttl := {s}.pg_lease_ttl(p_ttl);\n"
+    )
+    end = acquire.index("  END LOOP;", start)
+    loop = "  LOOP  -- again only when the row is pruned between the unlocked look and the lock"
+    assert acquire.count(loop) == 1 and acquire.count("  refused boolean;\n") == 1
+    return "-- Acquire (0008): the locked attempt on an existing row is one UPDATE.\n" + (
+        acquire[:start] + ONE_UPDATE_ATTEMPT + acquire[end:]
+    ).replace("  refused boolean;\n", "").replace(
+        loop, "  LOOP  -- again when the row changed between the unlocked look and the UPDATE"
+    )
+
+
+ACQUIRE_SQL = _acquire_with_one_update(function_definitions(cheap.FUNCTIONS_SQL, "pg_lease_acquire"))
+
+# Wake waiters: 0006's without its SET clause. Called on every release, only by the lease functions
+# (revoked from PUBLIC), under their own SET search_path; it names only built-ins and {w}.
+WAKE_WAITERS_SQL = function_definitions(notify.FUNCTIONS_SQL, "pg_lease_wake_waiters").replace(
+    "SET search_path = pg_catalog, pg_temp\n", "", 1
+)
+
+
+# Inspect: 0005's with its input check inline, as above.
+INSPECT_SQL = function_definitions(prune.FUNCTIONS_SQL, "pg_lease_inspect").replace(
+    "  PERFORM {s}.pg_lease_check_name('key', p_key);\n",
+    "  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN\n"
+    "    PERFORM {s}.pg_lease_check_name('key', p_key);\n"
+    "  END IF;\n",
+    1,
+)
+assert "octet_length" in INSPECT_SQL
+
 # {s}: the quoted schema; {t}: the quoted lease table; {f}: the epoch floor (0005); {w}: the waiters (0006).
-FUNCTIONS_SQL = r"""
+FUNCTIONS_SQL = (
+    r"""
 CREATE FUNCTION {s}.pg_lease_recheck_under_lock()
 RETURNS trigger LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
@@ -141,126 +201,14 @@ BEGIN
   END LOOP;
 END $$;
 
--- Acquire (0008): the locked attempt on an existing row is one UPDATE.
-CREATE OR REPLACE FUNCTION {s}.pg_lease_acquire(p_key text, p_owner text, p_ttl interval)
-RETURNS TABLE (granted boolean, key text, owner text, epoch bigint,
-               expires_at timestamptz, server_time timestamptz)
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-#variable_conflict use_column
-DECLARE
-  cur record;
-  now_at timestamptz;
-  ttl interval;
-  first_epoch bigint;
-BEGIN
-  -- The rules of pg_lease_check_name and pg_lease_ttl as one condition; they raise when it fails.
-  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
-     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
-     OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
-     OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400 THEN
-    PERFORM {s}.pg_lease_check_name('key', p_key);
-    PERFORM {s}.pg_lease_check_name('owner', p_owner);
-    ttl := {s}.pg_lease_ttl(p_ttl);
-  END IF;
-
-  LOOP  -- again when the row changed between the unlocked look and the UPDATE
-    -- Look without locking first: refusing a held key takes no row lock and writes no WAL.
-    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM {t} l WHERE l.key = p_key;
-    IF NOT FOUND THEN
-      -- An acknowledged grant must survive a crash, or the same epoch could be granted twice.
-      PERFORM set_config('synchronous_commit', 'on', true);
-      ttl := {s}.pg_lease_ttl(p_ttl);
-      -- Start above the floor. FOR SHARE waits for a prune in flight and keeps the next one (which
-      -- locks the floor first) from committing until this grant does: no pruned epoch can slip in
-      -- above the one read here. In a subtransaction, dropped with its lock when a concurrent
-      -- acquire inserted the key first (only brand-new keys take this lock, and only a grant keeps it).
-      BEGIN
-        SELECT f.floor + 1 INTO first_epoch FROM {f} f FOR SHARE;
-        now_at := clock_timestamp();
-        INSERT INTO {t} AS l (key, owner, epoch, acquired_at, expires_at)
-          VALUES (p_key, p_owner, first_epoch, now_at, now_at + ttl)
-          ON CONFLICT ON CONSTRAINT pg_lease_django_lease_pkey DO NOTHING;
-        IF NOT FOUND THEN
-          RAISE EXCEPTION USING ERRCODE = 'PLR03';
-        END IF;
-        RETURN QUERY SELECT true, p_key, p_owner, first_epoch, now_at + ttl, now_at;
-        RETURN;
-      EXCEPTION WHEN SQLSTATE 'PLR03' THEN
-        NULL;  -- a concurrent acquire inserted the key first: decide on its row below
-      END;
-    ELSIF {s}.pg_lease_status(cur.owner, cur.expires_at, clock_timestamp()) = 'held'
-          AND cur.owner <> p_owner THEN
-      RETURN QUERY SELECT false, p_key, cur.owner, cur.epoch, cur.expires_at, clock_timestamp();
-      RETURN;
-    END IF;
-
-    -- Acquirable at the look: one UPDATE in a subtransaction, rolled back when it finds the row taken
-    -- meanwhile (an UPDATE that waited for the row and then fails its WHERE keeps the row locked; the
-    -- rollback drops that lock). key = l.key: lock FOR UPDATE, which waits for the old holder's fenced
-    -- transactions (FOR KEY SHARE). server_time is the clock read of the expiry, as in a renewal.
-    ttl := make_interval(secs => extract(epoch FROM p_ttl)::double precision);  -- as pg_lease_ttl
-    BEGIN
-      UPDATE {t} l SET key = l.key, owner = p_owner, epoch = l.epoch + 1, acquired_at = clock_timestamp(),
-                       expires_at = clock_timestamp() + ttl, released_at = NULL
-       WHERE l.key = p_key AND (l.owner IS NULL OR l.owner = p_owner OR l.expires_at <= clock_timestamp())
-      RETURNING l.epoch, l.expires_at INTO first_epoch, now_at;
-      IF NOT FOUND THEN
-        RAISE EXCEPTION USING ERRCODE = 'PLR01';
-      END IF;
-      PERFORM set_config('synchronous_commit', 'on', true);
-      RETURN QUERY SELECT true, p_key, p_owner, first_epoch, now_at, now_at - ttl;
-      RETURN;
-    EXCEPTION WHEN SQLSTATE 'PLR01' THEN
-      NULL;  -- taken (or pruned) since the look: look again
-    END;
-  END LOOP;
-END $$;
-
--- Wake waiters (0006) without its SET clause: called on every release, only by the lease functions
--- (revoked from PUBLIC), whose own SET search_path it runs under; it names only built-ins and {w}.
-CREATE OR REPLACE FUNCTION {s}.pg_lease_wake_waiters(p_key text)
-RETURNS void LANGUAGE plpgsql VOLATILE
-AS $$
-DECLARE
-  last_until timestamptz;
-BEGIN
-  IF NOT pg_try_advisory_xact_lock({s}.pg_lease_waiter_lock(p_key)) THEN
-    -- A registration is in flight: it is not visible yet, so notify without looking.
-    PERFORM pg_notify('pg_lease_django', p_key);
-    RETURN;
-  END IF;
-  -- Every registration made before is committed and seen by this statement; a later one waits for
-  -- this transaction and then finds the lease free. Every waiter is woken, so the rows go (a waiter
-  -- still refused registers again); an expired row goes without a notification.
-  WITH gone AS (DELETE FROM {w} w WHERE w.key = p_key RETURNING w.until)
-  SELECT max(gone.until) INTO last_until FROM gone;
-  IF last_until > clock_timestamp() THEN
-    PERFORM pg_notify('pg_lease_django', p_key);
-  END IF;
-END $$;
-
--- Inspect (0005) with its input check inline, as above.
-CREATE OR REPLACE FUNCTION {s}.pg_lease_inspect(p_key text)
-RETURNS TABLE (key text, status text, owner text, epoch bigint, expires_at timestamptz,
-               acquired_at timestamptz, server_time timestamptz)
-LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-#variable_conflict use_column
-DECLARE
-  now_at timestamptz;
-BEGIN
-  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN
-    PERFORM {s}.pg_lease_check_name('key', p_key);
-  END IF;
-  now_at := clock_timestamp();
-  RETURN QUERY
-    SELECT p_key, {s}.pg_lease_status(l.owner, l.expires_at, now_at), l.owner,
-           coalesce(l.epoch, f.floor), l.expires_at, l.acquired_at, now_at
-      FROM {f} f LEFT JOIN {t} l ON l.key = p_key;
-END $$;
+"""
+    + ACQUIRE_SQL
+    + "\n"
+    + WAKE_WAITERS_SQL
+    + r"""
+"""
+    + INSPECT_SQL
+    + r"""
 
 -- After the row lock is granted (row triggers run then), with the clock read there.
 CREATE TRIGGER pg_lease_recheck_under_lock BEFORE UPDATE ON {t}
@@ -269,6 +217,7 @@ CREATE TRIGGER pg_lease_recheck_under_lock BEFORE UPDATE ON {t}
         OR NEW.released_at = '-infinity')
   EXECUTE FUNCTION {s}.pg_lease_recheck_under_lock();
 """
+)
 
 BACKWARD_SQL = (
     r"""
