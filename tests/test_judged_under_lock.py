@@ -151,3 +151,51 @@ def test_a_plain_update_cannot_extend_a_lapsed_lease(raw_connect: Connect, key: 
         == 1
     )
     assert Lease.objects.inspect(key).epoch == epoch
+
+
+GRANT = (
+    "SELECT granted, epoch, expires_at, server_time, expires_at - server_time "
+    "FROM pg_lease_acquire(%s, %s, '0.3 seconds')"
+)
+
+
+def _granted_at(conn: psycopg.Connection[Any], key: str) -> Any:
+    return conn.execute("SELECT acquired_at FROM pg_lease_django_lease WHERE key = %s", [key]).fetchone()[0]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("before", ["new", "released", "lapsed", "held-by-me"])
+def test_a_grant_is_one_clock_read(raw_connect: Connect, key: str, before: str) -> None:
+    """expiry = server_now + TTL, and the server time returned is the grant time the row keeps: the
+    stress checker takes a grant whose times differ for another grant of the same epoch."""
+    conn = raw_connect()
+    if before == "released":
+        Lease.objects.release(key, "w1", held(key, "w1"))
+    elif before == "lapsed":
+        held(key, "w1", ttl=0.001)
+        wait_until(lambda: _lapsed_at_server(conn, key), what=f"{key} to lapse")
+    elif before == "held-by-me":
+        held(key, "w2")
+    # Two clock reads a microsecond apart can agree: a hundred grants (the last ones re-grants to w2).
+    for _ in range(100):
+        granted, _epoch, _expires_at, server_time, ttl = conn.execute(GRANT, [key, "w2"]).fetchone()  # type: ignore[misc]
+        assert granted
+        assert (server_time, ttl.total_seconds()) == (_granted_at(conn, key), 0.3)
+
+
+def test_an_acquire_that_waited_on_a_lock_only_locker_is_stamped_after_the_wait(raw_connect: Connect, key: str) -> None:
+    """The lapsed holder's fenced transaction (FOR KEY SHARE) still runs: the new grant starts when it
+    has ended, not when the acquire first read the row (0008 read the clock after its SELECT … FOR
+    UPDATE; the one UPDATE's SET is computed before it waits, so the trigger stamps the grant)."""
+    held(key, "w1", ttl=0.001)
+    fenced, caller, observer = raw_connect(autocommit=False), raw_connect(), raw_connect()
+    fenced.execute("SELECT 1 FROM pg_lease_django_lease WHERE key = %s FOR KEY SHARE", [key])
+    wait_until(lambda: _lapsed_at_server(observer, key), what=f"{key} to lapse")
+    waiting = Background(lambda: caller.execute(GRANT, [key, "w2"]).fetchone())
+    waiting.start()
+    wait_until_blocked(observer, caller.info.backend_pid)
+    ended_at = fenced.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+    fenced.commit()
+    granted, _epoch, _expires_at, server_time, ttl = waiting.outcome()
+    assert granted
+    assert server_time > ended_at, "the grant is stamped with a clock read before it waited"
+    assert (server_time, ttl.total_seconds()) == (_granted_at(observer, key), 0.3)

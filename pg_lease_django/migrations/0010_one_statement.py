@@ -4,7 +4,15 @@
 second statement, judged it again on a clock read after the lock, then wrote it with a third. Each
 is now one ``UPDATE … WHERE key AND owner AND epoch AND expires_at > clock_timestamp() RETURNING``,
 and the row is read afterwards only when that UPDATE found nothing, to name the verdict. A refused
-call still locks and writes nothing (an UPDATE does not lock a row that fails its WHERE).
+call writes nothing; it locks nothing unless it waited for the row (an UPDATE does not lock a row
+that fails its WHERE), and one that waited keeps the row lock until the caller's transaction ends,
+as 0009's ``SELECT … FOR UPDATE`` did.
+
+**Grants.** Acquire's UPDATE marks its grant (``acquired_at = -infinity``, ``expires_at`` = the Unix
+epoch + TTL) and the trigger below stamps it with one clock read taken under the row lock: expiry =
+server_now + TTL exactly, the server time returned is the row's ``acquired_at``, and a grant that
+waited for a lock-only locker (the lapsed holder's fenced transaction) starts after that wait. The
+SET list alone is computed before the wait, and two ``clock_timestamp()`` calls differ.
 
 **Strictness kept.** PostgreSQL evaluates the WHERE before it locks the row. When the row was
 *changed* meanwhile, READ COMMITTED judges it again on the new version, under the lock, on a new
@@ -46,18 +54,20 @@ ONE_UPDATE_ATTEMPT = r"""
     -- Acquirable at the look: one UPDATE in a subtransaction, rolled back when it finds the row taken
     -- meanwhile (an UPDATE that waited for the row and then fails its WHERE keeps the row locked; the
     -- rollback drops that lock). key = l.key: lock FOR UPDATE, which waits for the old holder's fenced
-    -- transactions (FOR KEY SHARE). server_time is the clock read of the expiry, as in a renewal.
+    -- transactions (FOR KEY SHARE). acquired_at = -infinity: pg_lease_recheck_under_lock stamps the
+    -- grant with one clock read taken under the row lock, after any wait; the TTL reaches it as
+    -- expires_at = the Unix epoch + TTL.
     ttl := make_interval(secs => extract(epoch FROM p_ttl)::double precision);  -- as pg_lease_ttl
     BEGIN
-      UPDATE {t} l SET key = l.key, owner = p_owner, epoch = l.epoch + 1, acquired_at = clock_timestamp(),
-                       expires_at = clock_timestamp() + ttl, released_at = NULL
+      UPDATE {t} l SET key = l.key, owner = p_owner, epoch = l.epoch + 1, acquired_at = '-infinity',
+                       expires_at = 'epoch'::timestamptz + ttl, released_at = NULL
        WHERE l.key = p_key AND (l.owner IS NULL OR l.owner = p_owner OR l.expires_at <= clock_timestamp())
-      RETURNING l.epoch, l.expires_at INTO first_epoch, now_at;
+      RETURNING l.epoch, l.acquired_at, l.expires_at INTO first_epoch, now_at, granted_until;
       IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'PLR01';
       END IF;
       PERFORM set_config('synchronous_commit', 'on', true);
-      RETURN QUERY SELECT true, p_key, p_owner, first_epoch, now_at, now_at - ttl;
+      RETURN QUERY SELECT true, p_key, p_owner, first_epoch, granted_until, now_at;
       RETURN;
     EXCEPTION WHEN SQLSTATE 'PLR01' THEN
       NULL;  -- taken (or pruned) since the look: look again
@@ -75,7 +85,7 @@ def _acquire_with_one_update(acquire: str) -> str:
     assert acquire.count(loop) == 1 and acquire.count("  refused boolean;\n") == 1
     return "-- Acquire (0008): the locked attempt on an existing row is one UPDATE.\n" + (
         acquire[:start] + ONE_UPDATE_ATTEMPT + acquire[end:]
-    ).replace("  refused boolean;\n", "").replace(
+    ).replace("  refused boolean;\n", "  granted_until timestamptz;\n").replace(
         loop, "  LOOP  -- again when the row changed between the unlocked look and the UPDATE"
     )
 
@@ -109,6 +119,11 @@ AS $$
 DECLARE
   now_at timestamptz := clock_timestamp();
 BEGIN
+  IF NEW.acquired_at = '-infinity' THEN  -- a grant by pg_lease_acquire: expiry = this clock read + TTL
+    NEW.expires_at := now_at + make_interval(secs => extract(epoch FROM NEW.expires_at)::double precision);
+    NEW.acquired_at := now_at;
+    RETURN NEW;
+  END IF;
   IF OLD.expires_at <= now_at THEN
     RETURN NULL;  -- it lapsed before the row lock was granted: refused, nothing written
   END IF;
@@ -214,7 +229,7 @@ END $$;
 CREATE TRIGGER pg_lease_recheck_under_lock BEFORE UPDATE ON {t}
   FOR EACH ROW
   WHEN ((NEW.epoch = OLD.epoch AND NEW.expires_at > OLD.expires_at AND OLD.expires_at <= clock_timestamp())
-        OR NEW.released_at = '-infinity')
+        OR NEW.released_at = '-infinity' OR NEW.acquired_at = '-infinity')
   EXECUTE FUNCTION {s}.pg_lease_recheck_under_lock();
 """
 )
