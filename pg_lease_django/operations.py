@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, NoReturn
 
+import psycopg
 from django.db import DataError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgreSQLDatabaseWrapper
@@ -262,17 +263,28 @@ def _one_row(connection: BaseDatabaseWrapper, statement: str, params: Sequence[A
     check, connection, thread, broken transaction) and with its error wrapping: the same session,
     the same cursor class and binding, ~10 µs less Python per call (docs/performance.md).
     """
-    if not _unwatched(connection):
-        with connection.cursor() as cursor:
-            cursor.execute(statement, params)
-            return cursor.fetchone()
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    connection.validate_thread_sharing()
-    connection.validate_no_broken_transaction()
-    with connection.wrap_database_errors, connection.connection.cursor() as cursor:
+    if _unwatched(connection):
+        connection.close_if_health_check_failed()
+        connection.ensure_connection()
+        if _loads_in_django_time_zone(connection):
+            connection.validate_thread_sharing()
+            connection.validate_no_broken_transaction()
+            with connection.wrap_database_errors, connection.connection.cursor() as cursor:
+                cursor.execute(statement, params)
+                return cursor.fetchone()
+    with connection.cursor() as cursor:
         cursor.execute(statement, params)
         return cursor.fetchone()
+
+
+_TIMESTAMPTZ = psycopg.adapters.types["timestamptz"].oid
+
+
+def _loads_in_django_time_zone(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the psycopg connection loads timestamps in the zone Django's cursor would: it sets
+    its own loader on each cursor when the database's time zone setting changed after connecting."""
+    loader = connection.connection.adapters.get_loader(_TIMESTAMPTZ, psycopg.pq.Format.TEXT)
+    return loader is not None and getattr(loader, "timezone", None) == connection.timezone
 
 
 def _unwatched(connection: BaseDatabaseWrapper) -> bool:

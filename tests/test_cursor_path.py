@@ -25,6 +25,7 @@ connection = connections[DEFAULT_DB_ALIAS]
 def test_nothing_watching_takes_the_direct_path() -> None:
     connection.ensure_connection()
     assert operations._unwatched(connection)
+    assert operations._loads_in_django_time_zone(connection)
 
 
 def test_an_execute_wrapper_sees_every_lease_call(key: str) -> None:
@@ -82,3 +83,35 @@ def test_the_direct_path_wraps_database_errors_as_django_does(key: str) -> None:
     with pytest.raises(DatabaseError) as info:  # django.db's, not psycopg's
         operations.call(connection, "SELECT 1/0 FROM {schema}.pg_lease_django_lease", [])
     assert type(info.value).__module__ == "django.db.utils"
+
+
+@pytest.fixture
+def database_time_zone_changed_after_connecting() -> Iterator[str]:
+    """DATABASES['default']['TIME_ZONE'] changed once the connection is open (as Django's own tests
+    do): Django's cursor then loads timestamps in the new zone, the connection's loader in the old."""
+    connection.ensure_connection()
+    zone = "Asia/Tokyo"
+    original = connection.settings_dict["TIME_ZONE"]
+    connection.settings_dict["TIME_ZONE"] = zone
+    del connection.timezone
+    try:
+        yield zone
+    finally:
+        connection.settings_dict["TIME_ZONE"] = original
+        del connection.timezone
+        connection.close()
+
+
+def test_timestamps_come_in_the_zone_djangos_cursor_would_use(
+    database_time_zone_changed_after_connecting: str, key: str
+) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        django_zone = cursor.fetchone()[0].tzinfo
+    assert str(django_zone) == database_time_zone_changed_after_connecting
+    assert not operations._loads_in_django_time_zone(connection)
+    grant = Lease.objects.acquire(key, "w1", 30)
+    assert grant is not None
+    assert (grant.expires_at.tzinfo, grant.server_time.tzinfo) == (django_zone, django_zone)
+    state = Lease.objects.inspect(key)
+    assert state.expires_at is not None and state.expires_at.tzinfo == django_zone
