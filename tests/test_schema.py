@@ -113,7 +113,8 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
             assert any(c.startswith("search_path=pg_catalog,") for c in config or []), name
     # Without a pinned search_path, only the lease functions (its owner's) may call it.
     [(public_may_call,)] = fetch(
-        "SELECT has_function_privilege('public', format('%%I.pg_lease_wake_waiters(text)', current_schema()), 'EXECUTE')"
+        "SELECT has_function_privilege('public', "
+        "format('%%I.pg_lease_wake_waiters(text)', current_schema()), 'EXECUTE')"
     )
     assert not public_may_call
 
