@@ -186,16 +186,38 @@ def check_lease_migrations_are_complete(
 
     ``migrate <your app>`` applies only the lease migrations your app depends on; later ones (new
     SQL functions the package calls) are nobody's dependency, so the first call that needs one fails
-    with "function ... does not exist". A database with none applied is Django's own notice.
+    with "function ... does not exist". A database with none applied is Django's own notice. A
+    database that applied only some of the development migrations the baseline replaces cannot
+    migrate at all: the warning says which are missing and how to finish them.
     """
+    from django.db.migrations.exceptions import NodeNotFoundError
     from django.db.migrations.loader import MigrationLoader
+    from django.db.migrations.recorder import MigrationRecorder
 
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
         connection = connections[alias]
         if connection.vendor != "postgresql":
             continue
-        loader = MigrationLoader(connection, ignore_no_migrations=True)
+        recorder = MigrationRecorder(connection)
+        recorded = {name for app, name in recorder.applied_migrations() if app == "pg_lease_django"}
+        replaced = [name for app, name in _baseline().replaces if app == "pg_lease_django"]
+        unfinished = [name for name in replaced if name not in recorded]
+        if recorded & set(replaced) and unfinished:
+            warnings.append(
+                checks.Warning(
+                    f"database {alias!r} applied some of the development migrations of pg_lease_django that "
+                    f"0001_baseline replaces, not all: {', '.join(unfinished)} are missing, so it cannot migrate.",
+                    hint="Migrate it to 0010_one_statement with the development version that wrote the others "
+                    "(0.2.0.dev0 before the baseline), then with this one.",
+                    id="pg_lease_django.W004",
+                )
+            )
+            continue
+        try:
+            loader = MigrationLoader(connection, ignore_no_migrations=True)
+        except NodeNotFoundError:
+            continue  # an app's migration names one that is not there: migrate says which
         on_disk = sorted(name for app, name in loader.disk_migrations if app == "pg_lease_django")
         applied = {name for app, name in loader.applied_migrations if app == "pg_lease_django"}
         missing = [name for name in on_disk if name not in applied]
@@ -209,6 +231,13 @@ def check_lease_migrations_are_complete(
                 )
             )
     return warnings
+
+
+def _baseline() -> Any:
+    """The migration that replaces the development chain (its ``replaces`` names them)."""
+    from importlib import import_module
+
+    return import_module("pg_lease_django.migrations.0001_baseline").Migration
 
 
 def check_history_scope_is_current(

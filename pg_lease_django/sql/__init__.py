@@ -15,7 +15,7 @@ from django.core.signals import setting_changed
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.dispatch import receiver
 
-from . import conf
+from pg_lease_django import conf
 
 ACQUIRE = "SELECT * FROM {schema}.pg_lease_acquire(%s::text, %s::text, %s::interval)"
 #: A waiter's attempt while it LISTENs: ACQUIRE, and when refused, a registration that makes the next

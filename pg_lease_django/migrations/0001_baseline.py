@@ -1,0 +1,129 @@
+"""The lease app's schema: its tables, functions, triggers and privileges, from ``sql/schema.sql``.
+
+It replaces the ten migrations of the 0.1/0.2 development versions (0001_initial to
+0010_one_statement), which built the same schema step by step: a database that had applied all ten
+applies nothing here and keeps what it has (tests/db/test_sql_source.py builds one each way and
+compares the catalogs). The tables are the models' (Django's state below); PostgreSQL gets them from
+the SQL file, with the functions and triggers that guard them.
+
+The file runs as long as it is the file this migration was written with (``sha256``). Before
+``schema.sql`` changes for the first time, copy it to ``sql/migrations/0001_baseline.sql`` and
+run that here instead (same digest); the change itself is a new migration (docs/architecture.md).
+"""
+
+import django.db.models.lookups
+from django.db import migrations, models
+
+from pg_lease_django.sql.files import RunSQLFile
+
+
+def octet_length(field: str) -> models.Func:
+    return models.Func(models.F(field), function="octet_length", output_field=models.IntegerField())
+
+
+class Migration(migrations.Migration):
+    initial = True
+
+    replaces = [
+        ("pg_lease_django", "0001_initial"),
+        ("pg_lease_django", "0002_fence"),
+        ("pg_lease_django", "0003_force_release"),
+        ("pg_lease_django", "0004_airtight"),
+        ("pg_lease_django", "0005_prune"),
+        ("pg_lease_django", "0006_notify_waiters"),
+        ("pg_lease_django", "0007_advance_epochs"),
+        ("pg_lease_django", "0008_cheap_refusal"),
+        ("pg_lease_django", "0009_history_and_handoff"),
+        ("pg_lease_django", "0010_one_statement"),
+    ]
+
+    dependencies = []
+
+    operations = [
+        migrations.SeparateDatabaseAndState(
+            database_operations=[
+                RunSQLFile(
+                    "schema.sql",
+                    "migrations/0001_baseline_reverse.sql",
+                    sha256="609ef7a170aaf581dd42938ba0d9b5852fa1680fd30c68f9e4c6ae9b1a506cf7",
+                )
+            ],
+            state_operations=[
+                migrations.CreateModel(
+                    name="Lease",
+                    fields=[
+                        ("key", models.TextField(primary_key=True, serialize=False)),
+                        ("owner", models.TextField(blank=True, null=True)),
+                        ("epoch", models.BigIntegerField(default=0)),
+                        ("acquired_at", models.DateTimeField(blank=True, null=True)),
+                        ("expires_at", models.DateTimeField(blank=True, null=True)),
+                        ("released_at", models.DateTimeField(blank=True, null=True)),
+                        ("handoff_requested_at", models.DateTimeField(blank=True, null=True)),
+                    ],
+                    options={
+                        "db_table": "pg_lease_django_lease",
+                        "ordering": ["key"],
+                        "permissions": [("force_release_lease", "Can force-release a lease")],
+                        "constraints": [
+                            models.CheckConstraint(
+                                condition=django.db.models.lookups.Range(octet_length("key"), (1, 255)),
+                                name="pg_lease_key_length",
+                            ),
+                            models.CheckConstraint(
+                                condition=models.Q(owner__isnull=True)
+                                | models.Q(django.db.models.lookups.Range(octet_length("owner"), (1, 255))),
+                                name="pg_lease_owner_length",
+                            ),
+                            models.CheckConstraint(
+                                condition=models.Q(epoch__gte=0), name="pg_lease_epoch_non_negative"
+                            ),
+                            models.CheckConstraint(
+                                condition=models.Q(
+                                    acquired_at__isnull=True, expires_at__isnull=True, owner__isnull=True
+                                )
+                                | models.Q(acquired_at__isnull=False, expires_at__isnull=False, owner__isnull=False),
+                                name="pg_lease_held_fields_together",
+                            ),
+                        ],
+                    },
+                ),
+                migrations.CreateModel(
+                    name="LeaseTenure",
+                    fields=[
+                        (
+                            "id",
+                            models.BigAutoField(
+                                auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                            ),
+                        ),
+                        ("key", models.TextField()),
+                        ("epoch", models.BigIntegerField()),
+                        ("owner", models.TextField()),
+                        ("granted_at", models.DateTimeField()),
+                        ("ended_at", models.DateTimeField(blank=True, null=True)),
+                        (
+                            "end_reason",
+                            models.TextField(
+                                blank=True,
+                                choices=[
+                                    ("released", "released by its holder"),
+                                    ("handed_off", "handed off (released after a hand-off request)"),
+                                    ("lapsed", "lapsed (then taken over, or pruned)"),
+                                    ("reacquired", "re-acquired by its holder under a new epoch"),
+                                    ("force_released", "force-released by an operator"),
+                                    ("epochs_advanced", "fenced by an epoch advance"),
+                                ],
+                                null=True,
+                            ),
+                        ),
+                        ("ended_by", models.TextField(blank=True, null=True)),
+                    ],
+                    options={
+                        "db_table": "pg_lease_django_tenure",
+                        "ordering": ["key", "epoch"],
+                        "indexes": [models.Index(fields=["key", "epoch"], name="pg_lease_tenure_key_epoch")],
+                    },
+                ),
+            ],
+        ),
+    ]
