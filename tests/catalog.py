@@ -19,7 +19,7 @@ import psycopg
 _FUNCTIONS = """
 SELECT p.proname || '(' || pg_catalog.pg_get_function_identity_arguments(p.oid) || ')',
        pg_catalog.pg_get_functiondef(p.oid),
-       coalesce(p.proacl::text, 'default'),
+       coalesce(p.proacl, pg_catalog.acldefault('f', p.proowner))::text,
        coalesce(pg_catalog.obj_description(p.oid, 'pg_proc'), '')
   FROM pg_catalog.pg_proc p
  WHERE p.pronamespace = %(schema)s::regnamespace AND p.proname LIKE 'pg\\_lease\\_%%'
@@ -27,7 +27,8 @@ SELECT p.proname || '(' || pg_catalog.pg_get_function_identity_arguments(p.oid) 
 
 _TABLES = """
 SELECT c.oid, c.relname, c.relkind, c.relpersistence, coalesce(c.reloptions::text, ''),
-       coalesce(c.relacl::text, 'default'), coalesce(pg_catalog.obj_description(c.oid, 'pg_class'), '')
+       coalesce(c.relacl, pg_catalog.acldefault('r', c.relowner))::text,
+       coalesce(pg_catalog.obj_description(c.oid, 'pg_class'), '')
   FROM pg_catalog.pg_class c
  WHERE c.relnamespace = %(schema)s::regnamespace AND c.relname LIKE 'pg\\_lease\\_django\\_%%'
    AND c.relkind IN ('r', 'p', 'v', 'm', 'S', 'f')
@@ -36,7 +37,7 @@ SELECT c.oid, c.relname, c.relkind, c.relpersistence, coalesce(c.reloptions::tex
 _COLUMNS = """
 SELECT a.attnum, a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.attnotnull,
        coalesce(pg_catalog.pg_get_expr(d.adbin, d.adrelid), ''), a.attidentity, a.attgenerated,
-       coalesce(pg_catalog.col_description(a.attrelid, a.attnum), ''), coalesce(a.attacl::text, 'default')
+       coalesce(pg_catalog.col_description(a.attrelid, a.attnum), ''), coalesce(a.attacl::text, '')
   FROM pg_catalog.pg_attribute a LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
  WHERE a.attrelid = %(table)s AND a.attnum > 0 AND NOT a.attisdropped
  ORDER BY a.attnum

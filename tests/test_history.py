@@ -285,46 +285,17 @@ def test_settings_are_checked_and_a_stale_copy_is_reported(key: str) -> None:
 
 
 @committing
-def test_migration_0009_unapplies_and_gives_its_new_functions_the_grants_of_the_old(raw_connect: Connect) -> None:
-    """Unapplied, the functions take their 0008 shapes back; applied again, ``pg_lease_heartbeat`` (the
-    renewal with the hand-off flag) gets ``pg_lease_renew``'s grants, an operator's REVOKE and GRANT
-    included, and the three-argument ``pg_lease_force_release`` the two-argument one's;
-    ``pg_lease_renew`` keeps its three columns (SQL clients, the previous version in a rolling deploy)."""
+def test_renew_keeps_its_three_columns_and_force_release_by_operator_is_for_operators(raw_connect: Connect) -> None:
+    """``pg_lease_renew`` is ``pg_lease_heartbeat`` without the hand-off column (SQL clients, and the
+    previous version during a rolling deploy); the three-argument force release is revoked from PUBLIC
+    like the two-argument one."""
     conn = raw_connect()
-    renew, heartbeat, force, force_by = (
-        "pg_lease_renew(text,text,bigint,interval)",
-        "pg_lease_heartbeat(text,text,bigint,interval)",
-        "pg_lease_force_release(text,bigint)",
-        "pg_lease_force_release(text,bigint,text)",
-    )
-
-    def may(role: str, function: str) -> bool:
-        row = conn.execute("SELECT has_function_privilege(%s, %s, 'EXECUTE')", [role, function]).fetchone()
-        return bool(row and row[0])
-
-    def exists(function: str) -> bool:
-        return conn.execute("SELECT to_regprocedure(%s) IS NOT NULL", [function]).fetchone() == (True,)
-
-    call_command("migrate", "pg_lease_django", "0008", verbosity=0)
-    try:
-        assert not exists(heartbeat) and not exists(force_by)
-        assert conn.execute("SELECT to_regclass('pg_lease_django_tenure')").fetchone() == (None,)
-        conn.execute(f"REVOKE EXECUTE ON FUNCTION {renew} FROM PUBLIC")
-        conn.execute(f"GRANT EXECUTE ON FUNCTION {renew}, {force} TO pg_monitor WITH GRANT OPTION")
-    finally:
-        call_command("migrate", "pg_lease_django", verbosity=0)
-    try:
-        assert may("pg_monitor", heartbeat) and not may("pg_read_all_settings", heartbeat)
-        assert may("pg_monitor", force_by) and not may("pg_read_all_settings", force_by)
-        grantable = "SELECT has_function_privilege('pg_monitor', %s, 'EXECUTE WITH GRANT OPTION')"
-        assert conn.execute(grantable, [heartbeat]).fetchone() == (True,)
-        row = conn.execute(
-            "SELECT outcome, expires_at FROM pg_lease_renew('never-acquired', 'w', 1, '30 s')"
-        ).fetchone()
-        assert row == ("not_owner", None)  # three columns, as before
-    finally:
-        conn.execute(f"GRANT EXECUTE ON FUNCTION {renew}, {heartbeat} TO PUBLIC")
-        conn.execute(f"REVOKE EXECUTE ON FUNCTION {renew}, {heartbeat}, {force}, {force_by} FROM pg_monitor CASCADE")
+    row = conn.execute("SELECT * FROM pg_lease_renew('never-acquired', 'w', 1, '30 s')").fetchone()
+    assert row is not None and row[:2] == ("not_owner", None) and len(row) == 3
+    for function in ("pg_lease_force_release(text,bigint)", "pg_lease_force_release(text,bigint,text)"):
+        assert conn.execute("SELECT has_function_privilege('pg_monitor', %s, 'EXECUTE')", [function]).fetchone() == (
+            False,
+        )
 
 
 def test_a_lapsed_tenure_ends_at_its_expiry_whatever_clears_it(recorded: str) -> None:

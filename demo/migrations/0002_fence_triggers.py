@@ -9,7 +9,7 @@ import pg_lease_django.fencing
 class Migration(migrations.Migration):
     dependencies = [
         ("demo", "0001_initial"),
-        ("pg_lease_django", "0004_airtight"),
+        ("pg_lease_django", "0001_baseline"),
     ]
 
     operations = [

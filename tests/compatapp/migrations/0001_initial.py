@@ -14,7 +14,7 @@ class Migration(migrations.Migration):
     initial = True
 
     dependencies = [
-        ("pg_lease_django", "0004_airtight"),
+        ("pg_lease_django", "0001_baseline"),
         ("pghistory", "0007_auto_20250421_0444"),
     ]
 

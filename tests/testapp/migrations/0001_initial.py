@@ -7,7 +7,7 @@ class Migration(migrations.Migration):
     initial = True
 
     dependencies = [
-        ("pg_lease_django", "0002_fence"),  # the fence functions the models' writes call
+        ("pg_lease_django", "0001_baseline"),  # the fence functions the models' writes call
     ]
 
     operations = [

@@ -8,7 +8,7 @@ import pg_lease_django.fencing
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("pg_lease_django", "0004_airtight"),
+        ("pg_lease_django", "0001_baseline"),
         ("testapp", "0001_initial"),
     ]
 

@@ -1,0 +1,254 @@
+"""The lease app's SQL has one source, ``pg_lease_django/sql/``, and every way to install it agrees.
+
+Each test builds throwaway databases on the test server, in real processes (``manage.py migrate``,
+``psql``), and compares what PostgreSQL's catalog holds for the lease app (``tests/catalog.py``):
+function definitions, privileges, tables, columns, constraints, indexes, triggers, comments.
+
+- A database migrated by the development chain (0001_initial .. 0010_one_statement, frozen as a
+  pg_dump in ``tests/fixtures``) carries on under the baseline: ``migrate`` applies nothing, and its
+  catalog is the one a fresh ``migrate`` builds.
+- ``schema.sql`` applied by hand with psql, as docs/sql.md says, builds that catalog too; a function
+  edited in one place only is caught.
+- The app migrated to zero and back rebuilds it; ``sqlmigrate`` prints the SQL.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import psycopg
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.db.migrations.loader import MigrationLoader
+from django.db.migrations.operations import SeparateDatabaseAndState
+from django.db.migrations.operations.models import ModelOperation
+
+from pg_lease_django.sql import files
+from tests.catalog import differences, snapshot
+from tests.helpers import conninfo
+
+REPO = Path(__file__).resolve().parent.parent
+MIGRATIONS = REPO / "pg_lease_django" / "migrations"
+CHAIN_0010 = Path(__file__).resolve().parent / "fixtures" / "pg_lease_django_0010.sql"
+
+pytestmark = pytest.mark.django_db
+
+_names = itertools.count()
+
+
+def _settings() -> dict[str, str]:
+    """Where the test database lives (straight to the server behind a pooler: CREATE DATABASE)."""
+    return dict(psycopg.conninfo.conninfo_to_dict(conninfo()))  # type: ignore[arg-type]
+
+
+def _url(dbname: str) -> str:
+    params = _settings()
+    user = quote(params.get("user") or "postgres")
+    password = f":{quote(params['password'])}" if params.get("password") else ""
+    host = params.get("host") or "127.0.0.1"
+    if host.startswith("/"):
+        return f"postgresql://{user}{password}@/{dbname}?host={quote(host)}&port={params.get('port') or 5432}"
+    return f"postgresql://{user}{password}@{host}:{params.get('port') or 5432}/{dbname}"
+
+
+@pytest.fixture
+def new_database() -> Iterator[Callable[[], str]]:
+    """Make empty databases on the test server (dropped afterwards); returns each one's name."""
+    made: list[str] = []
+    admin = psycopg.connect(conninfo(), autocommit=True)
+
+    def make() -> str:
+        name = f"pg_lease_src_{os.getpid()}_{next(_names)}"
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.close()
+
+
+def manage(dbname: str, *args: str) -> str:
+    """``python -m django ARGS`` against ``dbname``, in a process of its own; its output."""
+    env = {**os.environ, "DATABASE_URL": _url(dbname), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env.pop("DIRECT_DATABASE_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "django", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def psql(dbname: str, script: str) -> None:
+    """Run ``script`` with psql, in one transaction, stopping at the first error."""
+    binary = shutil.which("psql")
+    assert binary, "psql (the PostgreSQL client) is needed: apt-get install postgresql-client"
+    done = subprocess.run(
+        [binary, "-X", "-q", "-v", "ON_ERROR_STOP=1", "--single-transaction", "-d", _url(dbname)],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def catalog(dbname: str) -> dict[str, Any]:
+    with psycopg.connect(_url(dbname)) as conn:
+        return snapshot(conn)
+
+
+def sql(dbname: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(_url(dbname), autocommit=True) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+def test_a_database_of_the_development_chain_carries_on_unchanged(new_database: Callable[[], str]) -> None:
+    """At 0010, ``migrate`` applies nothing, the catalog is the baseline's, and epochs go on growing."""
+    fresh, upgraded = new_database(), new_database()
+    manage(fresh, "migrate", "pg_lease_django", "--noinput")
+    psql(upgraded, CHAIN_0010.read_text())
+    sql(upgraded, "SELECT * FROM public.pg_lease_acquire('kept', 'w', '1 minute')")
+    sql(upgraded, "SELECT * FROM public.pg_lease_release('kept', 'w', 1)")
+
+    output = manage(upgraded, "migrate", "pg_lease_django", "--noinput")
+
+    assert "No migrations to apply." in output
+    assert differences(catalog(fresh), catalog(upgraded)) == []
+    assert ("0001_baseline",) in sql(upgraded, "SELECT name FROM django_migrations WHERE app = 'pg_lease_django'")
+    [(granted, epoch)] = sql(upgraded, "SELECT granted, epoch FROM public.pg_lease_acquire('kept', 'w', '1 minute')")
+    assert (granted, epoch) == (True, 3)  # 1 granted, 2 released: above both
+
+
+def test_schema_sql_applied_with_psql_builds_what_the_migrations_build(new_database: Callable[[], str]) -> None:
+    """docs/sql.md's by-hand install: ``sed 's/@extschema@/"public"/g' schema.sql | psql``."""
+    migrated, by_hand = new_database(), new_database()
+    manage(migrated, "migrate", "pg_lease_django", "--noinput")
+    rendered = subprocess.run(
+        ["sed", 's/@extschema@/"public"/g', str(files.SCHEMA_FILE)], capture_output=True, text=True, check=True
+    ).stdout
+    psql(by_hand, rendered)
+
+    assert differences(catalog(migrated), catalog(by_hand)) == []
+    [(granted, epoch)] = sql(by_hand, "SELECT granted, epoch FROM public.pg_lease_acquire('k', 'w', '1 minute')")
+    assert (granted, epoch) == (True, 1)
+
+
+def test_a_function_changed_in_one_place_only_is_caught(new_database: Callable[[], str]) -> None:
+    """A function edited in one source and not the other: the comparison names it, and only it."""
+    migrated, edited = new_database(), new_database()
+    manage(migrated, "migrate", "pg_lease_django", "--noinput")
+    schema = files.render(files.SCHEMA_FILE.read_text(), '"public"')
+    rule = "WHEN p_expires_at > p_now THEN 'held'"
+    assert schema.count(rule) == 1
+    psql(edited, schema.replace(rule, "WHEN p_expires_at >= p_now THEN 'held'"))
+
+    found = differences(catalog(migrated), catalog(edited))
+
+    assert len(found) == 1, found
+    assert found[0].startswith("/functions/pg_lease_status(")
+    assert "/definition:" in found[0]
+
+
+def test_the_app_migrated_to_zero_and_back_rebuilds_the_same_catalog(new_database: Callable[[], str]) -> None:
+    name = new_database()
+    manage(name, "migrate", "pg_lease_django", "--noinput")
+    before = catalog(name)
+    assert before["functions"] and before["tables"]
+
+    manage(name, "migrate", "pg_lease_django", "zero", "--noinput")
+    assert catalog(name) == {"functions": {}, "tables": {}}  # nothing of the lease app is left behind
+    manage(name, "migrate", "pg_lease_django", "--noinput")
+
+    assert differences(before, catalog(name)) == []
+
+
+def test_sqlmigrate_prints_the_sql_of_every_migration() -> None:
+    loader = MigrationLoader(connection, ignore_no_migrations=True)
+    names = sorted(name for app, name in loader.disk_migrations if app == "pg_lease_django")
+    assert names, "no migrations found"
+    schema = files.current_schema(connection)
+    for name in names:
+        forwards, backwards = io.StringIO(), io.StringIO()
+        call_command("sqlmigrate", "pg_lease_django", name, stdout=forwards)
+        call_command("sqlmigrate", "pg_lease_django", name, backwards=True, stdout=backwards)
+        assert files.PLACEHOLDER not in forwards.getvalue() + backwards.getvalue()
+        assert f"{schema}." in forwards.getvalue(), name
+        assert f"{schema}." in backwards.getvalue(), name
+    baseline = io.StringIO()
+    call_command("sqlmigrate", "pg_lease_django", "0001_baseline", stdout=baseline)
+    assert f"CREATE FUNCTION {schema}.pg_lease_acquire(p_key text, p_owner text, p_ttl interval)" in baseline.getvalue()
+    assert f'CREATE TABLE {schema}."pg_lease_django_lease"' in baseline.getvalue()
+
+
+def _run_sql_files() -> list[tuple[str, files.RunSQLFile]]:
+    """Every RunSQLFile operation of the lease app's migrations, with its migration's name."""
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    found = []
+    for (app, name), migration in sorted(loader.disk_migrations.items()):
+        if app != "pg_lease_django":
+            continue
+        for operation in migration.operations:
+            inner = operation.database_operations if isinstance(operation, SeparateDatabaseAndState) else [operation]
+            found.extend((name, op) for op in inner if isinstance(op, files.RunSQLFile))
+    return found
+
+
+def test_each_migration_runs_the_file_it_was_written_with() -> None:
+    """A migration's SQL never changes. When this fails for 0001_baseline because schema.sql changed,
+    freeze the baseline first (docs/architecture.md, "Changing the SQL")."""
+    operations = _run_sql_files()
+    assert operations
+    for name, operation in operations:
+        assert files.digest(operation.forward) == operation.sha256, (
+            f"{name} runs {operation.forward}, which changed since the migration was written"
+        )
+        assert (files.DIRECTORY / operation.reverse).is_file(), name
+
+
+def test_a_migration_refuses_a_file_that_changed() -> None:
+    operation = files.RunSQLFile("schema.sql", "migrations/0001_baseline_reverse.sql", sha256="0" * 64)
+    editor = connection.schema_editor(collect_sql=True)
+    with editor, pytest.raises(ValueError, match="never changes"):
+        operation.database_forwards("pg_lease_django", editor, None, None)  # type: ignore[arg-type]
+    assert editor.collected_sql == []
+
+
+def test_no_migration_reads_another_migrations_text() -> None:
+    """Migrations import only Django and the RunSQLFile operation; their SQL is in files, and only
+    state operations (the models) are written in Python."""
+    for path in sorted(MIGRATIONS.glob("[0-9]*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path.name}: relative import"
+                assert node.module in {"django.db", "pg_lease_django.sql.files"} or (node.module or "").startswith(
+                    "django.db."
+                ), f"{path.name} imports {node.module}"
+            elif isinstance(node, ast.Import):
+                assert all(alias.name.startswith("django.db") for alias in node.names), path.name
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in {"import_module", "__import__", "open"}, path.name
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    for (app, name), migration in loader.disk_migrations.items():
+        if app != "pg_lease_django":
+            continue
+        for operation in migration.operations:
+            if isinstance(operation, SeparateDatabaseAndState):
+                assert all(isinstance(op, files.RunSQLFile) for op in operation.database_operations), name
+                assert all(isinstance(op, ModelOperation) for op in operation.state_operations), name
+            else:
+                assert isinstance(operation, files.RunSQLFile), f"{name}: {operation!r}"
