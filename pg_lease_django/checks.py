@@ -270,6 +270,69 @@ def check_history_scope_is_current(
     return warnings
 
 
+def check_fence_triggers_are_current(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """pg_lease_django.W006: a fenced table's installed triggers are missing or of another version
+    than this package's (``check --database``).
+
+    The triggers' SQL is frozen per version (``FenceTrigger``'s ``version``, the triggers' comment):
+    after an upgrade that changes it, ``makemigrations`` writes the migration that replaces them,
+    and until it is applied the table keeps the old triggers. A table not created yet is Django's
+    own unapplied-migrations notice.
+    """
+    from .fence_schema import FENCE_TRIGGER_VERSION, TRIGGER_NAMES, VERSION_COMMENT, FenceTrigger
+
+    warnings: list[checks.CheckMessage] = []
+    fenced = [
+        model
+        for model in apps.get_models()
+        if any(isinstance(constraint, FenceTrigger) for constraint in model._meta.constraints)
+    ]
+    expected = VERSION_COMMENT.format(version=FENCE_TRIGGER_VERSION)
+    for alias in databases or ():
+        connection = connections[alias]
+        if connection.vendor != "postgresql":
+            continue
+        for model in fenced:
+            if not router.allow_migrate_model(alias, model):
+                continue
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT t.tgname, coalesce(pg_catalog.obj_description(t.oid, 'pg_trigger'), '') "
+                    "FROM pg_catalog.pg_trigger t WHERE t.tgrelid = pg_catalog.to_regclass(%s) "
+                    "AND t.tgname = ANY (%s)",
+                    [connection.ops.quote_name(model._meta.db_table), list(TRIGGER_NAMES)],
+                )
+                installed = dict(cursor.fetchall())
+                cursor.execute(
+                    "SELECT pg_catalog.to_regclass(%s) IS NOT NULL", [connection.ops.quote_name(model._meta.db_table)]
+                )
+                (table_exists,) = cursor.fetchone()
+            if not table_exists:
+                continue
+            stale = [name for name in TRIGGER_NAMES if installed.get(name) != expected]
+            if stale:
+                found = sorted({installed[name] or "no version" for name in stale if name in installed})
+                missing = [name for name in stale if name not in installed]
+                warnings.append(
+                    checks.Warning(
+                        f"the fence triggers of table {model._meta.db_table!r} in database {alias!r} are not the "
+                        f"ones this version of pg_lease_django installs ({expected!r}): "
+                        + "; ".join(
+                            ([f"installed: {', '.join(found)}"] if found else [])
+                            + ([f"missing: {', '.join(missing)}"] if missing else [])
+                        )
+                        + ".",
+                        hint=f"Run: manage.py makemigrations {model._meta.app_label}, then manage.py migrate "
+                        f"--database {alias} (the new migration replaces the triggers).",
+                        obj=model,
+                        id="pg_lease_django.W006",
+                    )
+                )
+    return warnings
+
+
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
@@ -279,3 +342,4 @@ def register() -> None:
     checks.register(check_lease_table_is_reachable, checks.Tags.database)
     checks.register(check_lease_migrations_are_complete, checks.Tags.database)
     checks.register(check_history_scope_is_current, checks.Tags.database)
+    checks.register(check_fence_triggers_are_current, checks.Tags.database)

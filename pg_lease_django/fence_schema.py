@@ -7,6 +7,7 @@ here changes no migration.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,34 @@ def fenced_root(model: type[models.Model]) -> type[models.Model]:
     return root._meta.concrete_model or root
 
 
+#: The triggers of a fenced table, as FenceTrigger installs them. ``{table}`` is the quoted table,
+#: ``{schema}`` the quoted schema of the lease functions, ``{guard}`` the guard function and its
+#: arguments, ``{version}`` FENCE_TRIGGER_VERSION. Changing this text changes the version, so
+#: ``makemigrations`` writes a migration in every app with a fenced model (see FenceTrigger).
+TRIGGERS_SQL = """\
+CREATE TRIGGER pg_lease_fence_insert AFTER INSERT ON {table}
+  REFERENCING NEW TABLE AS pg_lease_new FOR EACH STATEMENT EXECUTE FUNCTION {guard};
+CREATE TRIGGER pg_lease_fence_update AFTER UPDATE ON {table}
+  REFERENCING OLD TABLE AS pg_lease_old NEW TABLE AS pg_lease_new FOR EACH STATEMENT EXECUTE FUNCTION {guard};
+CREATE TRIGGER pg_lease_fence_delete AFTER DELETE ON {table}
+  REFERENCING OLD TABLE AS pg_lease_old FOR EACH STATEMENT EXECUTE FUNCTION {guard};
+CREATE TRIGGER pg_lease_fence_truncate BEFORE TRUNCATE ON {table}
+  FOR EACH STATEMENT EXECUTE FUNCTION {schema}.pg_lease_guard_truncate();
+COMMENT ON TRIGGER pg_lease_fence_insert ON {table} IS 'pg_lease_django fence trigger {version}';
+COMMENT ON TRIGGER pg_lease_fence_update ON {table} IS 'pg_lease_django fence trigger {version}';
+COMMENT ON TRIGGER pg_lease_fence_delete ON {table} IS 'pg_lease_django fence trigger {version}';
+COMMENT ON TRIGGER pg_lease_fence_truncate ON {table} IS 'pg_lease_django fence trigger {version}'"""
+
+#: The names of the triggers above, each commented with the version that installed it.
+TRIGGER_NAMES = ("pg_lease_fence_insert", "pg_lease_fence_update", "pg_lease_fence_delete", "pg_lease_fence_truncate")
+
+#: What users' migrations record of TRIGGERS_SQL, and the installed triggers' comments carry.
+FENCE_TRIGGER_VERSION = hashlib.sha256(TRIGGERS_SQL.encode()).hexdigest()[:12]
+
+#: How an installed trigger's comment names its version (the comment is exactly this).
+VERSION_COMMENT = "pg_lease_django fence trigger {version}"
+
+
 class FenceTrigger(BaseConstraint):
     """The triggers that make PostgreSQL refuse stale writes to a FencedModel's table.
 
@@ -76,9 +105,17 @@ class FenceTrigger(BaseConstraint):
     as django-pgtrigger does with its own operation; no SQL Django sends is ever rewritten. After
     each INSERT, UPDATE and DELETE statement they check every row's lease against the fence the
     transaction presented; TRUNCATE is refused unless the transaction opted out.
+
+    ``version`` is `FENCE_TRIGGER_VERSION` when the migration was written: a release that changes
+    the triggers' SQL changes it, so ``makemigrations`` writes a migration that replaces them (a
+    ``RemoveConstraint`` and an ``AddConstraint``), and check W006 (``check --database``) names the
+    tables whose installed triggers are of another version. The SQL installed is always the one of
+    the package running the migration, commented with its version.
     """
 
-    _TRIGGERS = ("pg_lease_fence_insert", "pg_lease_fence_update", "pg_lease_fence_delete", "pg_lease_fence_truncate")
+    def __init__(self, *, name: str, version: str | None = None, **kwargs: Any) -> None:
+        super().__init__(name=name, **kwargs)
+        self.version = version
 
     def constraint_sql(  # type: ignore[override]
         self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None
@@ -91,46 +128,37 @@ class FenceTrigger(BaseConstraint):
         assert model is not None and schema_editor is not None
         quote = schema_editor.quote_name
         schema = sql.schema(schema_editor.connection)
-        table = quote(model._meta.db_table)
         root = fenced_root(model)
         if root._meta.db_table == model._meta.db_table:
-            function, args = f"{schema}.pg_lease_guard_rows", ""
+            guard = f"{schema}.pg_lease_guard_rows()"
         else:
             # A multi-table child: its rows' keys live in the fenced ancestor's table.
             ancestor = f"{schema}.{quote(root._meta.db_table)}"
             args = ", ".join(f"'{value}'" for value in (ancestor, root._meta.pk.column, model._meta.pk.column))
-            function = f"{schema}.pg_lease_guard_inherited_rows"
-        each = "FOR EACH STATEMENT EXECUTE FUNCTION"
-        return "; ".join(
-            [
-                f"CREATE TRIGGER pg_lease_fence_insert AFTER INSERT ON {table} "
-                f"REFERENCING NEW TABLE AS pg_lease_new {each} {function}({args})",
-                f"CREATE TRIGGER pg_lease_fence_update AFTER UPDATE ON {table} "
-                f"REFERENCING OLD TABLE AS pg_lease_old NEW TABLE AS pg_lease_new {each} {function}({args})",
-                f"CREATE TRIGGER pg_lease_fence_delete AFTER DELETE ON {table} "
-                f"REFERENCING OLD TABLE AS pg_lease_old {each} {function}({args})",
-                f"CREATE TRIGGER pg_lease_fence_truncate BEFORE TRUNCATE ON {table} "
-                f"{each} {schema}.pg_lease_guard_truncate()",
-            ]
+            guard = f"{schema}.pg_lease_guard_inherited_rows({args})"
+        return TRIGGERS_SQL.format(
+            table=quote(model._meta.db_table), schema=schema, guard=guard, version=FENCE_TRIGGER_VERSION
         )
 
     def remove_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
         assert model is not None and schema_editor is not None
         table = schema_editor.quote_name(model._meta.db_table)
-        return "; ".join(f"DROP TRIGGER IF EXISTS {name} ON {table}" for name in self._TRIGGERS)
+        return "; ".join(f"DROP TRIGGER IF EXISTS {name} ON {table}" for name in TRIGGER_NAMES)
 
     def validate(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to validate in Python: the database checks every write."""
 
     def deconstruct(self) -> tuple[str, Sequence[Any], dict[str, Any]]:
         path, args, kwargs = super().deconstruct()
+        if self.version is not None:
+            kwargs["version"] = self.version
         return _public_path(path), args, kwargs
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, FenceTrigger) and self.name == other.name
+        return isinstance(other, FenceTrigger) and (self.name, self.version) == (other.name, other.version)
 
     def __hash__(self) -> int:
-        return hash((type(self), self.name))
+        return hash((type(self), self.name, self.version))
 
 
 def fence_trigger_name(model: type[models.Model]) -> str:
@@ -146,6 +174,6 @@ def add_fence_trigger(model: type[models.Model]) -> None:
         return
     if any(isinstance(constraint, FenceTrigger) for constraint in meta.constraints):
         return
-    meta.constraints = [*meta.constraints, FenceTrigger(name=fence_trigger_name(model))]
+    meta.constraints = [*meta.constraints, FenceTrigger(name=fence_trigger_name(model), version=FENCE_TRIGGER_VERSION)]
     # Migrations read a model's options from the Meta attributes it declared.
     meta.original_attrs["constraints"] = meta.constraints

@@ -10,6 +10,7 @@ import pytest
 from django.db.migrations.writer import MigrationWriter
 
 from pg_lease_django import fencing
+from pg_lease_django.fence_schema import FENCE_TRIGGER_VERSION
 from tests.compatapp.models import Ledger
 from tests.testapp.models import Invoice
 
@@ -20,7 +21,9 @@ def test_migrations_import_the_fence_classes_from_fencing(model: type[fencing.Fe
     [trigger] = [c for c in model._meta.constraints if isinstance(c, fencing.FenceTrigger)]
     constraint, constraint_imports = MigrationWriter.serialize(trigger)
     assert field.startswith("pg_lease_django.fencing.LeaseKeyField(")
-    assert constraint == f"pg_lease_django.fencing.FenceTrigger(name={trigger.name!r})"
+    assert constraint == (
+        f"pg_lease_django.fencing.FenceTrigger(name={trigger.name!r}, version={FENCE_TRIGGER_VERSION!r})"
+    )
     assert "import pg_lease_django.fencing" in field_imports & constraint_imports
 
 

@@ -197,7 +197,7 @@ def test_sqlmigrate_prints_the_sql_of_every_migration() -> None:
 def _run_sql_files() -> list[tuple[str, files.RunSQLFile]]:
     """Every RunSQLFile operation of the lease app's migrations, with its migration's name."""
     loader = MigrationLoader(None, ignore_no_migrations=True)
-    found = []
+    found: list[tuple[str, files.RunSQLFile]] = []
     for (app, name), migration in sorted(loader.disk_migrations.items()):
         if app != "pg_lease_django":
             continue
