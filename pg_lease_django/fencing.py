@@ -3,7 +3,7 @@
 The refusal happens in PostgreSQL, for every writer. Each fenced table carries triggers
 (`FenceTrigger`, installed by the migration ``makemigrations`` writes) that check, once per
 statement, every lease key the statement writes or removes against the fence its transaction
-presented with ``pg_lease_check_fence`` (see migrations 0002 and 0004). This module only presents
+presented with ``pg_lease_check_fence`` (see ``sql/schema.sql``). This module only presents
 the right fence in the right statement:
 
 - ``save()`` puts ``lease_epoch = (SELECT pg_lease_check_fence(key, owner, epoch))`` in its own

@@ -1,6 +1,6 @@
 """Which keys the database records the tenures of: ``PG_LEASE_HISTORY``, copied into the database.
 
-The triggers of migration 0009 record a tenure when its key starts with a prefix listed in
+The lease table's history triggers (``sql/schema.sql``) record a tenure when its key starts with a prefix listed in
 ``pg_lease_django_history_scope``, whoever sends the statement, so the setting lives in the database
 too. ``migrate`` copies it there (a ``post_migrate`` receiver); check ``pg_lease_django.W005``
 (``check --database``) says when a database's copy differs from the setting.
@@ -45,7 +45,7 @@ def sync_scope(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...]:
 
     Raises:
         ImproperlyConfigured: the setting is invalid, or the database has no lease table.
-        RuntimeError: the database is not migrated far enough to record history (0009).
+        RuntimeError: the database is not migrated far enough to record history.
     """
     prefixes = conf.history_prefixes()
     table = _scope_table(using)

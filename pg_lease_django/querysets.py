@@ -1,6 +1,6 @@
 """How leases are read: `LeaseQuerySet` (``Lease.objects``), for the admin, ``manage.py leases`` and ``leases run``.
 
-Every state is computed in SQL by ``pg_lease_status(owner, expires_at, now)`` (migration 0001:
+Every state is computed in SQL by ``pg_lease_status(owner, expires_at, now)`` (``sql/schema.sql``:
 free without an owner, held until ``expires_at``, lapsed after), the rule the lease functions
 apply, against the database server's clock: never Python's, which may disagree.
 """

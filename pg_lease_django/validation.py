@@ -20,7 +20,7 @@ MAX_WAIT = timedelta(days=365)
 #: Longest ``free_for`` accepted by `LeaseManager.prune`.
 MAX_PRUNE_AGE = timedelta(days=3650)
 #: Largest advance of `LeaseManager.advance_epochs`, and the highest epoch it may leave: 2**62 more
-#: grants per key stay possible before bigint overflows (migration 0007 checks the same).
+#: grants per key stay possible before bigint overflows (``pg_lease_advance_epochs`` checks the same).
 MAX_ADVANCE = 2**62
 
 Seconds = int | float | timedelta

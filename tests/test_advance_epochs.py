@@ -1,4 +1,4 @@
-"""Advancing every epoch and the epoch floor by N: the remedy for an asynchronous failover (migration 0007).
+"""Advancing every epoch and the epoch floor by N: the remedy for an asynchronous failover.
 
 After ``pg_lease_advance_epochs(N)`` every grant, of any key (one with a row, or one without: never
 acquired or pruned), is above every epoch the database had before plus N. Holders keep their lease

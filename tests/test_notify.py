@@ -1,4 +1,4 @@
-"""Release and force release notify only when a waiter registered for the key (migration 0006).
+"""Release and force release notify only when a waiter registered for the key (``pg_lease_wake_waiters``).
 
 A raw connection LISTENs on the channel. "Nothing was sent" is proven with a marker: a notification
 this test sends after the release committed. Notifications are queued in commit order, so the
