@@ -2,7 +2,7 @@
 
 It replaces the ten migrations of the 0.1/0.2 development versions (0001_initial to
 0010_one_statement), which built the same schema step by step: a database that had applied all ten
-applies nothing here and keeps what it has (tests/db/test_sql_source.py builds one each way and
+applies nothing here and keeps what it has (tests/test_sql_source.py builds one each way and
 compares the catalogs). The tables are the models' (Django's state below); PostgreSQL gets them from
 the SQL file, with the functions and triggers that guard them.
 
@@ -45,7 +45,7 @@ class Migration(migrations.Migration):
                 RunSQLFile(
                     "schema.sql",
                     "migrations/0001_baseline_reverse.sql",
-                    sha256="609ef7a170aaf581dd42938ba0d9b5852fa1680fd30c68f9e4c6ae9b1a506cf7",
+                    sha256="acb1cedb56e3894c17447e70a4d87113a3581b9058be9961c4f3f5324918dd85",
                 )
             ],
             state_operations=[

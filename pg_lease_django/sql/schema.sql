@@ -1,7 +1,7 @@
 -- pg_lease_django: the current schema, every table, function, trigger and privilege written once.
 --
 -- @extschema@ stands for the schema the lease app is installed in, quoted ("public"); nothing else
--- varies. Django's migrations render it for the schema they run in (pg_lease_django.sql.render);
+-- varies. Django's migrations render it for the schema they run in (pg_lease_django.sql.files.render);
 -- by hand, in one transaction:
 --
 --   sed 's/@extschema@/"public"/g' schema.sql | psql -v ON_ERROR_STOP=1 --single-transaction
@@ -19,7 +19,7 @@
 --
 -- Changing this file: docs/architecture.md ("Changing the SQL"). A change ships as a migration
 -- that restates each object it changes whole, in its own file under sql/migrations/;
--- tests/db/test_sql_source.py checks that the migrations and this file build the same catalog.
+-- tests/test_sql_source.py checks that the migrations and this file build the same catalog.
 
 -- ================================================================================================
 -- Tables
