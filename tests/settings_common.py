@@ -1,0 +1,61 @@
+"""The test suite's settings, all but the database: shared by ``tests.settings`` (a real server) and
+``tests.settings_typecheck`` (none)."""
+
+import os
+from typing import Any
+
+SECRET_KEY = "tests-only"
+USE_TZ = True
+TIME_ZONE = "UTC"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "pgtrigger",
+    "pghistory",
+    "pg_lease_django",
+    "tests.testapp",
+    "tests.compatapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+ROOT_URLCONF = "tests.urls"
+STATIC_URL = "static/"
+
+# Behind PgBouncer in transaction pooling mode (.ci/with-pgbouncer) LISTEN does not work: poll.
+BEHIND_PGBOUNCER = bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER"))
+PG_LEASE_LISTEN = not BEHIND_PGBOUNCER
+
+
+def databases(default: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``DATABASES`` around the ``default`` entry."""
+    return {
+        "default": default,
+        # A second PostgreSQL database on the same server, for db_manager(using) tests.
+        "other": {**default, "NAME": f"{default['NAME']}_other", "TEST": {"NAME": f"test_{default['NAME']}_other"}},
+        # Not PostgreSQL: only used to show the system check refusing it.
+        "sqlite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
+    }
