@@ -10,7 +10,7 @@ DJANGO6_PYTHON ?= python3.12
 DJANGO6_SPEC ?= Django>=6.1,<6.2
 DJANGO6_VENV ?= .venvs/django6
 
-.PHONY: venv test test-django6 test-fast lint type migrations-check check demo bench clean
+.PHONY: venv test test-django6 test-fast lint type migrations-check check demo bench clean tox
 
 venv: $(STAMP)
 
@@ -45,6 +45,21 @@ migrations-check: venv
 	DJANGO_SETTINGS_MODULE=demo.settings $(BIN)/python -m django makemigrations --check --dry-run demo
 
 check: lint type migrations-check test
+
+## make tox: tox.ini's environments, from a virtualenv of its own (.venvs/tox); e.g. TOX_ARGS='-e type' or TOX_ARGS='-- tests/test_manager.py'.
+# The Django 6 environments need python3.12 and python3.13 on PATH. With pyenv, its shims answer for
+# several versions at once when PYENV_VERSION lists them: the current one first, then every 3.12 / 3.13.
+TOX_VENV ?= .venvs/tox
+PYENV_PYTHONS = $(shell command -v pyenv >/dev/null 2>&1 && { pyenv version-name; pyenv versions --bare | grep -E '^3\.1[23]\.[0-9]+$$'; } | paste -sd: -)
+
+$(TOX_VENV)/.installed:
+	$(PYTHON) -m venv $(TOX_VENV)
+	$(TOX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TOX_VENV)/bin/python -m pip install --quiet "tox>=4"
+	touch $@
+
+tox: $(TOX_VENV)/.installed
+	$(if $(PYENV_PYTHONS),PYENV_VERSION=$(PYENV_PYTHONS)) $(TOX_VENV)/bin/tox $(TOX_ARGS)
 
 ## make demo: three workers, a fenced counter, a frozen holder, a kill -9, a force release and a hand-off; writes charts.
 demo: venv
