@@ -36,6 +36,9 @@ from tests.dbserver import conninfo as conninfo  # noqa: E402  (re-exported for 
 
 BENCH_DATABASE = "pg_lease_bench"
 TABLE = "pg_lease_django_lease"
+#: The floor's table: the lease table's shape (columns, constraints, indexes, fill factor), no triggers,
+#: no functions: what an application would write by hand.
+PLAIN_TABLE = "bench_plain_lease"
 DEFAULT_JSON = HERE / "results" / "latest.json"
 TTL = timedelta(seconds=30)
 OWNER = f"bench-{socket.gethostname()}"
@@ -104,6 +107,18 @@ def raw_connection() -> psycopg.Connection[Any]:
     connection.ensure_connection()
     raw: psycopg.Connection[Any] = connection.connection
     return raw
+
+
+def plain_lease_table(keys: Sequence[str]) -> None:
+    """Create the floor's table (once) with a free row for each of ``keys``."""
+    raw = raw_connection()
+    with raw.transaction():
+        raw.execute(
+            f"CREATE TABLE IF NOT EXISTS {PLAIN_TABLE} (LIKE {TABLE} INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
+            "INCLUDING INDEXES) WITH (fillfactor = 60)"
+        )
+        for key in keys:
+            raw.execute(f"INSERT INTO {PLAIN_TABLE} (key, epoch) VALUES (%s, 0) ON CONFLICT DO NOTHING", [key])
 
 
 def count_statements(fn: Callable[[], Any]) -> int:

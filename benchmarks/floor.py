@@ -1,9 +1,11 @@
 """Stage ``single``: the floor (hand-written SQL), the SQL functions and ``Lease.objects`` on one connection.
 
 The floor is what an application would write by hand and send through Django's cursor (its
-CursorWrapper and execute wrappers), a cursor per call as ``Lease.objects`` does; the SQL functions
-called on the raw psycopg connection show the functions' own cost. The floor's statements live
-here; the scale-out stage runs them from several processes too.
+CursorWrapper and execute wrappers), a cursor per call as ``Lease.objects`` does, on a plain table of
+the lease table's shape and fill factor with no triggers (``PLAIN_TABLE``): every ratio is against
+it. The same statements on the lease table itself, its triggers firing, are a second line; the SQL
+functions called on the raw psycopg connection show the functions' own cost. The floor's
+statements live here; the scale-out stage runs them from several processes too.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common import (
+    PLAIN_TABLE,
     TABLE,
     TTL,
     Cycle,
@@ -23,6 +26,7 @@ from common import (
     count_statements,
     interleave,
     op_p,
+    plain_lease_table,
     ratio,
     raw_connection,
 )
@@ -31,22 +35,28 @@ from common import (
 # Same rules as the SQL functions for an existing key (the steady state), without their input checks,
 # the unlocked look before locking, the per-call synchronous_commit and the release notification.
 
-FLOOR_ACQUIRE = f"""
-UPDATE {TABLE} SET owner = %s, epoch = epoch + 1, acquired_at = clock_timestamp(),
+FLOOR_ACQUIRE_ON = """
+UPDATE {table} SET owner = %s, epoch = epoch + 1, acquired_at = clock_timestamp(),
                    expires_at = clock_timestamp() + %s
  WHERE key = %s AND (owner IS NULL OR expires_at <= clock_timestamp() OR owner = %s)
 RETURNING epoch, expires_at"""
-FLOOR_RENEW = f"""
-UPDATE {TABLE} SET expires_at = clock_timestamp() + %s
+FLOOR_RENEW_ON = """
+UPDATE {table} SET expires_at = clock_timestamp() + %s
  WHERE key = %s AND owner = %s AND epoch = %s AND expires_at > clock_timestamp()
 RETURNING expires_at"""
-FLOOR_RELEASE = f"""
-UPDATE {TABLE} SET owner = NULL, epoch = epoch + 1, acquired_at = NULL, expires_at = NULL
+FLOOR_RELEASE_ON = """
+UPDATE {table} SET owner = NULL, epoch = epoch + 1, acquired_at = NULL, expires_at = NULL
  WHERE key = %s AND owner = %s AND epoch = %s AND expires_at > clock_timestamp()
 RETURNING epoch"""
+FLOOR_INSPECT_ON = "SELECT owner, epoch, expires_at, clock_timestamp() FROM {table} WHERE key = %s"
+
+# The floor: on the plain table.
+FLOOR_ACQUIRE = FLOOR_ACQUIRE_ON.format(table=PLAIN_TABLE)
+FLOOR_RENEW = FLOOR_RENEW_ON.format(table=PLAIN_TABLE)
+FLOOR_RELEASE = FLOOR_RELEASE_ON.format(table=PLAIN_TABLE)
 # The floor's release plus the notification pg_lease_release sends (the scale-out stage compares both).
 FLOOR_RELEASE_NOTIFY = FLOOR_RELEASE.replace("RETURNING epoch", "RETURNING epoch, pg_notify('pg_lease_django', key)")
-FLOOR_INSPECT = f"SELECT owner, epoch, expires_at, clock_timestamp() FROM {TABLE} WHERE key = %s"
+FLOOR_INSPECT = FLOOR_INSPECT_ON.format(table=PLAIN_TABLE)
 
 
 def through_django(statement: str, params: list[Any]) -> Any:
@@ -72,15 +82,25 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, floa
     )
 
     # Keys exist before timing (the floor's UPDATE needs the row; the steady state is an existing key).
-    keys = {name: f"bench:{name}" for name in ("floor", "function", "manager", "hold")}
+    keys = {name: f"bench:{name}" for name in ("floor", "lease-table", "function", "manager", "hold")}
     for key in keys.values():
         grant = Lease.objects.acquire(key, owner, TTL)
         assert grant is not None, f"{key} is held by someone else"
         Lease.objects.release(key, owner, grant.epoch)
+    plain_lease_table([keys["floor"]])
+    on_lease_table = {
+        "acquire": FLOOR_ACQUIRE_ON.format(table=TABLE),
+        "release": FLOOR_RELEASE_ON.format(table=TABLE),
+    }
 
     def floor_cycle(t: Timer) -> None:
         epoch, _ = t("acquire", through_django, FLOOR_ACQUIRE, [owner, TTL, keys["floor"], owner])
         row = t("release", through_django, FLOOR_RELEASE, [keys["floor"], owner, epoch])
+        assert row is not None
+
+    def lease_table_cycle(t: Timer) -> None:
+        epoch, _ = t("acquire", through_django, on_lease_table["acquire"], [owner, TTL, keys["lease-table"], owner])
+        row = t("release", through_django, on_lease_table["release"], [keys["lease-table"], owner, epoch])
         assert row is not None
 
     def function_cycle(t: Timer) -> None:
@@ -103,7 +123,12 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, floa
         grant = t("acquire", Lease.objects.acquire, keys["manager"], owner, TTL)
         t("release", Lease.objects.release, keys["manager"], owner, grant.epoch)
 
-    cycles: dict[str, Cycle] = {"floor": floor_cycle, "function": function_cycle, "manager": manager_cycle}
+    cycles: dict[str, Cycle] = {
+        "floor": floor_cycle,
+        "lease-table": lease_table_cycle,
+        "function": function_cycle,
+        "manager": manager_cycle,
+    }
     grants: list[Any] = []
     statements = {
         "acquire": count_statements(lambda: grants.append(Lease.objects.acquire(keys["manager"], owner, TTL)))
@@ -122,10 +147,24 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, floa
 
     series = interleave(cycles, rounds, block)
     floor, function, manager = series["floor"], series["function"], series["manager"]
-    labels = {"floor": "floor: hand-written UPDATEs (Django cursor)", "function": "SQL functions (raw psycopg)"}
-    for name in ("floor", "function"):
+    labels = {
+        "floor": "floor: hand-written UPDATEs, plain table (Django cursor)",
+        "lease-table": "  the same UPDATEs on the lease table (its triggers)",
+        "function": "SQL functions (raw psycopg)",
+    }
+    for name in ("floor", "lease-table", "function"):
         s = series[name]
-        report.add(Row(section, f"{labels[name]} acquire+release", s.rate, s.cycle_ms(0.5), s.cycle_ms(0.99)))
+        report.add(
+            Row(
+                section,
+                f"{labels[name]} acquire+release",
+                s.rate,
+                s.cycle_ms(0.5),
+                s.cycle_ms(0.99),
+                None if name == "floor" else ratio(s, floor),
+                "" if name == "floor" else "floor (ops/s)",
+            )
+        )
     acquire_release_ratio = ratio(manager, floor)
     report.add(
         Row(
@@ -176,6 +215,13 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, floa
     # Renew and inspect: a held key each, renewed/inspected back to back.
     held_keys = {name: f"bench:renew:{name}" for name in ("floor", "function", "manager")}
     epochs = {name: acquire_epoch(key, owner, ttl=600) for name, key in held_keys.items()}
+    # The floor's key is held on the plain table at the same epoch.
+    plain_lease_table([held_keys["floor"]])
+    through_django(
+        f"UPDATE {PLAIN_TABLE} SET owner = %s, epoch = %s, acquired_at = clock_timestamp(), "
+        "expires_at = clock_timestamp() + interval '600 s' WHERE key = %s RETURNING key",
+        [owner, epochs["floor"], held_keys["floor"]],
+    )
 
     def floor_renew(t: Timer) -> None:
         assert t("op", through_django, FLOOR_RENEW, [TTL, held_keys["floor"], owner, epochs["floor"]])

@@ -1,7 +1,7 @@
 """Stage ``scale``: acquire + release over distinct keys from 1, 2, 4 and 8 processes of the worker pool.
 
-Ours against the floor's UPDATEs with and without the release notification, so the cost of NOTIFY
-under concurrency shows apart from the rest.
+Ours against the floor's UPDATEs (on the plain table of ``floor.py``) with and without the release
+notification, so the cost of NOTIFY under concurrency shows apart from the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from common import TTL, Report, Row, acquire_epoch, conninfo, raw_connection, sleep_until
+from common import TTL, Report, Row, acquire_epoch, conninfo, plain_lease_table, raw_connection, sleep_until
 from floor import FLOOR_ACQUIRE, FLOOR_RELEASE, FLOOR_RELEASE_NOTIFY
 
 SCALE_KINDS = {
@@ -68,6 +68,8 @@ def run(report: Report, pool: Any, database: dict[str, Any], seconds: float, rep
     """
     rates: dict[tuple[str, int], list[float]] = defaultdict(list)
     waits: dict[str, dict[str, int]] = {}
+    # The floor's rows, on its plain table (made here, before the workers race to make it).
+    plain_lease_table([f"bench:scale:{kind}:{i}" for kind in SCALE_KINDS if kind != "manager" for i in range(8)])
     observer = psycopg.connect(conninfo(database), autocommit=True)
     for _ in range(repeats):
         for procs in (1, 2, 4, 8):
