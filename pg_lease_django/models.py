@@ -42,6 +42,9 @@ class Lease(models.Model):
     #: When someone asked the holder to step down (`LeaseManager.request_handoff`); None when nobody
     #: did since the grant. Advice only: the holder's renewals learn it, the grant is unchanged.
     handoff_requested_at = models.DateTimeField(null=True, blank=True)
+    #: Whether the database records this key's history (``PG_LEASE_HISTORY``): kept by the database,
+    #: which refuses any other value, so its history triggers decide without a lookup.
+    recorded = models.BooleanField(db_default=False, editable=False)
 
     # A LeaseManager (acquire, renew, release, ...) that has LeaseQuerySet's reads (with_state(), ...) too.
     objects = LeaseManager.from_queryset(LeaseQuerySet)()

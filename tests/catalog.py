@@ -35,12 +35,12 @@ SELECT c.oid, c.relname, c.relkind, c.relpersistence, coalesce(c.reloptions::tex
 """
 
 _COLUMNS = """
-SELECT a.attnum, a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.attnotnull,
+SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.attnotnull,
        coalesce(pg_catalog.pg_get_expr(d.adbin, d.adrelid), ''), a.attidentity, a.attgenerated,
        coalesce(pg_catalog.col_description(a.attrelid, a.attnum), ''), coalesce(a.attacl::text, '')
   FROM pg_catalog.pg_attribute a LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
  WHERE a.attrelid = %(table)s AND a.attnum > 0 AND NOT a.attisdropped
- ORDER BY a.attnum
+ ORDER BY a.attnum  -- the order, not the numbers: a column dropped and added again leaves a gap
 """
 
 _CONSTRAINTS = """

@@ -94,6 +94,8 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_guard_key",  # the triggers' lease-row check: locking it needs the owner's rights
         "pg_lease_request_handoff",
         "pg_lease_record_transition",  # the history trigger: whoever changes a lease row, its tenure is recorded
+        "pg_lease_recorded_follows_scope",  # checks a row's flag against the scope whoever writes it
+        "pg_lease_rescope",  # re-flags every lease row when the scope changes, whoever changes it
     }
     assert {r[0] for r in rows} >= operations
     # Hot helpers without a SET clause (it blocks inlining, or costs a switch per call): they name
@@ -103,7 +105,8 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_verdict",
         "pg_lease_remember_fence",
         "pg_lease_waiter_lock",
-        "pg_lease_wake_waiters",  # every release (0010); revoked from PUBLIC
+        "pg_lease_wake_waiters",  # every release; revoked from PUBLIC
+        "pg_lease_recheck_under_lock",  # every acquire and release; names every built-in with its schema
     }
     for name, security_definer, config in rows:
         # Workers need no privilege on the lease table: the operations run as its owner. The rest

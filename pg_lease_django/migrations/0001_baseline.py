@@ -1,4 +1,4 @@
-"""The lease app's schema: its tables, functions, triggers and privileges, from ``sql/schema.sql``.
+"""The lease app's schema as of the 0.2 baseline: its tables, functions, triggers and privileges.
 
 It replaces the ten migrations of the 0.1/0.2 development versions (0001_initial to
 0010_one_statement), which built the same schema step by step: a database that had applied all ten
@@ -6,9 +6,8 @@ applies nothing here and keeps what it has (tests/test_sql_source.py builds one 
 compares the catalogs). The tables are the models' (Django's state below); PostgreSQL gets them from
 the SQL file, with the functions and triggers that guard them.
 
-The file runs as long as it is the file this migration was written with (``sha256``). Before
-``schema.sql`` changes for the first time, copy it to ``sql/migrations/0001_baseline.sql`` and
-run that here instead (same digest); the change itself is a new migration (docs/architecture.md).
+``sql/migrations/0001_baseline.sql`` is ``sql/schema.sql`` as it was then, frozen (``sha256``); the
+current schema is ``sql/schema.sql``, and each later migration runs a file of its own.
 """
 
 import django.db.models.lookups
@@ -43,7 +42,7 @@ class Migration(migrations.Migration):
         migrations.SeparateDatabaseAndState(
             database_operations=[
                 RunSQLFile(
-                    "schema.sql",
+                    "migrations/0001_baseline.sql",
                     "migrations/0001_baseline_reverse.sql",
                     sha256="acb1cedb56e3894c17447e70a4d87113a3581b9058be9961c4f3f5324918dd85",
                 )

@@ -28,8 +28,9 @@
 -- One row per key, never deleted while it could matter (see pg_lease_forbid_delete): the epoch is
 -- the fencing token and must keep growing. Renewals rewrite expires_at on every heartbeat: free
 -- room on each page (fillfactor 60) and no index on owner, epoch or expires_at keep them HOT
--- updates (no index touched, no bloat). The columns and constraints are the Lease model's, as
--- Django would create them.
+-- updates (no index touched, no bloat). `recorded` says the key's history is recorded: the
+-- database keeps it (see pg_lease_rescope), so the history triggers can test it in their WHEN
+-- clauses, without entering PL/pgSQL. The columns and constraints are the Lease model's.
 CREATE TABLE @extschema@."pg_lease_django_lease" (
   "key" text NOT NULL PRIMARY KEY,
   "owner" text NULL,
@@ -38,6 +39,7 @@ CREATE TABLE @extschema@."pg_lease_django_lease" (
   "expires_at" timestamp with time zone NULL,
   "released_at" timestamp with time zone NULL,
   "handoff_requested_at" timestamp with time zone NULL,
+  "recorded" boolean DEFAULT false NOT NULL,
   CONSTRAINT "pg_lease_key_length" CHECK (octet_length("key") BETWEEN 1 AND 255),
   CONSTRAINT "pg_lease_owner_length" CHECK (("owner" IS NULL OR octet_length("owner") BETWEEN 1 AND 255)),
   CONSTRAINT "pg_lease_epoch_non_negative" CHECK ("epoch" >= 0),
@@ -1099,6 +1101,7 @@ BEGIN
     RAISE EXCEPTION 'lease % may not start at epoch %: the epoch floor is above it', NEW.key, NEW.epoch
       USING ERRCODE = '23514', HINT = 'Acquire the lease instead (pg_lease_acquire).';
   END IF;
+  NEW.recorded := @extschema@.pg_lease_in_history_scope(NEW.key);  -- whatever the writer said
   RETURN NEW;
 END $$;
 
@@ -1113,23 +1116,28 @@ CREATE TRIGGER pg_lease_insert_above_floor BEFORE INSERT ON @extschema@."pg_leas
 -- finds nothing) when a renewal (same epoch, later expiry) or a release (released_at = -infinity,
 -- replaced by the clock read) meets a lease that has lapsed, whoever sends it: a plain UPDATE can
 -- no longer bring back a lapsed epoch either. It also stamps acquire's grants (see pg_lease_acquire).
--- tests/test_judged_under_lock.py forces each interleaving.
+-- tests/test_judged_under_lock.py forces each interleaving. No SET clause (it would cost a
+-- configuration switch on every acquire and release): every built-in, operator and type is named
+-- with its schema, so a writer's search_path cannot stand in for any of them.
 CREATE FUNCTION @extschema@.pg_lease_recheck_under_lock()
 RETURNS trigger LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-  now_at timestamptz := clock_timestamp();
+  now_at pg_catalog.timestamptz := pg_catalog.clock_timestamp();
 BEGIN
-  IF NEW.acquired_at = '-infinity' THEN  -- a grant by pg_lease_acquire: expiry = this clock read + TTL
-    NEW.expires_at := now_at + make_interval(secs => extract(epoch FROM NEW.expires_at)::double precision);
+  IF NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
+    -- a grant by pg_lease_acquire: expiry = this clock read + TTL
+    NEW.expires_at := now_at OPERATOR(pg_catalog.+)
+      pg_catalog.make_interval(secs => pg_catalog.date_part('epoch', NEW.expires_at));
     NEW.acquired_at := now_at;
     RETURN NEW;
   END IF;
-  IF OLD.expires_at <= now_at THEN
+  IF OLD.expires_at OPERATOR(pg_catalog.<=) now_at THEN
     RETURN NULL;  -- it lapsed before the row lock was granted: refused, nothing written
   END IF;
-  NEW.released_at := CASE WHEN NEW.released_at = '-infinity' THEN now_at ELSE NEW.released_at END;
+  IF NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
+    NEW.released_at := now_at;
+  END IF;
   RETURN NEW;
 END $$;
 
@@ -1167,31 +1175,19 @@ CREATE TRIGGER pg_lease_floor_kept BEFORE DELETE OR TRUNCATE ON @extschema@."pg_
 -- History
 -- ================================================================================================
 
--- Record a transition of a lease row in its tenures, and clear a hand-off request on every change
--- of epoch. Runs as the owner (the lease functions do too), in the statement of the transition.
+-- Record a transition of a recorded lease row in its tenures. Runs as the owner (the lease
+-- functions do too), in the statement of the transition.
 CREATE FUNCTION @extschema@.pg_lease_record_transition()
 RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-  row_key text;
   now_at timestamptz;
   reason text;
   ended timestamptz;
   by_whom text;
 BEGIN
-  IF TG_OP = 'UPDATE' THEN
-    NEW.handoff_requested_at := NULL;
-    row_key := NEW.key;
-  ELSIF TG_OP = 'INSERT' THEN
-    row_key := NEW.key;
-  ELSE
-    row_key := OLD.key;
-  END IF;
-  IF NOT EXISTS (SELECT 1 FROM @extschema@."pg_lease_django_history_scope" h WHERE left(row_key, length(h.prefix)) = h.prefix) THEN
-    RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
-  END IF;
-
+  -- Fired only for recorded keys (the triggers' WHEN clauses test the row's `recorded`).
   IF TG_OP <> 'INSERT' AND OLD.owner IS NOT NULL THEN  -- the tenure of OLD ends here
     now_at := CASE WHEN NEW.owner IS NULL THEN coalesce(NEW.released_at, clock_timestamp())  -- a release
                    WHEN NEW.acquired_at IS DISTINCT FROM OLD.acquired_at THEN NEW.acquired_at  -- a grant
@@ -1223,11 +1219,74 @@ END $$;
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_record_transition() FROM PUBLIC;
 
 CREATE TRIGGER pg_lease_record_grant AFTER INSERT ON @extschema@."pg_lease_django_lease"
-  FOR EACH ROW WHEN (NEW.owner IS NOT NULL) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
+  FOR EACH ROW WHEN (NEW.owner IS NOT NULL AND NEW.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
 
 CREATE TRIGGER pg_lease_record_transition BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
-  FOR EACH ROW WHEN (NEW.epoch IS DISTINCT FROM OLD.epoch) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
+  FOR EACH ROW WHEN (NEW.epoch IS DISTINCT FROM OLD.epoch AND NEW.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
 
 CREATE TRIGGER pg_lease_record_prune AFTER DELETE ON @extschema@."pg_lease_django_lease"
-  FOR EACH ROW WHEN (OLD.owner IS NOT NULL) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
+  FOR EACH ROW WHEN (OLD.owner IS NOT NULL AND OLD.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
 
+-- Is p_key's history recorded? The one spelling of the scope rule ('' records every key).
+CREATE FUNCTION @extschema@.pg_lease_in_history_scope(p_key text)
+RETURNS boolean LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+  SELECT EXISTS (SELECT 1 FROM @extschema@."pg_lease_django_history_scope" h WHERE left(p_key, length(h.prefix)) = h.prefix)
+$$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_in_history_scope(text) FROM PUBLIC;
+
+-- `recorded` follows the scope: a writer may change it only to what the scope says (the flag is
+-- what keeps a key's history, so nobody turns it off by hand).
+CREATE FUNCTION @extschema@.pg_lease_recorded_follows_scope()
+RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF NEW.recorded IS DISTINCT FROM @extschema@.pg_lease_in_history_scope(NEW.key) THEN
+    RAISE EXCEPTION 'lease %: recorded follows the history scope (pg_lease_django_history_scope)', NEW.key
+      USING ERRCODE = '23514', HINT = 'Change the scope (PG_LEASE_HISTORY, then migrate), not the flag.';
+  END IF;
+  RETURN NEW;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_recorded_follows_scope() FROM PUBLIC;
+
+CREATE TRIGGER pg_lease_recorded_follows_scope BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW WHEN (NEW.recorded IS DISTINCT FROM OLD.recorded)
+  EXECUTE FUNCTION @extschema@.pg_lease_recorded_follows_scope();
+
+-- Any change of the scope table re-flags every lease row in the same transaction, whoever makes it.
+CREATE FUNCTION @extschema@.pg_lease_rescope()
+RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  UPDATE @extschema@."pg_lease_django_lease" l SET recorded = NOT l.recorded
+   WHERE l.recorded IS DISTINCT FROM @extschema@.pg_lease_in_history_scope(l.key);
+  RETURN NULL;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_rescope() FROM PUBLIC;
+
+CREATE TRIGGER pg_lease_rescope AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE
+  ON @extschema@."pg_lease_django_history_scope"
+  FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.pg_lease_rescope();
+
+-- A hand-off request ends with the tenure it was made for: any change of epoch clears it, whoever
+-- writes. The WHEN clause is true only while a request is pending, so it costs nothing otherwise.
+CREATE FUNCTION @extschema@.pg_lease_clear_handoff()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  NEW.handoff_requested_at := NULL;
+  RETURN NEW;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_clear_handoff() FROM PUBLIC;
+
+CREATE TRIGGER pg_lease_clear_handoff BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW WHEN (NEW.epoch IS DISTINCT FROM OLD.epoch AND NEW.handoff_requested_at IS NOT NULL)
+  EXECUTE FUNCTION @extschema@.pg_lease_clear_handoff();

@@ -1,0 +1,33 @@
+"""The lease table's triggers cost nothing on the common path: ``sql/migrations/0002_...sql``.
+
+The history triggers test a per-row flag, ``recorded`` (kept by the database from the history
+scope), in their WHEN clauses; hand-off requests are cleared by a trigger whose WHEN clause is true
+only while one is pending; the re-check under the row lock runs without a SET clause.
+"""
+
+from django.db import migrations, models
+
+from pg_lease_django.sql.files import RunSQLFile
+
+
+class Migration(migrations.Migration):
+    dependencies = [("pg_lease_django", "0001_baseline")]
+
+    operations = [
+        migrations.SeparateDatabaseAndState(
+            database_operations=[
+                RunSQLFile(
+                    "migrations/0002_triggers_off_the_common_path.sql",
+                    "migrations/0002_triggers_off_the_common_path_reverse.sql",
+                    sha256="8a5ff3520f6f655c3c2c927e8fa044d3e7c978d1c594a10c434af1e3813bdb0e",
+                )
+            ],
+            state_operations=[
+                migrations.AddField(
+                    model_name="lease",
+                    name="recorded",
+                    field=models.BooleanField(db_default=False, editable=False),
+                ),
+            ],
+        ),
+    ]

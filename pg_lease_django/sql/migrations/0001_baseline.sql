@@ -1,0 +1,1233 @@
+-- pg_lease_django: the current schema, every table, function, trigger and privilege written once.
+--
+-- @extschema@ stands for the schema the lease app is installed in, quoted ("public"); nothing else
+-- varies. Django's migrations render it for the schema they run in (pg_lease_django.sql.files.render);
+-- by hand, in one transaction:
+--
+--   sed 's/@extschema@/"public"/g' schema.sql | psql -v ON_ERROR_STOP=1 --single-transaction
+--
+-- Every function with a body of its own pins search_path to pg_catalog (and pg_temp, which is never
+-- searched for functions or operators) and names the package's objects with their schema: nothing
+-- another role creates in that schema (PostgreSQL 14 and older let every role CREATE in public) can
+-- stand in for a built-in that needs an implicit cast, least of all inside the functions that run as
+-- their owner. The exceptions carry no SET clause on purpose and name only exact-typed built-ins:
+-- pg_lease_status, pg_lease_verdict and pg_lease_waiter_lock (inlined by the planner; a SET clause
+-- stops that, ~20 us a call), pg_lease_remember_fence and pg_lease_wake_waiters (hot paths).
+--
+-- The operations run as their owner (SECURITY DEFINER): workers need EXECUTE, no privilege on the
+-- tables. Functions for operators, and internal helpers, are revoked from PUBLIC beside them.
+--
+-- Changing this file: docs/architecture.md ("Changing the SQL"). A change ships as a migration
+-- that restates each object it changes whole, in its own file under sql/migrations/;
+-- tests/test_sql_source.py checks that the migrations and this file build the same catalog.
+
+-- ================================================================================================
+-- Tables
+-- ================================================================================================
+
+-- One row per key, never deleted while it could matter (see pg_lease_forbid_delete): the epoch is
+-- the fencing token and must keep growing. Renewals rewrite expires_at on every heartbeat: free
+-- room on each page (fillfactor 60) and no index on owner, epoch or expires_at keep them HOT
+-- updates (no index touched, no bloat). The columns and constraints are the Lease model's, as
+-- Django would create them.
+CREATE TABLE @extschema@."pg_lease_django_lease" (
+  "key" text NOT NULL PRIMARY KEY,
+  "owner" text NULL,
+  "epoch" bigint NOT NULL,
+  "acquired_at" timestamp with time zone NULL,
+  "expires_at" timestamp with time zone NULL,
+  "released_at" timestamp with time zone NULL,
+  "handoff_requested_at" timestamp with time zone NULL,
+  CONSTRAINT "pg_lease_key_length" CHECK (octet_length("key") BETWEEN 1 AND 255),
+  CONSTRAINT "pg_lease_owner_length" CHECK (("owner" IS NULL OR octet_length("owner") BETWEEN 1 AND 255)),
+  CONSTRAINT "pg_lease_epoch_non_negative" CHECK ("epoch" >= 0),
+  CONSTRAINT "pg_lease_held_fields_together" CHECK (
+    (("acquired_at" IS NULL AND "expires_at" IS NULL AND "owner" IS NULL)
+     OR ("acquired_at" IS NOT NULL AND "expires_at" IS NOT NULL AND "owner" IS NOT NULL)))
+) WITH (fillfactor = 60);
+-- Django's index for LIKE 'prefix%' on a text primary key (key__startswith, the history scope).
+CREATE INDEX "pg_lease_django_lease_key_bb513f7d_like" ON @extschema@."pg_lease_django_lease" ("key" text_pattern_ops);
+
+-- The epoch floor: the highest epoch of any lease row ever pruned (one row, which only grows). A
+-- key without a row starts above it, so a key that comes back starts above every epoch it had.
+CREATE TABLE @extschema@."pg_lease_django_epoch_floor" (
+  one boolean PRIMARY KEY DEFAULT true CONSTRAINT pg_lease_epoch_floor_one_row CHECK (one),
+  floor bigint NOT NULL CONSTRAINT pg_lease_epoch_floor_non_negative CHECK (floor >= 0)
+);
+INSERT INTO @extschema@."pg_lease_django_epoch_floor" (one, floor) VALUES (true, 0);
+
+-- Who waits for which key, and until when: a release notifies only when someone waits (NOTIFY
+-- serialises commits; see pg_lease_acquire_or_register). UNLOGGED: a registration writes no WAL;
+-- after a crash the rows are gone and waiters wake at the holder's expiry or their poll interval,
+-- as when a notification is lost. Written only by the functions, which run as their owner.
+CREATE UNLOGGED TABLE @extschema@."pg_lease_django_waiter" (
+  key text CONSTRAINT pg_lease_django_waiter_pkey PRIMARY KEY,
+  until timestamptz NOT NULL
+);
+REVOKE ALL ON @extschema@."pg_lease_django_waiter" FROM PUBLIC;
+
+-- The key prefixes whose tenures are recorded ('' records every key); migrate copies PG_LEASE_HISTORY here.
+CREATE TABLE @extschema@."pg_lease_django_history_scope" (
+  prefix text CONSTRAINT pg_lease_django_history_scope_pkey PRIMARY KEY
+              CONSTRAINT pg_lease_history_prefix_length CHECK (octet_length(prefix) <= 255)
+);
+
+-- Every tenure of a recorded key, written by the lease table's triggers in the statement that
+-- grants or ends it, whoever sends it. The LeaseTenure model's table, as Django would create it.
+CREATE TABLE @extschema@."pg_lease_django_tenure" (
+  "id" bigint NOT NULL PRIMARY KEY GENERATED BY DEFAULT AS IDENTITY,
+  "key" text NOT NULL,
+  "epoch" bigint NOT NULL,
+  "owner" text NOT NULL,
+  "granted_at" timestamp with time zone NOT NULL,
+  "ended_at" timestamp with time zone NULL,
+  "end_reason" text NULL,
+  "ended_by" text NULL
+);
+CREATE INDEX "pg_lease_tenure_key_epoch" ON @extschema@."pg_lease_django_tenure" ("key", "epoch");
+
+-- ================================================================================================
+-- The rules every operation uses
+-- ================================================================================================
+
+-- Status of a lease row at a given server instant: the one rule every operation uses.
+-- A lease is lapsed at its expires_at exactly (not a microsecond later).
+-- No SET search_path here or in pg_lease_verdict: it would stop PostgreSQL from inlining these
+-- hot helpers (~20 us a call). They touch no table and name only pg_catalog built-ins, which
+-- are searched first whatever the caller's search_path.
+CREATE FUNCTION @extschema@.pg_lease_status(p_owner text, p_expires_at timestamptz, p_now timestamptz)
+RETURNS text LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+  SELECT CASE WHEN p_owner IS NULL THEN 'free'
+              WHEN p_expires_at > p_now THEN 'held'
+              ELSE 'lapsed' END
+$$;
+
+-- Input rules, SQLSTATE 22023 (invalid_parameter_value); the Python side checks the same first
+-- (tests/test_validation.py holds both to the same limits). The operations test their inputs with
+-- one inline condition and call these only to raise: each error is written here, once.
+CREATE FUNCTION @extschema@.pg_lease_check_name(p_kind text, p_value text)
+RETURNS void LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF p_value IS NULL OR p_value = '' THEN
+    RAISE EXCEPTION 'invalid_input: % must not be empty', p_kind USING ERRCODE = '22023';
+  END IF;
+  IF octet_length(p_value) > 255 THEN
+    RAISE EXCEPTION 'invalid_input: % is % bytes long; the limit is 255', p_kind, octet_length(p_value)
+      USING ERRCODE = '22023';
+  END IF;
+END $$;
+
+CREATE FUNCTION @extschema@.pg_lease_check_ttl(p_ttl interval)
+RETURNS void LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  PERFORM @extschema@.pg_lease_ttl(p_ttl);
+END $$;
+
+CREATE FUNCTION @extschema@.pg_lease_check_epoch(p_epoch bigint)
+RETURNS void LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF p_epoch IS NULL OR p_epoch < 1 THEN
+    RAISE EXCEPTION 'invalid_input: epoch must be a positive integer, got %', p_epoch
+      USING ERRCODE = '22023';
+  END IF;
+END $$;
+
+-- TTL check and normalisation: refuse month parts (a month has no fixed length) and return the
+-- TTL as exact seconds, so now + ttl never depends on the calendar or the session's time zone.
+CREATE FUNCTION @extschema@.pg_lease_ttl(p_ttl interval)
+RETURNS interval LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  seconds numeric;
+BEGIN
+  IF p_ttl IS NULL THEN
+    RAISE EXCEPTION 'invalid_input: ttl must not be NULL' USING ERRCODE = '22023';
+  END IF;
+  IF extract(year FROM p_ttl) <> 0 OR extract(month FROM p_ttl) <> 0 THEN
+    RAISE EXCEPTION 'invalid_input: ttl must not have a month or year part, got %', p_ttl
+      USING ERRCODE = '22023', HINT = 'Give the TTL in days, hours, minutes or seconds.';
+  END IF;
+  seconds := extract(epoch FROM p_ttl);
+  IF seconds < 0.001 OR seconds > 365 * 86400 THEN
+    RAISE EXCEPTION 'invalid_input: ttl must be between 0.001 s and 365 days, got % s', seconds
+      USING ERRCODE = '22023';
+  END IF;
+  RETURN make_interval(secs => seconds::double precision);
+END $$;
+
+-- Renew/release verdict, in the spec's precedence: holder, then lapse, then epoch.
+-- Written so that any NULL argument yields a refusal, never 'ok'.
+CREATE FUNCTION @extschema@.pg_lease_verdict(
+  p_row_owner text, p_row_epoch bigint, p_row_expires_at timestamptz,
+  p_owner text, p_epoch bigint, p_now timestamptz)
+RETURNS text LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+  SELECT CASE
+    WHEN p_owner IS NULL OR p_row_owner IS DISTINCT FROM p_owner THEN 'not_owner'
+    WHEN @extschema@.pg_lease_status(p_row_owner, p_row_expires_at, p_now) <> 'held' THEN 'lapsed'
+    WHEN p_epoch IS NULL OR p_row_epoch IS DISTINCT FROM p_epoch THEN 'epoch_mismatch'
+    ELSE 'ok' END
+$$;
+
+-- ================================================================================================
+-- Waiters
+-- ================================================================================================
+
+-- The advisory lock a registration and a release of the key meet on (64 bits of the key's hash, seeded:
+-- a collision with another key or another application's lock only costs a spurious notification).
+-- No SET clause (inlined); names only an exact-typed built-in.
+CREATE FUNCTION @extschema@.pg_lease_waiter_lock(p_key text)
+RETURNS bigint LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT pg_catalog.hashtextextended(p_key, 4187349731::bigint) $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_waiter_lock(text) FROM PUBLIC;
+
+-- Called by release and force release once the lease is free: notify only if someone waits. Never
+-- waits itself, so no waiter (nor a role holding the same advisory lock) can hold up a release.
+-- A registration and a release meet on pg_lease_waiter_lock's transaction-level advisory lock: a
+-- registering attempt holds it shared until its transaction ends; a release tries it here. Either
+-- the release gets it, and every registration made before is committed and visible, and every later
+-- one waits for this commit and then finds the lease free; or it does not, and it notifies blind.
+-- No SET clause: called on every release, only by the lease functions (revoked from PUBLIC), under
+-- their own pinned search_path; it names only built-ins and the waiter table.
+CREATE FUNCTION @extschema@.pg_lease_wake_waiters(p_key text)
+RETURNS void LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+  last_until timestamptz;
+BEGIN
+  IF NOT pg_try_advisory_xact_lock(@extschema@.pg_lease_waiter_lock(p_key)) THEN
+    -- A registration is in flight: it is not visible yet, so notify without looking.
+    PERFORM pg_notify('pg_lease_django', p_key);
+    RETURN;
+  END IF;
+  -- Every registration made before is committed and seen by this statement; a later one waits for
+  -- this transaction and then finds the lease free. Every waiter is woken, so the rows go (a waiter
+  -- still refused registers again); an expired row goes without a notification.
+  WITH gone AS (DELETE FROM @extschema@."pg_lease_django_waiter" w WHERE w.key = p_key RETURNING w.until)
+  SELECT max(gone.until) INTO last_until FROM gone;
+  IF last_until > clock_timestamp() THEN
+    PERFORM pg_notify('pg_lease_django', p_key);
+  END IF;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_wake_waiters(text) FROM PUBLIC;
+
+-- ================================================================================================
+-- The four operations
+-- ================================================================================================
+
+-- Acquire (non-blocking). Granted when the key is free, lapsed, or held by this same owner
+-- (self-takeover: a new epoch, so the owner's earlier incarnation is fenced). A key without a row
+-- starts above the epoch floor.
+-- * It looks without locking first: refusing a held key takes no row lock and writes no WAL, so
+--   waiters polling a held key never slow down its holder's renewals. The input checks are one
+--   inline condition; the TTL is converted and synchronous_commit set only on the way to a grant.
+-- * The attempt on an existing row is one UPDATE in a subtransaction, rolled back when the row was
+--   taken meanwhile: rolling back a subtransaction is the only way to drop a row lock before the
+--   transaction ends, so a refused waiter never keeps the winner from renewing.
+-- * That UPDATE names the key column, so it locks FOR UPDATE, the one mode that conflicts with a
+--   fence's FOR KEY SHARE: a takeover waits for every fenced transaction of the old holder to end.
+-- * It marks its grant (acquired_at = -infinity, expires_at = the Unix epoch + TTL), and
+--   pg_lease_recheck_under_lock stamps it with one clock read taken under the row lock, after any
+--   wait: expiry = server_now + TTL exactly. (The SET list is computed before the wait, and two
+--   clock_timestamp() calls differ.)
+CREATE FUNCTION @extschema@.pg_lease_acquire(p_key text, p_owner text, p_ttl interval)
+RETURNS TABLE (granted boolean, key text, owner text, epoch bigint,
+               expires_at timestamptz, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  cur record;
+  now_at timestamptz;
+  ttl interval;
+  first_epoch bigint;
+  granted_until timestamptz;
+BEGIN
+  -- The rules of pg_lease_check_name and pg_lease_ttl as one condition; they raise when it fails.
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
+     OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
+     OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400 THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+    ttl := @extschema@.pg_lease_ttl(p_ttl);
+  END IF;
+
+  LOOP  -- again when the row changed between the unlocked look and the UPDATE
+    -- Look without locking first: refusing a held key takes no row lock and writes no WAL.
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+    IF NOT FOUND THEN
+      -- An acknowledged grant must survive a crash, or the same epoch could be granted twice.
+      PERFORM set_config('synchronous_commit', 'on', true);
+      ttl := @extschema@.pg_lease_ttl(p_ttl);
+      -- Start above the floor. FOR SHARE waits for a prune in flight and keeps the next one (which
+      -- locks the floor first) from committing until this grant does: no pruned epoch can slip in
+      -- above the one read here. In a subtransaction, dropped with its lock when a concurrent
+      -- acquire inserted the key first (only brand-new keys take this lock, and only a grant keeps it).
+      BEGIN
+        SELECT f.floor + 1 INTO first_epoch FROM @extschema@."pg_lease_django_epoch_floor" f FOR SHARE;
+        now_at := clock_timestamp();
+        INSERT INTO @extschema@."pg_lease_django_lease" AS l (key, owner, epoch, acquired_at, expires_at)
+          VALUES (p_key, p_owner, first_epoch, now_at, now_at + ttl)
+          ON CONFLICT ON CONSTRAINT pg_lease_django_lease_pkey DO NOTHING;
+        IF NOT FOUND THEN
+          RAISE EXCEPTION USING ERRCODE = 'PLR03';
+        END IF;
+        RETURN QUERY SELECT true, p_key, p_owner, first_epoch, now_at + ttl, now_at;
+        RETURN;
+      EXCEPTION WHEN SQLSTATE 'PLR03' THEN
+        NULL;  -- a concurrent acquire inserted the key first: decide on its row below
+      END;
+    ELSIF @extschema@.pg_lease_status(cur.owner, cur.expires_at, clock_timestamp()) = 'held'
+          AND cur.owner <> p_owner THEN
+      RETURN QUERY SELECT false, p_key, cur.owner, cur.epoch, cur.expires_at, clock_timestamp();
+      RETURN;
+    END IF;
+
+    -- Acquirable at the look: one UPDATE in a subtransaction, rolled back when it finds the row taken
+    -- meanwhile (an UPDATE that waited for the row and then fails its WHERE keeps the row locked; the
+    -- rollback drops that lock). key = l.key: lock FOR UPDATE, which waits for the old holder's fenced
+    -- transactions (FOR KEY SHARE). acquired_at = -infinity: pg_lease_recheck_under_lock stamps the
+    -- grant with one clock read taken under the row lock, after any wait; the TTL reaches it as
+    -- expires_at = the Unix epoch + TTL.
+    ttl := make_interval(secs => extract(epoch FROM p_ttl)::double precision);  -- as pg_lease_ttl
+    BEGIN
+      UPDATE @extschema@."pg_lease_django_lease" l SET key = l.key, owner = p_owner, epoch = l.epoch + 1, acquired_at = '-infinity',
+                       expires_at = 'epoch'::timestamptz + ttl, released_at = NULL
+       WHERE l.key = p_key AND (l.owner IS NULL OR l.owner = p_owner OR l.expires_at <= clock_timestamp())
+      RETURNING l.epoch, l.acquired_at, l.expires_at INTO first_epoch, now_at, granted_until;
+      IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PLR01';
+      END IF;
+      PERFORM set_config('synchronous_commit', 'on', true);
+      RETURN QUERY SELECT true, p_key, p_owner, first_epoch, granted_until, now_at;
+      RETURN;
+    EXCEPTION WHEN SQLSTATE 'PLR01' THEN
+      NULL;  -- taken (or pruned) since the look: look again
+    END;
+  END LOOP;
+END $$;
+
+-- Acquire, waiting up to p_wait (NULL: no bound) for the key; SQLSTATE 57014 on timeout.
+-- Polls inside one statement, sleeping until the holder's expiry (at most 100 ms at a time), so it
+-- keeps a snapshot open while it waits: prefer the client-side wait (Python API) or short bounds
+-- from SQL. A refused attempt leaves no row lock (see above): a waiter never slows the holder.
+CREATE FUNCTION @extschema@.pg_lease_acquire(p_key text, p_owner text, p_ttl interval, p_wait interval)
+RETURNS TABLE (granted boolean, key text, owner text, epoch bigint,
+               expires_at timestamptz, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  attempt record;
+  deadline timestamptz;
+BEGIN
+  IF p_wait < interval '0' THEN
+    RAISE EXCEPTION 'invalid_input: wait must not be negative, got %', p_wait USING ERRCODE = '22023';
+  END IF;
+  deadline := clock_timestamp() + p_wait;
+  LOOP
+    SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+    IF attempt.granted THEN
+      RETURN QUERY SELECT attempt.granted, attempt.key, attempt.owner, attempt.epoch,
+                          attempt.expires_at, attempt.server_time;
+      RETURN;
+    END IF;
+    IF clock_timestamp() >= deadline THEN
+      RAISE EXCEPTION 'timeout: lease % still held by % after waiting %', p_key, attempt.owner, p_wait
+        USING ERRCODE = '57014';
+    END IF;
+    PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
+      least(attempt.expires_at, deadline, clock_timestamp() + interval '100 milliseconds')
+      - clock_timestamp()))::double precision);
+  END LOOP;
+END $$;
+
+-- The attempt of a waiter that LISTENs on pg_lease_django: pg_lease_acquire(key, owner, ttl), and
+-- when refused, a registration so that the next release of the key notifies, lasting until the
+-- waiter's next attempt is due (p_retry_within, or the holder's expiry if sooner) plus a second.
+CREATE FUNCTION @extschema@.pg_lease_acquire_or_register(p_key text, p_owner text, p_ttl interval, p_retry_within interval)
+RETURNS TABLE (granted boolean, key text, owner text, epoch bigint,
+               expires_at timestamptz, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  attempt record;
+  -- Whether this transaction wrote anything before this call (then its commit must stay durable).
+  wrote_before boolean := pg_current_xact_id_if_assigned() IS NOT NULL;
+  saved_lock_timeout text := current_setting('lock_timeout');
+  wait_ms double precision;
+  locked boolean := false;
+BEGIN
+  PERFORM @extschema@.pg_lease_check_name('key', p_key);
+  IF p_retry_within IS NULL OR extract(year FROM p_retry_within) <> 0 OR extract(month FROM p_retry_within) <> 0
+     OR extract(epoch FROM p_retry_within) < 0 OR extract(epoch FROM p_retry_within) > 365 * 86400 THEN
+    RAISE EXCEPTION 'invalid_input: retry_within must be between 0 and 365 days, without months, got %',
+      p_retry_within USING ERRCODE = '22023';
+  END IF;
+  -- A release of this key in flight holds the lock exclusively until it commits: wait for it, then
+  -- the attempt finds the lease free. At most p_retry_within (and the caller's lock_timeout): the
+  -- waiter would have slept that long anyway. Past it, attempt without registering: the table is
+  -- written only under the key's lock (registrations shared, a release's deletions exclusive), so
+  -- neither ever waits for the other's rows.
+  wait_ms := greatest(1, ceil(extract(epoch FROM p_retry_within) * 1000));
+  IF saved_lock_timeout::interval > interval '0' THEN
+    wait_ms := least(wait_ms, extract(epoch FROM saved_lock_timeout::interval) * 1000);
+  END IF;
+  BEGIN
+    PERFORM set_config('lock_timeout', least(wait_ms, 2147483647)::bigint::text, true);
+    PERFORM pg_advisory_xact_lock_shared(@extschema@.pg_lease_waiter_lock(p_key));
+    PERFORM set_config('lock_timeout', saved_lock_timeout, true);
+    locked := true;
+  EXCEPTION WHEN lock_not_available THEN
+    NULL;  -- the subtransaction's rollback restored lock_timeout
+  END;
+
+  SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+  IF NOT attempt.granted AND locked THEN
+    -- A refusal wrote nothing that must survive a crash, and a registration is gone after a crash
+    -- anyway: unless the caller's transaction wrote before, its commit need not wait for a flush.
+    IF NOT wrote_before THEN
+      PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    INSERT INTO @extschema@."pg_lease_django_waiter" AS w (key, until)
+      VALUES (p_key, least(clock_timestamp() + p_retry_within, attempt.expires_at) + interval '1 second')
+      ON CONFLICT ON CONSTRAINT pg_lease_django_waiter_pkey DO UPDATE SET until = greatest(w.until, EXCLUDED.until);
+  END IF;
+  RETURN QUERY SELECT attempt.granted, attempt.key, attempt.owner, attempt.epoch,
+                      attempt.expires_at, attempt.server_time;
+END $$;
+
+-- Renew (heartbeat): extend a live lease held by (owner, epoch) to server_now + TTL, never changing
+-- the epoch, and say whether a hand-off was requested: what the package sends for every renewal.
+-- One UPDATE ... WHERE key AND owner AND epoch AND expires_at > clock_timestamp(), judged again
+-- under the row lock (pg_lease_recheck_under_lock); the row is read afterwards only when it found
+-- nothing, to name the verdict in the spec's precedence. A refused renewal writes nothing, and locks
+-- nothing unless it waited for the row (then the lock lasts until the caller's transaction ends).
+-- It sets no key column, so it locks FOR NO KEY UPDATE, which does not conflict with a fence's FOR
+-- KEY SHARE: a long fenced transaction never starves its own heartbeat. A renewal that waited on a
+-- lock-only locker extends from its clock read before the wait: a little early, never late.
+CREATE FUNCTION @extschema@.pg_lease_heartbeat(p_key text, p_owner text, p_epoch bigint, p_ttl interval)
+RETURNS TABLE (outcome text, expires_at timestamptz, server_time timestamptz, handoff_requested boolean)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  ttl interval;
+  new_expiry timestamptz;
+  handoff boolean;
+  cur record;
+  verdict text;
+BEGIN
+  -- The rules of pg_lease_check_name, pg_lease_check_epoch and pg_lease_ttl as one condition.
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
+     OR p_epoch IS NULL OR p_epoch < 1
+     OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
+     OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400 THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+    PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
+    PERFORM @extschema@.pg_lease_ttl(p_ttl);
+  END IF;
+  ttl := make_interval(secs => extract(epoch FROM p_ttl)::double precision);  -- as pg_lease_ttl
+  LOOP  -- again only if the row turned valid between the UPDATE and the look (it cannot, by the rules)
+    UPDATE @extschema@."pg_lease_django_lease" l SET expires_at = clock_timestamp() + ttl
+     WHERE l.key = p_key AND l.owner = p_owner AND l.epoch = p_epoch AND l.expires_at > clock_timestamp()
+    RETURNING l.expires_at, l.handoff_requested_at IS NOT NULL INTO new_expiry, handoff;
+    IF FOUND THEN
+      PERFORM set_config('synchronous_commit', 'on', true);
+      RETURN QUERY SELECT 'ok'::text, new_expiry, new_expiry - ttl, handoff;
+      RETURN;
+    END IF;
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+    verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+    IF verdict <> 'ok' THEN
+      RETURN QUERY SELECT verdict, NULL::timestamptz, clock_timestamp(), false;
+      RETURN;
+    END IF;
+  END LOOP;
+END $$;
+
+-- Renew: pg_lease_heartbeat without its hand-off column, for SQL clients, and for processes still
+-- running a version before hand-offs during a rolling deploy.
+CREATE FUNCTION @extschema@.pg_lease_renew(p_key text, p_owner text, p_epoch bigint, p_ttl interval)
+RETURNS TABLE (outcome text, expires_at timestamptz, server_time timestamptz)
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+  SELECT h.outcome, h.expires_at, h.server_time FROM @extschema@.pg_lease_heartbeat(p_key, p_owner, p_epoch, p_ttl) h
+$$;
+
+-- Release: free a live lease held by (owner, epoch) and bump the epoch, fencing the old holder;
+-- wake waiters (pg_lease_wake_waiters). One UPDATE as in pg_lease_heartbeat, judged again under the
+-- row lock, which stamps released_at with the clock it read. It sets the key column, so it locks
+-- FOR UPDATE and waits for the holder's fenced transactions (FOR KEY SHARE).
+CREATE FUNCTION @extschema@.pg_lease_release(p_key text, p_owner text, p_epoch bigint)
+RETURNS TABLE (outcome text, epoch bigint, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  new_epoch bigint;
+  released timestamptz;
+  cur record;
+  verdict text;
+BEGIN
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
+     OR p_epoch IS NULL OR p_epoch < 1 THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+    PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
+  END IF;
+  LOOP  -- as in pg_lease_heartbeat
+    -- key = l.key: lock FOR UPDATE (waits for fenced transactions); -infinity: pg_lease_recheck_under_lock
+    -- judges it again under the lock and stamps the clock it read.
+    UPDATE @extschema@."pg_lease_django_lease" l SET key = l.key, owner = NULL, epoch = l.epoch + 1, acquired_at = NULL, expires_at = NULL,
+                     released_at = '-infinity'
+     WHERE l.key = p_key AND l.owner = p_owner AND l.epoch = p_epoch AND l.expires_at > clock_timestamp()
+    RETURNING l.epoch, l.released_at INTO new_epoch, released;
+    IF FOUND THEN
+      PERFORM set_config('synchronous_commit', 'on', true);
+      PERFORM @extschema@.pg_lease_wake_waiters(p_key);
+      RETURN QUERY SELECT 'ok'::text, new_epoch, released;
+      RETURN;
+    END IF;
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+    verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+    IF verdict <> 'ok' THEN
+      RETURN QUERY SELECT verdict, cur.epoch, clock_timestamp();
+      RETURN;
+    END IF;
+  END LOOP;
+END $$;
+
+-- Inspect: the state at the server clock (lazy expiry: a lapsed row is reported 'lapsed'). A key
+-- without a row is free at the epoch floor's epoch (0 until something is pruned).
+CREATE FUNCTION @extschema@.pg_lease_inspect(p_key text)
+RETURNS TABLE (key text, status text, owner text, epoch bigint, expires_at timestamptz,
+               acquired_at timestamptz, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  now_at timestamptz;
+BEGIN
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+  END IF;
+  now_at := clock_timestamp();
+  RETURN QUERY
+    SELECT p_key, @extschema@.pg_lease_status(l.owner, l.expires_at, now_at), l.owner,
+           coalesce(l.epoch, f.floor), l.expires_at, l.acquired_at, now_at
+      FROM @extschema@."pg_lease_django_epoch_floor" f LEFT JOIN @extschema@."pg_lease_django_lease" l ON l.key = p_key;
+END $$;
+
+-- Ask the holder of p_key (at p_epoch, when given) to step down at its next renewal. Advice only:
+-- the grant is unchanged. Outcome 'ok' (requested now, or already), or why nobody can be asked:
+-- 'not_found', 'free', 'lapsed', 'epoch_mismatch'. Locks like a renewal (FOR NO KEY UPDATE).
+CREATE FUNCTION @extschema@.pg_lease_request_handoff(p_key text, p_epoch bigint DEFAULT NULL)
+RETURNS TABLE (outcome text, owner text, epoch bigint, expires_at timestamptz,
+               requested_at timestamptz, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  cur record;
+  now_at timestamptz;
+BEGIN
+  PERFORM @extschema@.pg_lease_check_name('key', p_key);
+  IF p_epoch IS NOT NULL THEN
+    PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
+  END IF;
+  PERFORM set_config('synchronous_commit', 'on', true);
+  SELECT l.owner, l.epoch, l.expires_at, l.handoff_requested_at INTO cur
+    FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR NO KEY UPDATE;
+  now_at := clock_timestamp();
+  IF NOT FOUND THEN
+    RETURN QUERY SELECT 'not_found'::text, NULL::text, (SELECT f.floor FROM @extschema@."pg_lease_django_epoch_floor" f), NULL::timestamptz,
+                        NULL::timestamptz, now_at;
+    RETURN;
+  END IF;
+  IF @extschema@.pg_lease_status(cur.owner, cur.expires_at, now_at) <> 'held' THEN
+    RETURN QUERY SELECT @extschema@.pg_lease_status(cur.owner, cur.expires_at, now_at), cur.owner, cur.epoch,
+                        cur.expires_at, NULL::timestamptz, now_at;
+    RETURN;
+  END IF;
+  IF p_epoch IS NOT NULL AND cur.epoch <> p_epoch THEN
+    RETURN QUERY SELECT 'epoch_mismatch'::text, cur.owner, cur.epoch, cur.expires_at, NULL::timestamptz, now_at;
+    RETURN;
+  END IF;
+  IF cur.handoff_requested_at IS NULL THEN
+    UPDATE @extschema@."pg_lease_django_lease" l SET handoff_requested_at = now_at WHERE l.key = p_key;
+  END IF;
+  RETURN QUERY SELECT 'ok'::text, cur.owner, cur.epoch, cur.expires_at,
+                      coalesce(cur.handoff_requested_at, now_at), now_at;
+END $$;
+
+-- ================================================================================================
+-- Operators
+-- ================================================================================================
+
+-- Force release: free a held or lapsed lease and bump its epoch, fencing whoever held it; for a
+-- human or a script breaking a stuck lease, never for workers. p_expected_epoch (NULL: any) makes
+-- it conditional: refused with 'epoch_mismatch' when the lease moved on since the operator looked.
+-- p_operator (NULL: the database role) is recorded in the history. Outcomes, in this order:
+--   'not_found'      no row: the key was never acquired (epoch = the floor's)
+--   'free'           nothing to release (epoch = the current one)
+--   'epoch_mismatch' p_expected_epoch is not the current epoch (epoch = the current one)
+--   'ok'             released; owner = the former holder, epoch = the new epoch
+-- Locks FOR UPDATE like release. Operators only: revoked from PUBLIC.
+CREATE FUNCTION @extschema@.pg_lease_force_release(p_key text, p_expected_epoch bigint, p_operator text)
+RETURNS TABLE (outcome text, owner text, epoch bigint, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  cur record;
+BEGIN
+  PERFORM @extschema@.pg_lease_check_name('key', p_key);
+  IF p_expected_epoch IS NOT NULL THEN
+    PERFORM @extschema@.pg_lease_check_epoch(p_expected_epoch);
+  END IF;
+  IF p_operator IS NOT NULL THEN
+    PERFORM @extschema@.pg_lease_check_name('operator', p_operator);
+  END IF;
+  PERFORM set_config('synchronous_commit', 'on', true);
+  SELECT l.owner, l.epoch INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR UPDATE;
+  IF NOT FOUND THEN
+    RETURN QUERY SELECT 'not_found'::text, NULL::text, (SELECT f.floor FROM @extschema@."pg_lease_django_epoch_floor" f), clock_timestamp();
+    RETURN;
+  END IF;
+  IF cur.owner IS NULL THEN
+    RETURN QUERY SELECT 'free'::text, NULL::text, cur.epoch, clock_timestamp();
+    RETURN;
+  END IF;
+  IF p_expected_epoch IS NOT NULL AND cur.epoch <> p_expected_epoch THEN
+    RETURN QUERY SELECT 'epoch_mismatch'::text, cur.owner, cur.epoch, clock_timestamp();
+    RETURN;
+  END IF;
+  UPDATE @extschema@."pg_lease_django_lease" l SET owner = NULL, epoch = l.epoch + 1, acquired_at = NULL, expires_at = NULL,
+                   released_at = clock_timestamp()
+   WHERE l.key = p_key;
+  -- The history trigger recorded a release (or a lapse); say who forced it. Only this function can:
+  -- nothing a caller sets makes the trigger record a force release.
+  UPDATE @extschema@."pg_lease_django_tenure" r SET end_reason = CASE WHEN r.end_reason = 'lapsed' THEN 'lapsed' ELSE 'force_released' END,
+                   ended_by = coalesce(p_operator, session_user::text)
+   WHERE r.key = p_key AND r.epoch = cur.epoch AND r.ended_at IS NOT NULL;
+  PERFORM @extschema@.pg_lease_wake_waiters(p_key);
+  RETURN QUERY SELECT 'ok'::text, cur.owner, cur.epoch + 1, clock_timestamp();
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_force_release(text, bigint, text) FROM PUBLIC;
+
+-- Force release, recording the database role as the operator (see the three-argument form).
+CREATE FUNCTION @extschema@.pg_lease_force_release(p_key text, p_expected_epoch bigint)
+RETURNS TABLE (outcome text, owner text, epoch bigint, server_time timestamptz)
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+  SELECT * FROM @extschema@.pg_lease_force_release(p_key, p_expected_epoch, NULL::text)
+$$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_force_release(text, bigint) FROM PUBLIC;
+
+-- Prune: delete the rows of leases free (released, or lapsed) for at least p_free_for, raising the
+-- floor to their highest epoch first, in this transaction. Rows locked right now are skipped. With
+-- p_dry_run, only lists what would go. Operators only: revoked from PUBLIC.
+CREATE FUNCTION @extschema@.pg_lease_prune(p_free_for interval, p_dry_run boolean DEFAULT false)
+RETURNS TABLE (key text, epoch bigint)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  cutoff timestamptz;
+  doomed text[];
+  top bigint;
+BEGIN
+  IF p_free_for IS NULL OR extract(year FROM p_free_for) <> 0 OR extract(month FROM p_free_for) <> 0
+     OR extract(epoch FROM p_free_for) < 0 THEN
+    RAISE EXCEPTION 'invalid_input: free_for must be a non-negative duration without months, got %', p_free_for
+      USING ERRCODE = '22023';
+  END IF;
+  PERFORM set_config('synchronous_commit', 'on', true);
+  cutoff := clock_timestamp() - make_interval(secs => extract(epoch FROM p_free_for)::double precision);
+  IF p_dry_run THEN
+    RETURN QUERY SELECT l.key, l.epoch FROM @extschema@."pg_lease_django_lease" l
+      WHERE (l.owner IS NULL AND l.released_at <= cutoff) OR (l.owner IS NOT NULL AND l.expires_at <= cutoff)
+      ORDER BY l.key;
+    RETURN;
+  END IF;
+  -- The floor first, then the rows: the order acquire's insert path takes them in (no deadlock).
+  PERFORM 1 FROM @extschema@."pg_lease_django_epoch_floor" f FOR UPDATE;
+  SELECT array_agg(d.key), max(d.epoch) INTO doomed, top
+    FROM (SELECT l.key, l.epoch FROM @extschema@."pg_lease_django_lease" l
+           WHERE (l.owner IS NULL AND l.released_at <= cutoff) OR (l.owner IS NOT NULL AND l.expires_at <= cutoff)
+           FOR UPDATE SKIP LOCKED) d;
+  IF doomed IS NULL THEN
+    RETURN;
+  END IF;
+  UPDATE @extschema@."pg_lease_django_epoch_floor" f SET floor = greatest(f.floor, top);
+  RETURN QUERY DELETE FROM @extschema@."pg_lease_django_lease" l WHERE l.key = ANY (doomed) RETURNING l.key, l.epoch;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_prune(interval, boolean) FROM PUBLIC;
+
+-- Advance every epoch and the floor by p_by, in one transaction. The floor is locked first, then
+-- every row (FOR UPDATE: waits for acquires, renewals, releases and fenced writes in flight, whose
+-- fence checks lock rows FOR KEY SHARE), the order acquire's insert path and prune take them in.
+-- Refuses (SQLSTATE 22023) a p_by outside 1..4611686018427387904, and (22003, numeric_value_out_of_range)
+-- an advance that would leave an epoch or the floor above 4611686018427387904: nothing is changed then.
+-- Returns one row: the rows advanced, how many of them were held (their holders are now fenced),
+-- the new floor and the new highest epoch (the floor when there is no row). p_dry_run: change nothing.
+CREATE FUNCTION @extschema@.pg_lease_advance_epochs(p_by bigint, p_dry_run boolean DEFAULT false)
+RETURNS TABLE (leases bigint, held bigint, epoch_floor bigint, max_epoch bigint, server_time timestamptz)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+  old_floor bigint;
+  top bigint;
+  n_rows bigint;
+  n_held bigint;
+  now_at timestamptz;
+BEGIN
+  IF p_by IS NULL OR p_by < 1 OR p_by > 4611686018427387904 THEN
+    RAISE EXCEPTION 'invalid_input: by must be between 1 and 4611686018427387904, got %', p_by
+      USING ERRCODE = '22023';
+  END IF;
+  PERFORM set_config('synchronous_commit', 'on', true);
+  IF p_dry_run THEN
+    SELECT f.floor INTO old_floor FROM @extschema@."pg_lease_django_epoch_floor" f;
+  ELSE
+    SELECT f.floor INTO old_floor FROM @extschema@."pg_lease_django_epoch_floor" f FOR UPDATE;
+    PERFORM 1 FROM @extschema@."pg_lease_django_lease" l ORDER BY l.key FOR UPDATE;
+  END IF;
+  now_at := clock_timestamp();
+  SELECT count(*), count(*) FILTER (WHERE @extschema@.pg_lease_status(l.owner, l.expires_at, now_at) = 'held'),
+         greatest(max(l.epoch), old_floor)
+    INTO n_rows, n_held, top FROM @extschema@."pg_lease_django_lease" l;
+  IF top > 4611686018427387904 - p_by THEN
+    RAISE EXCEPTION 'epoch_overflow: advancing by % would raise epoch % to %, above the limit 4611686018427387904',
+                    p_by, top, top::numeric + p_by
+      USING ERRCODE = '22003', HINT = 'Advance by less: nothing was changed.';
+  END IF;
+  IF NOT p_dry_run THEN
+    UPDATE @extschema@."pg_lease_django_epoch_floor" f SET floor = f.floor + p_by;
+    UPDATE @extschema@."pg_lease_django_lease" l SET epoch = l.epoch + p_by;
+  END IF;
+  RETURN QUERY SELECT n_rows, n_held, old_floor + p_by, top + p_by, now_at;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_advance_epochs(bigint, boolean) FROM PUBLIC;
+
+-- ================================================================================================
+-- Fencing
+-- ================================================================================================
+
+-- The fence check. Returns 'ok', 'not_owner', 'lapsed' or 'epoch_mismatch' and never raises for a
+-- stale fence, so a guarded write can put it in its WHERE clause without aborting the caller's
+-- transaction: UPDATE ... WHERE (SELECT pg_lease_fence(k, o, e)) = 'ok' (an uncorrelated sub-select
+-- runs once per statement, before any row is touched).
+-- * An unlocked look first: a stale fence (the common rejection) takes no lock and never waits.
+-- * On 'ok' the lease row stays locked FOR KEY SHARE until the transaction ends: the holder's
+--   renewals (FOR NO KEY UPDATE) go on, a takeover or a release (FOR UPDATE) waits for it.
+-- * A fence that looks lapsed while its renewal may still be committing (decided before expiry,
+--   not yet visible) waits for that renewal before answering, so a fence never answers 'lapsed'
+--   and later 'ok'. The wait takes FOR SHARE (which conflicts with the renewal's lock) inside a
+--   subtransaction that is always rolled back: nothing stays locked by the wait.
+-- * On 'ok' the presented fence is recorded for this transaction in pg_lease.fences (a JSON object
+--   key -> [owner, epoch]), which the fenced tables' triggers check their rows against. A refused
+--   fence records nothing and leaves no lock, except when the lease changed between the unlocked
+--   look and the lock (then the lock stays until the transaction ends, which a refused writer's
+--   does promptly).
+CREATE FUNCTION @extschema@.pg_lease_fence(p_key text, p_owner text, p_epoch bigint)
+RETURNS text LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  cur record;
+  verdict text;
+BEGIN
+  PERFORM @extschema@.pg_lease_check_name('key', p_key);
+  PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+  PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+  verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+  IF verdict = 'lapsed' AND cur.epoch = p_epoch THEN
+    BEGIN
+      PERFORM 1 FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR SHARE;
+      RAISE EXCEPTION USING ERRCODE = 'PLR01';
+    EXCEPTION WHEN SQLSTATE 'PLR01' THEN
+      NULL;  -- waited for any renewal in flight; the rollback dropped the lock
+    END;
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+    verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+  END IF;
+  IF verdict = 'ok' THEN
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR KEY SHARE;
+    verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
+  END IF;
+  IF verdict = 'ok' THEN
+    PERFORM @extschema@.pg_lease_remember_fence(p_key, p_owner, p_epoch);
+  END IF;
+  RETURN verdict;
+END $$;
+
+-- Why did a guarded statement write nothing? A fresh check of exactly this fence: faithful, since
+-- a refused fence is never accepted later (epochs only grow, a lapsed grant cannot be renewed, and
+-- a fence waits for a renewal in flight before answering 'lapsed').
+CREATE FUNCTION @extschema@.pg_lease_fence_outcome(p_key text, p_owner text, p_epoch bigint)
+RETURNS text LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT @extschema@.pg_lease_fence(p_key, p_owner, p_epoch) $$;
+
+-- Present a fence (the raising form, for raw SQL): returns p_epoch, so a write can both present the
+-- fence and record it in one expression: SET lease_epoch = (SELECT pg_lease_check_fence(k, o, e)).
+-- Raises PL001 not_owner, PL002 lapsed, PL003 epoch_mismatch; DETAIL carries the fence as JSON.
+CREATE FUNCTION @extschema@.pg_lease_check_fence(p_key text, p_owner text, p_epoch bigint)
+RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  cur record;
+  verdict text;
+BEGIN
+  -- Fast path, the holder presenting its live fence: an unlocked look (a stale fence takes no lock
+  -- and writes nothing), then the lock and the decision. The match itself validates the inputs.
+  -- Anything else takes pg_lease_fence's way: input checks, a renewal in flight awaited, the cause.
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+  IF @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR KEY SHARE;
+    IF @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
+      PERFORM @extschema@.pg_lease_remember_fence(p_key, p_owner, p_epoch);
+      RETURN p_epoch;
+    END IF;
+  END IF;
+  verdict := @extschema@.pg_lease_fence(p_key, p_owner, p_epoch);
+  IF verdict = 'ok' THEN
+    RETURN p_epoch;
+  END IF;
+  PERFORM @extschema@.pg_lease_refuse(verdict, p_key, p_owner, p_epoch,
+                          format('lease %s is not held by %s at epoch %s', p_key, p_owner, p_epoch));
+  RETURN NULL;
+END $$;
+
+-- Record a fence that holds as presented by this transaction (pg_lease.fences, a JSON object
+-- key -> [owner, epoch]): what the fenced tables' triggers check their rows against. No SET
+-- search_path (it costs a configuration switch per call on the hot path): its callers pin theirs,
+-- it names only exact-typed built-ins, and called directly it only sets the caller's own setting.
+CREATE FUNCTION @extschema@.pg_lease_remember_fence(p_key text, p_owner text, p_epoch bigint)
+RETURNS void LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+  fences jsonb := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
+BEGIN
+  IF fences -> p_key IS DISTINCT FROM jsonb_build_array(p_owner, p_epoch) THEN
+    PERFORM set_config('pg_lease.fences',
+                       jsonb_set(fences, ARRAY[p_key], jsonb_build_array(p_owner, p_epoch))::text, true);
+  END IF;
+END $$;
+
+-- The one way a fenced write is refused: SQLSTATE by cause, DETAIL = {key, owner, epoch} as JSON
+-- (what the Python side turns into a typed error), HINT = what the writer does next.
+CREATE FUNCTION @extschema@.pg_lease_refuse(p_verdict text, p_key text, p_owner text, p_epoch bigint, p_message text)
+RETURNS void LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  RAISE EXCEPTION '%: %', p_verdict, p_message
+    USING ERRCODE = CASE p_verdict WHEN 'not_owner' THEN 'PL001' WHEN 'lapsed' THEN 'PL002'
+                                   WHEN 'epoch_mismatch' THEN 'PL003' ELSE 'PL004' END,
+          DETAIL = json_build_object('key', p_key, 'owner', p_owner, 'epoch', p_epoch)::text,
+          HINT = CASE p_verdict WHEN 'unfenced'
+            THEN 'Present the lease: SELECT pg_lease_check_fence(key, owner, epoch) in this transaction.'
+            ELSE 'The lease was lost: stop acting on its behalf, or re-acquire it (new epoch) to continue.' END;
+END $$;
+
+-- The explicit opt-out: fenced tables accept this transaction's writes without a fence (data
+-- repair, fixtures, admin edits). Revoked from PUBLIC; the triggers also check the writer may run
+-- it, so setting pg_lease.unfenced by hand gives nothing to a role that was not granted it.
+CREATE FUNCTION @extschema@.pg_lease_allow_unfenced()
+RETURNS boolean LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT set_config('pg_lease.unfenced', 'on', true) = 'on' $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_allow_unfenced() FROM PUBLIC;
+
+CREATE FUNCTION @extschema@.pg_lease_unfenced_allowed()
+RETURNS boolean LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+  SELECT current_setting('pg_lease.unfenced', true) = 'on'
+     AND has_function_privilege('@extschema@.pg_lease_allow_unfenced()', 'EXECUTE')
+$$;
+
+-- Check one lease key written by a statement: the transaction presented a fence for it, and that
+-- fence holds now (locking the lease row FOR KEY SHARE until the transaction ends).
+CREATE FUNCTION @extschema@.pg_lease_guard_key(p_key text, p_fences jsonb, p_table text)
+RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  presented jsonb := p_fences -> p_key;
+  cur record;
+  verdict text;
+BEGIN
+  IF p_key IS NULL THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
+                            format('a row of %s names no lease key', p_table));
+  END IF;
+  IF presented IS NULL THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
+                            format('%s rows guarded by lease %s were written without a fence for it', p_table, p_key));
+  END IF;
+  -- One locked read decides the usual case (the fence was presented moments ago, and this
+  -- transaction may already hold the lock); otherwise pg_lease_fence gives the exact cause.
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR KEY SHARE;
+  verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, presented ->> 0,
+                                  (presented ->> 1)::bigint, clock_timestamp());
+  IF verdict <> 'ok' THEN
+    verdict := @extschema@.pg_lease_fence(p_key, presented ->> 0, (presented ->> 1)::bigint);
+  END IF;
+  IF verdict <> 'ok' THEN
+    PERFORM @extschema@.pg_lease_refuse(verdict, p_key, presented ->> 0, (presented ->> 1)::bigint,
+                            format('lease %s is not held by %s at epoch %s', p_key, presented ->> 0, presented ->> 1));
+  END IF;
+  RETURN (presented ->> 1)::bigint;
+END $$;
+
+-- Trigger of a fenced table (one carrying lease_key and lease_epoch), after each INSERT, UPDATE
+-- and DELETE statement, over its transition tables: every lease key the statement wrote or
+-- removed (old and new keys: moving a row to another lease needs both) has a live fence in this
+-- transaction; every written row records that fence's epoch; no row's epoch goes backwards.
+-- Once per statement, not per row: all or nothing, and cheap for large writes.
+CREATE FUNCTION @extschema@.pg_lease_guard_rows()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  fences jsonb;
+  r record;
+  epoch bigint;
+  rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
+BEGIN
+  IF current_setting('pg_lease.unfenced', true) = 'on' AND @extschema@.pg_lease_unfenced_allowed() THEN
+    RETURN NULL;
+  END IF;
+  fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
+  IF TG_OP = 'INSERT' THEN
+    FOR r IN SELECT n.lease_key AS key, NULL::bigint AS old_max, min(n.lease_epoch) AS new_min,
+                    max(n.lease_epoch) AS new_max, count(*) - count(n.lease_epoch) AS new_nulls
+               FROM pg_lease_new n GROUP BY n.lease_key LOOP
+      epoch := @extschema@.pg_lease_guard_key(r.key, fences, rows_table);
+      IF r.new_nulls > 0 OR r.new_min <> epoch OR r.new_max <> epoch THEN
+        PERFORM @extschema@.pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
+          format('%s rows must record lease_epoch %s, the epoch of the fence presented for lease %s',
+                 rows_table, epoch, r.key));
+      END IF;
+    END LOOP;
+  ELSIF TG_OP = 'UPDATE' THEN
+    FOR r IN SELECT k.key, max(k.old_epoch) AS old_max, min(k.new_epoch) AS new_min,
+                    max(k.new_epoch) AS new_max, count(*) FILTER (WHERE k.is_new AND k.new_epoch IS NULL) AS new_nulls,
+                    count(*) FILTER (WHERE k.is_new) AS new_rows
+               FROM (SELECT o.lease_key AS key, o.lease_epoch AS old_epoch, NULL::bigint AS new_epoch, false AS is_new
+                       FROM pg_lease_old o
+                     UNION ALL
+                     SELECT n.lease_key, NULL, n.lease_epoch, true FROM pg_lease_new n) k
+              GROUP BY k.key LOOP
+      IF r.key IS NULL AND r.new_rows = 0 THEN
+        CONTINUE;  -- rows stored before they named a lease (upgraded tables) may take a key
+      END IF;
+      epoch := @extschema@.pg_lease_guard_key(r.key, fences, rows_table);
+      IF r.new_nulls > 0 OR r.new_min <> epoch OR r.new_max <> epoch THEN
+        PERFORM @extschema@.pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
+          format('%s rows must record lease_epoch %s, the epoch of the fence presented for lease %s',
+                 rows_table, epoch, r.key));
+      END IF;
+      IF r.old_max > epoch THEN
+        PERFORM @extschema@.pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
+          format('%s rows of lease %s were written at epoch %s, above the fence''s %s: row epochs never go backwards',
+                 rows_table, r.key, r.old_max, epoch));
+      END IF;
+    END LOOP;
+  ELSE  -- DELETE
+    FOR r IN SELECT o.lease_key AS key, max(o.lease_epoch) AS old_max FROM pg_lease_old o GROUP BY o.lease_key LOOP
+      epoch := @extschema@.pg_lease_guard_key(r.key, fences, rows_table);
+      IF r.old_max > epoch THEN
+        PERFORM @extschema@.pg_lease_refuse('epoch_mismatch', r.key, fences -> r.key ->> 0, epoch,
+          format('%s rows of lease %s were written at epoch %s, above the fence''s %s',
+                 rows_table, r.key, r.old_max, epoch));
+      END IF;
+    END LOOP;
+  END IF;
+  RETURN NULL;
+END $$;
+
+-- Trigger of a multi-table-inheritance child of a fenced model: its rows carry no lease columns,
+-- so their keys are read from the fenced ancestor's table, joined on the shared primary key
+-- (TG_ARGV: the ancestor table, its primary key column, this table's primary key column). The
+-- epoch is recorded and checked on the ancestor's row; here, every key needs a live fence.
+CREATE FUNCTION @extschema@.pg_lease_guard_inherited_rows()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  fences jsonb;
+  k text;
+  rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
+  rows_sql text;
+BEGIN
+  IF current_setting('pg_lease.unfenced', true) = 'on' AND @extschema@.pg_lease_unfenced_allowed() THEN
+    RETURN NULL;
+  END IF;
+  fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
+  rows_sql := CASE TG_OP WHEN 'INSERT' THEN format('SELECT %I AS pk FROM pg_lease_new', TG_ARGV[2])
+                         WHEN 'DELETE' THEN format('SELECT %I AS pk FROM pg_lease_old', TG_ARGV[2])
+                         ELSE format('SELECT %1$I AS pk FROM pg_lease_old UNION SELECT %1$I FROM pg_lease_new',
+                                     TG_ARGV[2]) END;
+  FOR k IN EXECUTE format('SELECT DISTINCT a.lease_key FROM (%s) r LEFT JOIN %s a ON a.%I = r.pk',
+                          rows_sql, TG_ARGV[0], TG_ARGV[1]) LOOP
+    PERFORM @extschema@.pg_lease_guard_key(k, fences, rows_table);
+  END LOOP;
+  RETURN NULL;
+END $$;
+
+-- TRUNCATE of a fenced table: refused, like any unfenced write, unless this transaction opted
+-- out or the database allows truncation (test databases, as for the lease table).
+CREATE FUNCTION @extschema@.pg_lease_guard_truncate()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF @extschema@.pg_lease_unfenced_allowed()
+     OR (current_setting('pg_lease.allow_truncate', true) = 'on'
+         AND has_function_privilege('@extschema@.pg_lease_allow_unfenced()', 'EXECUTE')) THEN
+    RETURN NULL;
+  END IF;
+  PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
+                          format('TRUNCATE of fenced table %I.%I without opting out', TG_TABLE_SCHEMA, TG_TABLE_NAME));
+  RETURN NULL;
+END $$;
+
+-- ================================================================================================
+-- The lease table's guards
+-- ================================================================================================
+
+-- The lease table's DELETE guard: a row may go only when it is not held and the floor already
+-- covers its epoch, whoever deletes it (deleting one would otherwise restart its epoch and un-fence
+-- every stale holder). TRUNCATE (what `manage.py flush` and Django's TransactionTestCase run) is
+-- refused too, unless the session or database sets pg_lease.allow_truncate = on (test databases).
+CREATE FUNCTION @extschema@.pg_lease_forbid_delete()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF TG_OP = 'TRUNCATE' THEN
+    IF current_setting('pg_lease.allow_truncate', true) = 'on'
+       AND has_function_privilege('@extschema@.pg_lease_allow_unfenced()', 'EXECUTE') THEN
+      RETURN NULL;
+    END IF;
+    RAISE EXCEPTION 'lease rows are never deleted (TRUNCATE would reset every epoch)'
+      USING ERRCODE = '23001',
+            HINT = 'Release leases instead. Test databases may SET pg_lease.allow_truncate = on.';
+  END IF;
+  IF @extschema@.pg_lease_status(OLD.owner, OLD.expires_at, clock_timestamp()) <> 'held'
+     AND (SELECT f.floor FROM @extschema@."pg_lease_django_epoch_floor" f) >= OLD.epoch THEN
+    RETURN OLD;
+  END IF;
+  RAISE EXCEPTION 'a lease row may be deleted only when it is not held and the epoch floor covers it '
+                  '(pg_lease_prune does both; deleting % would reset its epoch)', OLD.key
+    USING ERRCODE = '23001', HINT = 'Release the lease instead, or prune leases free for long enough.';
+END $$;
+
+CREATE TRIGGER pg_lease_forbid_delete BEFORE DELETE ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW EXECUTE FUNCTION @extschema@.pg_lease_forbid_delete();
+
+CREATE TRIGGER pg_lease_forbid_truncate BEFORE TRUNCATE ON @extschema@."pg_lease_django_lease"
+  FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.pg_lease_forbid_delete();
+
+-- The lease table guards itself, whoever writes it: an UPDATE may never lower an epoch, change
+-- the key, or hand the lease to another owner without raising the epoch (that would make a stale
+-- fence current again). Checked in the trigger's WHEN clause, so legal updates call no function.
+CREATE FUNCTION @extschema@.pg_lease_forbid_rewrite()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  RAISE EXCEPTION 'lease rows keep their key, and their epoch only grows, with each new owner '
+                  '(lease %: epoch % -> %, owner % -> %)', OLD.key, OLD.epoch, NEW.epoch, OLD.owner, NEW.owner
+    USING ERRCODE = '23514',
+          HINT = 'Use the lease functions (pg_lease_acquire, pg_lease_release, pg_lease_force_release).';
+END $$;
+
+CREATE TRIGGER pg_lease_forbid_rewrite BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW
+  WHEN (NEW.key <> OLD.key OR NEW.epoch < OLD.epoch
+        OR (NEW.owner IS DISTINCT FROM OLD.owner AND NEW.epoch = OLD.epoch))
+  EXECUTE FUNCTION @extschema@.pg_lease_forbid_rewrite();
+
+-- A lease row may be inserted only above the floor, whoever inserts it: a pruned key must not come
+-- back below its past (acquire starts new keys at floor + 1).
+CREATE FUNCTION @extschema@.pg_lease_insert_above_floor()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF NEW.epoch <= (SELECT f.floor FROM @extschema@."pg_lease_django_epoch_floor" f) THEN
+    RAISE EXCEPTION 'lease % may not start at epoch %: the epoch floor is above it', NEW.key, NEW.epoch
+      USING ERRCODE = '23514', HINT = 'Acquire the lease instead (pg_lease_acquire).';
+  END IF;
+  RETURN NEW;
+END $$;
+
+CREATE TRIGGER pg_lease_insert_above_floor BEFORE INSERT ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW EXECUTE FUNCTION @extschema@.pg_lease_insert_above_floor();
+
+-- Judged under the row lock. PostgreSQL evaluates an UPDATE's WHERE before it locks the row: when the
+-- row was *changed* meanwhile, READ COMMITTED judges it again on the new version, but when it was
+-- only *locked* meanwhile (SELECT ... FOR UPDATE by anyone, a force release that found nothing to
+-- do), nothing is judged again, and the lease may have lapsed while the call waited. Row triggers
+-- run once the row is locked: this one reads the clock there and skips the row (the UPDATE then
+-- finds nothing) when a renewal (same epoch, later expiry) or a release (released_at = -infinity,
+-- replaced by the clock read) meets a lease that has lapsed, whoever sends it: a plain UPDATE can
+-- no longer bring back a lapsed epoch either. It also stamps acquire's grants (see pg_lease_acquire).
+-- tests/test_judged_under_lock.py forces each interleaving.
+CREATE FUNCTION @extschema@.pg_lease_recheck_under_lock()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  now_at timestamptz := clock_timestamp();
+BEGIN
+  IF NEW.acquired_at = '-infinity' THEN  -- a grant by pg_lease_acquire: expiry = this clock read + TTL
+    NEW.expires_at := now_at + make_interval(secs => extract(epoch FROM NEW.expires_at)::double precision);
+    NEW.acquired_at := now_at;
+    RETURN NEW;
+  END IF;
+  IF OLD.expires_at <= now_at THEN
+    RETURN NULL;  -- it lapsed before the row lock was granted: refused, nothing written
+  END IF;
+  NEW.released_at := CASE WHEN NEW.released_at = '-infinity' THEN now_at ELSE NEW.released_at END;
+  RETURN NEW;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_recheck_under_lock() FROM PUBLIC;
+
+-- After the row lock is granted (row triggers run then), with the clock read there.
+CREATE TRIGGER pg_lease_recheck_under_lock BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW
+  WHEN ((NEW.epoch = OLD.epoch AND NEW.expires_at > OLD.expires_at AND OLD.expires_at <= clock_timestamp())
+        OR NEW.released_at = '-infinity' OR NEW.acquired_at = '-infinity')
+  EXECUTE FUNCTION @extschema@.pg_lease_recheck_under_lock();
+
+-- The floor only grows, and is never deleted: either would let a pruned key restart below its past.
+-- (A test database, which may truncate the lease table anyway, may also lower it: allow_truncate,
+-- for a role that may opt out of fencing, as for the fenced tables' TRUNCATE.)
+CREATE FUNCTION @extschema@.pg_lease_forbid_floor_change()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  RAISE EXCEPTION 'the epoch floor only grows and is never deleted' USING ERRCODE = '23514';
+END $$;
+
+CREATE TRIGGER pg_lease_floor_only_grows BEFORE UPDATE ON @extschema@."pg_lease_django_epoch_floor"
+  FOR EACH ROW WHEN ((NEW.floor < OLD.floor
+                     AND NOT (current_setting('pg_lease.allow_truncate', true) = 'on'
+                              AND has_function_privilege('@extschema@.pg_lease_allow_unfenced()', 'EXECUTE')))
+                    OR NEW.one IS DISTINCT FROM OLD.one)
+  EXECUTE FUNCTION @extschema@.pg_lease_forbid_floor_change();
+
+CREATE TRIGGER pg_lease_floor_kept BEFORE DELETE OR TRUNCATE ON @extschema@."pg_lease_django_epoch_floor"
+  FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.pg_lease_forbid_floor_change();
+
+-- ================================================================================================
+-- History
+-- ================================================================================================
+
+-- Record a transition of a lease row in its tenures, and clear a hand-off request on every change
+-- of epoch. Runs as the owner (the lease functions do too), in the statement of the transition.
+CREATE FUNCTION @extschema@.pg_lease_record_transition()
+RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  row_key text;
+  now_at timestamptz;
+  reason text;
+  ended timestamptz;
+  by_whom text;
+BEGIN
+  IF TG_OP = 'UPDATE' THEN
+    NEW.handoff_requested_at := NULL;
+    row_key := NEW.key;
+  ELSIF TG_OP = 'INSERT' THEN
+    row_key := NEW.key;
+  ELSE
+    row_key := OLD.key;
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM @extschema@."pg_lease_django_history_scope" h WHERE left(row_key, length(h.prefix)) = h.prefix) THEN
+    RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
+  END IF;
+
+  IF TG_OP <> 'INSERT' AND OLD.owner IS NOT NULL THEN  -- the tenure of OLD ends here
+    now_at := CASE WHEN NEW.owner IS NULL THEN coalesce(NEW.released_at, clock_timestamp())  -- a release
+                   WHEN NEW.acquired_at IS DISTINCT FROM OLD.acquired_at THEN NEW.acquired_at  -- a grant
+                   ELSE clock_timestamp() END;  -- an epoch advance
+    IF TG_OP = 'DELETE' OR OLD.expires_at <= now_at THEN
+      -- It had lapsed: it ended at its expiry, whatever cleared the row (a take-over: by the new
+      -- owner; a prune, an epoch advance: nobody; a force release: pg_lease_force_release adds who).
+      reason := 'lapsed'; ended := OLD.expires_at;
+      by_whom := CASE WHEN TG_OP = 'UPDATE' AND NEW.owner IS DISTINCT FROM OLD.owner THEN NEW.owner END;
+    ELSIF NEW.owner IS NULL THEN  -- a release (pg_lease_force_release relabels its own afterwards)
+      reason := CASE WHEN OLD.handoff_requested_at IS NOT NULL THEN 'handed_off' ELSE 'released' END;
+      ended := now_at; by_whom := OLD.owner;
+    ELSIF NEW.acquired_at IS NOT DISTINCT FROM OLD.acquired_at THEN  -- epochs advanced under it
+      reason := 'epochs_advanced'; ended := now_at; by_whom := session_user;
+    ELSE
+      reason := 'reacquired'; ended := NEW.acquired_at; by_whom := NEW.owner;
+    END IF;
+    UPDATE @extschema@."pg_lease_django_tenure" r SET ended_at = ended, end_reason = reason, ended_by = by_whom
+     WHERE r.key = OLD.key AND r.epoch = OLD.epoch AND r.ended_at IS NULL;
+  END IF;
+
+  IF TG_OP <> 'DELETE' AND NEW.owner IS NOT NULL
+     AND (TG_OP = 'INSERT' OR NEW.acquired_at IS DISTINCT FROM OLD.acquired_at) THEN  -- a grant
+    INSERT INTO @extschema@."pg_lease_django_tenure" (key, epoch, owner, granted_at) VALUES (NEW.key, NEW.epoch, NEW.owner, NEW.acquired_at);
+  END IF;
+  RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_record_transition() FROM PUBLIC;
+
+CREATE TRIGGER pg_lease_record_grant AFTER INSERT ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW WHEN (NEW.owner IS NOT NULL) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
+
+CREATE TRIGGER pg_lease_record_transition BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW WHEN (NEW.epoch IS DISTINCT FROM OLD.epoch) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
+
+CREATE TRIGGER pg_lease_record_prune AFTER DELETE ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW WHEN (OLD.owner IS NOT NULL) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
+
