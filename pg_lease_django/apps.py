@@ -14,4 +14,5 @@ class PgLeaseConfig(AppConfig):
         from . import checks, history
 
         checks.register()
+        checks.register_without_database_option()
         post_migrate.connect(history.sync_after_migrate, sender=self, dispatch_uid="pg_lease_django.history")

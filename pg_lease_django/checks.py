@@ -343,3 +343,82 @@ def register() -> None:
     checks.register(check_lease_migrations_are_complete, checks.Tags.database)
     checks.register(check_history_scope_is_current, checks.Tags.database)
     checks.register(check_fence_triggers_are_current, checks.Tags.database)
+
+
+# ---- plain `check`: the lease database's checks, when that database answers at once ------------
+
+#: The longest wait (seconds) of plain ``check`` for the lease database before it says nothing.
+PROBE_CONNECT_TIMEOUT = 2
+
+
+def check_lease_database_without_database_option(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """pg_lease_django.W007: the lease database is not migrated; in plain ``check``, also W002, W004-W006.
+
+    Django runs database checks only for ``check --database`` and ``migrate``, so a plain ``check``
+    (and ``runserver``, ``makemigrations``, every command that runs the checks) said "no issues" on
+    a database without the lease tables, or after ``PG_LEASE_HISTORY`` changed. This check runs
+    when no ``databases`` are given, and only then (with them, W002-W006 run themselves, and
+    ``migrate`` is the cure for W007): if Django's connection to the lease database is not open
+    yet, a connection of its own must open within `PROBE_CONNECT_TIMEOUT` seconds, or the check
+    says nothing (a build step without a database, a server still starting). Then the lease
+    database's checks run on Django's connection, which is closed again if they opened it.
+    """
+    if databases is not None:
+        return []
+    alias = router.db_for_write(apps.get_model("pg_lease_django", "Lease"))
+    connection = connections[alias]
+    opened = connection.connection is None
+    if connection.vendor != "postgresql" or (opened and not _answers_at_once(connection)):
+        return []
+    from django.db.migrations.recorder import MigrationRecorder
+
+    try:
+        recorder = MigrationRecorder(connection)
+        if not recorder.has_table() or not any(app == "pg_lease_django" for app, _ in recorder.applied_migrations()):
+            return [
+                checks.Warning(
+                    f"database {alias!r} holds no lease tables: pg_lease_django is not migrated there, so every "
+                    "lease call and `manage.py leases` will fail.",
+                    hint=f"Run: manage.py migrate pg_lease_django --database {alias} (or a plain migrate).",
+                    id="pg_lease_django.W007",
+                )
+            ]
+        found: list[checks.CheckMessage] = []
+        for check in (
+            check_lease_table_is_reachable,
+            check_lease_migrations_are_complete,
+            check_history_scope_is_current,
+            check_fence_triggers_are_current,
+        ):
+            found += check(app_configs, databases=[alias])
+        return found
+    except DatabaseError:
+        return []  # `check --database` runs the same checks and lets the error through
+    finally:
+        if opened and not connection.in_atomic_block:
+            connection.close()
+
+
+def _answers_at_once(connection: Any) -> bool:
+    """Whether a connection with ``connection``'s settings opens within `PROBE_CONNECT_TIMEOUT` seconds."""
+    import psycopg
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        params = connection.get_connection_params()
+    except ImproperlyConfigured:
+        return False  # Django says so at the first query
+    timeout = int(params.get("connect_timeout") or PROBE_CONNECT_TIMEOUT)
+    params["connect_timeout"] = max(1, min(timeout, PROBE_CONNECT_TIMEOUT))
+    try:
+        psycopg.connect(**params).close()
+    except psycopg.Error:
+        return False
+    return True
+
+
+def register_without_database_option() -> None:
+    """Register W007 (no tag: it runs in plain ``check``, unlike the ``database``-tagged ones)."""
+    checks.register(check_lease_database_without_database_option)

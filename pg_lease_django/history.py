@@ -8,6 +8,7 @@ too. ``migrate`` copies it there (a ``post_migrate`` receiver); check ``pg_lease
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
@@ -61,9 +62,21 @@ def sync_scope(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...]:
     return prefixes
 
 
-def sync_after_migrate(using: str = DEFAULT_DB_ALIAS, **kwargs: Any) -> None:
-    """``post_migrate`` receiver: copy the setting into each database the lease app is migrated in."""
+def sync_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:
+    """``post_migrate`` receiver: copy the setting into each database the lease app is migrated in.
+
+    When that changes what the database records, ``migrate`` says so (verbosity 1 and up): its own
+    "No migrations to apply" would leave a changed ``PG_LEASE_HISTORY`` looking ignored.
+    """
     from .models import Lease
 
-    if router.allow_migrate_model(using, Lease) and _scope_table(using) is not None:
-        sync_scope(using)
+    if not router.allow_migrate_model(using, Lease) or _scope_table(using) is None:
+        return
+    before = recorded_prefixes(using)
+    after = sync_scope(using)
+    if verbosity >= 1 and before != after:
+        stdout = kwargs.get("stdout") or sys.stdout
+        stdout.write(
+            f"  pg_lease_django: database {using!r} now records the lease history of keys starting with "
+            f"{list(after)!r} (PG_LEASE_HISTORY; it recorded {list(before or ())!r})\n"
+        )

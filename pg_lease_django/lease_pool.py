@@ -95,7 +95,7 @@ class LeaseConnection:
     """
 
     def __init__(self, alias: str, *, io_timeout: float) -> None:
-        source = connections[alias].settings_dict  # the test database's name during tests
+        source = operations.require_postgresql(connections[alias]).settings_dict  # the test database's name in tests
         options: dict[str, Any] = dict(source.get("OPTIONS") or {})
         settings = {**source, "OPTIONS": options, "AUTOCOMMIT": True, "ATOMIC_REQUESTS": False, "CONN_MAX_AGE": 0}
         options.pop("pool", None)

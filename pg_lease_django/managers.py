@@ -49,7 +49,7 @@ class LeaseManager(models.Manager["Lease"]):
     """
 
     def _connection(self) -> BaseDatabaseWrapper:
-        return connections[self._db or router.db_for_write(self.model)]
+        return operations.require_postgresql(connections[self._db or router.db_for_write(self.model)])
 
     @overload
     def acquire(self, key: str, owner: str, ttl: Seconds, *, blocking: Literal[False] = False) -> Grant | None: ...

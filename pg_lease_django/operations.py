@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import psycopg
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DataError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgreSQLDatabaseWrapper
@@ -230,6 +231,25 @@ class _CallerCommit:
         watch = cls(connection, raw)
         connection._pg_lease_caller_commit = watch  # type: ignore[attr-defined]
         connection.on_commit(watch.check)
+
+
+def require_postgresql(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
+    """``connection``, if it is PostgreSQL's; the lease functions exist nowhere else.
+
+    Where system checks do not run (``manage.py shell``, a script), this names the cause that
+    check ``pg_lease_django.E001`` would have named, instead of the other backend's syntax error.
+
+    Raises:
+        ImproperlyConfigured: ``connection`` is not a PostgreSQL one.
+    """
+    if connection.vendor != "postgresql":
+        raise ImproperlyConfigured(
+            f"leases need PostgreSQL, but database {connection.alias!r} is {connection.vendor} "
+            f"(system check pg_lease_django.E001): use ENGINE 'django.db.backends.postgresql' for "
+            f"DATABASES[{connection.alias!r}], or route the pg_lease_django app to a PostgreSQL database "
+            "(DATABASE_ROUTERS)"
+        )
+    return connection
 
 
 def call(connection: BaseDatabaseWrapper, template: str, params: Sequence[Any]) -> tuple[Any, ...]:

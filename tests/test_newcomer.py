@@ -398,3 +398,92 @@ def test_admin_async_views_and_the_projects_own_tests_in_a_new_startproject(tmp_
     assert lines[0] == "0", lines
     assert [line[0] for line in lines[1:]] == ["1", "2", "3"], lines  # added, changed, deleted
     assert all("Unfenced write from the admin" in line for line in lines[1:]), lines
+
+
+# ---- the first hour's rough edges (issue 28, items 1, 2, 3 and 5), as a newcomer meets them ----------
+
+#: A test module without TEST_RUNNER: its TransactionTestCase takes a lease, so the flush after it is refused.
+UNFLUSHABLE_TESTS = """
+from django.test import TransactionTestCase
+
+from pg_lease_django import Lease
+
+
+class Flushed(TransactionTestCase):
+    def test_acquire(self):
+        self.assertIsNotNone(Lease.objects.acquire("first-hour:flushed", "me", 30))
+"""
+
+SQLITE_SETTINGS = """
+from .settings import *  # noqa: F403
+
+DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": BASE_DIR / "db.sqlite3"}}  # noqa: F405
+"""
+
+
+def stderr_lines(done: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in done.stderr.splitlines() if line.strip()]
+
+
+def test_first_hour_rough_edges_in_a_new_startproject(tmp_path: Path, db_name: str) -> None:
+    ok(run(tmp_path, "-m", "django", "startproject", "mysite"))
+    root = tmp_path / "mysite"
+    ok(run(root, "manage.py", "startapp", "billing"))
+    settings = root / "mysite" / "settings.py"
+    edit_settings(settings, db_name)
+
+    # 1. Before `migrate`: `manage.py leases` says so in one line; plain `check` warns (W007).
+    listed = run(root, "manage.py", "leases", "list")
+    assert listed.returncode == 1, listed
+    assert stderr_lines(listed) == [
+        "CommandError: database error: database 'default' has no lease table (pg_lease_django_lease): "
+        "run `manage.py migrate pg_lease_django --database default`"
+    ], listed.stderr
+    checked = run(root, "manage.py", "check")
+    assert checked.returncode == 0, checked  # a warning, not an error
+    assert "(pg_lease_django.W007) database 'default' holds no lease tables" in checked.stderr, checked.stderr
+    assert "HINT: Run: manage.py migrate pg_lease_django --database default" in checked.stderr, checked.stderr
+    ok(run(root, "manage.py", "migrate"))
+    done = run(root, "manage.py", "check")
+    assert "pg_lease_django" not in ok(done) + done.stderr, done.stderr
+
+    # 2. SQLite as the database, from `manage.py shell` (no checks run): E001's words, no syntax error.
+    (root / "mysite" / "settings_sqlite.py").write_text(SQLITE_SETTINGS, encoding="utf-8")
+    acquire = "from pg_lease_django import Lease; Lease.objects.acquire('first-hour', 'me', 30)"
+    shell = run(root, "manage.py", "shell", "--settings", "mysite.settings_sqlite", "-c", acquire)
+    assert shell.returncode != 0, shell
+    assert "django.core.exceptions.ImproperlyConfigured: leases need PostgreSQL, but database 'default' is sqlite" in (
+        shell.stderr
+    ), shell.stderr
+    assert "pg_lease_django.E001" in shell.stderr and "syntax error" not in shell.stderr, shell.stderr
+
+    # 3. A TransactionTestCase without TEST_RUNNER: the refusal names the runner and the plugin; so does
+    #    `manage.py flush`. With the runner, the same test passes.
+    (root / "billing" / "tests.py").write_text(UNFLUSHABLE_TESTS, encoding="utf-8")
+    tested = run(root, "manage.py", "test", "billing", "--noinput")
+    assert tested.returncode != 0, tested.stdout + tested.stderr
+    assert "pg_lease_django refused the TRUNCATE" in tested.stderr, tested.stderr
+    assert 'TEST_RUNNER = "pg_lease_django.testing.LeaseTestRunner"' in tested.stderr, tested.stderr
+    flushed = run(root, "manage.py", "flush", "--noinput")
+    assert flushed.returncode == 1, flushed
+    assert f"CommandError: Database {db_name} couldn't be flushed: pg_lease_django refused the TRUNCATE" in (
+        flushed.stderr
+    ), flushed.stderr
+    assert "pytest-django" in flushed.stderr, flushed.stderr
+    text = settings.read_text(encoding="utf-8")
+    settings.write_text(text + '\nTEST_RUNNER = "pg_lease_django.testing.LeaseTestRunner"\n', encoding="utf-8")
+    tested = run(root, "manage.py", "test", "billing", "--noinput")
+    assert tested.returncode == 0 and "Ran 1 test" in tested.stderr, tested.stdout + tested.stderr
+
+    # 5. PG_LEASE_HISTORY changed: plain `check` warns (W005); `migrate` says what it changed.
+    settings.write_text(settings.read_text(encoding="utf-8") + '\nPG_LEASE_HISTORY = ["billing:"]\n', encoding="utf-8")
+    checked = run(root, "manage.py", "check")
+    assert "(pg_lease_django.W005)" in checked.stderr and "['billing:']" in checked.stderr, checked.stderr
+    migrated = ok(run(root, "manage.py", "migrate"))
+    assert "No migrations to apply" in migrated, migrated
+    assert "pg_lease_django: database 'default' now records the lease history of keys starting with ['billing:']" in (
+        migrated
+    ), migrated
+    done = run(root, "manage.py", "check")
+    assert "pg_lease_django" not in ok(done) + done.stderr, done.stderr
+    assert "now records" not in ok(run(root, "manage.py", "migrate")), "a second migrate changes nothing"

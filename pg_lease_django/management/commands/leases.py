@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections, router
 
@@ -107,6 +108,9 @@ class Command(BaseCommand):
         "advance-epochs --by N, run KEY --ttl SECONDS -- COMMAND. "
         f"Exit codes: {ExitCode.summary(run=False)}; run: COMMAND's status, {ExitCode.summary(run=True)}."
     )
+    # An operator's tool, also for incidents: no other app's system-check error may stop it, and its
+    # own preconditions (a PostgreSQL database, a migrated one) are each reported in one line.
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
         """Declare the subcommands; ``--database`` and ``--no-color`` are accepted before or after them."""
@@ -277,6 +281,8 @@ class Command(BaseCommand):
                 self._list(alias, options)
         except InvalidInputError as exc:
             raise CommandError(str(exc), returncode=ExitCode.USAGE) from None
+        except ImproperlyConfigured as exc:  # e.g. no lease table: the message names the migrate command
+            raise CommandError(f"database error: {exc}", returncode=ExitCode.DATABASE_ERROR) from None
         except DatabaseError as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CommandError(f"database error: {first_line}", returncode=ExitCode.DATABASE_ERROR) from None

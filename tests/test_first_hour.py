@@ -1,0 +1,115 @@
+"""The first hour's rough edges (issue 28, items 1-3 and 5), in-process; tests/test_newcomer.py walks
+them in a new ``startproject`` as a newcomer would.
+
+1. An unmigrated database: ``manage.py leases`` says so in one line; plain ``check`` warns (W007).
+2. A non-PostgreSQL database where no check runs (``manage.py shell``): E001's words, not the
+   other backend's syntax error.
+3. A refused flush (no ``TEST_RUNNER``): ``manage.py flush`` names the refusal and the cure.
+5. A changed ``PG_LEASE_HISTORY``: plain ``check`` warns (W005), ``migrate`` says what it changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from io import StringIO
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+from django.test import override_settings
+
+from pg_lease_django import Lease, history, hold
+from pg_lease_django.checks import check_lease_database_without_database_option
+from pg_lease_django.management.commands.flush import truncate_refusal
+
+# ---- 1 and 5: plain `check` runs the lease database's checks -----------------------------------------
+
+
+@pytest.mark.django_db
+def test_plain_check_finds_nothing_on_a_migrated_database_and_leaves_check_database_to_the_others() -> None:
+    assert check_lease_database_without_database_option() == []
+    with override_settings(PG_LEASE_HISTORY=["first-hour:"]):
+        # With databases (check --database, migrate, the test runner), W002-W006 run themselves.
+        assert check_lease_database_without_database_option(databases=["default"]) == []
+
+
+@pytest.mark.django_db
+def test_plain_check_warns_when_the_history_setting_changed_since_migrate() -> None:
+    with override_settings(PG_LEASE_HISTORY=["first-hour:"]):
+        [warning] = check_lease_database_without_database_option()
+    assert warning.id == "pg_lease_django.W005"
+    assert "first-hour:" in warning.msg
+    assert warning.hint is not None and "manage.py migrate" in warning.hint
+
+
+@pytest.mark.django_db
+def test_migrate_says_what_it_changed_in_the_history_scope_and_then_nothing() -> None:
+    before = history.recorded_prefixes()
+    try:
+        with override_settings(PG_LEASE_HISTORY=["first-hour:", "other:"]):
+            out = StringIO()
+            history.sync_after_migrate("default", verbosity=1, stdout=out)
+            assert "now records the lease history of keys starting with ['first-hour:', 'other:']" in out.getvalue()
+            again = StringIO()
+            history.sync_after_migrate("default", verbosity=1, stdout=again)
+            assert again.getvalue() == ""  # nothing changed: nothing said
+            quiet = StringIO()
+            with override_settings(PG_LEASE_HISTORY=["first-hour:"]):
+                history.sync_after_migrate("default", verbosity=0, stdout=quiet)
+            assert quiet.getvalue() == ""
+            assert history.recorded_prefixes() == ("first-hour:",)
+    finally:
+        history.sync_scope()
+    assert history.recorded_prefixes() == before
+
+
+# ---- 2: a non-PostgreSQL database outside the checks --------------------------------------------
+
+
+def test_a_lease_call_on_sqlite_names_the_system_check_not_a_syntax_error() -> None:
+    manager = Lease.objects.db_manager("sqlite")
+    with pytest.raises(
+        ImproperlyConfigured, match=r"database 'sqlite' is sqlite \(system check pg_lease_django\.E001\)"
+    ):
+        manager.acquire("first-hour:sqlite", "me", 30)
+    with pytest.raises(ImproperlyConfigured, match=r"pg_lease_django\.E001"):
+        manager.inspect("first-hour:sqlite")
+    with pytest.raises(ImproperlyConfigured, match=r"pg_lease_django\.E001"):
+        asyncio.run(manager.aacquire("first-hour:sqlite", "me", 30, blocking=True, timeout=1))
+    with (
+        pytest.raises(ImproperlyConfigured, match=r"pg_lease_django\.E001"),
+        hold("first-hour:sqlite", ttl=30, using="sqlite"),
+    ):
+        pass
+
+
+# ---- 3: a refused flush ---------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_flush_refused_by_the_lease_table_names_the_runner_and_the_plugin(key: str) -> None:
+    assert Lease.objects.acquire(key, "me", ttl=30) is not None
+    with connection.cursor() as cursor:  # as on a database the runner did not set up
+        cursor.execute("SET pg_lease.allow_truncate = off")
+    try:
+        with pytest.raises(CommandError) as refused:
+            call_command("flush", interactive=False, verbosity=0)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET pg_lease.allow_truncate")
+    message = str(refused.value)
+    assert "couldn't be flushed: pg_lease_django refused the TRUNCATE" in message, message
+    assert 'TEST_RUNNER = "pg_lease_django.testing.LeaseTestRunner"' in message, message
+    assert "pytest-django" in message and "pg_lease_django plugin" in message, message
+    assert "Possible reasons" not in message, message
+    assert Lease.objects.inspect(key).epoch == 1  # nothing was deleted
+
+
+def test_truncate_refusal_ignores_other_errors() -> None:
+    assert truncate_refusal(None) is None
+    assert truncate_refusal(RuntimeError("TRUNCATE")) is None
+    outer = CommandError("outer")
+    outer.__cause__ = ValueError("TRUNCATE")
+    assert truncate_refusal(outer) is None
