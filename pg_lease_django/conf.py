@@ -33,6 +33,16 @@ def poll_interval() -> float:
     return float(value)
 
 
+def release_on_sigterm() -> bool:
+    """``PG_LEASE_RELEASE_ON_SIGTERM`` (bool, default ``True``): a SIGTERM releases the main thread's holds.
+
+    While a sync ``hold()`` / ``@leased`` job or ``with elect()`` is active in the main thread and
+    nobody else handles SIGTERM, a SIGTERM unwinds it (releasing the lease), then ends the process
+    by SIGTERM as before. ``False`` leaves SIGTERM alone: the lease lapses after its TTL.
+    """
+    return bool(getattr(settings, "PG_LEASE_RELEASE_ON_SIGTERM", True))
+
+
 def safety_margin() -> float:
     """``PG_LEASE_SAFETY_MARGIN`` (float, a fraction of the TTL, default ``0.1``): trust-window margin.
 

@@ -37,7 +37,7 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction
 from django.db import connections
 
-from . import conf
+from . import conf, sigterm
 from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
 from .held import HeldLease
 from .holding import Holding, hold
@@ -117,6 +117,8 @@ class Election:
         #: (back off) without raising: a COMMAND that exited with an error is no traceback.
         self._term_failed = False
         self._thread: threading.Thread | None = None
+        self._sigterm = False  # `with` in the main thread counted in sigterm.enter()
+        self._done = threading.Event()  # set when the election's thread ends (`join` waits on it)
         #: Called (from any thread) when a term must end; `pg_lease_django.supervisor` wakes its select with it.
         self._wakers: list[Callable[[], None]] = []
 
@@ -169,18 +171,29 @@ class Election:
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the election's thread to end (after `stop`); True if it has."""
         if self._thread is not None:
+            # The thread's own event, not Thread.join() alone: an exception from a signal handler
+            # (SIGTERM, Ctrl-C) that interrupts Thread.join() can leave the thread marked stopped
+            # while it runs (CPython before 3.13, bpo-45274), and a second join() returns at once.
+            if not self._done.wait(timeout):
+                return False
             self._thread.join(timeout)
             return not self._thread.is_alive()
         return True
 
     def __enter__(self) -> Election:
+        # In the main thread: a SIGTERM unwinds this block, which steps down (see sigterm.py).
+        self._sigterm = sigterm.enter()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.stop()
-        self.join()
+        counted, self._sigterm = self._sigterm, False
+        try:
+            self.stop()
+            self.join()
+        finally:
+            sigterm.leave(counted)
 
     # ---- shared by both loops --------------------------------------------------------------------
 
@@ -254,6 +267,7 @@ class Election:
             logger.exception("election %r (%s) crashed; it no longer campaigns", self.key, self.owner)
         finally:
             connections.close_all()  # this thread's own (callbacks', and the watch after a hand-off)
+            self._done.set()
 
     def _term(self) -> _End | None:
         """One campaign attempt, and the term it wins; None when refused (after the pause)."""

@@ -114,7 +114,8 @@ def resolve_fence(
             raise UnfencedWriteError(
                 "write to a FencedModel without a fence: pass fence=grant (querysets: .fenced(grant)), hold "
                 "its lease with hold()/@leased, or opt out explicitly with unfenced=True / .unfenced() / "
-                "unfenced_writes()"
+                "unfenced_writes(); in the admin, register the model with pg_lease_django.admin.FencedModelAdmin "
+                "(check pg_lease_django.W001)"
             )
     if unfenced:
         raise InvalidInputError("pass either a fence or unfenced=True, not both")

@@ -270,15 +270,30 @@ class Heartbeat:
             except Exception:
                 if attempt == 2 or call.interrupted:  # a release that hung would hang again: give up
                     logger.warning(
-                        "releasing lease %r failed; it lapses at its expiry (%s)",
+                        "releasing lease %r failed; it lapses at its expiry (%s)%s",
                         lease.key,
                         lease.expires_at,
+                        self._own_transaction_hint(),
                         exc_info=True,
                     )
                     return "unknown"
                 continue
             return "freed"
         return "unknown"  # pragma: no cover
+
+    def _own_transaction_hint(self) -> str:
+        # The likeliest cause of a release that waited until its bound: the leaving thread's own
+        # transaction, still open, made a fenced write, and its fence locks the lease row until it
+        # commits (a hold ended inside atomic(), or in a TestCase, whose transaction ends with the test).
+        alias = self.lease.using
+        if alias not in connections or not connections[alias].in_atomic_block:
+            return ""
+        return (
+            f": the hold ended inside a transaction on database {alias!r} (atomic(), or a TestCase) that has not "
+            "committed; if it made fenced writes, their fence locks the lease row until it commits, and the "
+            "release waits for that. End the hold after the transaction (in tests: TransactionTestCase, or "
+            "pytest's transaction=True)"
+        )
 
     def _keep(self, remaining: float) -> Outcome:
         # Renew to exactly the time left, under our (owner, epoch): the lease then lapses on its own

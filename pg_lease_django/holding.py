@@ -25,7 +25,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 from asgiref.sync import iscoroutinefunction
 from django.db import router
 
-from . import conf
+from . import conf, sigterm
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
 from .heartbeat import Heartbeat
 from .held import HeldLease, OnLost, send_lease_signal, send_robust
@@ -142,6 +142,18 @@ class _Session:
             )
         if options.owner is None:
             check_name("owner", owner)  # the generated identity (a given one was checked with the options)
+        enclosing = current_lease(self.key)
+        if enclosing is not None and enclosing.using == alias and not enclosing.lost:
+            # Not reentrant: the acquire would be refused by our own hold (or wait on it, blocking).
+            raise NotAcquirableError(
+                f"lease {self.key!r} is already held by an enclosing hold() in this thread or task (owner "
+                f"{enclosing.owner!r}, epoch {enclosing.epoch}): a hold is not reentrant; use that hold, "
+                f"e.g. current_lease({self.key!r})",
+                key=self.key,
+                owner=owner,
+                holder=enclosing.owner,
+                holder_epoch=enclosing.epoch,
+            )
         pool = pool_for(alias, io_timeout=interval)
         grant: Grant | None = None
         heartbeat: Heartbeat | None = None
@@ -211,6 +223,7 @@ class Holding:
         self._cancelling = 0
         self._cancelled_by_us = False
         self._hook: Callable[[], None] | None = None
+        self._sigterm = False  # this sync hold counted in sigterm.enter()
 
     def __repr__(self) -> str:
         return f"<Holding key={self._key!r} ttl={self._options.ttl}>"
@@ -236,18 +249,25 @@ class Holding:
 
     def __enter__(self) -> HeldLease:
         session = self._new_session()
+        counted = sigterm.enter()  # a SIGTERM from here on releases the lease (see sigterm.py)
         try:
             lease = session.start()
         except BaseException:
             self._session = None
+            sigterm.leave(counted)
             raise
         self._push(session, lease)
+        self._sigterm = counted
         return lease
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._pop().finish()
+        counted, self._sigterm = self._sigterm, False
+        try:
+            self._pop().finish()
+        finally:
+            sigterm.leave(counted)  # the outermost scope re-sends a SIGTERM that arrived meanwhile
 
     async def __aenter__(self) -> HeldLease:
         session = self._new_session()

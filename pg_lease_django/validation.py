@@ -50,8 +50,12 @@ def to_timedelta(kind: str, value: object, *, minimum: timedelta, maximum: timed
     if isinstance(value, timedelta):
         delta = value
     else:
-        if not math.isfinite(value) or not -1e12 < value < 1e12:
-            raise InvalidInputError(f"{kind} must be a finite number of seconds, got {value!r}")
+        if not math.isfinite(value) or not -1e12 < value < 1e12:  # beyond what timedelta holds: say the range
+            if math.isnan(value):
+                raise InvalidInputError(f"{kind} must be a number of seconds, got {value!r}")
+            raise InvalidInputError(
+                f"{kind} must be between {describe_seconds(minimum)} and {describe_seconds(maximum)}, got {value!r} s"
+            )
         delta = timedelta(seconds=value)
     if not minimum <= delta <= maximum:
         raise InvalidInputError(

@@ -260,7 +260,7 @@ def test_show_json(trio: dict[str, str]) -> None:
 
 def test_show_unknown_key_exits_3(key: str) -> None:
     result = leases("show", key)
-    assert (result.code, result.err) == (ExitCode.NOT_FOUND, f"no lease with key {key!r} (never acquired)")
+    assert (result.code, result.err) == (ExitCode.NOT_FOUND, f"no lease with key {key!r} (never acquired, or pruned)")
 
 
 # -- release ------------------------------------------------------------------------------------------

@@ -6,11 +6,17 @@ them in a new ``startproject`` as a newcomer would.
    other backend's syntax error.
 3. A refused flush (no ``TEST_RUNNER``): ``manage.py flush`` names the refusal and the cure.
 5. A changed ``PG_LEASE_HISTORY``: plain ``check`` warns (W005), ``migrate`` says what it changed.
+7. Small inconsistencies: ``leases inspect`` (as ``inspect()``); ``--ttl 30s`` (as ``--free-for 30d``);
+   an out-of-range TTL says the range; "(never acquired, or pruned)"; an unfenced write names
+   ``FencedModelAdmin``; a nested hold of the same key says so, at once, also when blocking; a hold
+   that ends inside the test's own transaction says why its release waited.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from io import StringIO
 
 import pytest
@@ -20,9 +26,10 @@ from django.core.management.base import CommandError
 from django.db import connection
 from django.test import override_settings
 
-from pg_lease_django import Lease, history, hold
+from pg_lease_django import InvalidInputError, Lease, NotAcquirableError, UnfencedWriteError, history, hold
 from pg_lease_django.checks import check_lease_database_without_database_option
 from pg_lease_django.management.commands.flush import truncate_refusal
+from tests.testapp.models import Invoice
 
 # ---- 1 and 5: plain `check` runs the lease database's checks -----------------------------------------
 
@@ -113,3 +120,72 @@ def test_truncate_refusal_ignores_other_errors() -> None:
     outer = CommandError("outer")
     outer.__cause__ = ValueError("TRUNCATE")
     assert truncate_refusal(outer) is None
+
+
+# ---- 7: small inconsistencies ---------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_leases_inspect_is_leases_show(key: str) -> None:
+    assert Lease.objects.acquire(key, "me", ttl=30) is not None
+    shown, inspected = StringIO(), StringIO()
+    call_command("leases", "show", key, "--json", stdout=shown)
+    call_command("leases", "inspect", key, "--json", stdout=inspected)
+    volatile = ("server_time", "expires_in_seconds")
+    same = [{k: v for k, v in json.loads(out.getvalue()).items() if k not in volatile} for out in (shown, inspected)]
+    assert same[0] == same[1] and same[1]["owner"] == "me", same
+
+
+@pytest.mark.django_db(transaction=True)
+def test_leases_run_takes_durations_with_units_as_prune_does(key: str) -> None:
+    call_command("leases", "run", key, "--ttl", "1m", "--wait", "2s", "--grace", "0.5m", "--", "true")
+    assert Lease.objects.inspect(key).epoch == 2  # granted, then released
+    with pytest.raises(CommandError, match=r"--ttl must be between 0\.001 and 31536000 seconds, got '366d'"):
+        call_command("leases", "run", key, "--ttl", "366d", "--", "true")
+    with pytest.raises(CommandError, match=r"--ttl must be a number of seconds or a duration such as 30s"):
+        call_command("leases", "run", key, "--ttl", "30 sec", "--", "true")
+
+
+def test_a_ttl_out_of_range_says_the_range_not_finite() -> None:
+    for ttl in (10**12, -(10**13), float("inf")):
+        with pytest.raises(InvalidInputError, match=r"^ttl must be between 0\.001 s and 365 days, got "):
+            Lease.objects.acquire("first-hour:ttl", "me", ttl)
+    with pytest.raises(InvalidInputError, match=r"^ttl must be a number of seconds, got nan"):
+        Lease.objects.acquire("first-hour:ttl", "me", float("nan"))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_leases_show_of_a_missing_key_says_it_may_have_been_pruned(key: str) -> None:
+    with pytest.raises(CommandError, match=r"\(never acquired, or pruned\)$"):
+        call_command("leases", "show", key)
+
+
+def test_an_unfenced_write_names_the_fenced_admin() -> None:
+    with pytest.raises(UnfencedWriteError, match=r"in the admin, register the model with .*FencedModelAdmin"):
+        Invoice(account="first-hour", amount=1).save()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_nested_hold_of_the_same_key_says_so_at_once(key: str) -> None:
+    with hold(key, ttl=30) as outer:
+        for blocking in (False, True):
+            nested_hold = hold(key, ttl=30, blocking=True, timeout=600) if blocking else hold(key, ttl=30)
+            with pytest.raises(NotAcquirableError, match="already held by an enclosing hold") as nested, nested_hold:
+                pass
+            assert (nested.value.holder, nested.value.holder_epoch) == (outer.owner, outer.epoch)
+        assert not outer.lost
+        with hold(f"{key}:other", ttl=30):  # another key nests as before
+            pass
+    with hold(key, ttl=30):  # after the outer one: a hold as any
+        pass
+
+
+@pytest.mark.django_db  # not transactional: the test's transaction stays open until the test ends
+def test_a_hold_ended_inside_the_tests_transaction_says_why_its_release_waited(
+    key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="pg_lease_django"), hold(key, ttl=3):
+        Invoice(account=key, amount=1).save()  # its fence locks the lease row until the test's rollback
+    [warning] = [record.getMessage() for record in caplog.records if "releasing lease" in record.getMessage()]
+    assert "the hold ended inside a transaction on database 'default'" in warning, warning
+    assert "TransactionTestCase" in warning, warning

@@ -136,7 +136,9 @@ class Command(BaseCommand):
         list_parser.add_argument("--limit", help="Show at most this many leases (the count still covers all).")
         list_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
 
-        show_parser = subparsers.add_parser("show", help="One lease in detail.")
+        show_parser = subparsers.add_parser(
+            "show", aliases=["inspect"], help="One lease in detail (alias: inspect, as Lease.objects.inspect())."
+        )
         show_parser.add_argument("key", help="The lease key.")
         show_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
 
@@ -218,10 +220,10 @@ class Command(BaseCommand):
         run_parser.command_after_dashes = True
         run_parser.add_argument("key", help="The lease key.")
         run_parser.add_argument(
-            "--ttl", help="Required. Seconds each grant and renewal lasts; renewed every TTL/3 while COMMAND runs."
+            "--ttl", help="Required. How long each grant and renewal lasts (30, 30s, 5m, 2h); renewed every TTL/3."
         )
         run_parser.add_argument(
-            "--wait", help="Wait up to this many seconds for the lease (default: don't wait; busy exits 75)."
+            "--wait", help="Wait up to this long for the lease (30, 30s, 5m; default: don't wait; busy exits 75)."
         )
         run_parser.add_argument("--owner", help="Owner identity (default: host:pid:random, new for every run).")
         run_parser.add_argument(
@@ -232,7 +234,7 @@ class Command(BaseCommand):
         )
         run_parser.add_argument(
             "--grace",
-            help=f"Seconds between SIGTERM and SIGKILL when the lease is lost (default: {DEFAULT_GRACE:g}).",
+            help=f"Time between SIGTERM and SIGKILL when the lease is lost (10, 10s, 1m; default: {DEFAULT_GRACE:g}).",
         )
 
         # run: Django's -v/--verbosity after the subcommand too (2 reports the grant and the release on stderr).
@@ -261,7 +263,7 @@ class Command(BaseCommand):
         alias = self._database(options["database"] or router.db_for_write(Lease))
         subcommand = options.get("subcommand") or "list"
         try:
-            if subcommand == "show":
+            if subcommand in ("show", "inspect"):
                 self._show(alias, options)
             elif subcommand == "history":
                 self._history(alias, options)
@@ -385,7 +387,7 @@ class Command(BaseCommand):
         key = check_name("key", options["key"])
         row = Lease.objects.db_manager(alias).row(key)
         if row is None:
-            raise CommandError(f"no lease with key {key!r} (never acquired)", returncode=ExitCode.NOT_FOUND)
+            raise CommandError(_not_found(key), returncode=ExitCode.NOT_FOUND)
         if options.get("json"):
             self.stdout.write(json.dumps({**row.as_json(), "server_time": row.server_time}, indent=2))
             return
@@ -411,7 +413,7 @@ class Command(BaseCommand):
         manager = Lease.objects.db_manager(alias)
         row = manager.row(key)  # who holds it: for the report, --dry-run and the refusal without --force
         if row is None:  # nothing seen, nothing released: a key acquired since is not ours to break
-            raise CommandError(f"no lease with key {key!r} (never acquired)", returncode=ExitCode.NOT_FOUND)
+            raise CommandError(_not_found(key), returncode=ExitCode.NOT_FOUND)
         if options.get("dry_run") or not options.get("force"):
             self._release_not_forced(options, row, expected)
             return
@@ -419,7 +421,7 @@ class Command(BaseCommand):
             # The epoch we looked at, not "whatever is there now": we report who we released.
             new_epoch = manager.force_release(key, epoch=row.epoch if expected is None else expected, operator=operator)
         except NeverAcquiredError:  # pruned since we looked
-            raise CommandError(f"no lease with key {key!r} (never acquired)", returncode=ExitCode.NOT_FOUND) from None
+            raise CommandError(_not_found(key), returncode=ExitCode.NOT_FOUND) from None
         except AlreadyFreeError as exc:
             raise CommandError(str(exc), returncode=ExitCode.ALREADY_FREE) from None
         except EpochMismatchError as exc:
@@ -474,7 +476,7 @@ class Command(BaseCommand):
         limit = self._positive_int("--limit", options.get("limit"))
         history = read_history(key, using=alias, limit=limit)
         if history.count == 0 and Lease.objects.db_manager(alias).row(key) is None:
-            raise CommandError(f"no lease with key {key!r} (never acquired)", returncode=ExitCode.NOT_FOUND)
+            raise CommandError(_not_found(key), returncode=ExitCode.NOT_FOUND)
         if options.get("json"):
             self.stdout.write(json.dumps(history.as_json(), indent=2, ensure_ascii=False))
             return
@@ -529,7 +531,7 @@ class Command(BaseCommand):
         try:
             done = Lease.objects.db_manager(alias).request_handoff(key, epoch=epoch)
         except NeverAcquiredError:
-            raise CommandError(f"no lease with key {key!r} (never acquired)", returncode=ExitCode.NOT_FOUND) from None
+            raise CommandError(_not_found(key), returncode=ExitCode.NOT_FOUND) from None
         except (AlreadyFreeError, LapsedError) as exc:  # nobody holds it: nobody to ask
             raise CommandError(f"{exc}; nobody to hand off from", returncode=ExitCode.ALREADY_FREE) from None
         except EpochMismatchError as exc:
@@ -663,6 +665,11 @@ class Command(BaseCommand):
             raise SystemExit(status)
 
 
+def _not_found(key: str) -> str:
+    """The message for a key with no row: never acquired, or pruned (``leases prune`` deletes rows)."""
+    return f"no lease with key {key!r} (never acquired, or pruned)"
+
+
 def _iso(moment: datetime | None) -> str | None:
     """A server time as the stable JSON text: ISO 8601 in UTC, with microseconds (as `LeaseRow`'s)."""
     return None if moment is None else moment.astimezone(UTC).isoformat(timespec="microseconds")
@@ -678,11 +685,16 @@ def _os_operator() -> str:
 
 
 def _seconds(name: str, text: str, minimum: timedelta, maximum: timedelta) -> float:
-    """Parse a command-line duration in seconds (``30``, ``0.5``) within ``[minimum, maximum]``."""
+    """Parse a command-line duration within ``[minimum, maximum]``: seconds (``30``, ``0.5``), or with a
+    unit as ``--free-for`` takes them (``30s``, ``1.5m``, ``2h``, ``1d``)."""
+    match = _DURATION.fullmatch(text.strip())
     try:
-        value = float(text)
+        value = float(match["number"]) * _UNIT_SECONDS[match["unit"]] if match is not None else float(text)
     except ValueError:
-        raise CommandError(f"{name} must be a number of seconds, got {text!r}", returncode=ExitCode.USAGE) from None
+        raise CommandError(
+            f"{name} must be a number of seconds or a duration such as 30s, 5m or 2h, got {text!r}",
+            returncode=ExitCode.USAGE,
+        ) from None
     low, high = minimum.total_seconds(), maximum.total_seconds()
     if not math.isfinite(value) or not low <= value <= high:
         raise CommandError(
