@@ -142,6 +142,8 @@ def test_a_grant_and_a_release_call_no_trigger_function_but_the_recheck(key: str
     """What fires for a pair on a key nobody records: pg_lease_recheck_under_lock for the grant's
     stamp and the release's re-check, nothing else (counted by pg_stat_user_functions)."""
     conn = raw_connect()
+    if conn.info.server_version < 150000:
+        pytest.skip("PostgreSQL 14 sends function statistics to its collector later (at most every 500 ms)")
     held(key, "w")
     Lease.objects.release(key, "w", Lease.objects.inspect(key).epoch)  # the row exists, free
     conn.execute("SET track_functions = 'pl'")
@@ -161,7 +163,7 @@ def test_a_grant_and_a_release_call_no_trigger_function_but_the_recheck(key: str
         ).fetchall()
         assert granted
         assert conn.execute("SELECT outcome FROM pg_lease_release(%s, 'w', %s)", [key, epoch]).fetchone() == ("ok",)
-    conn.execute("SELECT pg_stat_force_next_flush()") if _has_force_flush(conn) else None
+    conn.execute("SELECT pg_stat_force_next_flush()")
     after = calls()
     fired = {name: after.get(name, 0) - before.get(name, 0) for name in after}
     fired = {name: count for name, count in fired.items() if count}
@@ -171,9 +173,3 @@ def test_a_grant_and_a_release_call_no_trigger_function_but_the_recheck(key: str
 
 # Functions the pair calls by name (not as triggers).
 _CALLED_BY_NAME = {"pg_lease_acquire", "pg_lease_release", "pg_lease_wake_waiters"}
-
-
-def _has_force_flush(conn: psycopg.Connection[Any]) -> bool:
-    """PostgreSQL 15+ flushes pending statistics on demand; 14 does at the end of each transaction."""
-    row = conn.execute("SELECT to_regproc('pg_stat_force_next_flush') IS NOT NULL").fetchone()
-    return bool(row and row[0])
