@@ -77,6 +77,17 @@ class StateFilter(admin.SimpleListFilter):
         return queryset
 
 
+def _wrapping(text: str, min_width: str = "6em") -> SafeString:
+    """A changelist cell broken anywhere when long (keys and owners have no spaces to break at), yet
+    at least ``min_width`` wide, so that a long one is a few lines, not a column of syllables."""
+    return format_html(
+        '<span style="display:inline-block;min-width:min({},{}ch);overflow-wrap:anywhere">{}</span>',
+        min_width,
+        len(text),
+        text,
+    )
+
+
 def _nowrap(text: str, title: str = "") -> SafeString:
     """A changelist cell on one line (at 1280 px the default wrapping cut or tripled the row)."""
     return format_html('<span style="white-space:nowrap" title="{}">{}</span>', title, text)
@@ -93,7 +104,8 @@ class LeaseAdmin(_LeaseModelAdmin):
     lease may ask its holder to step down); without it neither is offered.
     """
 
-    list_display = ("key", "state_badge", "owner_display", "epoch", "expires_in_display", "acquired_display")
+    list_display = ("key_display", "state_badge", "owner_display", "epoch", "expires_in_display", "acquired_display")
+    list_display_links = ("key_display",)
     list_filter = (StateFilter,)
     search_fields = ("key", "owner")
     ordering = ("key",)
@@ -106,8 +118,8 @@ class LeaseAdmin(_LeaseModelAdmin):
         "state_badge",
         "owner",
         "epoch",
-        "acquired_at",
-        "expires_at",
+        "acquired_at_display",
+        "expires_at_display",
         "expires_in_display",
         "usage",
     )
@@ -140,6 +152,21 @@ class LeaseAdmin(_LeaseModelAdmin):
 
     # -- columns -------------------------------------------------------------------------------------
 
+    @admin.display(description="key", ordering="key")
+    def key_display(self, obj: Lease) -> SafeString:
+        """The key, broken anywhere when long (a 150-character key would push every other column off-screen)."""
+        return _wrapping(obj.key)
+
+    @admin.display(description="acquired at")
+    def acquired_at_display(self, obj: Lease) -> str:
+        """The current grant's time, UTC, to the millisecond (Django's format stops at the minute)."""
+        return _utc(obj.acquired_at)
+
+    @admin.display(description="expires at")
+    def expires_at_display(self, obj: Lease) -> str:
+        """The expiry, UTC, to the millisecond: a 0.5 s lease's grant and expiry differ."""
+        return _utc(obj.expires_at)
+
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Lease) -> SafeString:
         """The state as a coloured badge."""
@@ -163,7 +190,7 @@ class LeaseAdmin(_LeaseModelAdmin):
     @admin.display(description="owner", ordering="owner")
     def owner_display(self, obj: Lease) -> str:
         """The holder, broken anywhere when long (identities like ``host:pid:random`` have no spaces)."""
-        return "-" if obj.owner is None else format_html('<span style="overflow-wrap:anywhere">{}</span>', obj.owner)
+        return "-" if obj.owner is None else _wrapping(obj.owner)
 
     @admin.display(description="acquired at", ordering="acquired_at")
     def acquired_display(self, obj: Lease) -> str:
@@ -406,16 +433,52 @@ def _utc(moment: datetime | None) -> str:
 class LeaseTenureAdmin(_TenureModelAdmin):
     """The recorded tenures, read-only: written by the database's triggers, deleted by ``prune-history``.
 
-    The ``ended at`` of a tenure still open is empty here; a lease's own page says whether it is
-    held or lapsed (`pg_lease_django.timeline.read_history`).
+    Newest first, times in UTC to the millisecond. The ``ended at`` of a tenure still open says
+    "open"; a lease's own page says whether it is held or lapsed (`pg_lease_django.timeline.read_history`).
     """
 
-    list_display = ("key", "epoch", "owner", "granted_at", "ended_at", "end_reason", "ended_by")
+    list_display = (
+        "key_display",
+        "epoch",
+        "owner_display",
+        "granted_at_display",
+        "ended_at_display",
+        "end_reason",
+        "ended_by_display",
+    )
+    list_display_links = ("key_display",)
     list_filter = ("end_reason",)
     search_fields = ("key", "owner", "ended_by")
-    ordering = ("key", "-epoch")
+    ordering = ("-granted_at",)
     list_per_page = 100
     show_full_result_count = False
+
+    @admin.display(description="key", ordering="key")
+    def key_display(self, obj: LeaseTenure) -> SafeString:
+        """The key, broken anywhere when long."""
+        return _wrapping(obj.key)
+
+    @admin.display(description="owner", ordering="owner")
+    def owner_display(self, obj: LeaseTenure) -> SafeString:
+        """The holder, broken anywhere when long."""
+        return _wrapping(obj.owner)
+
+    @admin.display(description="granted", ordering="granted_at")
+    def granted_at_display(self, obj: LeaseTenure) -> str:
+        """The grant's time, UTC, to the millisecond (date and time may wrap onto two lines)."""
+        return _utc(obj.granted_at)
+
+    @admin.display(description="ended", ordering="ended_at")
+    def ended_at_display(self, obj: LeaseTenure) -> str:
+        """The end's time, UTC, to the millisecond; "open" while the tenure has not ended."""
+        return "open" if obj.ended_at is None else _utc(obj.ended_at)
+
+    @admin.display(description="by", ordering="ended_by")
+    def ended_by_display(self, obj: LeaseTenure) -> SafeString | str:
+        """Who ended it: "holder" (its owner, shown beside it), or an operator, broken anywhere when long."""
+        if not obj.ended_by:
+            return "-"
+        return "holder" if obj.ended_by == obj.owner else _wrapping(obj.ended_by)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         """Never: the database records tenures."""

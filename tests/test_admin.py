@@ -72,7 +72,7 @@ def rows(html: str) -> dict[str, str]:
     """Changelist rows: key -> the row's HTML."""
     found = {}
     for row in re.findall(r"<tr>.*?</tr>", html, flags=re.S):
-        match = re.search(r'class="field-key"><a href="[^"]*">([^<]*)</a>', row)
+        match = re.search(r'class="field-key_display"><a href="[^"]*"><span[^>]*>([^<]*)</span></a>', row)
         if match:
             found[match.group(1)] = row
     return found

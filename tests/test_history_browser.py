@@ -9,6 +9,7 @@ Needs Debian's ``chromium`` and Playwright, like ``test_admin_browser`` (skipped
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,3 +144,70 @@ def test_a_lease_page_draws_its_history_and_requests_a_hand_off(server: Any, rec
         f"Force-released: was held by 'worker-b' at epoch {epochs[-1]}; new epoch {epochs[-1] + 1}.",
     ]
     assert Lease.objects.inspect(key).status == "free"
+
+
+#: What scrolls sideways: each results box, table or form row wider than its box, and the innermost
+#: elements that reach past the window's right edge, as [element, pixels]. (Not inside the history
+#: chart: an SVG is scaled to its box, and clips what it draws outside it.)
+OVERFLOWS = """(() => {
+  const name = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '') + (e.className ? '.' + e.className : '');
+  const limit = document.documentElement.clientWidth;
+  const boxes = [...document.querySelectorAll('#changelist .results, table, .form-row')]
+    .filter(e => e.scrollWidth > e.clientWidth).map(e => [name(e), e.scrollWidth - e.clientWidth]);
+  const past = [...document.body.querySelectorAll('*')]
+    .filter(e => e.children.length === 0 && !(e instanceof SVGElement) && e.getBoundingClientRect().right > limit + 1)
+    .slice(0, 5).map(e => [name(e), Math.round(e.getBoundingClientRect().right - limit)]);
+  return [...boxes, ...past];
+})()"""
+
+
+def test_lease_and_tenure_pages_fit_1280_px_with_a_long_key_and_show_seconds(
+    server: Any, recorded: None, tmp_path: Path
+) -> None:
+    """Issue 28, item 6: a 158-character key, a 0.5 s lease; at 1280 px nothing scrolls sideways,
+    and the lease's and the tenures' times show seconds (acquired and expires differ)."""
+    from playwright.sync_api import sync_playwright
+
+    User.objects.create_superuser("ops", password=PASSWORD)
+    key = ("reports:" + "quarterly-revenue-by-region-and-product-line-" * 4)[:158]
+    assert len(key) == 158 and " " not in key
+    owner = "worker-7@host-b.example.internal:12345:9f8e7d6c5b4a39281706f5e4d3c2b1a0"
+    grant = Lease.objects.acquire(key, owner, ttl=0.5)
+    assert grant is not None
+    Lease.objects.release(key, owner, grant.epoch)
+    assert Lease.objects.acquire(key, owner, ttl=0.5) is not None  # an open tenure too
+    pages = {
+        "lease list": "/admin/pg_lease_django/lease/",
+        "lease page": reverse("admin:pg_lease_django_lease_change", args=[quote(key)]),
+        "tenure list": "/admin/pg_lease_django/leasetenure/",
+    }
+    widths: dict[str, list[Any]] = {}
+    texts: dict[str, str] = {}
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(f"{server.url}/admin/login/?next=/admin/")
+            page.fill("#id_username", "ops")
+            page.fill("#id_password", PASSWORD)
+            page.click("input[type=submit]")
+            page.wait_for_selector("#content")
+            for name, path in pages.items():
+                page.goto(f"{server.url}{path}")
+                page.wait_for_selector("#content")
+                shot = tmp_path / f"admin-{name.replace(' ', '-')}-long-key-1280.png"
+                page.screenshot(path=str(shot), full_page=True)
+                keep(shot)
+                # Sideways overflow of the page, and of each results box, table and form row in it.
+                overflows = page.evaluate(OVERFLOWS)
+                widths[name] = overflows
+                texts[name] = page.inner_text("#content")
+        finally:
+            browser.close()
+    assert widths == {name: [] for name in pages}, widths  # [element, pixels] of each that scrolls sideways
+    seconds = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}"
+    acquired = re.search(rf"acquired at:?\s+({seconds})", texts["lease page"], re.I)
+    expires = re.search(rf"expires at:?\s+({seconds})", texts["lease page"], re.I)
+    assert acquired is not None and expires is not None and acquired[1] != expires[1], texts["lease page"]
+    assert len(re.findall(seconds, texts["tenure list"])) >= 3, texts["tenure list"]  # two granted, one ended
+    assert "open" in texts["tenure list"], texts["tenure list"]
