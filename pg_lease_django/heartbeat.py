@@ -396,6 +396,11 @@ class _Scheduler:
             else:
                 self._cond.notify_all()
 
+    def leases(self) -> list[HeldLease]:
+        """The leases of the holds registered now."""
+        with self._cond:
+            return [beat.lease for beat in self._beats]
+
     def active(self) -> bool:
         """True while a hold of this process is registered (entered and not yet left)."""
         with self._cond:
@@ -498,6 +503,14 @@ def _at_fork_child() -> None:
     global _the_scheduler, _scheduler_lock
     _scheduler_lock = threading.Lock()  # a lock held by another thread at fork time stays held in the child
     _the_scheduler = None  # the child's holds get a scheduler of their own
+
+
+def active_holds() -> list[HeldLease]:
+    """The leases this process holds now through ``hold()`` / ``@leased`` / ``elect()``, in no order."""
+    scheduler = _the_scheduler
+    if scheduler is None or scheduler.pid != os.getpid():
+        return []
+    return scheduler.leases()
 
 
 def _holds_active() -> bool:
