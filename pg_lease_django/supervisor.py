@@ -553,6 +553,11 @@ class Supervisor:
         def lead(lease: HeldLease) -> None:  # the election's thread
             term_over.clear()
             terms.put(lease)
+            # A signal between terms stops the election, then sets term_over: if that set() came
+            # before the clear() above (the term was won just as the signal arrived), waiting
+            # would never end, and neither would join(). Stopped: give the lease back at once.
+            if election.stopping:
+                return
             term_over.wait()
 
         election = Election(
