@@ -98,14 +98,12 @@ def test_a_lease_call_on_sqlite_names_the_system_check_not_a_syntax_error() -> N
 @pytest.mark.django_db(transaction=True)
 def test_flush_refused_by_the_lease_table_names_the_runner_and_the_plugin(key: str) -> None:
     assert Lease.objects.acquire(key, "me", ttl=30) is not None
-    with connection.cursor() as cursor:  # as on a database the runner did not set up
-        cursor.execute("SET pg_lease.allow_truncate = off")
-    try:
-        with pytest.raises(CommandError) as refused:
-            call_command("flush", interactive=False, verbosity=0)
-    finally:
+    # As on a database the runner did not set up; SET LOCAL, in a transaction of the test's own, so
+    # that behind a transaction-pooling PgBouncer it stays on this server session and ends with it.
+    with transaction.atomic(), pytest.raises(CommandError) as refused:
         with connection.cursor() as cursor:
-            cursor.execute("RESET pg_lease.allow_truncate")
+            cursor.execute("SET LOCAL pg_lease.allow_truncate = off")
+        call_command("flush", interactive=False, verbosity=0)  # its own atomic() is a savepoint here
     message = str(refused.value)
     assert "couldn't be flushed: pg_lease_django refused the TRUNCATE" in message, message
     assert 'TEST_RUNNER = "pg_lease_django.testing.LeaseTestRunner"' in message, message
