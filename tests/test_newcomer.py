@@ -450,6 +450,7 @@ def stderr_lines(done: subprocess.CompletedProcess[str]) -> list[str]:
     return [line for line in done.stderr.splitlines() if line.strip()]
 
 
+@pytest.mark.slow  # ~25 s; and its `manage.py test` creates and drops a test database (not through a pooler)
 def test_first_hour_rough_edges_in_a_new_startproject(tmp_path: Path, db_name: str) -> None:
     ok(run(tmp_path, "-m", "django", "startproject", "mysite"))
     root = tmp_path / "mysite"
