@@ -279,7 +279,9 @@ def main() -> int:
             c.start(name, hold=True)
         leader = c.wait_for(is_("acquired"))
         c.wait_for(is_("write", leader["worker"]))
+        handoff_started = c.now()
         handoff = manage("handoff", KEY)
+        c.timeline.marks.append((handoff_started, c.now(), "leases handoff"))
         print("  $ manage.py leases handoff", KEY)
         for line in (handoff.stdout + handoff.stderr).strip().splitlines():
             print(f"  | {line}")

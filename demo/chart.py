@@ -28,9 +28,14 @@ class Timeline:
     end: float = 0.0
 
 
+def _text_width(text: str) -> float:
+    """A generous estimate of a label's width at 12 px sans-serif (to keep it inside the chart)."""
+    return 7.0 * len(text)
+
+
 def render(timeline: Timeline, title: str) -> str:
     """Return the SVG document."""
-    left, right, lane_h, top = 110, 240, 70, 60
+    left, right, lane_h, top = 110, 30, 76, 76
     width = 1180
     scale = (width - left - right) / max(timeline.end, 1.0)
     height = top + lane_h * len(timeline.lanes) + 60
@@ -55,7 +60,7 @@ def render(timeline: Timeline, title: str) -> str:
                 f'<rect x="{x(start)}" y="{y + 4}" width="{max(x(end) - x(start), 1)}" height="{lane_h - 16}" '
                 'fill="#ddd"/>'
             )
-            out.append(f'<text x="{x(start) + 4}" y="{y + lane_h - 16}" fill="#555">SIGSTOP … SIGCONT</text>')
+            out.append(f'<text x="{x(start) + 4}" y="{y + 56}" fill="#555">SIGSTOP … SIGCONT</text>')
         for start, end, epoch, valid_until in lane.holds:
             if end > valid_until:  # still believed held after the lease had ended on the server
                 out.append(
@@ -66,25 +71,37 @@ def render(timeline: Timeline, title: str) -> str:
                 f'<rect x="{x(start)}" y="{y + 14}" width="{max(x(min(end, valid_until)) - x(start), 2)}" height="22" '
                 'rx="3" fill="#4a90d9" fill-opacity="0.85"/>'
             )
-            out.append(f'<text x="{x(start) + 4}" y="{y + 30}" fill="white">epoch {epoch}</text>')
+            if x(min(end, valid_until)) - x(start) >= _text_width(f"epoch {epoch}") + 8:
+                out.append(f'<text x="{x(start) + 4}" y="{y + 30}" fill="white">epoch {epoch}</text>')
+            else:  # a short bar: the label above it, in the bar's colour, not cut at its end
+                out.append(f'<text x="{x(start)}" y="{y + 11}" fill="#2a6db0">epoch {epoch}</text>')
         for t, _epoch in lane.writes:
             out.append(f'<circle cx="{x(t)}" cy="{y + 44}" r="3" fill="#2e9e44"/>')
         for t, epoch, cause in lane.rejected:
             out.append(f'<text x="{x(t)}" y="{y + 50}" fill="#d0021b" font-size="16" text-anchor="middle">✗</text>')
-            label = f"write at epoch {epoch} rejected ({escape(cause)})"
-            out.append(f'<text x="{x(t) + 8}" y="{y + 62}" fill="#d0021b">{label}</text>')
+            label = f"write at epoch {epoch} rejected ({cause})"
+            if x(t) + 8 + _text_width(label) <= width - 4:
+                out.append(f'<text x="{x(t) + 8}" y="{y + 70}" fill="#d0021b">{escape(label)}</text>')
+            else:  # near the right edge: the label ends at the mark instead of running off the chart
+                out.append(f'<text x="{x(t) - 8}" y="{y + 70}" fill="#d0021b" text-anchor="end">{escape(label)}</text>')
         if lane.killed is not None:
             out.append(f'<text x="{x(lane.killed)}" y="{y + 10}" fill="black" text-anchor="middle">kill -9</text>')
             out.append(
                 f'<line x1="{x(lane.killed)}" y1="{y + 12}" x2="{x(lane.killed)}" y2="{y + 40}" stroke="black" '
                 'stroke-width="2"/>'
             )
-    for start, end, label in timeline.marks:
+    for n, (start, end, label) in enumerate(timeline.marks):
         out.append(
             f'<rect x="{x(start)}" y="{top - 8}" width="{max(x(end) - x(start), 2)}" height="{height - 42 - top}" '
             'fill="#f5a623" fill-opacity="0.25" stroke="#f5a623" stroke-dasharray="5,4"/>'
         )
-        out.append(f'<text x="{x(start) + 4}" y="{top - 12}" fill="#b36b00">operator: {escape(label)}</text>')
+        text = f"operator: {label}"
+        anchor = "start" if x(start) + 4 + _text_width(text) <= width - 4 else "end"
+        at = x(start) + 4 if anchor == "start" else x(end) - 4
+        # Two rows, alternating: marks close in time do not write over each other.
+        out.append(
+            f'<text x="{at}" y="{top - 12 - 14 * (n % 2)}" fill="#b36b00" text-anchor="{anchor}">{escape(text)}</text>'
+        )
     legend_y = height - 14
     out.append(f'<rect x="{left}" y="{legend_y - 10}" width="14" height="10" fill="#4a90d9"/>')
     out.append(f'<text x="{left + 18}" y="{legend_y}">lease held (epoch)</text>')
