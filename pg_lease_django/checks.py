@@ -298,17 +298,17 @@ def check_fence_triggers_are_current(
             if not router.allow_migrate_model(alias, model):
                 continue
             with connection.cursor() as cursor:
+                # One round trip: whether the table exists, and its fence triggers with their comments.
                 cursor.execute(
-                    "SELECT t.tgname, coalesce(pg_catalog.obj_description(t.oid, 'pg_trigger'), '') "
-                    "FROM pg_catalog.pg_trigger t WHERE t.tgrelid = pg_catalog.to_regclass(%s) "
-                    "AND t.tgname = ANY (%s)",
-                    [connection.ops.quote_name(model._meta.db_table), list(TRIGGER_NAMES)],
+                    "SELECT pg_catalog.to_regclass(%s) IS NOT NULL, pg_catalog.array_agg(t.tgname) FILTER (WHERE "
+                    "t.oid IS NOT NULL), pg_catalog.array_agg(coalesce(pg_catalog.obj_description(t.oid, "
+                    "'pg_trigger'), '')) FILTER (WHERE t.oid IS NOT NULL) FROM (SELECT 1) one "
+                    "LEFT JOIN pg_catalog.pg_trigger t "
+                    "ON t.tgrelid = pg_catalog.to_regclass(%s) AND t.tgname = ANY (%s)",
+                    [connection.ops.quote_name(model._meta.db_table)] * 2 + [list(TRIGGER_NAMES)],
                 )
-                installed = dict(cursor.fetchall())
-                cursor.execute(
-                    "SELECT pg_catalog.to_regclass(%s) IS NOT NULL", [connection.ops.quote_name(model._meta.db_table)]
-                )
-                (table_exists,) = cursor.fetchone()
+                table_exists, names, comments = cursor.fetchone()
+            installed = dict(zip(names or [], comments or [], strict=True))
             if not table_exists:
                 continue
             stale = [name for name in TRIGGER_NAMES if installed.get(name) != expected]
