@@ -23,7 +23,7 @@ from django.test import override_settings
 from pg_lease_django import Lease
 from pg_lease_django.history import sync_scope
 from pg_lease_django.models import LeaseTenure
-from tests.helpers import held, lapsed
+from tests.helpers import Background, held, lapsed, wait_until_blocked
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -173,3 +173,39 @@ def test_a_grant_and_a_release_call_no_trigger_function_but_the_recheck(key: str
 
 # Functions the pair calls by name (not as triggers).
 _CALLED_BY_NAME = {"pg_lease_acquire", "pg_lease_release", "pg_lease_wake_waiters"}
+
+
+def test_a_new_key_inserted_while_the_scope_changes_gets_the_scope_that_commits(key: str, raw_connect: Connect) -> None:
+    """Both orders of a scope change and a first grant, each in its own open transaction: whichever
+    commits second waits for the other, so the new row's flag is the committed scope's."""
+    watcher = raw_connect()
+    try:
+        for scope_first in (True, False):
+            new_key = f"{key}/{'scope-first' if scope_first else 'grant-first'}"
+            scope, granter = raw_connect(autocommit=False), raw_connect(autocommit=False)
+            pids = {
+                name: conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+                for name, conn in (("scope", scope), ("granter", granter))  # type: ignore[index]
+            }
+
+            def change_scope(scope: psycopg.Connection[Any] = scope, new_key: str = new_key) -> None:
+                scope.execute("INSERT INTO pg_lease_django_history_scope (prefix) VALUES (%s)", [new_key])
+
+            def grant(granter: psycopg.Connection[Any] = granter, new_key: str = new_key) -> Any:
+                return granter.execute(
+                    "SELECT granted FROM pg_lease_acquire(%s, 'w', interval '30 s')", [new_key]
+                ).fetchone()
+
+            first, second, second_pid = (
+                (change_scope, grant, pids["granter"]) if scope_first else (grant, change_scope, pids["scope"])
+            )
+            first()
+            waiting = Background(second)
+            waiting.start()
+            wait_until_blocked(watcher, second_pid)  # the later one waits for the earlier to commit
+            (scope if scope_first else granter).commit()
+            waiting.outcome()
+            (granter if scope_first else scope).commit()
+            assert flag(watcher, new_key) is True, "scope first" if scope_first else "grant first"
+    finally:
+        watcher.execute("DELETE FROM pg_lease_django_history_scope WHERE prefix LIKE %s", [f"{key}/%"])

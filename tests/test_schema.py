@@ -96,6 +96,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_record_transition",  # the history trigger: whoever changes a lease row, its tenure is recorded
         "pg_lease_recorded_follows_scope",  # checks a row's flag against the scope whoever writes it
         "pg_lease_rescope",  # re-flags every lease row when the scope changes, whoever changes it
+        "pg_lease_in_history_scope",  # locks the scope table against a change in flight
     }
     assert {r[0] for r in rows} >= operations
     # Hot helpers without a SET clause (it blocks inlining, or costs a switch per call): they name

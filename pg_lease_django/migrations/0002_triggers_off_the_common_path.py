@@ -19,7 +19,7 @@ class Migration(migrations.Migration):
                 RunSQLFile(
                     "migrations/0002_triggers_off_the_common_path.sql",
                     "migrations/0002_triggers_off_the_common_path_reverse.sql",
-                    sha256="8a5ff3520f6f655c3c2c927e8fa044d3e7c978d1c594a10c434af1e3813bdb0e",
+                    sha256="84f6503f9d4319ea1505339dca65f8cc585934fcf69200224147a58b8a1f397e",
                 )
             ],
             state_operations=[

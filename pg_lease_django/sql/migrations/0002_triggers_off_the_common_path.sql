@@ -12,13 +12,19 @@
 
 ALTER TABLE @extschema@."pg_lease_django_lease" ADD COLUMN "recorded" boolean DEFAULT false NOT NULL;
 
--- Is p_key's history recorded? The one spelling of the scope rule ('' records every key).
+-- Is p_key's history recorded? The one spelling of the scope rule ('' records every key). SHARE
+-- conflicts with the ROW EXCLUSIVE of any write to the scope table: a scope change in flight is
+-- waited for and then seen (each statement reads a new snapshot), and a later one waits for this
+-- transaction, so its pg_lease_rescope sees a row inserted here. Owner-run: the writer of a lease
+-- row needs no privilege on the scope table.
 CREATE FUNCTION @extschema@.pg_lease_in_history_scope(p_key text)
-RETURNS boolean LANGUAGE sql STABLE
+RETURNS boolean LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-  SELECT EXISTS (SELECT 1 FROM @extschema@."pg_lease_django_history_scope" h WHERE left(p_key, length(h.prefix)) = h.prefix)
-$$;
+BEGIN
+  LOCK TABLE @extschema@."pg_lease_django_history_scope" IN SHARE MODE;
+  RETURN EXISTS (SELECT 1 FROM @extschema@."pg_lease_django_history_scope" h WHERE left(p_key, length(h.prefix)) = h.prefix);
+END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_in_history_scope(text) FROM PUBLIC;
 
