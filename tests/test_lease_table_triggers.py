@@ -44,6 +44,12 @@ def flag(conn: psycopg.Connection[Any], key: str) -> Any:
     return None if row is None else row[0]
 
 
+def backend_pid(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def next_epoch(conn: psycopg.Connection[Any]) -> int:
     row = conn.execute("SELECT floor + 1 FROM pg_lease_django_epoch_floor").fetchone()
     assert row is not None
@@ -183,10 +189,7 @@ def test_a_new_key_inserted_while_the_scope_changes_gets_the_scope_that_commits(
         for scope_first in (True, False):
             new_key = f"{key}/{'scope-first' if scope_first else 'grant-first'}"
             scope, granter = raw_connect(autocommit=False), raw_connect(autocommit=False)
-            pids = {
-                name: conn.execute("SELECT pg_backend_pid()").fetchone()[0]
-                for name, conn in (("scope", scope), ("granter", granter))  # type: ignore[index]
-            }
+            pids = {name: backend_pid(conn) for name, conn in (("scope", scope), ("granter", granter))}
 
             def change_scope(scope: psycopg.Connection[Any] = scope, new_key: str = new_key) -> None:
                 scope.execute("INSERT INTO pg_lease_django_history_scope (prefix) VALUES (%s)", [new_key])
