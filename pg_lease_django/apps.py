@@ -2,7 +2,8 @@ from django.apps import AppConfig
 
 
 class PgLeaseConfig(AppConfig):
-    """Registers the system checks, and copies ``PG_LEASE_HISTORY`` into the database after ``migrate``."""
+    """Registers the system checks; after ``migrate``, copies ``PG_LEASE_HISTORY`` into the database and
+    grants the declared roles (``PG_LEASE_WORKER_ROLES``, ``PG_LEASE_OPERATOR_ROLES``) their privileges."""
 
     name = "pg_lease_django"
     verbose_name = "Leases"
@@ -11,8 +12,9 @@ class PgLeaseConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_migrate
 
-        from . import checks, history
+        from . import checks, history, privileges
 
         checks.register()
         checks.register_without_database_option()
         post_migrate.connect(history.sync_after_migrate, sender=self, dispatch_uid="pg_lease_django.history")
+        post_migrate.connect(privileges.grant_after_migrate, sender=self, dispatch_uid="pg_lease_django.privileges")

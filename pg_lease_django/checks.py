@@ -333,6 +333,48 @@ def check_fence_triggers_are_current(
     return warnings
 
 
+def check_declared_roles_are_granted(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """pg_lease_django.W008: a declared lease role (``PG_LEASE_*_ROLES``) is missing or under-granted.
+
+    The lease functions are revoked from PUBLIC: a declared role without its grants fails every
+    lease call with "permission denied". ``migrate`` grants them; a role created after it, or a
+    grant revoked by hand, needs ``manage.py leases grant``.
+    """
+    from . import privileges
+
+    warnings: list[checks.CheckMessage] = []
+    for alias in databases or ():
+        if connections[alias].vendor != "postgresql" or not privileges.declared():
+            continue
+        try:
+            if not privileges._installed(alias):
+                continue  # W002/W004/W007 say why
+            absent, lacking = privileges.missing(alias)
+        except DatabaseError:
+            continue
+        for role in absent:
+            warnings.append(
+                checks.Warning(
+                    f"declared lease role {role!r} does not exist in database {alias!r}'s cluster.",
+                    hint=f"CREATE ROLE {role} (docs/security.md), then run: manage.py leases grant --database {alias}",
+                    id="pg_lease_django.W008",
+                )
+            )
+        for role in sorted({g.role for g in lacking}):
+            objects = [f"{g.privilege} on {g.object}" for g in lacking if g.role == role]
+            warnings.append(
+                checks.Warning(
+                    f"declared lease role {role!r} lacks {len(objects)} privileges in database {alias!r}: "
+                    f"{', '.join(objects[:3])}{', ...' if len(objects) > 3 else ''}.",
+                    hint=f"Run, as the lease functions' owner: manage.py leases grant --database {alias}",
+                    id="pg_lease_django.W008",
+                )
+            )
+    return warnings
+
+
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
@@ -343,6 +385,7 @@ def register() -> None:
     checks.register(check_lease_migrations_are_complete, checks.Tags.database)
     checks.register(check_history_scope_is_current, checks.Tags.database)
     checks.register(check_fence_triggers_are_current, checks.Tags.database)
+    checks.register(check_declared_roles_are_granted, checks.Tags.database)
 
 
 # ---- plain `check`: the lease database's checks, when that database answers at once ------------
@@ -354,7 +397,7 @@ PROBE_CONNECT_TIMEOUT = 2
 def check_lease_database_without_database_option(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
-    """pg_lease_django.W007: the lease database is not migrated; in plain ``check``, also W002, W004-W006.
+    """pg_lease_django.W007: the lease database is not migrated; in plain ``check``, also W002, W004-W006, W008.
 
     Django runs database checks only for ``check --database`` and ``migrate``, so a plain ``check``
     (and ``runserver``, ``makemigrations``, every command that runs the checks) said "no issues" on
@@ -391,6 +434,7 @@ def check_lease_database_without_database_option(
             check_lease_migrations_are_complete,
             check_history_scope_is_current,
             check_fence_triggers_are_current,
+            check_declared_roles_are_granted,
         ):
             found += check(app_configs, databases=[alias])
         return found

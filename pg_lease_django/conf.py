@@ -128,3 +128,39 @@ def history_retention() -> timedelta:
     if not isinstance(value, timedelta) or value <= timedelta(0):
         raise ImproperlyConfigured(f"PG_LEASE_HISTORY_RETENTION must be a positive duration, got {value!r}")
     return value
+
+
+def _role_list(name: str, value: object) -> tuple[str, ...]:
+    if (
+        isinstance(value, str)
+        or not isinstance(value, list | tuple)
+        or not all(isinstance(r, str) and r and len(r.encode()) <= 63 for r in value)
+    ):
+        raise ImproperlyConfigured(f"{name} must be a list of database role names, got {value!r}")
+    return tuple(sorted(set(value)))
+
+
+def worker_roles() -> tuple[str, ...]:
+    """``PG_LEASE_WORKER_ROLES`` (list of database roles, default ``[]``): the roles that work with leases.
+
+    ``migrate`` (and ``manage.py leases grant``) grants each what ``pg_lease_privileges()`` lists for a
+    worker: the four operations and fenced writes. The lease functions are revoked from ``PUBLIC``,
+    so a role connecting as neither the owner nor a declared role can run none of them. Check
+    ``pg_lease_django.W008`` (``check --database``) says when the database's grants fall short.
+
+    Raises:
+        ImproperlyConfigured: the setting is not a list of role names (1 to 63 bytes).
+    """
+    return _role_list("PG_LEASE_WORKER_ROLES", getattr(settings, "PG_LEASE_WORKER_ROLES", []))
+
+
+def operator_roles() -> tuple[str, ...]:
+    """``PG_LEASE_OPERATOR_ROLES`` (list of database roles, default ``[]``): the roles of people and scripts.
+
+    Granted what a worker is, plus force release, hand-off requests, the opt-out of fencing and
+    reading the lease and history tables (``manage.py leases``, the admin).
+
+    Raises:
+        ImproperlyConfigured: the setting is not a list of role names (1 to 63 bytes).
+    """
+    return _role_list("PG_LEASE_OPERATOR_ROLES", getattr(settings, "PG_LEASE_OPERATOR_ROLES", []))

@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, transaction
 from django.test import override_settings
 from psycopg import sql as pgsql
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 
-#: The page's step 3: the worker's functions, revoked from PUBLIC and granted to the two roles.
+#: The worker's functions: revoked from PUBLIC, granted to declared roles (pg_lease_privileges()).
 WORKER_FUNCTIONS = {
     "pg_lease_acquire(text,text,interval)",
     "pg_lease_acquire(text,text,interval,interval)",
@@ -46,6 +46,14 @@ WORKER_FUNCTIONS = {
     "pg_lease_fence(text,text,bigint)",
     "pg_lease_check_fence(text,text,bigint)",
     "pg_lease_fence_outcome(text,text,bigint)",
+    "pg_lease_guard_key(text,jsonb,text)",
+}
+#: An operator's, on top of a worker's.
+OPERATOR_FUNCTIONS = {
+    "pg_lease_request_handoff(text,bigint)",
+    "pg_lease_force_release(text,bigint)",
+    "pg_lease_force_release(text,bigint,text)",
+    "pg_lease_allow_unfenced()",
 }
 
 # Raw SQL as the page tells SQL clients to write it: schema-qualified, every argument cast.
@@ -76,8 +84,8 @@ def page_sql(heading: str) -> str:
 
 
 STEP_ROLES = "1. Create the roles"
-STEP_GRANTS = "2. Grant privileges"
-STEP_TIGHTEN = "3. Optional: only granted roles"
+STEP_DECLARE = "2. Declare the roles"
+STEP_TABLES = "3. Grant your own tables"
 
 
 # ---- roles ----------------------------------------------------------------------------------------
@@ -139,7 +147,8 @@ def public_privileges(admin: psycopg.Connection[Any]) -> tuple[bool, set[str]]:
 
 @pytest.fixture
 def roles(transactional_db: None) -> Iterator[Roles]:
-    """The page's steps 1 and 2, run as written for fresh roles; afterwards everything undone."""
+    """The page's steps 1 to 3, run as written for fresh roles (step 2: the settings it shows, then
+    ``manage.py leases grant``); afterwards everything undone."""
     admin = psycopg.connect(conninfo(), autocommit=True)
     location = admin.execute("SELECT to_regclass('pg_lease_django_lease')::text").fetchone()
     assert location == ("pg_lease_django_lease",), "the page's SQL names schema public: the leases must live there"
@@ -147,7 +156,9 @@ def roles(transactional_db: None) -> Iterator[Roles]:
     made = Roles(uuid.uuid4().hex[:10], admin)
     try:
         admin.execute(made.page(STEP_ROLES))
-        admin.execute(made.page(STEP_GRANTS))
+        with override_settings(PG_LEASE_WORKER_ROLES=[made.worker], PG_LEASE_OPERATOR_ROLES=[made.operator]):
+            call_command("leases", "grant", stdout=StringIO())
+        admin.execute(made.page(STEP_TABLES))
         admin.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(pgsql.Identifier(made.attacker)))
         yield made
     finally:
@@ -168,14 +179,6 @@ def roles(transactional_db: None) -> Iterator[Roles]:
         for function in now_executable - executable:
             admin.execute(f"REVOKE EXECUTE ON FUNCTION public.{function} FROM PUBLIC")
         admin.close()
-
-
-@pytest.fixture(params=["default", "tightened"])
-def privileges(request: pytest.FixtureRequest, roles: Roles) -> str:
-    """EXECUTE as PostgreSQL grants it by default, or after the page's optional step 3."""
-    if request.param == "tightened":
-        roles.admin.execute(roles.page(STEP_TIGHTEN))
-    return str(request.param)
 
 
 @contextmanager
@@ -256,18 +259,20 @@ def test_the_roles_hold_exactly_what_the_page_says(roles: Roles) -> None:
     assert not may(roles.worker, "public", "CREATE", "schema")
     assert not may(roles.attacker, "public", "CREATE", "schema"), "step 1 revokes CREATE on public from PUBLIC"
 
-    tighten = page_sql(STEP_TIGHTEN)
-    revoked, granted = (
-        {re.sub(r"\s", "", name) for name in re.findall(r"public\.(pg_lease_\w+\([^)]*\))", part)}
-        for part in tighten.split("GRANT", 1)
-    )
-    assert revoked == granted == WORKER_FUNCTIONS
+    for function in WORKER_FUNCTIONS:
+        assert may(roles.worker, f"public.{function}", "EXECUTE", "function"), function
+        assert may(roles.operator, f"public.{function}", "EXECUTE", "function"), function
+        assert not may(roles.attacker, f"public.{function}", "EXECUTE", "function"), function
+    for function in OPERATOR_FUNCTIONS:
+        assert not may(roles.worker, f"public.{function}", "EXECUTE", "function"), function
+        assert may(roles.operator, f"public.{function}", "EXECUTE", "function"), function
+        assert not may(roles.attacker, f"public.{function}", "EXECUTE", "function"), function
 
 
 # ---- the worker ---------------------------------------------------------------------------------
 
 
-def test_worker_runs_the_lease_functions_and_writes_fenced_rows(roles: Roles, privileges: str, key: str) -> None:
+def test_worker_runs_the_lease_functions_and_writes_fenced_rows(roles: Roles, key: str) -> None:
     worker = roles.connect(roles.worker)
     assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
     assert worker.execute(RENEW, [key, "w1", 1, "30 seconds"]).fetchone() == ("ok",)
@@ -281,10 +286,9 @@ def test_worker_runs_the_lease_functions_and_writes_fenced_rows(roles: Roles, pr
     with fails_with("PL001"), worker.transaction():  # the stale holder, fenced by the database
         worker.execute(UPDATE_FENCED, ["stale", key, "w1", 1, invoice_id])
     assert stored(roles.admin, invoice_id) == ("sent", 0, 1)
-    if privileges == "tightened":
-        stranger = roles.connect(roles.attacker)
-        with fails_with("42501"):
-            stranger.execute(ACQUIRE, [key + "/stranger", "s", "30 seconds"])
+    stranger = roles.connect(roles.attacker)  # declared nowhere: no lease function at all
+    with fails_with("42501"):
+        stranger.execute(ACQUIRE, [key + "/stranger", "s", "30 seconds"])
 
 
 def test_worker_cannot_write_lease_rows(roles: Roles, key: str) -> None:
@@ -404,7 +408,7 @@ def test_even_the_owner_cannot_rewrite_a_lease_row(roles: Roles, key: str) -> No
 # ---- the operator -------------------------------------------------------------------------------
 
 
-def test_operator_force_releases_and_repairs_data(roles: Roles, privileges: str, key: str) -> None:
+def test_operator_force_releases_and_repairs_data(roles: Roles, key: str) -> None:
     worker, operator = roles.connect(roles.worker), roles.connect(roles.operator)
     assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
     invoice_id = worker_invoice(worker, key, "w1", 1)
@@ -424,16 +428,16 @@ def test_operator_force_releases_and_repairs_data(roles: Roles, privileges: str,
         operator.execute("UPDATE testapp_invoice SET status = 'repaired' WHERE id = %s", [invoice_id])
     with fails_with("PL004"), operator.transaction():  # the opt-out ended with its transaction
         operator.execute("UPDATE testapp_invoice SET status = 'again' WHERE id = %s", [invoice_id])
-    with operator.transaction():  # the setting counts for a role that may run pg_lease_allow_unfenced()
+    with fails_with("PL004"), operator.transaction():  # set by hand, the setting never opts out
         operator.execute("SET LOCAL pg_lease.unfenced = on")
         operator.execute("UPDATE testapp_invoice SET amount = 9 WHERE id = %s", [invoice_id])
-    assert stored(roles.admin, invoice_id) == ("repaired", 9, 1)
+    assert stored(roles.admin, invoice_id) == ("repaired", 0, 1)
 
 
 # ---- Django connected as each role --------------------------------------------------------------
 
 
-def test_django_connected_as_the_worker(roles: Roles, privileges: str, key: str) -> None:
+def test_django_connected_as_the_worker(roles: Roles, key: str) -> None:
     with django_as(roles.worker):
         g = grant(key, "w1")
         Lease.objects.renew(key, "w1", g.epoch, ttl=30)
@@ -452,7 +456,7 @@ def test_django_connected_as_the_worker(roles: Roles, privileges: str, key: str)
     assert stored(roles.admin, invoice.pk) == ("sent", 3, g.epoch)
 
 
-def test_django_connected_as_the_operator(roles: Roles, privileges: str, key: str) -> None:
+def test_django_connected_as_the_operator(roles: Roles, key: str) -> None:
     g = grant(key, "w1")
     invoice = Invoice(account=key)
     invoice.save(fence=g)
@@ -654,3 +658,180 @@ def test_a_role_that_may_update_the_floor_still_cannot_lower_it(roles: Roles) ->
             attacker.execute("UPDATE pg_lease_django_epoch_floor SET floor = 0")
     finally:
         roles.admin.execute("UPDATE pg_lease_django_epoch_floor SET floor = 0")  # a test database may
+
+
+# ---- issue 27: least privilege by default ------------------------------------------------------
+
+#: What PUBLIC may still run: pure helpers (no table read), the fenced tables' trigger functions
+#: (which run only as triggers), pg_lease_refuse and pg_lease_remember_fence (the triggers call them
+#: as the writer: one raises, the other sets the caller's own setting), pg_lease_unfenced_allowed
+#: (answers whether this transaction opted out) and pg_lease_privileges (the grant list).
+HARMLESS_FOR_PUBLIC = {
+    "pg_lease_status(text,timestamp with time zone,timestamp with time zone)",
+    "pg_lease_check_name(text,text)",
+    "pg_lease_check_ttl(interval)",
+    "pg_lease_check_epoch(bigint)",
+    "pg_lease_ttl(interval)",
+    "pg_lease_verdict(text,bigint,timestamp with time zone,text,bigint,timestamp with time zone)",
+    "pg_lease_remember_fence(text,text,bigint)",
+    "pg_lease_refuse(text,text,text,bigint,text)",
+    "pg_lease_unfenced_allowed()",
+    "pg_lease_privileges()",
+}
+
+
+def test_public_may_run_no_lease_function_that_locks_reveals_or_changes_a_lease(roles: Roles) -> None:
+    """Finding 4: every lease function was executable by PUBLIC unless step 3 was followed."""
+    rows = roles.admin.execute(
+        "SELECT p.oid::regprocedure::text, p.prorettype = 'trigger'::regtype FROM pg_proc p "
+        "WHERE p.pronamespace = 'public'::regnamespace AND p.proname LIKE 'pg\\_lease\\_%' "
+        "AND has_function_privilege('public', p.oid, 'EXECUTE')"
+    ).fetchall()
+    executable = {re.sub(r", ", ",", name) for name, is_trigger in rows if not is_trigger}
+    assert executable == HARMLESS_FOR_PUBLIC
+    stranger = roles.connect(roles.attacker)
+    for statement, params in (
+        (ACQUIRE, ["pgl-stranger", "o", "30 seconds"]),
+        (INSPECT, ["pgl-stranger"]),
+        ("SELECT * FROM public.pg_lease_request_handoff(%s::text)", ["pgl-stranger"]),
+    ):
+        with fails_with("42501"):
+            stranger.execute(statement, params)
+
+
+def test_a_role_granted_nothing_can_neither_stall_nor_learn_a_holder(roles: Roles, key: str) -> None:
+    """Findings 1-3: a hand-off request (row lock, holder revealed, elections churned) and
+    pg_lease_guard_key (a pin on any key, an oracle for fences) were PUBLIC's."""
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    stranger = roles.connect(roles.attacker, autocommit=False)
+    with fails_with("42501"):
+        stranger.execute("SELECT * FROM public.pg_lease_request_handoff(%s::text)", [key])
+    stranger.rollback()
+    with fails_with("42501"):
+        stranger.execute(
+            "SELECT public.pg_lease_guard_key(%s::text, %s::jsonb, 'x'::text)", [key, f'{{"{key}": ["w1", 1]}}']
+        )
+    stranger.rollback()
+    # Nothing was locked: the holder renews and releases at once (lock_timeout: a lock would fail it).
+    worker.execute("SET lock_timeout = '2s'")
+    assert worker.execute(RENEW, [key, "w1", 1, "30 seconds"]).fetchone() == ("ok",)
+    assert worker.execute(RELEASE, [key, "w1", 1]).fetchone() == ("ok", 2)
+    # An operator may still ask for a hand-off: it is an operator's act.
+    assert worker.execute(ACQUIRE, [key, "w2", "30 seconds"]).fetchone() == (True, 3)
+    operator = roles.connect(roles.operator)
+    row = operator.execute("SELECT outcome FROM public.pg_lease_request_handoff(%s::text)", [key]).fetchone()
+    assert row == ("ok",)
+
+
+def test_grants_survive_migrating_back_and_forth(roles: Roles, key: str) -> None:
+    """Finding 5: recreating the functions (migrate 0001, then migrate) left them to PUBLIC and
+    dropped every grant; now they come back revoked from PUBLIC and granted to the declared roles."""
+    declared = {"PG_LEASE_WORKER_ROLES": [roles.worker], "PG_LEASE_OPERATOR_ROLES": [roles.operator]}
+    with override_settings(**declared):
+        call_command("migrate", "pg_lease_django", "0001", verbosity=0)
+        call_command("migrate", "pg_lease_django", verbosity=0)
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    with fails_with("42501"):
+        roles.connect(roles.attacker).execute(INSPECT, [key])
+    assert roles.connect(roles.operator).execute(FORCE_RELEASE, [key, 1]).fetchone() == ("ok", "w1", 2)
+
+
+def test_a_hand_set_opt_out_is_refused_inside_owner_run_functions(roles: Roles, key: str) -> None:
+    """Finding 7: inside a SECURITY DEFINER function owned by the owner (a column-limited write
+    API), pg_lease.unfenced = on set by the worker let the write through unfenced."""
+    admin = roles.admin
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    invoice_id = worker_invoice(worker, key, "w1", 1)
+    function = pgsql.Identifier(f"pgl_{roles.suffix}_bump")
+    admin.execute(
+        pgsql.SQL(
+            "CREATE FUNCTION public.{}(p_id bigint) RETURNS void LANGUAGE sql SECURITY DEFINER "
+            "SET search_path = pg_catalog, public "
+            "AS $$ UPDATE testapp_invoice SET amount = amount + 1 WHERE id = p_id $$"
+        ).format(function)
+    )
+    try:
+        admin.execute(
+            pgsql.SQL("GRANT EXECUTE ON FUNCTION public.{}(bigint) TO {}").format(
+                function, pgsql.Identifier(roles.worker)
+            )
+        )
+        for forged in ("on", "true", "x" * 64):
+            with fails_with("PL004"), worker.transaction():
+                worker.execute("SELECT set_config('pg_lease.unfenced', %s, true)", [forged])
+                worker.execute(pgsql.SQL("SELECT public.{}(%s)").format(function), [invoice_id])
+        # A token minted in another transaction, or by another backend, opts nothing out either.
+        operator = roles.connect(roles.operator)
+        with operator.transaction():
+            token = operator.execute(
+                "SELECT public.pg_lease_allow_unfenced(), current_setting('pg_lease.unfenced')"
+            ).fetchone()
+        assert token is not None and token[0] is True
+        with fails_with("PL004"), worker.transaction():
+            worker.execute("SELECT set_config('pg_lease.unfenced', %s, true)", [token[1]])
+            worker.execute(pgsql.SQL("SELECT public.{}(%s)").format(function), [invoice_id])
+    finally:
+        admin.execute(pgsql.SQL("DROP FUNCTION public.{}(bigint)").format(function))
+    assert stored(admin, invoice_id) == ("draft", 0, 1)
+
+
+def test_waiter_registrations_of_taken_over_keys_are_pruned(roles: Roles, key: str) -> None:
+    """Finding 8: registrations of keys taken over after expiry (no release removes them) stayed forever."""
+    worker = roles.connect(roles.worker)
+    keys = [f"{key}/{i}" for i in range(50)]
+    for k in keys:
+        assert worker.execute(ACQUIRE, [k, "holder", "30 seconds"]).fetchone() == (True, 1)
+        row = worker.execute(
+            "SELECT granted FROM public.pg_lease_acquire_or_register(%s::text, 'waiter'::text, '30 seconds'::interval, "
+            "'0 seconds'::interval)",
+            [k],
+        ).fetchone()
+        assert row == (False,)
+    count = "SELECT count(*) FROM pg_lease_django_waiter WHERE key LIKE %s"
+    assert roles.admin.execute(count, [key + "/%"]).fetchone() == (50,)
+    # The registrations expire (until = now + retry bound + 1 s): on the server clock, wait it out.
+    roles.admin.execute("SELECT pg_sleep(1.1)")
+    roles.admin.execute("SELECT * FROM public.pg_lease_prune('1 day'::interval)")
+    assert roles.admin.execute(count, [key + "/%"]).fetchone() == (0,)
+
+
+def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> None:
+    """Roles declared once: `leases grant --check` and check W008 see a revoked grant and a role that
+    does not exist; `leases grant` puts the grant back (idempotent: a second run grants nothing)."""
+    from django.core import checks
+
+    from pg_lease_django.checks import check_declared_roles_are_granted
+
+    ghost = f"pgl_{roles.suffix}_ghost"
+    roles.admin.execute(
+        pgsql.SQL("REVOKE EXECUTE ON FUNCTION public.pg_lease_inspect(text) FROM {}").format(
+            pgsql.Identifier(roles.worker)
+        )
+    )
+    declared = {"PG_LEASE_WORKER_ROLES": [roles.worker, ghost], "PG_LEASE_OPERATOR_ROLES": [roles.operator]}
+    with override_settings(**declared):
+        found = check_declared_roles_are_granted(databases=["default"])
+        assert [w.id for w in found] == ["pg_lease_django.W008"] * 2
+        assert all(isinstance(w, checks.Warning) for w in found)
+        assert ghost in found[0].msg and "does not exist" in found[0].msg
+        assert roles.worker in found[1].msg and "pg_lease_inspect" in found[1].msg
+        out = StringIO()
+        with pytest.raises(CommandError, match="1 declared role") as raised:
+            call_command("leases", "grant", "--check", stdout=out)
+        assert raised.value.returncode == 1
+        assert f'GRANT EXECUTE ON FUNCTION "public".pg_lease_inspect(text) TO "{roles.worker}"' in out.getvalue()
+        with pytest.raises(CommandError, match=f"{ghost} do not exist"):
+            call_command("leases", "grant", stdout=StringIO())
+    with override_settings(PG_LEASE_WORKER_ROLES=[roles.worker], PG_LEASE_OPERATOR_ROLES=[roles.operator]):
+        out = StringIO()
+        call_command("leases", "grant", stdout=out)
+        assert "Granted 1 privilege(s)" in out.getvalue()
+        assert check_declared_roles_are_granted(databases=["default"]) == []
+        out = StringIO()
+        call_command("leases", "grant", stdout=out)
+        assert "Granted 0 privilege(s)" in out.getvalue()
+    with override_settings(PG_LEASE_WORKER_ROLES="app_worker"), pytest.raises(ImproperlyConfigured):
+        check_declared_roles_are_granted(databases=["default"])

@@ -88,6 +88,17 @@ CREATE TABLE @extschema@."pg_lease_django_tenure" (
 );
 CREATE INDEX "pg_lease_tenure_key_epoch" ON @extschema@."pg_lease_django_tenure" ("key", "epoch");
 
+-- A random secret only the owner reads: what makes an opt-out of fencing (pg_lease_allow_unfenced)
+-- a token no role can forge by setting pg_lease.unfenced by hand. One row, made at installation.
+CREATE TABLE @extschema@."pg_lease_django_secret" (
+  one boolean PRIMARY KEY DEFAULT true CHECK (one),
+  secret text NOT NULL
+);
+REVOKE ALL ON @extschema@."pg_lease_django_secret" FROM PUBLIC;
+INSERT INTO @extschema@."pg_lease_django_secret" (secret)
+  VALUES (pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(
+    pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8')), 'hex'));
+
 -- ================================================================================================
 -- The rules every operation uses
 -- ================================================================================================
@@ -321,6 +332,8 @@ BEGIN
   END LOOP;
 END $$;
 
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval) FROM PUBLIC;
+
 -- Acquire, waiting up to p_wait (NULL: no bound) for the key; SQLSTATE 57014 on timeout.
 -- Polls inside one statement, sleeping until the holder's expiry (at most 100 ms at a time), so it
 -- keeps a snapshot open while it waits: prefer the client-side wait (Python API) or short bounds
@@ -355,6 +368,8 @@ BEGIN
       - clock_timestamp()))::double precision);
   END LOOP;
 END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval, interval) FROM PUBLIC;
 
 -- The attempt of a waiter that LISTENs on pg_lease_django: pg_lease_acquire(key, owner, ttl), and
 -- when refused, a registration so that the next release of the key notifies, lasting until the
@@ -413,6 +428,8 @@ BEGIN
                       attempt.expires_at, attempt.server_time;
 END $$;
 
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire_or_register(text, text, interval, interval) FROM PUBLIC;
+
 -- Renew (heartbeat): extend a live lease held by (owner, epoch) to server_now + TTL, never changing
 -- the epoch, and say whether a hand-off was requested: what the package sends for every renewal.
 -- One UPDATE ... WHERE key AND owner AND epoch AND expires_at > clock_timestamp(), judged again
@@ -465,6 +482,8 @@ BEGIN
   END LOOP;
 END $$;
 
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_heartbeat(text, text, bigint, interval) FROM PUBLIC;
+
 -- Renew: pg_lease_heartbeat without its hand-off column, for SQL clients, and for processes still
 -- running a version before hand-offs during a rolling deploy.
 CREATE FUNCTION @extschema@.pg_lease_renew(p_key text, p_owner text, p_epoch bigint, p_ttl interval)
@@ -474,6 +493,8 @@ SET search_path = pg_catalog, pg_temp
 AS $$
   SELECT h.outcome, h.expires_at, h.server_time FROM @extschema@.pg_lease_heartbeat(p_key, p_owner, p_epoch, p_ttl) h
 $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_renew(text, text, bigint, interval) FROM PUBLIC;
 
 -- Release: free a live lease held by (owner, epoch) and bump the epoch, fencing the old holder;
 -- wake waiters (pg_lease_wake_waiters). One UPDATE as in pg_lease_heartbeat, judged again under the
@@ -520,6 +541,8 @@ BEGIN
   END LOOP;
 END $$;
 
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_release(text, text, bigint) FROM PUBLIC;
+
 -- Inspect: the state at the server clock (lazy expiry: a lapsed row is reported 'lapsed'). A key
 -- without a row is free at the epoch floor's epoch (0 until something is pruned).
 CREATE FUNCTION @extschema@.pg_lease_inspect(p_key text)
@@ -541,6 +564,8 @@ BEGIN
            coalesce(l.epoch, f.floor), l.expires_at, l.acquired_at, now_at
       FROM @extschema@."pg_lease_django_epoch_floor" f LEFT JOIN @extschema@."pg_lease_django_lease" l ON l.key = p_key;
 END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_inspect(text) FROM PUBLIC;
 
 -- Ask the holder of p_key (at p_epoch, when given) to step down at its next renewal. Advice only:
 -- the grant is unchanged. Outcome 'ok' (requested now, or already), or why nobody can be asked:
@@ -584,6 +609,8 @@ BEGIN
   RETURN QUERY SELECT 'ok'::text, cur.owner, cur.epoch, cur.expires_at,
                       coalesce(cur.handoff_requested_at, now_at), now_at;
 END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_request_handoff(text, bigint) FROM PUBLIC;
 
 -- ================================================================================================
 -- Operators
@@ -654,8 +681,8 @@ $$;
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_force_release(text, bigint) FROM PUBLIC;
 
 -- Prune: delete the rows of leases free (released, or lapsed) for at least p_free_for, raising the
--- floor to their highest epoch first, in this transaction. Rows locked right now are skipped. With
--- p_dry_run, only lists what would go. Operators only: revoked from PUBLIC.
+-- floor to their highest epoch first, in this transaction, and the expired waiters' registrations.
+-- Rows locked right now are skipped. With p_dry_run, only lists what would go. Operators only: revoked from PUBLIC.
 CREATE FUNCTION @extschema@.pg_lease_prune(p_free_for interval, p_dry_run boolean DEFAULT false)
 RETURNS TABLE (key text, epoch bigint)
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -680,6 +707,9 @@ BEGIN
       ORDER BY l.key;
     RETURN;
   END IF;
+  -- Expired waiters' registrations go too (a takeover after expiry sends no release to remove
+  -- them): the waiter table holds no more than the registrations live since the last prune.
+  DELETE FROM @extschema@."pg_lease_django_waiter" w WHERE w.until < clock_timestamp();
   -- The floor first, then the rows: the order acquire's insert path takes them in (no deadlock).
   PERFORM 1 FROM @extschema@."pg_lease_django_epoch_floor" f FOR UPDATE;
   SELECT array_agg(d.key), max(d.epoch) INTO doomed, top
@@ -797,6 +827,8 @@ BEGIN
   RETURN verdict;
 END $$;
 
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_fence(text, text, bigint) FROM PUBLIC;
+
 -- Why did a guarded statement write nothing? A fresh check of exactly this fence: faithful, since
 -- a refused fence is never accepted later (epochs only grow, a lapsed grant cannot be renewed, and
 -- a fence waits for a renewal in flight before answering 'lapsed').
@@ -804,6 +836,8 @@ CREATE FUNCTION @extschema@.pg_lease_fence_outcome(p_key text, p_owner text, p_e
 RETURNS text LANGUAGE sql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT @extschema@.pg_lease_fence(p_key, p_owner, p_epoch) $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_fence_outcome(text, text, bigint) FROM PUBLIC;
 
 -- Present a fence (the raising form, for raw SQL): returns p_epoch, so a write can both present the
 -- fence and record it in one expression: SET lease_epoch = (SELECT pg_lease_check_fence(k, o, e)).
@@ -835,6 +869,8 @@ BEGIN
                           format('lease %s is not held by %s at epoch %s', p_key, p_owner, p_epoch));
   RETURN NULL;
 END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_fence(text, text, bigint) FROM PUBLIC;
 
 -- Record a fence that holds as presented by this transaction (pg_lease.fences, a JSON object
 -- key -> [owner, epoch]): what the fenced tables' triggers check their rows against. No SET
@@ -869,22 +905,32 @@ BEGIN
 END $$;
 
 -- The explicit opt-out: fenced tables accept this transaction's writes without a fence (data
--- repair, fixtures, admin edits). Revoked from PUBLIC; the triggers also check the writer may run
--- it, so setting pg_lease.unfenced by hand gives nothing to a role that was not granted it.
-CREATE FUNCTION @extschema@.pg_lease_allow_unfenced()
-RETURNS boolean LANGUAGE sql VOLATILE
+-- repair, fixtures, admin edits). Revoked from PUBLIC. It sets pg_lease.unfenced to a token minted
+-- from the owner's secret for this backend and transaction, which pg_lease_unfenced_allowed checks:
+-- the variable set by hand (to anything) never opts out, not even inside owner-run functions.
+CREATE FUNCTION @extschema@.pg_lease_opt_out_token()
+RETURNS text LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT set_config('pg_lease.unfenced', 'on', true) = 'on' $$;
+AS $$
+  SELECT encode(sha256(convert_to(s.secret || '/' || pg_backend_pid()::text || '/'
+                                  || extract(epoch FROM now())::text, 'UTF8')), 'hex')
+    FROM @extschema@."pg_lease_django_secret" s
+$$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_opt_out_token() FROM PUBLIC;
+
+CREATE FUNCTION @extschema@.pg_lease_allow_unfenced()
+RETURNS boolean LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT set_config('pg_lease.unfenced', @extschema@.pg_lease_opt_out_token(), true) IS NOT NULL $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_allow_unfenced() FROM PUBLIC;
 
+-- Did this transaction opt out with pg_lease_allow_unfenced()? Answers only that, for any caller.
 CREATE FUNCTION @extschema@.pg_lease_unfenced_allowed()
-RETURNS boolean LANGUAGE sql STABLE
+RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-AS $$
-  SELECT current_setting('pg_lease.unfenced', true) = 'on'
-     AND has_function_privilege('@extschema@.pg_lease_allow_unfenced()', 'EXECUTE')
-$$;
+AS $$ SELECT current_setting('pg_lease.unfenced', true) = @extschema@.pg_lease_opt_out_token() $$;
 
 -- Check one lease key written by a statement: the transaction presented a fence for it, and that
 -- fence holds now (locking the lease row FOR KEY SHARE until the transaction ends).
@@ -920,6 +966,8 @@ BEGIN
   RETURN (presented ->> 1)::bigint;
 END $$;
 
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_guard_key(text, jsonb, text) FROM PUBLIC;
+
 -- Trigger of a fenced table (one carrying lease_key and lease_epoch), after each INSERT, UPDATE
 -- and DELETE statement, over its transition tables: every lease key the statement wrote or
 -- removed (old and new keys: moving a row to another lease needs both) has a live fence in this
@@ -935,7 +983,7 @@ DECLARE
   epoch bigint;
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
 BEGIN
-  IF current_setting('pg_lease.unfenced', true) = 'on' AND @extschema@.pg_lease_unfenced_allowed() THEN
+  IF current_setting('pg_lease.unfenced', true) <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
     RETURN NULL;
   END IF;
   fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
@@ -1001,7 +1049,7 @@ DECLARE
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
   rows_sql text;
 BEGIN
-  IF current_setting('pg_lease.unfenced', true) = 'on' AND @extschema@.pg_lease_unfenced_allowed() THEN
+  IF current_setting('pg_lease.unfenced', true) <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
     RETURN NULL;
   END IF;
   fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
@@ -1028,9 +1076,10 @@ BEGIN
          AND has_function_privilege('@extschema@.pg_lease_allow_unfenced()', 'EXECUTE')) THEN
     RETURN NULL;
   END IF;
-  PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
-                          format('TRUNCATE of fenced table %I.%I without opting out', TG_TABLE_SCHEMA, TG_TABLE_NAME));
-  RETURN NULL;
+  RAISE EXCEPTION 'unfenced: TRUNCATE of fenced table %.% without opting out',
+                  quote_ident(TG_TABLE_SCHEMA), quote_ident(TG_TABLE_NAME)
+    USING ERRCODE = 'PL004', DETAIL = json_build_object('key', NULL, 'owner', NULL, 'epoch', NULL)::text,
+          HINT = 'Lease rows and fenced rows are never deleted wholesale (every epoch would restart). In tests, set TEST_RUNNER = ''pg_lease_django.testing.LeaseTestRunner'', or use pytest-django (the pg_lease_django pytest plugin): both allow TRUNCATE on test databases only. Data repair: a role that may opt out runs SELECT pg_lease_allow_unfenced() first, in the same transaction.';
 END $$;
 
 -- ================================================================================================
@@ -1053,7 +1102,7 @@ BEGIN
     END IF;
     RAISE EXCEPTION 'lease rows are never deleted (TRUNCATE would reset every epoch)'
       USING ERRCODE = '23001',
-            HINT = 'Release leases instead. Test databases may SET pg_lease.allow_truncate = on.';
+            HINT = 'Lease rows and fenced rows are never deleted wholesale (every epoch would restart). In tests, set TEST_RUNNER = ''pg_lease_django.testing.LeaseTestRunner'', or use pytest-django (the pg_lease_django pytest plugin): both allow TRUNCATE on test databases only.';
   END IF;
   IF @extschema@.pg_lease_status(OLD.owner, OLD.expires_at, clock_timestamp()) <> 'held'
      AND (SELECT f.floor FROM @extschema@."pg_lease_django_epoch_floor" f) >= OLD.epoch THEN
@@ -1296,3 +1345,41 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_clear_handoff() FROM PUBLIC;
 CREATE TRIGGER pg_lease_clear_handoff BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW WHEN (NEW.epoch IS DISTINCT FROM OLD.epoch AND NEW.handoff_requested_at IS NOT NULL)
   EXECUTE FUNCTION @extschema@.pg_lease_clear_handoff();
+
+-- ================================================================================================
+-- Privileges
+-- ================================================================================================
+
+-- What each declared role is granted (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES; applied by
+-- `migrate` and `manage.py leases grant`): every function above that locks, reveals or changes a
+-- lease is revoked from PUBLIC. A worker runs the four operations and writes fenced rows (the
+-- fenced tables' triggers call pg_lease_guard_key as the writer); an operator may do what a worker
+-- may, plus force release, ask for a hand-off, opt out of fencing and read the lease and history
+-- tables. pg_lease_prune and pg_lease_advance_epochs stay with the owner. A migration that adds a
+-- function restates this one. By hand: SELECT format('GRANT %s ON %s %s TO app_worker', privilege,
+-- kind, object) FROM pg_lease_privileges() WHERE role = 'worker' \gexec
+CREATE FUNCTION @extschema@.pg_lease_privileges()
+RETURNS TABLE (role text, kind text, object text, privilege text)
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+  SELECT w.role, w.kind, w.object, w.privilege FROM (VALUES
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire(text, text, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire(text, text, interval, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire_or_register(text, text, interval, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_heartbeat(text, text, bigint, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_renew(text, text, bigint, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_release(text, text, bigint)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_inspect(text)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_fence(text, text, bigint)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_fence_outcome(text, text, bigint)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_check_fence(text, text, bigint)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_guard_key(text, jsonb, text)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_request_handoff(text, bigint)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint, text)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_allow_unfenced()', 'EXECUTE'),
+    ('operator', 'TABLE', '@extschema@."pg_lease_django_lease"', 'SELECT'),
+    ('operator', 'TABLE', '@extschema@."pg_lease_django_tenure"', 'SELECT')
+  ) w (role, kind, object, privilege)
+$$;

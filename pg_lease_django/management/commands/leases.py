@@ -34,7 +34,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections, router
 
-from pg_lease_django import conf
+from pg_lease_django import conf, privileges
 from pg_lease_django.display import LeaseRow, format_duration
 from pg_lease_django.exceptions import (
     AlreadyFreeError,
@@ -122,7 +122,7 @@ class Command(BaseCommand):
         subparsers = parser.add_subparsers(
             dest="subcommand",
             title="subcommands",
-            metavar="{list,show,history,handoff,release,prune,prune-history,advance-epochs,run}",
+            metavar="{list,show,history,handoff,release,prune,prune-history,advance-epochs,grant,run}",
             parser_class=SubcommandParser,
         )
 
@@ -202,6 +202,15 @@ class Command(BaseCommand):
         advance_parser.add_argument("--dry-run", action="store_true", help="Say what would change; change nothing.")
         advance_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
 
+        grant_parser = subparsers.add_parser(
+            "grant",
+            help="Grant the roles of PG_LEASE_WORKER_ROLES and PG_LEASE_OPERATOR_ROLES their lease privileges "
+            "(migrate does it too); run as the lease functions' owner.",
+        )
+        grant_parser.add_argument(
+            "--check", action="store_true", help="Only say what is missing; exit 1 if anything is. Change nothing."
+        )
+
         run_parser = subparsers.add_parser(
             "run",
             help="Run COMMAND while holding the lease KEY (renewed by heartbeats, released at the end).",
@@ -251,6 +260,7 @@ class Command(BaseCommand):
             prune_parser,
             prune_history_parser,
             advance_parser,
+            grant_parser,
             run_parser,
         ):
             # SUPPRESS: a subcommand that is not given these must not overwrite the top-level value.
@@ -277,6 +287,8 @@ class Command(BaseCommand):
                 self._prune_history(alias, options)
             elif subcommand == "advance-epochs":
                 self._advance_epochs(alias, options)
+            elif subcommand == "grant":
+                self._grant(alias, options)
             elif subcommand == "run":
                 self._run(alias, options)
             else:
@@ -587,6 +599,36 @@ class Command(BaseCommand):
             self.stdout.write(
                 self.style.SUCCESS(f"Pruned {len(keys)} lease(s) free for at least {options['free_for']}.") + listing
             )
+
+    # -- grant -----------------------------------------------------------------------------------------
+
+    def _grant(self, alias: str, options: dict[str, Any]) -> None:
+        declared = privileges.declared()
+        if not declared:
+            self.stdout.write(
+                "No roles declared (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES): only the lease functions' "
+                "owner may use them."
+            )
+            return
+        if options.get("check"):
+            absent, lacking = privileges.missing(alias)
+            for role in absent:
+                self.stdout.write(f"role {role} does not exist")
+            for needed in lacking:
+                self.stdout.write(needed.statement(connections[alias].ops.quote_name))
+            if absent or lacking:
+                raise CommandError(  # exit 1, as for any database state that stops the leases working
+                    f"{len(absent)} declared role(s) missing, {len(lacking)} grant(s) missing: "
+                    f"run `manage.py leases grant --database {alias}` as the lease functions' owner",
+                    returncode=ExitCode.DATABASE_ERROR,
+                )
+            self.stdout.write(f"Every declared role holds its lease privileges in {alias!r}.")
+            return
+        granted = privileges.grant(alias)
+        for needed in granted:
+            self.stdout.write(needed.statement(connections[alias].ops.quote_name))
+        roles = ", ".join(f"{role} ({kind})" for role, kind in sorted(declared.items()))
+        self.stdout.write(self.style.SUCCESS(f"Granted {len(granted)} privilege(s); declared roles: {roles}."))
 
     # -- advance-epochs ------------------------------------------------------------------------------
 

@@ -1,0 +1,24 @@
+"""Least privilege by default: ``sql/migrations/0003_least_privilege.sql``.
+
+Every function that locks, reveals or changes a lease is revoked from PUBLIC; the declared roles
+(``PG_LEASE_WORKER_ROLES``, ``PG_LEASE_OPERATOR_ROLES``) are granted what
+``pg_lease_privileges()`` lists after ``migrate`` (a post_migrate receiver). The opt-out of
+fencing becomes a token only ``pg_lease_allow_unfenced()`` mints; prune removes expired waiters'
+registrations; the TRUNCATE refusals name the test runner and the pytest plugin.
+"""
+
+from django.db import migrations
+
+from pg_lease_django.sql.files import RunSQLFile
+
+
+class Migration(migrations.Migration):
+    dependencies = [("pg_lease_django", "0002_triggers_off_the_common_path")]
+
+    operations = [
+        RunSQLFile(
+            "migrations/0003_least_privilege.sql",
+            "migrations/0003_least_privilege_reverse.sql",
+            sha256="fc0f19cfd87b6e145717229af4005348d828b94ff1407df702beb98d5d658eea",
+        )
+    ]
