@@ -19,6 +19,7 @@ import json
 import logging
 from io import StringIO
 
+import psycopg
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
@@ -29,6 +30,7 @@ from django.test import override_settings
 from pg_lease_django import InvalidInputError, Lease, NotAcquirableError, UnfencedWriteError, history, hold
 from pg_lease_django.checks import check_lease_database_without_database_option
 from pg_lease_django.management.commands.flush import truncate_refusal
+from tests.helpers import conninfo
 from tests.testapp.models import Invoice
 
 # ---- 1 and 5: plain `check` runs the lease database's checks -----------------------------------------
@@ -110,6 +112,25 @@ def test_flush_refused_by_the_lease_table_names_the_runner_and_the_plugin(key: s
     assert "pytest-django" in message and "pg_lease_django plugin" in message, message
     assert "Possible reasons" not in message, message
     assert Lease.objects.inspect(key).epoch == 1  # nothing was deleted
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(("table", "sqlstate"), [("pg_lease_django_lease", "23001"), ("testapp_invoice", "PL004")])
+def test_the_databases_own_truncate_refusal_names_the_runner_and_the_plugin(table: str, sqlstate: str) -> None:
+    """The hint psql and every other client see (it named pg_lease_check_fence, wrong for a flush)."""
+    conn = psycopg.connect(conninfo(), autocommit=True)
+    try:
+        with pytest.raises(psycopg.Error) as refused, conn.transaction():
+            conn.execute("SET LOCAL pg_lease.allow_truncate = off")
+            conn.execute(f"TRUNCATE {table} CASCADE")
+    finally:
+        conn.close()
+    diag = refused.value.diag
+    assert diag.sqlstate == sqlstate and "TRUNCATE" in (diag.message_primary or "")
+    hint = diag.message_hint or ""
+    assert "TEST_RUNNER = 'pg_lease_django.testing.LeaseTestRunner'" in hint, hint
+    assert "pytest-django (the pg_lease_django pytest plugin)" in hint, hint
+    assert "test databases only" in hint and "pg_lease_check_fence" not in hint, hint
 
 
 def test_truncate_refusal_ignores_other_errors() -> None:
