@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import inspect
 import logging
 import os
@@ -41,11 +42,16 @@ from . import conf, sigterm
 from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
 from .held import HeldLease
 from .holding import Holding, hold
+from .lease_pool import InFlight
 from .validation import Seconds, check_name, check_ttl
 
 __all__ = ["Election", "aelect", "current_election", "elect"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between the cancel request of a campaign attempt interrupted by `Election.stop` and
+#: shutting its socket (the attempt is settled on the server either way: `waiting.settle`).
+_INTERRUPT_GRACE = 1.0
 
 _current: ContextVar[Election | None] = ContextVar("pg_lease_current_election", default=None)
 
@@ -121,6 +127,7 @@ class Election:
         self._done = threading.Event()  # set when the election's thread ends (`join` waits on it)
         #: Called (from any thread) when a term must end; `pg_lease_django.supervisor` wakes its select with it.
         self._wakers: list[Callable[[], None]] = []
+        self._acquiring: InFlight | None = None  # the campaign attempt of the election's thread, for stop()
 
     def __repr__(self) -> str:
         return f"<Election key={self.key!r} owner={self.owner!r} leading={self.leading} leader={self.leader!r}>"
@@ -164,9 +171,18 @@ class Election:
         return self._term_ends.wait(timeout)
 
     def stop(self) -> None:
-        """Stop campaigning; a leader steps down once its callback returns (see `wait_stop`). Does not wait."""
+        """Stop campaigning; a leader steps down once its callback returns (see `wait_stop`). Does not wait.
+
+        A campaign attempt in flight is cancelled on the server (and a grant it committed released):
+        ``join`` then returns at once, even while the lease row is locked by another session.
+        """
         self._stop.set()
         self._end_term()
+        acquiring = self._acquiring
+        if acquiring is not None:
+            # On a thread of its own: stop() may run in a signal handler, and a cancel request waits.
+            interrupt = functools.partial(acquiring.interrupt, grace=_INTERRUPT_GRACE)
+            threading.Thread(target=interrupt, name="pg_lease election stop", daemon=True).start()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the election's thread to end (after `stop`); True if it has."""
@@ -276,8 +292,12 @@ class Election:
         def end_term(lease: HeldLease) -> None:
             self._end_term(ends)
 
+        holding = self._hold(end_term, end_term)
+        holding._acquiring = self._acquiring = InFlight()
+        if self._stop.is_set():  # stop() may have read the previous attempt's handle
+            self._acquiring.interrupt(grace=_INTERRUPT_GRACE)
         try:
-            with self._hold(end_term, end_term) as lease:
+            with holding as lease:
                 self._start_term(lease)
                 self._call(self._on_new_leader, self.owner, seen=self._seen(self.owner))
                 try:
@@ -296,9 +316,12 @@ class Election:
             self._stop.wait(conf.poll_interval())
             return None
         except Exception as exc:  # the database, while acquiring: keep campaigning, backing off
-            logger.warning("election %r (%s): campaigning failed: %r", self.key, self.owner, exc)
+            if not self._stop.is_set():  # else: the attempt was interrupted by stop(), and settled
+                logger.warning("election %r (%s): campaigning failed: %r", self.key, self.owner, exc)
             self._stop.wait(self._rest(_End.FAILED))
             return None
+        finally:
+            self._acquiring = None
         ended = self._end_of(lease, ended)
         self._call(self._on_stopped_leading)
         return ended

@@ -8,6 +8,7 @@ and `pg_lease_django`; import them from there. See docs/jobs.md.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import os
@@ -29,7 +30,7 @@ from . import conf, sigterm
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
 from .heartbeat import Heartbeat
 from .held import HeldLease, OnLost, send_lease_signal, send_robust
-from .lease_pool import pool_for
+from .lease_pool import InFlight, pool_for
 from .operations import Grant
 from .signals import lease_acquired, lease_released, lease_skipped
 from .validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
@@ -118,11 +119,13 @@ class HoldOptions:
 class _Session:
     """One acquisition: its heartbeat (renewals by the process's scheduler) and its HeldLease."""
 
-    def __init__(self, options: HoldOptions, key: str) -> None:
+    def __init__(self, options: HoldOptions, key: str, acquiring: InFlight | None = None) -> None:
         self.options = options
         self.key = check_name("key", key)
         self.lease: HeldLease | None = None
         self.heartbeat: Heartbeat | None = None
+        #: The acquire, which another thread may interrupt (a cancelled task, ``Election.stop``).
+        self.acquiring = acquiring or InFlight()
 
     def start(self) -> HeldLease:
         from .models import Lease
@@ -158,7 +161,9 @@ class _Session:
         grant: Grant | None = None
         heartbeat: Heartbeat | None = None
         try:
-            grant, sent_at = pool.acquire(self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait)
+            grant, sent_at = pool.acquire(
+                self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait, call=self.acquiring
+            )
             lease = HeldLease(
                 grant,
                 ttl=options.ttl,
@@ -201,8 +206,42 @@ class _Session:
             send_lease_signal(lease_released, lease, freed=heartbeat.outcome == "freed")
 
 
+#: Seconds between the cancel request of an acquire abandoned by a cancelled task and shutting its socket.
+_INTERRUPT_GRACE = 1.0
+
+
+def _in_own_thread(fn: Callable[[], R], name: str) -> asyncio.Future[R]:
+    """``fn()`` on a thread of its own, in a copy of this context; its outcome as a future of this loop.
+
+    Never in asyncio's default executor: it is shared by the whole application and small
+    (``cpus + 4`` threads), and a blocking hold would occupy one of its threads for as long as it
+    waits, leaving none for other ``to_thread`` calls, a holder's own exit included.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[R] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(outcome: Callable[[], None]) -> None:  # the event loop's thread
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = context.run(fn)
+        except BaseException as exc:
+            outcome = functools.partial(future.set_exception, exc)
+        else:
+            outcome = functools.partial(future.set_result, result)
+        with suppress(RuntimeError):  # the loop is closed: nobody awaits the outcome any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name=name[:100], daemon=True).start()
+    return future
+
+
 def _abandoned_start(session: _Session, starting: asyncio.Future[HeldLease]) -> None:
-    # The awaiting task was cancelled while the lease was being acquired in a worker thread.
+    # The awaiting task was cancelled while the lease was being acquired, and the interrupt came
+    # too late: the hold was set up. Leave it (release) at once.
     if starting.cancelled() or starting.exception() is not None:
         return
     threading.Thread(target=session.finish, name="pg_lease abandoned hold", daemon=True).start()
@@ -224,6 +263,8 @@ class Holding:
         self._cancelled_by_us = False
         self._hook: Callable[[], None] | None = None
         self._sigterm = False  # this sync hold counted in sigterm.enter()
+        #: The next acquire's handle for an interrupt from another thread (`pg_lease_django.election`).
+        self._acquiring: InFlight | None = None
 
     def __repr__(self) -> str:
         return f"<Holding key={self._key!r} ttl={self._options.ttl}>"
@@ -231,7 +272,8 @@ class Holding:
     def _new_session(self) -> _Session:
         if self._session is not None:
             raise RuntimeError("this hold() is already active: create one hold() per use")
-        self._session = _Session(self._options, self._key)
+        self._session = _Session(self._options, self._key, self._acquiring)
+        self._acquiring = None
         return self._session
 
     def _push(self, session: _Session, lease: HeldLease) -> None:
@@ -272,12 +314,16 @@ class Holding:
     async def __aenter__(self) -> HeldLease:
         session = self._new_session()
         loop = asyncio.get_running_loop()
-        # Database calls block: acquire in a worker thread (on a lease connection, never the job's).
-        starting = asyncio.ensure_future(asyncio.to_thread(session.start))
+        # Database calls block: acquire in a thread of its own (on a lease connection, never the job's).
+        starting = _in_own_thread(session.start, f"pg_lease hold {self._key}")
         try:
             lease = await asyncio.shield(starting)
         except asyncio.CancelledError:
+            # Cancelled (asyncio.timeout too): stop the acquire now, on the server; an attempt in
+            # flight is settled (a grant it committed is released) in the acquiring thread.
             self._session = None
+            interrupt = functools.partial(session.acquiring.interrupt, grace=_INTERRUPT_GRACE)
+            threading.Thread(target=interrupt, name="pg_lease hold cancelled", daemon=True).start()
             starting.add_done_callback(functools.partial(_abandoned_start, session))
             raise
         except BaseException:
@@ -310,7 +356,7 @@ class Holding:
         if self._hook is not None and session.lease is not None:
             session.lease._remove_cancel_hook(self._hook)
             self._hook = None
-        await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(session.finish)))
+        await asyncio.shield(_in_own_thread(session.finish, f"pg_lease hold {self._key} exit"))
         if task is not None and self._cancelled_by_us:
             self._cancelled_by_us = False
             # As asyncio.timeout() does: our own cancellation becomes the precise error.

@@ -66,16 +66,38 @@ class InFlight:
         self._conn, self._lend = conn, lend
 
     def interrupt(self, *, grace: float) -> None:
-        """Cancel the statement, then shut its socket if it still has not returned (blocks up to ``grace`` s)."""
-        conn = self._conn
-        if conn is None or self.done.is_set():
+        """Cancel the statement, then shut its socket if it still has not returned (blocks up to ``grace`` s).
+
+        Also before the call is lent or between a blocking wait's attempts: an acquire checks
+        ``interrupted`` before each attempt (`check`).
+        """
+        if self.done.is_set():
             return
         self.interrupted = True
+        conn = self._conn
+        if conn is None:
+            return
         conn.interrupt(self._lend, self.done, grace=grace)
+
+    def check(self) -> None:
+        """Raise `AcquireInterrupted` once `interrupt` was called (before an attempt is sent)."""
+        if self.interrupted:
+            raise AcquireInterrupted("the acquire was interrupted")
+
+
+class AcquireInterrupted(Exception):
+    """An acquire of ``hold()`` was interrupted from another thread (`InFlight.interrupt`): nothing is held."""
 
 
 def _timeout_ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
+
+
+def _shut(raw: Any) -> None:
+    # Shut the socket down under the call blocked on it: it fails at once (the connection is then
+    # discarded by the call's own error handling); the server's session notices and ends.
+    with suppress(Exception), socket.socket(fileno=os.dup(raw.pgconn.socket)) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class LeaseConnection:
@@ -124,19 +146,35 @@ class LeaseConnection:
         self._guard = threading.Lock()
         self._lends = 0
 
-    def acquire(self, key: str, owner: str, ttl: timedelta, *, blocking: bool, wait: timedelta | None) -> Grant:
+    def acquire(
+        self,
+        key: str,
+        owner: str,
+        ttl: timedelta,
+        *,
+        blocking: bool,
+        wait: timedelta | None,
+        call: InFlight | None = None,
+    ) -> Grant:
         """One acquire (or a blocking wait of at most ``wait``) in autocommit: the grant is committed when this returns.
 
-        Runs under the session's default statement_timeout, as Django's own connections do.
+        Runs under the session's default statement_timeout, as Django's own connections do. An
+        interruption (any exception but a refusal, including one raised in this thread by a
+        signal handler, and ``call.interrupt()`` from another thread) cancels the attempt in
+        flight on the server and settles it (`waiting.settle`: a grant it committed is released)
+        before it goes on.
 
         Raises:
             NotAcquirableError: not blocking, and another owner holds the key (named in the error).
+            AcquireInterrupted: ``call`` was interrupted before an attempt was sent.
         """
         attempts = 0
 
         def sending() -> None:
             nonlocal attempts
             attempts += 1
+            if call is not None:
+                call.check()
             self._sending()
 
         try:
@@ -146,8 +184,15 @@ class LeaseConnection:
                 if attempts > 1 and conf.listen_enabled():
                     self._check_not_listening()  # waiting UNLISTENs on every way out: make sure
                 return grant
-            self._sending()
-            return operations.acquire_or_raise(self.wrapper, key, owner, ttl)
+            backend = waiting.attempt_backend(self.wrapper)
+            sending()
+            try:
+                return operations.acquire_or_raise(self.wrapper, key, owner, ttl)
+            except NotAcquirableError:
+                raise
+            except BaseException:
+                waiting.settle(self.wrapper, key, owner, backend)  # the blocking wait settles its own
+                raise
         except NotAcquirableError:
             raise  # a refusal: the connection is fine
         except BaseException:
@@ -181,21 +226,27 @@ class LeaseConnection:
         fails at once instead of after the TCP keepalives. Only while the connection is still in the
         same lending (``lend``) and its call has not returned (``done``): the guard keeps it from
         being lent again, or closed, meanwhile. The call's own error handling discards it.
+
+        With no statement in flight (a blocking acquire waiting for a release notification) the
+        socket is shut down at once: the wait ends now, and the acquire checks ``InFlight.check``
+        before it would send another attempt.
         """
         with self._guard:
-            raw = self._in_call(lend, done)
-            if raw is None:
+            cancelled = self._in_call(lend, done)
+            if cancelled is None:
+                return
+            if cancelled.info.transaction_status != TransactionStatus.ACTIVE:
+                _shut(cancelled)
                 return
             with suppress(Exception):
-                raw.cancel_safe(timeout=grace)
+                cancelled.cancel_safe(timeout=grace)
         if done.wait(grace):
             return
         with self._guard:
             raw = self._in_call(lend, done)
-            if raw is None:
+            if raw is None or raw is not cancelled:  # reconnected meanwhile: to settle (waiting.settle)
                 return
-            with suppress(Exception), socket.socket(fileno=os.dup(raw.pgconn.socket)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
+            _shut(raw)
 
     def _in_call(self, lend: int, done: threading.Event) -> Any:  # with self._guard held
         raw = self.wrapper.connection
@@ -329,11 +380,23 @@ class LeasePool:
             self._give(conn)
 
     def acquire(
-        self, key: str, owner: str, ttl: timedelta, *, blocking: bool, wait: timedelta | None
+        self,
+        key: str,
+        owner: str,
+        ttl: timedelta,
+        *,
+        blocking: bool,
+        wait: timedelta | None,
+        call: InFlight | None = None,
     ) -> tuple[Grant, float]:
-        """`LeaseConnection.acquire` on a lent connection: the grant and when its statement was sent."""
-        with self.connection(None) as conn:
-            grant = conn.acquire(key, owner, ttl, blocking=blocking, wait=wait)
+        """`LeaseConnection.acquire` on a lent connection: the grant and when its statement was sent.
+
+        ``call``, when given, may interrupt the acquire from another thread (`InFlight.interrupt`).
+        """
+        if call is not None:
+            call.check()
+        with self.connection(None, call) as conn:
+            grant = conn.acquire(key, owner, ttl, blocking=blocking, wait=wait, call=call)
             return grant, conn.sent_at
 
     def renew(

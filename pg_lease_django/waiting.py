@@ -34,7 +34,7 @@ from django.db.utils import DatabaseErrorWrapper
 from psycopg.sql import SQL, Identifier
 
 from . import conf, operations, sql
-from .exceptions import LeaseTimeoutError
+from .exceptions import LeaseLostError, LeaseTimeoutError
 from .operations import Attempt, Grant
 from .validation import MAX_WAIT, describe_seconds
 
@@ -111,6 +111,76 @@ def _nothing_granted(key: str, refused: Attempt, epoch: int, lost: BaseException
     ) from lost
 
 
+# ---- an attempt interrupted in flight: its outcome is unknown until settled ------------------------
+
+#: Seconds `settle` waits for an interrupted attempt's statement to end on the server.
+SETTLE_WITHIN = 5.0
+# Cancels the interrupted attempt from another session while it still runs (its own client may no
+# longer be able to: a shut socket, a cancel request that arrived before the statement did), and
+# says whether it still does. Only a lease statement: behind PgBouncer the pid is not a server's.
+_CANCEL_ATTEMPT = (
+    "SELECT pg_catalog.pg_cancel_backend(pid) FROM pg_catalog.pg_stat_activity"
+    " WHERE pid = %s AND state = 'active' AND query LIKE '%%pg_lease_acquire%%'"
+)
+
+
+def attempt_backend(connection: BaseDatabaseWrapper) -> int:
+    """The server process the next attempt on ``connection`` runs in (connecting it if need be)."""
+    connection.ensure_connection()
+    return int(connection.connection.info.backend_pid)
+
+
+def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
+    """After an attempt of ``owner`` was interrupted in flight: make sure it granted nothing that stays.
+
+    The one rule for every interruption (a signal, KeyboardInterrupt, SystemExit, a cancelled task,
+    ``Election.stop``, a lost connection): the attempt's statement is cancelled on the server and
+    waited out (up to `SETTLE_WITHIN` s), then, if it committed a grant nobody received, that grant
+    is released. ``backend_pid``: the server process the attempt ran in (None: nothing to wait out).
+    ``connection`` must be in autocommit; it is closed first, so the settling runs in a fresh
+    session (Django reconnects). Never raises an Exception: a failure is logged (the grant, if
+    any, then lapses after its TTL), and the interruption goes on.
+    """
+    try:
+        _abandon_statement(connection)
+        connection.close()
+        _settle(connection, key, owner, backend_pid)
+    except Exception:
+        logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
+
+
+def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
+    if backend_pid is not None:
+        deadline = time.monotonic() + SETTLE_WITHIN
+        with connection.cursor() as cursor:
+            while time.monotonic() < deadline:
+                cursor.execute(_CANCEL_ATTEMPT, [backend_pid])
+                if cursor.fetchone() is None:
+                    break
+                time.sleep(0.01)
+    state = operations.inspect(connection, key)
+    if _granted_unseen(state.status, state.owner, owner):
+        with suppress(LeaseLostError):  # lapsed or taken meanwhile: nothing left to give back
+            operations.release(connection, key, owner, state.epoch)
+        logger.warning("an interrupted acquire of %r had been granted (epoch %s): released it", key, state.epoch)
+
+
+def _granted_unseen(status: str, holder: str | None, owner: str) -> bool:
+    # Owners are unique among concurrent clients (hold()'s default is unique per hold): a lease
+    # held by this owner after an interrupted attempt is that attempt's grant.
+    return status == "held" and holder == owner
+
+
+async def asettle(conn: psycopg.AsyncConnection[Any], own: _OwnWait, key: str, owner: str) -> None:
+    """`settle` on an async waiter's own connection, after psycopg has cancelled and read out the attempt."""
+    row = await (await conn.execute(own.inspect, [key])).fetchone()
+    assert row is not None
+    _key, status, holder, epoch, _expires_at, _server_time = row
+    if _granted_unseen(status, holder, owner):
+        outcome = (await (await conn.execute(own.release, [key, owner, epoch])).fetchone() or ("?",))[0]
+        logger.warning("an interrupted acquire of %r had been granted (epoch %s): release %s", key, epoch, outcome)
+
+
 def pause_after_refusal(
     key: str, owner: str, refused: Attempt, wait: timedelta | None, deadline: float | None
 ) -> float:
@@ -167,6 +237,30 @@ def wait_and_acquire(
     # (Django's next cursor does) and go on, once sure that attempt granted nothing. Inside one,
     # the transaction is gone: raise.
     rejoin = _Rejoin(key, deadline) if autocommit else None
+    pending: list[int] = []  # the server process of the attempt in flight, until it is answered
+    try:
+        return _wait_and_acquire(connection, key, owner, ttl, wait, deadline, listen, rejoin, before_attempt, pending)
+    except BaseException:
+        # An attempt whose answer never came (interrupted, cancelled, or lost without rejoining)
+        # may have committed a grant: settle it before the exception goes on. Inside a
+        # transaction the attempt went with it: nothing to settle.
+        if autocommit and pending:
+            settle(connection, key, owner, pending[-1])
+        raise
+
+
+def _wait_and_acquire(
+    connection: BaseDatabaseWrapper,
+    key: str,
+    owner: str,
+    ttl: timedelta,
+    wait: timedelta | None,
+    deadline: float | None,
+    listen: bool,
+    rejoin: _Rejoin | None,
+    before_attempt: Callable[[], object] | None,
+    pending: list[int],
+) -> Grant:
     refused: Attempt | None = None  # the last refused attempt
     unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
     while True:
@@ -179,12 +273,14 @@ def wait_and_acquire(
                 while True:
                     if before_attempt is not None:
                         before_attempt()
+                    pending[:] = [attempt_backend(connection)]
                     session.attempting = True
                     if listen:
                         tried = operations.attempt_or_register(connection, key, owner, ttl, retry_within(deadline))
                     else:
                         tried = operations.attempt(connection, key, owner, ttl)
                     session.attempting = False
+                    pending.clear()
                     if rejoin is not None:
                         rejoin.answered()
                     grant = tried.grant(key)
@@ -290,6 +386,7 @@ class _OwnWait:
 
     statement: str  # sql.ACQUIRE_OR_REGISTER when it listens, else sql.ACQUIRE, rendered for that database
     inspect: str  # sql.INSPECT, rendered: after losing the connection during an attempt
+    release: str  # sql.RELEASE, rendered: settling an attempt interrupted in flight
     connect: dict[str, Any]  # psycopg.AsyncConnection.connect() arguments
     role: str | None  # OPTIONS["assume_role"], set as Django's backend sets it on its connections
     listen: bool
@@ -327,6 +424,7 @@ async def await_and_acquire(
     rejoin = _Rejoin(key, deadline)
     refused: Attempt | None = None  # the last refused attempt
     unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
+    attempting = False
     with own.errors:
         conn: psycopg.AsyncConnection[Any] | None = None
         try:
@@ -374,6 +472,16 @@ async def await_and_acquire(
                         await conn.close()
                         conn = None
                     await asyncio.sleep(rejoining)
+        except BaseException:
+            # Cancelled (or timed out by asyncio.timeout) during an attempt: psycopg cancelled the
+            # statement and read out its result, which may have been a committed grant: settle it
+            # before the cancellation goes on (a second cancellation would cut this short).
+            if attempting and conn is not None and not conn.closed:
+                try:
+                    await asettle(conn, own, key, owner)
+                except Exception:
+                    logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
+            raise
         finally:
             # Ending the session ends its LISTEN; no statement runs any more (psycopg has already
             # cancelled and waited out one interrupted by a cancellation).
@@ -407,6 +515,7 @@ def _own_wait(connection_of: Callable[[], BaseDatabaseWrapper], owner: str) -> _
     return _OwnWait(
         statement=sql.render(connection, sql.ACQUIRE_OR_REGISTER if listen else sql.ACQUIRE),
         inspect=sql.render(connection, sql.INSPECT),
+        release=sql.render(connection, sql.RELEASE),
         connect=params,
         role=connection.settings_dict["OPTIONS"].get("assume_role"),
         listen=listen,

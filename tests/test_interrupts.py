@@ -1,0 +1,266 @@
+"""Issue 33: an interrupt never strands a lease, whatever moment it lands on.
+
+The window is widened as a lapsed leader's open fenced transaction widens it in production: another
+session holds the lease row ``FOR UPDATE``, so the acquire statement is in flight (blocked on the
+lock, seen in ``pg_blocking_pids``) when the interruption comes. Then the lock is let go, the
+interrupted statement's server process is waited out, and the database is checked: nothing is
+granted to an owner that is gone, and no session of the interrupted caller is left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from asgiref.sync import async_to_sync
+
+from pg_lease_django import Lease, hold, lease_acquired
+from tests.helpers import free, held, needs_session, wait_until
+from tests.test_command_run import LeasesRun
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+Connect = Callable[..., psycopg.Connection[Any]]
+CHILD = [sys.executable, "-m", "tests.run_child"]
+#: A hang guard, not a promise: leases run exits within a few seconds of a SIGTERM (docs/operations.md).
+HANG_GUARD = 30.0
+
+
+@pytest.fixture
+def runs() -> Iterator[Callable[..., LeasesRun]]:
+    started: list[LeasesRun] = []
+
+    def start(*args: str) -> LeasesRun:
+        run = LeasesRun(*args)
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:
+        run.kill()
+
+
+@contextmanager
+def row_locked(raw_connect: Connect, key: str) -> Iterator[psycopg.Connection[Any]]:
+    """Hold ``key``'s lease row FOR UPDATE in another session until the block ends (then commit)."""
+    locker = raw_connect(autocommit=False)
+    locker.execute("SELECT 1 FROM pg_lease_django_lease WHERE key = %s FOR UPDATE", [key])
+    try:
+        yield locker
+    finally:
+        locker.commit()
+
+
+def blocked_behind(watch: psycopg.Connection[Any], locker: psycopg.Connection[Any]) -> int:
+    """The server process waiting on ``locker``'s lock (waits for it to appear)."""
+    found: list[int] = []
+
+    def blocked() -> bool:
+        rows = watch.execute(
+            "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [locker.info.backend_pid]
+        ).fetchall()
+        found[:] = [row[0] for row in rows]
+        return len(found) == 1
+
+    wait_until(blocked, HANG_GUARD, "an acquire to block on the row lock")
+    return found[0]
+
+
+def gone(watch: psycopg.Connection[Any], pid: int) -> None:
+    """Wait until server process ``pid`` has ended (its statement committed or rolled back)."""
+    wait_until(
+        lambda: watch.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone() == (0,),
+        HANG_GUARD,
+        f"backend {pid} to end",
+    )
+
+
+def no_session_left(watch: psycopg.Connection[Any], application_name: str) -> None:
+    wait_until(
+        lambda: (
+            watch.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE %s",
+                [application_name],
+            ).fetchone()
+            == (0,)
+        ),
+        HANG_GUARD,
+        f"no {application_name!r} session left",
+    )
+
+
+# -- finding 2: a signal during a non-blocking acquire --------------------------------------------------
+
+
+def test_sigterm_during_a_non_blocking_acquire_leaves_nothing_granted(
+    key: str, runs: Callable[..., LeasesRun], raw_connect: Connect, tmp_path: Path
+) -> None:
+    epoch = free(key)
+    marker = tmp_path / "ran"
+    watch = raw_connect()
+    with row_locked(raw_connect, key) as locker:
+        run = runs(key, "--ttl", "60", "--", *CHILD, "touch", str(marker))
+        attempt = blocked_behind(watch, locker)
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.finish(HANG_GUARD) == 128 + signal.SIGTERM
+    gone(watch, attempt)  # before the fix: it ran on after the exit, and granted once the lock went
+    no_session_left(watch, "pg_lease_django%")
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch)
+    assert not marker.exists()
+    assert "not run, lease not held" in run.stderr
+
+
+# -- finding 1: leases run --campaign and a SIGTERM while its attempt is in flight ------------------------
+
+
+def test_sigterm_during_a_campaign_attempt_exits_at_once_and_holds_nothing(
+    key: str, runs: Callable[..., LeasesRun], raw_connect: Connect, tmp_path: Path
+) -> None:
+    epoch = free(key)
+    marker = tmp_path / "ran"
+    watch = raw_connect()
+    with row_locked(raw_connect, key) as locker:
+        run = runs(key, "--ttl", "60", "--campaign", "--", *CHILD, "touch", str(marker))
+        attempt = blocked_behind(watch, locker)
+        os.kill(run.proc.pid, signal.SIGTERM)
+        # Before the fix it waited in Election.join() for as long as the row stayed locked.
+        assert run.finish(HANG_GUARD) == 128 + signal.SIGTERM
+        gone(watch, attempt)  # cancelled on the server while the lock is still held
+    no_session_left(watch, "pg_lease_django%")
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch)
+    assert not marker.exists()
+
+
+# -- finding 5: a cancelled blocking aacquire whose grant had committed ---------------------------------
+
+
+def test_a_cancelled_blocking_aacquire_releases_a_grant_that_committed(key: str, raw_connect: Connect) -> None:
+    epoch = free(key)
+    watch = raw_connect()
+    owner = "w-cancelled"
+
+    async def scenario() -> None:
+        with row_locked(raw_connect, key) as locker:
+            task = asyncio.ensure_future(Lease.objects.aacquire(key, owner, ttl=60, blocking=True))
+            attempt = await asyncio.to_thread(blocked_behind, watch, locker)
+        # The worst moment, made certain: the attempt's grant commits on the server while this
+        # (the event loop's) thread has not read its answer yet, and the cancellation lands first.
+        wait_until(
+            lambda: (
+                watch.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [attempt]).fetchone() != ("active",)
+            ),
+            HANG_GUARD,
+            "the attempt to commit",
+        )
+        holder = watch.execute("SELECT owner FROM pg_lease_django_lease WHERE key = %s", [key]).fetchone()
+        assert holder == (owner,)  # committed, not yet received
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async_to_sync(scenario)()
+    no_session_left(watch, f"pg_lease_django wait {owner}")
+    state = Lease.objects.inspect(key)
+    assert state.status == "free", state  # before the fix: held by the cancelled caller for the 60 s TTL
+    assert state.epoch == epoch + 2  # granted, then released by the settling
+
+
+# -- findings 3 and 4: async blocking holds ------------------------------------------------------------
+
+
+def waiting_holds(watch: psycopg.Connection[Any], count: int) -> None:
+    """Wait until ``count`` blocking holds wait for a release (their last attempt refused, LISTENing)."""
+    wait_until(
+        lambda: (
+            watch.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND application_name = 'pg_lease_django hold' AND state = 'idle'"
+                " AND query LIKE '%%pg_lease_acquire_or_register%%'"
+            ).fetchone()
+            == (count,)
+        ),
+        HANG_GUARD,
+        f"{count} blocking holds to wait",
+    )
+
+
+@needs_session
+def test_a_cancelled_blocking_async_hold_stops_waiting_at_once(key: str, raw_connect: Connect) -> None:
+    epoch = held(key, "holder", ttl=60)
+    watch = raw_connect()
+    acquired: list[Any] = []
+
+    def record(sender: Any, **kwargs: Any) -> None:
+        acquired.append(kwargs)
+
+    async def scenario() -> None:
+        async def waiter() -> None:
+            async with hold(key, 60, owner="w-cancelled", blocking=True):
+                pytest.fail("the body of a cancelled hold ran")
+
+        task = asyncio.ensure_future(waiter())
+        await asyncio.to_thread(waiting_holds, watch, 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    lease_acquired.connect(record)
+    try:
+        async_to_sync(scenario)()
+        # Before the fix its thread went on waiting (a session per cancelled hold) until the key
+        # freed, then took the lease for a body that never ran.
+        no_session_left(watch, "pg_lease_django hold")
+        Lease.objects.release(key, "holder", epoch)
+    finally:
+        lease_acquired.disconnect(record)
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch + 1)
+    assert acquired == []
+
+
+@needs_session
+def test_waiting_async_holds_leave_a_holder_free_to_exit(key: str, raw_connect: Connect) -> None:
+    watch = raw_connect()
+    order: list[str] = []
+
+    async def scenario() -> None:
+        # A small default executor stands for one that waiting holds have filled up (6 threads on 2 CPUs).
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
+        release = asyncio.Event()
+
+        async def holder() -> None:
+            async with hold(key, 60, owner="holder"):
+                order.append("holder")
+                await release.wait()
+
+        async def waiter(name: str) -> None:
+            async with hold(key, 60, owner=name, blocking=True, timeout=HANG_GUARD):
+                order.append(name)
+
+        first = asyncio.ensure_future(holder())
+        while not order:
+            await asyncio.sleep(0)  # the holder's acquire: an event of this loop, not a pause
+        waiters = [asyncio.ensure_future(waiter(f"w{n}")) for n in range(2)]
+        with ThreadPoolExecutor(max_workers=1) as watching:  # not the starved default executor
+            await asyncio.get_running_loop().run_in_executor(watching, waiting_holds, watch, 2)
+        release.set()
+        await first
+        # Before the fix the holder's exit queued behind both waits in the executor: the waiters
+        # timed out (LeaseTimeoutError) while the finished holder kept the lease.
+        await asyncio.gather(*waiters)
+
+    async_to_sync(scenario)()
+    assert sorted(order[1:]) == ["w0", "w1"] and order[0] == "holder"
+    no_session_left(watch, "pg_lease_django hold")
+    assert Lease.objects.inspect(key).status == "free"
