@@ -152,12 +152,15 @@ def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: i
 def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
     if backend_pid is not None:
         deadline = time.monotonic() + SETTLE_WITHIN
-        with connection.cursor() as cursor:
-            while time.monotonic() < deadline:
-                cursor.execute(_CANCEL_ATTEMPT, [backend_pid])
-                if cursor.fetchone() is None:
-                    break
-                time.sleep(0.01)
+        try:
+            with connection.cursor() as cursor:
+                while time.monotonic() < deadline:
+                    cursor.execute(_CANCEL_ATTEMPT, [backend_pid])
+                    if cursor.fetchone() is None:
+                        break
+                    time.sleep(0.01)
+        except Exception:  # not allowed to signal it (another role): read the key all the same
+            logger.warning("cancelling an interrupted acquire of %r on the server failed", key, exc_info=True)
     state = operations.inspect(connection, key)
     if _granted_unseen(state.status, state.owner, owner):
         with suppress(LeaseLostError):  # lapsed or taken meanwhile: nothing left to give back
