@@ -342,18 +342,31 @@ def check_declared_roles_are_granted(
     lease call with "permission denied". ``migrate`` grants them; a role created after it, or a
     grant revoked by hand, needs ``manage.py leases grant``.
     """
-    from . import privileges
+    from . import conf, privileges
 
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
-        if connections[alias].vendor != "postgresql" or not privileges.declared():
+        if connections[alias].vendor != "postgresql":
             continue
         try:
-            if not privileges._installed(alias):
+            if not privileges.installed(alias):
                 continue  # W002/W004/W007 say why
             absent, lacking = privileges.missing(alias)
         except DatabaseError:
             continue
+        try:
+            stored = privileges.stored_key_scopes(alias)
+        except DatabaseError:
+            stored = None
+        if stored is not None and stored != conf.key_scopes():
+            warnings.append(
+                checks.Warning(
+                    f"database {alias!r} enforces the key scopes {stored!r}, but PG_LEASE_KEY_SCOPES is "
+                    f"{conf.key_scopes()!r}.",
+                    hint=f"Run, as the lease functions' owner: manage.py leases grant --database {alias}",
+                    id="pg_lease_django.W008",
+                )
+            )
         for role in absent:
             warnings.append(
                 checks.Warning(

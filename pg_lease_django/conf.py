@@ -164,3 +164,31 @@ def operator_roles() -> tuple[str, ...]:
         ImproperlyConfigured: the setting is not a list of role names (1 to 63 bytes).
     """
     return _role_list("PG_LEASE_OPERATOR_ROLES", getattr(settings, "PG_LEASE_OPERATOR_ROLES", []))
+
+
+def key_scopes() -> dict[str, tuple[str, ...]]:
+    """``PG_LEASE_KEY_SCOPES`` (dict of database role -> list of key prefixes, default ``{}``): tenants apart.
+
+    A role listed here may name only keys starting with one of its prefixes, in every lease
+    function (the database checks it, for every caller: 42501 ``key_scope`` otherwise); a role not
+    listed, any key. ``migrate`` and ``manage.py leases grant`` copy it into the database
+    (``pg_lease_django_key_scope``); check ``pg_lease_django.W008`` says when they differ.
+
+    Raises:
+        ImproperlyConfigured: not a dict of role names to non-empty lists of prefixes (at most 255 bytes).
+    """
+    value = getattr(settings, "PG_LEASE_KEY_SCOPES", {})
+    if not isinstance(value, dict) or not all(
+        isinstance(role, str)
+        and role
+        and len(role.encode()) <= 63
+        and isinstance(prefixes, list | tuple)
+        and not isinstance(prefixes, str)
+        and prefixes
+        and all(isinstance(p, str) and len(p.encode()) <= 255 for p in prefixes)
+        for role, prefixes in value.items()
+    ):
+        raise ImproperlyConfigured(
+            f"PG_LEASE_KEY_SCOPES must map database role names to non-empty lists of key prefixes, got {value!r}"
+        )
+    return {role: tuple(sorted(set(prefixes))) for role, prefixes in sorted(value.items())}

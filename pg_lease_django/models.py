@@ -121,7 +121,8 @@ class LeaseTenure(models.Model):
     ``end_reason`` (an `EndReason`); ``ended_by``: who ended it: the holder (released, handed off,
     re-acquired), the owner that took the key over (lapsed; None when the row was pruned), the
     operator (force-released, as passed to ``force_release(operator=...)``, else the database role),
-    or the database role that advanced the epochs.
+    or the database role that advanced the epochs; ``ended_by_role``: the database role
+    (``session_user``) that sent the statement ending it, whatever owner name it presented.
     """
 
     key = models.TextField()
@@ -131,6 +132,7 @@ class LeaseTenure(models.Model):
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.TextField(choices=EndReason.choices, null=True, blank=True)  # noqa: DJ001
     ended_by = models.TextField(null=True, blank=True)  # noqa: DJ001
+    ended_by_role = models.TextField(null=True, blank=True)  # noqa: DJ001
 
     objects = TenureQuerySet.as_manager()
 

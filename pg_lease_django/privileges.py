@@ -6,6 +6,9 @@ operator are granted. ``migrate`` grants it to the declared roles (a ``post_migr
 so grants survive migrating back and forth and every future migration that adds a function), as
 does ``manage.py leases grant``; check ``pg_lease_django.W008`` says what a database lacks.
 Grants the declaration does not name are left alone: revoke those by hand.
+
+``PG_LEASE_KEY_SCOPES`` (role -> key prefixes) is copied into ``pg_lease_django_key_scope`` the
+same way; every lease function refuses a key outside the calling role's prefixes.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def declared() -> dict[str, str]:
     return roles
 
 
-def _installed(using: str) -> bool:
+def installed(using: str) -> bool:
     """Whether database ``using`` has ``pg_lease_privileges()`` (the lease app migrated to 0003 or later)."""
     connection = connections[using]
     try:
@@ -97,6 +100,7 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
             role may not grant the privileges (run it as the lease functions' owner, as ``migrate``).
     """
     absent, lacking = missing(using)
+    sync_key_scopes(using)
     if absent:
         raise ImproperlyConfigured(
             f"declared lease roles {', '.join(absent)} do not exist in database {using!r}'s cluster: "
@@ -114,6 +118,59 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     return lacking
 
 
+SCOPE_TABLE = "pg_lease_django_key_scope"
+
+
+def stored_key_scopes(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[str, ...]] | None:
+    """The key scopes database ``using`` enforces, as ``PG_LEASE_KEY_SCOPES`` spells them; None before 0004."""
+    connection = connections[using]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_catalog.to_regclass(%s) IS NOT NULL", [f"{sql.schema(connection)}.{SCOPE_TABLE}"])
+        row = cursor.fetchone()
+        if not (row and row[0]):
+            return None
+        cursor.execute(
+            sql.render(connection, f"SELECT role, prefix FROM {{schema}}.{SCOPE_TABLE} ORDER BY role, prefix")
+        )
+        scopes: dict[str, list[str]] = {}
+        for role, prefix in cursor.fetchall():
+            scopes.setdefault(role, []).append(prefix)
+    return {role: tuple(prefixes) for role, prefixes in scopes.items()}
+
+
+def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
+    """Make database ``using`` enforce ``PG_LEASE_KEY_SCOPES``; return whether anything changed.
+
+    Nothing to do before migration 0004 (when the setting is empty); with a non-empty setting there,
+    ImproperlyConfigured (the database could not enforce it).
+    """
+    wanted = conf.key_scopes()
+    stored = stored_key_scopes(using)
+    if stored is None:
+        if wanted:
+            raise ImproperlyConfigured(
+                f"database {using!r} cannot enforce PG_LEASE_KEY_SCOPES: run `manage.py migrate pg_lease_django "
+                f"--database {using}`"
+            )
+        return False
+    if stored == wanted:
+        return False
+    connection = connections[using]
+    pairs = [(role, prefix) for role, prefixes in wanted.items() for prefix in prefixes]
+    with transaction.atomic(using=using), connection.cursor() as cursor:
+        cursor.execute(sql.render(connection, f"DELETE FROM {{schema}}.{SCOPE_TABLE}"))
+        if pairs:
+            cursor.execute(
+                sql.render(
+                    connection,
+                    f"INSERT INTO {{schema}}.{SCOPE_TABLE} (role, prefix) "
+                    "SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::text[]))",
+                ),
+                [[r for r, _ in pairs], [p for _, p in pairs]],
+            )
+    return True
+
+
 def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:
     """``post_migrate`` receiver: grant the declared roles in each database the lease app is migrated in.
 
@@ -123,7 +180,13 @@ def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwa
     """
     from .models import Lease
 
-    if not declared() or not router.allow_migrate_model(using, Lease) or not _installed(using):
+    if not router.allow_migrate_model(using, Lease) or not installed(using):
+        return
+    if not declared():
+        try:
+            sync_key_scopes(using)
+        except ImproperlyConfigured as exc:
+            (kwargs.get("stdout") or sys.stdout).write(f"  pg_lease_django: {exc}\n")
         return
     stdout = kwargs.get("stdout") or sys.stdout
     try:

@@ -60,6 +60,7 @@ class TenureRow:
         ended_by: who ended it (see `LeaseTenure`); None when nobody did yet.
         expires_at: the current grant's expiry (held, or lapsed and not yet taken over); else None.
         handoff_requested_at: when a hand-off was requested of the current holder; else None.
+        ended_by_role: the database role that sent the statement ending it; None while it lasts.
     """
 
     epoch: int
@@ -70,6 +71,7 @@ class TenureRow:
     ended_by: str | None
     expires_at: datetime | None = None
     handoff_requested_at: datetime | None = None
+    ended_by_role: str | None = None
 
     @property
     def current(self) -> bool:
@@ -108,6 +110,7 @@ class TenureRow:
             "ended_at": _iso(self.ended_at),
             "outcome": self.outcome,
             "ended_by": self.ended_by,
+            "ended_by_role": self.ended_by_role,
             "expires_at": _iso(self.expires_at),
             "handoff_requested_at": _iso(self.handoff_requested_at),
             "duration_seconds": self.duration(server_time).total_seconds(),
@@ -191,7 +194,13 @@ def read_history(key: str, *, using: str | None = None, limit: int | None = None
 def _settled(tenure: Any) -> TenureRow:
     """A tenure row with its end: recorded, or read from the lease row when still open."""
     row = TenureRow(
-        tenure.epoch, tenure.owner, tenure.granted_at, tenure.ended_at, tenure.end_reason or UNKNOWN, tenure.ended_by
+        tenure.epoch,
+        tenure.owner,
+        tenure.granted_at,
+        tenure.ended_at,
+        tenure.end_reason or UNKNOWN,
+        tenure.ended_by,
+        ended_by_role=tenure.ended_by_role,
     )
     if tenure.ended_at is not None:
         return row

@@ -19,6 +19,7 @@ from django.contrib.admin.models import LogEntry
 from django.contrib.admin.utils import quote
 from django.contrib.auth.models import Permission, User
 from django.core.management import CommandError, call_command
+from django.db import connection
 from django.test import Client, override_settings
 from django.urls import reverse
 
@@ -148,6 +149,8 @@ def test_history_command_prints_a_table(key: str) -> None:
         "ENDED",
         "ENDED",
         "BY",
+        "DB",
+        "ROLE",
         "DURATION",
     ]
     assert [int(row.split()[0]) for row in rows] == epochs
@@ -173,6 +176,7 @@ def test_history_command_json(key: str) -> None:
         "ended_at",
         "outcome",
         "ended_by",
+        "ended_by_role",
         "expires_at",
         "handoff_requested_at",
         "duration_seconds",
@@ -180,6 +184,9 @@ def test_history_command_json(key: str) -> None:
     assert all(set(t) == fields for t in document["tenures"])
     handed, reacquired, current = document["tenures"]
     assert (handed["outcome"], handed["ended_by"]) == ("handed_off", "worker-a")
+    with connection.cursor() as cursor:  # the role that sent the release: this test's
+        cursor.execute("SELECT session_user")
+        assert handed["ended_by_role"] == cursor.fetchone()[0]
     assert reacquired["outcome"] == "reacquired"
     assert (current["outcome"], current["ended_at"]) == ("held", None)
     assert datetime.fromisoformat(current["expires_at"]) > datetime.fromisoformat(document["server_time"])

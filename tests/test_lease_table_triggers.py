@@ -178,7 +178,7 @@ def test_a_grant_and_a_release_call_no_trigger_function_but_the_recheck(key: str
 
 
 # Functions the pair calls by name (not as triggers).
-_CALLED_BY_NAME = {"pg_lease_acquire", "pg_lease_release", "pg_lease_wake_waiters"}
+_CALLED_BY_NAME = {"pg_lease_acquire", "pg_lease_release", "pg_lease_wake_waiters", "pg_lease_check_key_scope"}
 
 
 def test_a_new_key_inserted_while_the_scope_changes_gets_the_scope_that_commits(key: str, raw_connect: Connect) -> None:

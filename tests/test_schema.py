@@ -111,6 +111,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_waiter_lock",
         "pg_lease_wake_waiters",  # every release; revoked from PUBLIC
         "pg_lease_recheck_under_lock",  # every acquire and release; names every built-in with its schema
+        "pg_lease_check_key_scope",  # every operation; revoked from PUBLIC, called under the callers' path
     }
     for name, security_definer, config in rows:
         # Workers need no privilege on the lease table: the operations run as its owner. The rest

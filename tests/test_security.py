@@ -25,7 +25,7 @@ from django.db import DatabaseError, connection, transaction
 from django.test import override_settings
 from psycopg import sql as pgsql
 
-from pg_lease_django import Grant, Lease, NotOwnerError, unfenced_writes
+from pg_lease_django import Grant, Lease, NotOwnerError, history, privileges, unfenced_writes
 from pg_lease_django import sql as lease_sql
 from tests.helpers import conninfo, refused, row_snapshot
 from tests.testapp.models import Invoice
@@ -835,3 +835,61 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
         assert "Granted 0 privilege(s)" in out.getvalue()
     with override_settings(PG_LEASE_WORKER_ROLES="app_worker"), pytest.raises(ImproperlyConfigured):
         check_declared_roles_are_granted(databases=["default"])
+
+
+def test_tenants_separated_by_role_are_separated_in_leases(roles: Roles, key: str) -> None:
+    """Finding 9: a second tenant's role, granted the same functions, read tenant A's holder, released
+    A's lease and took it, and the history said the victim released it. With key scopes the database
+    refuses every lease function outside a role's prefixes, and records the role that ended a tenure."""
+    a_key, b_key = f"tenantA:{key}", f"tenantB:{key}"
+    tenants = {
+        "PG_LEASE_WORKER_ROLES": [roles.worker, roles.attacker],
+        "PG_LEASE_KEY_SCOPES": {roles.worker: ["tenantA:"], roles.attacker: ["tenantB:"]},
+        "PG_LEASE_HISTORY": ["tenantA:"],
+    }
+    with override_settings(**tenants):
+        call_command("leases", "grant", stdout=StringIO())
+        history.sync_scope()
+        try:
+            a, b = roles.connect(roles.worker), roles.connect(roles.attacker)
+            assert a.execute(ACQUIRE, [a_key, "a1", "30 seconds"]).fetchone() == (True, 1)
+            assert b.execute(ACQUIRE, [b_key, "b1", "30 seconds"]).fetchone() == (True, 1)
+            for statement, params in (
+                (INSPECT, [a_key]),
+                (RELEASE, [a_key, "a1", 1]),
+                (ACQUIRE, [a_key, "b1", "30 seconds"]),
+                (ACQUIRE_WAITING, [a_key, "b1", "30 seconds", "0 seconds"]),
+                (RENEW, [a_key, "a1", 1, "30 seconds"]),
+                ("SELECT public.pg_lease_check_fence(%s::text, %s::text, %s::bigint)", [a_key, "a1", 1]),
+                ("SELECT public.pg_lease_fence(%s::text, %s::text, %s::bigint)", [a_key, "a1", 1]),
+                (
+                    "SELECT public.pg_lease_guard_key(%s::text, %s::jsonb, 'x'::text)",
+                    [a_key, f'{{"{a_key}": ["a1", 1]}}'],
+                ),
+            ):
+                with fails_with("42501"):
+                    b.execute(statement, params)
+            # A fenced row of tenant A, written by B with A's fence forged in the setting: refused.
+            invoice_id = worker_invoice(a, a_key, "a1", 1)
+            with fails_with("42501"), b.transaction():
+                b.execute("SELECT set_config('pg_lease.fences', %s, true)", [f'{{"{a_key}": ["a1", 1]}}'])
+                b.execute("UPDATE testapp_invoice SET amount = 5, lease_epoch = 1 WHERE id = %s", [invoice_id])
+            assert stored(roles.admin, invoice_id) == ("draft", 0, 1)
+            # Django connected as B is refused the same way.
+            with django_as(roles.attacker), fails_with("42501"):
+                Lease.objects.inspect(a_key)
+            # A's own work goes on; the history names the role that ended the tenure.
+            assert a.execute(RELEASE, [a_key, "a1", 1]).fetchone() == ("ok", 2)
+            row = roles.admin.execute(
+                "SELECT ended_by, ended_by_role FROM pg_lease_django_tenure WHERE key = %s AND epoch = 1", [a_key]
+            ).fetchone()
+            assert row == ("a1", roles.worker)
+            out = StringIO()
+            call_command("leases", "history", a_key, stdout=out)
+            assert "DB ROLE" in out.getvalue() and roles.worker in out.getvalue()
+            # The owner (no scope) may use any key.
+            assert roles.admin.execute(INSPECT, [b_key]).fetchone() == ("held", "b1", 1)
+        finally:
+            with override_settings(PG_LEASE_KEY_SCOPES={}, PG_LEASE_HISTORY=[]):
+                privileges.sync_key_scopes()
+                history.sync_scope()

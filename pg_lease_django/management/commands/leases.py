@@ -505,7 +505,7 @@ class Command(BaseCommand):
         self.stdout.write(f"{summary} of {key!r} (server time {_shown(_iso(history.server_time))})")
 
     def _history_table(self, history: History) -> None:
-        header = ("EPOCH", "OWNER", "GRANTED AT", "ENDED AT", "HOW IT ENDED", "ENDED BY", "DURATION")
+        header = ("EPOCH", "OWNER", "GRANTED AT", "ENDED AT", "HOW IT ENDED", "ENDED BY", "DB ROLE", "DURATION")
         now = history.server_time
         cells = [
             (
@@ -515,12 +515,13 @@ class Command(BaseCommand):
                 _shown(_iso(row.ended_at)),
                 row.describe(now),
                 row.ended_by or "-",
+                row.ended_by_role or "-",
                 format_duration(row.duration(now)),
             )
             for row in history.tenures
         ]
         widths = [max(len(header[i]), *(len(c[i]) for c in cells)) for i in range(len(header))]
-        right = {0, 6}  # epochs and durations are right-aligned
+        right = {0, 7}  # epochs and durations are right-aligned
 
         def line(values: Sequence[str]) -> list[str]:
             return [
@@ -604,21 +605,20 @@ class Command(BaseCommand):
 
     def _grant(self, alias: str, options: dict[str, Any]) -> None:
         declared = privileges.declared()
-        if not declared:
-            self.stdout.write(
-                "No roles declared (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES): only the lease functions' "
-                "owner may use them."
-            )
-            return
+        quote = connections[alias].ops.quote_name
         if options.get("check"):
             absent, lacking = privileges.missing(alias)
+            scopes_differ = privileges.stored_key_scopes(alias) not in (None, conf.key_scopes())
             for role in absent:
                 self.stdout.write(f"role {role} does not exist")
             for needed in lacking:
-                self.stdout.write(needed.statement(connections[alias].ops.quote_name))
-            if absent or lacking:
+                self.stdout.write(needed.statement(quote))
+            if scopes_differ:
+                self.stdout.write("the database's key scopes differ from PG_LEASE_KEY_SCOPES")
+            if absent or lacking or scopes_differ:
                 raise CommandError(  # exit 1, as for any database state that stops the leases working
-                    f"{len(absent)} declared role(s) missing, {len(lacking)} grant(s) missing: "
+                    f"{len(absent)} declared role(s) missing, {len(lacking)} grant(s) missing"
+                    f"{', key scopes differ' if scopes_differ else ''}: "
                     f"run `manage.py leases grant --database {alias}` as the lease functions' owner",
                     returncode=ExitCode.DATABASE_ERROR,
                 )
@@ -626,8 +626,10 @@ class Command(BaseCommand):
             return
         granted = privileges.grant(alias)
         for needed in granted:
-            self.stdout.write(needed.statement(connections[alias].ops.quote_name))
-        roles = ", ".join(f"{role} ({kind})" for role, kind in sorted(declared.items()))
+            self.stdout.write(needed.statement(quote))
+        roles = ", ".join(f"{role} ({kind})" for role, kind in sorted(declared.items())) or (
+            "none (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES): only the lease functions' owner may use them"
+        )
         self.stdout.write(self.style.SUCCESS(f"Granted {len(granted)} privilege(s); declared roles: {roles}."))
 
     # -- advance-epochs ------------------------------------------------------------------------------
