@@ -178,6 +178,35 @@ def _terminal_foreground() -> bool:
     return False
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a process that is not a zombie.
+
+    An orphan's zombie waits for whoever reaps orphans (in a container without an init, maybe
+    nobody): it runs nothing and must not keep the lease. Read from /proc; elsewhere ``killpg``.
+    """
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != b"Z":  # fields: state, ppid, pgrp, ...
+            return True
+    return False
+
+
 class _Interrupted(BaseException):
     """A forwarded signal arrived before COMMAND started: stop waiting, release, exit 128 + signum."""
 
@@ -333,7 +362,9 @@ class Supervisor:
         child = self.child
         # returncode is set only by poll()/wait() in this (the main) thread, where this handler
         # runs too: while it is None the child has not been reaped, so its pid is still its own.
-        if child is None or child.returncode is not None:
+        # Once reaped, its process group (pgid = its pid, never reused while the group lives) may
+        # still hold the processes it left running: they get the signal while the lease is held.
+        if child is None or (child.returncode is not None and not self._group_left(child)):
             return
         if signum == signal.SIGINT and not self._own_group and _terminal_foreground():
             return  # Ctrl-C: the terminal sent it to COMMAND as well (same process group)
@@ -476,17 +507,32 @@ class Supervisor:
             self._forward(signum)
         return self._watch(lease, self.child)
 
+    def _group_left(self, child: subprocess.Popen[bytes]) -> bool:
+        """Whether COMMAND's own process group still has a process (COMMAND's background children)."""
+        if not self._own_group:
+            return False
+        return _group_alive(child.pid)
+
     def _watch(self, lease: HeldLease, child: subprocess.Popen[bytes]) -> int:
         pidfd = -1
         with suppress(AttributeError, OSError):  # no pidfd (not Linux, or before 5.3): poll the child
             pidfd = os.pidfd_open(child.pid)
         terminated_at: float | None = None
+        lingering = False  # COMMAND has exited; processes it left in its group still run
         try:
             with selectors.DefaultSelector() as selector:
                 selector.register(self._wake_r, selectors.EVENT_READ)
                 if pidfd >= 0:
                     selector.register(pidfd, selectors.EVENT_READ)
-                while (returncode := child.poll()) is None:
+                # As flock(1): the lease is held until COMMAND and every process it left in its
+                # own process group have exited (a shell script's `cmd &`); the group gets
+                # forwarded signals, and on a loss SIGTERM, then SIGKILL, as COMMAND does.
+                while child.poll() is None or (lingering := self._group_left(child)):
+                    if lingering and pidfd >= 0:
+                        selector.unregister(pidfd)  # readable for good once COMMAND exited
+                        os.close(pidfd)
+                        pidfd = -1
+                        self._say(f"{self._name} exited; waiting for the processes it left running", level=2)
                     now = time.monotonic()
                     if terminated_at is None and (why := self._why_stop(lease)) is not None:
                         terminated_at = now
@@ -517,7 +563,8 @@ class Supervisor:
         finally:
             if pidfd >= 0:
                 os.close(pidfd)
-        return returncode
+        assert child.returncode is not None
+        return child.returncode
 
     def _why_stop(self, lease: HeldLease) -> str | None:
         """Why COMMAND must stop now (the lease was lost; campaigning, a hand-off was asked for), or None."""

@@ -8,6 +8,9 @@ Lines go to stdout (inherited from ``leases run``), flushed at once. Modes:
 - ``touch PATH``: create PATH (proof that the command ran) and exit 0.
 - ``signals``: report ``ready``, then every SIGUSR1, SIGUSR2, SIGHUP and SIGINT as it arrives; on
   SIGTERM report it and die of it (so the exit status is 128 + 15).
+- ``background FIFO``: start a background child (in COMMAND's process group) that reports
+  ``ready`` and exits once FIFO is opened for writing and closed; report ``exiting`` and exit 0 at
+  once, as a shell script whose last line is ``cmd &`` does.
 - ``stubborn``: start a grandchild that ignores SIGTERM, report ``ready`` once it runs, then ignore
   SIGTERM too (reporting when it came) and run until killed.
 """
@@ -62,6 +65,15 @@ def main() -> None:
         _ready()
         while True:
             signal.pause()
+    if mode == "background":
+        lingering = (
+            "import json, os, sys\n"
+            "print(json.dumps({'event': 'ready', 'pid': os.getpid()}), flush=True)\n"
+            "open(sys.argv[1]).read()\n"  # blocks until the test opens the FIFO for writing and closes it
+        )
+        subprocess.Popen([sys.executable, "-c", lingering, rest[0]])
+        emit("exiting", pid=os.getpid())
+        return
     if mode == "stubborn":
 
         def ignore(signum: int, frame: FrameType | None) -> None:

@@ -25,7 +25,7 @@ from asgiref.sync import async_to_sync
 
 from pg_lease_django import Lease, hold, lease_acquired
 from tests.helpers import free, held, needs_session, wait_until
-from tests.test_command_run import LeasesRun
+from tests.test_command_run import LeasesRun, process_gone
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -264,3 +264,28 @@ def test_waiting_async_holds_leave_a_holder_free_to_exit(key: str, raw_connect: 
     assert sorted(order[1:]) == ["w0", "w1"] and order[0] == "holder"
     no_session_left(watch, "pg_lease_django hold")
     assert Lease.objects.inspect(key).status == "free"
+
+
+# -- finding 6: COMMAND's background children ------------------------------------------------------------
+
+
+def test_leases_run_holds_the_lease_until_the_processes_command_left_running_exit(
+    key: str, runs: Callable[..., LeasesRun], tmp_path: Path
+) -> None:
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    run = runs(key, "--ttl", "5", "--owner", "runner-bg", "--", *CHILD, "background", str(fifo))
+    command = run.expect("exiting")
+    background = run.expect("ready")
+    # COMMAND has exited and been reaped by leases run (its /proc entry is gone, not a zombie).
+    wait_until(lambda: not os.path.exists(f"/proc/{command['pid']}"), HANG_GUARD, "COMMAND to be reaped")
+    # As under flock(1), the background child still holds it (before the fix: released at once, exit 0).
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.owner) == ("held", "runner-bg")
+    assert run.proc.poll() is None
+    with open(fifo, "w"):
+        pass  # the background child reads EOF and exits
+    assert run.finish(HANG_GUARD) == 0
+    assert process_gone(background["pid"])  # exited (an orphan's zombie runs nothing)
+    after = Lease.objects.inspect(key)
+    assert (after.status, after.epoch) == ("free", state.epoch + 1)  # released its own epoch, after the child
