@@ -175,11 +175,13 @@ class _Session:
             )
             heartbeat = Heartbeat(lease, pool, ttl=options.ttl, interval=interval)
             heartbeat.start()
+            self.lease, self.heartbeat = lease, heartbeat  # from here finish() stops it, whatever interrupts
             logger.debug("acquired lease %r as %r at epoch %s", lease.key, lease.owner, lease.epoch)
             # Inside the try: an interrupt here must stop the heartbeat, not leave it renewing.
             send_lease_signal(lease_acquired, lease)
         except BaseException:
             # Busy, timed out, or interrupted (a signal, a cancellation) before the hold was set up.
+            self.lease = self.heartbeat = None
             if heartbeat is not None:
                 heartbeat.finish()
             elif grant is not None:
@@ -188,13 +190,18 @@ class _Session:
                 except Exception:
                     logger.warning("releasing lease %r after a failed start failed", self.key, exc_info=True)
             raise
-        self.lease, self.heartbeat = lease, heartbeat
         return lease
 
     def finish(self) -> None:
         """Stop renewing; release (or keep until ``hold_at_least``) on a pooled lease connection."""
         lease, heartbeat = self.lease, self.heartbeat
         if lease is None or heartbeat is None:
+            return
+        if heartbeat.pool.pid != os.getpid():
+            # A hold entered before a fork, left in the child: the lease is the parent's, which
+            # still renews and will release it. Nothing to release here, and nothing lost (the
+            # child's copy of the trust window was never renewed: no on_lost, lease_lost or log).
+            heartbeat.finish()
             return
         lease._end()
         keep_until = None
@@ -294,11 +301,19 @@ class Holding:
         counted = sigterm.enter()  # a SIGTERM from here on releases the lease (see sigterm.py)
         try:
             lease = session.start()
+            self._push(session, lease)
         except BaseException:
+            # Also an interrupt (KeyboardInterrupt, a signal) landing between start() and _push():
+            # the hold is left, not a heartbeat renewing with nothing to stop it.
             self._session = None
-            sigterm.leave(counted)
+            if self._token is not None:
+                _active.reset(self._token)
+                self._token = None
+            try:
+                session.finish()
+            finally:
+                sigterm.leave(counted)
             raise
-        self._push(session, lease)
         self._sigterm = counted
         return lease
 

@@ -10,9 +10,11 @@ granted to an owner that is gone, and no session of the interrupted caller is le
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,7 +25,7 @@ import psycopg
 import pytest
 from asgiref.sync import async_to_sync
 
-from pg_lease_django import Lease, hold, lease_acquired
+from pg_lease_django import Lease, hold, lease_acquired, lease_lost
 from tests.helpers import free, held, needs_session, wait_until
 from tests.test_command_run import LeasesRun, process_gone
 
@@ -289,3 +291,45 @@ def test_leases_run_holds_the_lease_until_the_processes_command_left_running_exi
     assert process_gone(background["pid"])  # exited (an orphan's zombie runs nothing)
     after = Lease.objects.inspect(key)
     assert (after.status, after.epoch) == ("free", state.epoch + 1)  # released its own epoch, after the child
+
+
+# -- finding 7: a fork child leaving a hold it inherited --------------------------------------------------
+
+
+def test_a_fork_child_leaving_an_inherited_hold_after_its_trust_window_reports_no_loss(key: str) -> None:
+    seen: list[str] = []
+
+    def on_lost(lease: Any) -> None:
+        seen.append("on_lost")
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        seen.append("lease_lost")
+
+    lease_lost.connect(receiver)
+    read_end, write_end = os.pipe()
+    pid = -1
+    try:
+        with hold(key, 1.5, owner="parent", on_lost=on_lost) as lease:
+            pid = os.fork()
+            if pid == 0:
+                # The child's copy of the trust window is never renewed: wait for it to run out.
+                while lease.trust_remaining > 0:
+                    time.sleep(0.02)
+            else:
+                os.close(write_end)
+                with os.fdopen(read_end) as reports:
+                    child_seen = json.loads(reports.read())  # written once the child has left the hold
+                _, status = os.waitpid(pid, 0)
+                assert os.waitstatus_to_exitcode(status) == 0
+                assert not lease.lost  # the parent still holds and renews it
+                assert Lease.objects.inspect(key).owner == "parent"
+        if pid == 0:
+            os.write(write_end, json.dumps(seen).encode())
+    finally:
+        if pid == 0:
+            os._exit(0)
+        lease_lost.disconnect(receiver)
+    # Before the fix the child reported a loss (on_lost, lease_lost and a "lost" log line).
+    assert child_seen == []
+    assert seen == []
+    assert Lease.objects.inspect(key).status == "free"
