@@ -86,6 +86,45 @@ def check_fenced_models_have_fenced_parents(app_configs: Any = None, **kwargs: A
     return errors
 
 
+def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.W009 / E004: a per-row lease key whose fields are not declared, or not fields.
+
+    ``Model.objects.fenced(g).update(tenant=...)`` cannot recompute the stored lease key; the
+    queryset refuses it only for fields named in ``lease_key_fields``. Without them, such an
+    update moves rows under another lease with one fence (the database checks the stored key).
+    """
+    from .fencing import FencedModel
+
+    configs = apps.get_app_configs() if app_configs is None else app_configs
+    found: list[checks.CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel) or model._meta.proxy:
+                continue
+            names = {f.name for f in model._meta.get_fields()}
+            unknown = [name for name in model.lease_key_fields if name not in names]
+            if unknown:
+                found.append(
+                    checks.Error(
+                        f"{model._meta.label}.lease_key_fields names {', '.join(unknown)}, not fields of the model.",
+                        hint="Name the fields get_lease_key() reads.",
+                        obj=model,
+                        id="pg_lease_django.E004",
+                    )
+                )
+            elif model.get_lease_key is not FencedModel.get_lease_key and not model.lease_key_fields:
+                found.append(
+                    checks.Warning(
+                        f"{model._meta.label} overrides get_lease_key() but declares no lease_key_fields: "
+                        "a fenced update() of the fields it reads would move rows under another lease.",
+                        hint="Set lease_key_fields = (...) to the fields get_lease_key() reads (docs/fencing.md).",
+                        obj=model,
+                        id="pg_lease_django.W009",
+                    )
+                )
+    return found
+
+
 def check_fenced_many_to_many(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """pg_lease_django.W003: a FencedModel's many-to-many field whose rows are not fenced.
 
@@ -394,6 +433,7 @@ def register() -> None:
     checks.register(check_fenced_models_have_fenced_parents, checks.Tags.models)
     checks.register(check_fenced_models_have_a_fenced_admin, checks.Tags.admin)
     checks.register(check_fenced_many_to_many, checks.Tags.models)
+    checks.register(check_fenced_models_declare_their_key_fields, checks.Tags.models)
     checks.register(check_lease_table_is_reachable, checks.Tags.database)
     checks.register(check_lease_migrations_are_complete, checks.Tags.database)
     checks.register(check_history_scope_is_current, checks.Tags.database)

@@ -28,10 +28,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
 from django.db import models, router
 from django.db.models.signals import class_prepared
 
@@ -58,6 +59,26 @@ _M = TypeVar("_M", bound=models.Model)
 
 
 # ---- querysets -------------------------------------------------------------------------------
+
+
+#: Set while bulk_update() runs its batches through `FencedQuerySet.update`: it recomputed the keys.
+_recomputing_keys: ContextVar[bool] = ContextVar("pg_lease_recomputing_keys", default=False)
+
+
+def _key_fields(model: Any, names: Iterable[str]) -> set[str]:
+    """Which of ``names`` (field names or attnames) are fields ``model``'s lease key derives from."""
+    declared = set(getattr(model, "lease_key_fields", ()))
+    if not declared:
+        return set()
+    found = set()
+    for name in names:
+        try:
+            field = model._meta.get_field(name)
+        except FieldDoesNotExist:
+            field = next((f for f in model._meta.concrete_fields if f.attname == name), None)
+        if field is not None and field.name in declared:
+            found.add(field.name)
+    return found
 
 
 class FencedQuerySet(models.QuerySet[_M]):
@@ -131,6 +152,17 @@ class FencedQuerySet(models.QuerySet[_M]):
         finally:
             queryset_fence.reset(scope)
 
+    def _refuse_moving_rows(self, kwargs: dict[str, Any]) -> None:
+        """An ``update()`` of a field the lease key derives from would leave rows under their old
+        lease (the stored key is not recomputed): refused before anything is sent."""
+        moved = _key_fields(self.model, kwargs)
+        if moved:
+            raise InvalidInputError(
+                f"{self.model.__name__}.objects.update() of {', '.join(sorted(moved))} would move rows to another "
+                f"lease ({self.model.__name__}.lease_key_fields) without recomputing their stored lease key: save() "
+                "each row, or use bulk_update(), which recompute it (and need the fence of every lease involved)"
+            )
+
     def update(self, **kwargs: Any) -> int:
         """Update the matched rows if the fence holds for each of them; see the class docstring.
 
@@ -142,9 +174,13 @@ class FencedQuerySet(models.QuerySet[_M]):
                 matches), or a matched row has a higher epoch; nothing was written.
             UnfencedWriteError: neither ``.fenced()`` nor ``.unfenced()``, or a matched row belongs
                 to another lease.
+            InvalidInputError: ``kwargs`` set a field of ``lease_key_fields`` (moving rows between
+                leases needs their keys recomputed: ``save()`` or ``bulk_update()``).
         """
         token = self._token()
         using = self._using()
+        if not _recomputing_keys.get():
+            self._refuse_moving_rows(kwargs)
         if token is None:
             with in_one_transaction(using, None, present_first=True):
                 return super().update(**kwargs)
@@ -179,9 +215,25 @@ class FencedQuerySet(models.QuerySet[_M]):
     delete.alters_data = True  # type: ignore[attr-defined]
 
     def bulk_update(self, objs: Any, fields: Iterable[str], batch_size: int | None = None) -> int:
-        """Django's bulk_update(), each batch a fenced `update` (refused up front without a fence)."""
+        """Django's bulk_update(), each batch a fenced `update` (refused up front without a fence).
+
+        When ``fields`` include a field the lease key derives from (``lease_key_fields``), each
+        object's stored key is recomputed (`FencedModel.get_lease_key`) and written too: a row that
+        moves to another lease then needs that lease's fence as well, which the database checks
+        (`UnfencedWriteError` when this queryset presents only one).
+        """
         self._token()
-        rows: int = super().bulk_update(objs, fields, batch_size=batch_size)
+        fields = list(fields)
+        if _key_fields(self.model, fields):
+            objs = list(objs)
+            for obj in objs:
+                obj.lease_id = obj._pg_lease_own_key()
+            fields.append(KEY_FIELD)
+        token = _recomputing_keys.set(True)
+        try:
+            rows: int = super().bulk_update(objs, fields, batch_size=batch_size)
+        finally:
+            _recomputing_keys.reset(token)
         return rows
 
     bulk_update.alters_data = True  # type: ignore[attr-defined]
@@ -266,6 +318,10 @@ class FencedModel(models.Model):
 
     #: The lease guarding every row of the model; None when `get_lease_key` decides per row.
     lease_key: ClassVar[str | None] = None
+    #: The fields `get_lease_key` reads (per-row keys). ``update()`` of one of them is refused
+    #: (it cannot recompute the stored key), ``bulk_update()`` recomputes the key; see
+    #: `FencedQuerySet.update`. Check ``pg_lease_django.W009`` asks for it when `get_lease_key` is overridden.
+    lease_key_fields: ClassVar[tuple[str, ...]] = ()
 
     lease = LeaseKeyField(help_text="Key of the lease that guards this row.")
     lease_epoch = models.BigIntegerField(

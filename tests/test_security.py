@@ -893,3 +893,52 @@ def test_tenants_separated_by_role_are_separated_in_leases(roles: Roles, key: st
             with override_settings(PG_LEASE_KEY_SCOPES={}, PG_LEASE_HISTORY=[]):
                 privileges.sync_key_scopes()
                 history.sync_scope()
+
+
+def test_a_fenced_queryset_cannot_move_rows_under_another_lease(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 6: ``fenced(gB).filter(...).update(account=A)`` and ``bulk_update`` moved tenant B's
+    rows under tenant A with B's fence alone (the stored key stayed B), and A's own fenced update of
+    its rows was then refused. Now update() of a key field is refused, and bulk_update() recomputes
+    the key, so the database asks for A's fence too."""
+    from django.apps import apps
+
+    from pg_lease_django import InvalidInputError, UnfencedWriteError
+    from pg_lease_django.checks import check_fenced_models_declare_their_key_fields
+
+    a_key, b_key = f"{key}/A", f"{key}/B"
+    ga = Lease.objects.acquire(a_key, "a", ttl=30)
+    gb = Lease.objects.acquire(b_key, "b", ttl=30)
+    assert ga is not None and gb is not None
+    a_row, b_row = Invoice(account=a_key), Invoice(account=b_key)
+    a_row.save(fence=ga)
+    b_row.save(fence=gb)
+
+    def stored_key() -> tuple[str, str]:
+        row = Invoice.objects.values_list("account", "lease").get(pk=b_row.pk)
+        return (row[0], row[1])
+
+    with pytest.raises(InvalidInputError, match="lease_key_fields"):
+        Invoice.objects.fenced(gb).filter(pk=b_row.pk).update(account=a_key)
+    with pytest.raises(InvalidInputError):
+        Invoice.objects.fenced(gb).filter(pk=b_row.pk).update(amount=1, account=a_key)
+    b_row.account = a_key
+    with refused(UnfencedWriteError):
+        Invoice.objects.fenced(gb).bulk_update([b_row], ["account"])
+    with pytest.raises(InvalidInputError, match="guarded by lease"):  # save() recomputes: B's fence is not A's
+        b_row.save(fence=gb)
+    assert stored_key() == (b_key, b_key)
+    # A's fenced update of its own rows goes on; B's of its own too.
+    assert Invoice.objects.fenced(ga).filter(account=a_key).update(status="sent") == 1
+    assert Invoice.objects.fenced(gb).filter(account=b_key).update(status="sent") == 1
+    # A model that overrides get_lease_key without declaring its fields is warned about (W009);
+    # one that names a field it lacks is an error (E004).
+    testapp = [apps.get_app_config("testapp")]
+    assert not [m for m in check_fenced_models_declare_their_key_fields(testapp) if m.obj is Invoice]
+    monkeypatch.setattr(Invoice, "lease_key_fields", ())
+    assert [m.id for m in check_fenced_models_declare_their_key_fields(testapp) if m.obj is Invoice] == [
+        "pg_lease_django.W009"
+    ]
+    monkeypatch.setattr(Invoice, "lease_key_fields", ("tenant",))
+    assert [m.id for m in check_fenced_models_declare_their_key_fields(testapp) if m.obj is Invoice] == [
+        "pg_lease_django.E004"
+    ]

@@ -79,6 +79,8 @@ class Invoice(FencedModel):
     status = models.CharField(max_length=20, default="draft")
     amount = models.IntegerField(default=0)
 
+    lease_key_fields = ("account",)
+
     def get_lease_key(self):
         return self.account
 """

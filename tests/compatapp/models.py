@@ -25,6 +25,8 @@ class Ledger(FencedModel):
     account = models.CharField(max_length=200)
     balance = models.IntegerField(default=0)
 
+    lease_key_fields = ("account",)
+
     def get_lease_key(self) -> str:
         return self.account
 

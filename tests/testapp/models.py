@@ -14,6 +14,8 @@ class Invoice(FencedModel):
     status = models.CharField(max_length=20, default="draft")
     amount = models.IntegerField(default=0)
 
+    lease_key_fields = ("account",)
+
     def get_lease_key(self) -> str:
         return self.account
 
@@ -32,6 +34,8 @@ class Entry(FencedModel):
     account = models.CharField(max_length=200)
     writer = models.CharField(max_length=20)
     ticket = models.BigIntegerField(null=True)
+
+    lease_key_fields = ("account",)
 
     def get_lease_key(self) -> str:
         return self.account
