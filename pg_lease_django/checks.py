@@ -101,8 +101,9 @@ def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwar
         for model in config.get_models():
             if not issubclass(model, FencedModel) or model._meta.proxy:
                 continue
-            names = {f.name for f in model._meta.get_fields()}
-            unknown = [name for name in model.lease_key_fields if name not in names]
+            fenced: type[FencedModel] = model
+            names = {f.name for f in fenced._meta.get_fields()}
+            unknown = [name for name in fenced.lease_key_fields if name not in names]
             if unknown:
                 found.append(
                     checks.Error(
@@ -112,7 +113,7 @@ def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwar
                         id="pg_lease_django.E004",
                     )
                 )
-            elif model.get_lease_key is not FencedModel.get_lease_key and not model.lease_key_fields:
+            elif fenced.get_lease_key is not FencedModel.get_lease_key and not fenced.lease_key_fields:
                 found.append(
                     checks.Warning(
                         f"{model._meta.label} overrides get_lease_key() but declares no lease_key_fields: "
