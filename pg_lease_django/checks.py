@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from django.apps import apps
 from django.core import checks
@@ -101,7 +101,7 @@ def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwar
         for model in config.get_models():
             if not issubclass(model, FencedModel) or model._meta.proxy:
                 continue
-            fenced: type[FencedModel] = model
+            fenced = cast("type[FencedModel]", model)
             names = {f.name for f in fenced._meta.get_fields()}
             unknown = [name for name in fenced.lease_key_fields if name not in names]
             if unknown:
