@@ -333,15 +333,16 @@ def _listening(connection: BaseDatabaseWrapper, listen: bool, session: _Session)
 
 
 def _abandon_statement(connection: BaseDatabaseWrapper) -> None:
-    # psycopg cancels the running statement on KeyboardInterrupt only. Any other exception
-    # raised while an attempt runs (say from a signal handler, while the attempt waits for a
-    # row lock) leaves the attempt running on the server: it could still commit a grant that
-    # nobody receives, and the connection cannot send anything else. Cancel it and drop the
-    # connection (Django reconnects on next use; inside atomic() the transaction is lost).
+    # psycopg cancels the running statement on KeyboardInterrupt only (3.3: SystemExit too). Any
+    # other exception raised while an attempt runs (say from a signal handler, while the attempt
+    # waits for a row lock) leaves the attempt running on the server: it could still commit a
+    # grant that nobody receives, and the connection cannot send anything else. Cancel it and
+    # drop the connection (Django reconnects on next use; inside atomic() the transaction is
+    # lost); `settle` then makes sure nothing it granted stays.
     raw = connection.connection
     if raw is None or raw.info.transaction_status != psycopg.pq.TransactionStatus.ACTIVE:
         return
-    logger.warning("blocking acquire interrupted mid-statement: cancelling it and closing the connection")
+    logger.warning("an acquire interrupted mid-statement: cancelling it and closing the connection")
     with suppress(Exception):
         raw.cancel_safe(timeout=5.0)
     with suppress(Exception):

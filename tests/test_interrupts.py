@@ -333,3 +333,35 @@ def test_a_fork_child_leaving_an_inherited_hold_after_its_trust_window_reports_n
     assert child_seen == []
     assert seen == []
     assert Lease.objects.inspect(key).status == "free"
+
+
+# -- each step of an async hold's acquire: the attempt in flight, the wait between attempts -------------
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["non-blocking", "blocking"])
+def test_a_hold_cancelled_while_its_attempt_is_in_flight_is_cancelled_on_the_server(
+    key: str, raw_connect: Connect, blocking: bool
+) -> None:
+    epoch = free(key)
+    watch = raw_connect()
+
+    async def scenario() -> None:
+        async def holder() -> None:
+            async with hold(key, 60, owner="w-cancelled", blocking=blocking):
+                pytest.fail("the body of a cancelled hold ran")
+
+        with row_locked(raw_connect, key) as locker:
+            task = asyncio.ensure_future(holder())
+            with ThreadPoolExecutor(max_workers=1) as watching:
+                loop = asyncio.get_running_loop()
+                attempt = await loop.run_in_executor(watching, blocked_behind, watch, locker)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                # Cancelled on the server while the row is still locked: it cannot grant later.
+                await loop.run_in_executor(watching, gone, watch, attempt)
+
+    async_to_sync(scenario)()
+    no_session_left(watch, "pg_lease_django hold")
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch)
