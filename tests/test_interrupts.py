@@ -103,14 +103,15 @@ def no_session_left(watch: psycopg.Connection[Any], application_name: str) -> No
 # -- finding 2: a signal during a non-blocking acquire --------------------------------------------------
 
 
-def test_sigterm_during_a_non_blocking_acquire_leaves_nothing_granted(
-    key: str, runs: Callable[..., LeasesRun], raw_connect: Connect, tmp_path: Path
+@pytest.mark.parametrize("wait", [[], ["--wait", "30"]], ids=["non-blocking", "blocking"])
+def test_sigterm_during_an_acquire_leaves_nothing_granted(
+    key: str, runs: Callable[..., LeasesRun], raw_connect: Connect, tmp_path: Path, wait: list[str]
 ) -> None:
     epoch = free(key)
     marker = tmp_path / "ran"
     watch = raw_connect()
     with row_locked(raw_connect, key) as locker:
-        run = runs(key, "--ttl", "60", "--", *CHILD, "touch", str(marker))
+        run = runs(key, "--ttl", "60", *wait, "--", *CHILD, "touch", str(marker))
         attempt = blocked_behind(watch, locker)
         os.kill(run.proc.pid, signal.SIGTERM)
         assert run.finish(HANG_GUARD) == 128 + signal.SIGTERM
