@@ -240,11 +240,12 @@ def test_waiting_async_holds_leave_a_holder_free_to_exit(key: str, raw_connect: 
     async def scenario() -> None:
         # A small default executor stands for one that waiting holds have filled up (6 threads on 2 CPUs).
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2))
-        release = asyncio.Event()
+        release, held_now = asyncio.Event(), asyncio.Event()
 
         async def holder() -> None:
             async with hold(key, 60, owner="holder"):
                 order.append("holder")
+                held_now.set()
                 await release.wait()
 
         async def waiter(name: str) -> None:
@@ -252,8 +253,7 @@ def test_waiting_async_holds_leave_a_holder_free_to_exit(key: str, raw_connect: 
                 order.append(name)
 
         first = asyncio.ensure_future(holder())
-        while not order:
-            await asyncio.sleep(0)  # the holder's acquire: an event of this loop, not a pause
+        await held_now.wait()
         waiters = [asyncio.ensure_future(waiter(f"w{n}")) for n in range(2)]
         with ThreadPoolExecutor(max_workers=1) as watching:  # not the starved default executor
             await asyncio.get_running_loop().run_in_executor(watching, waiting_holds, watch, 2)
