@@ -19,6 +19,6 @@ class Migration(migrations.Migration):
         RunSQLFile(
             "migrations/0003_least_privilege.sql",
             "migrations/0003_least_privilege_reverse.sql",
-            sha256="fc0f19cfd87b6e145717229af4005348d828b94ff1407df702beb98d5d658eea",
+            sha256="85d1e0351e2f7b7707b22c04f7b2e854b6b9ffe5dcaf7583506eb9f774c76e33",
         )
     ]

@@ -1027,7 +1027,8 @@ DECLARE
   epoch bigint;
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
 BEGIN
-  IF current_setting('pg_lease.unfenced', true) <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
+  -- coalesce: NULL AND f() still calls f() (the result could be false), and this runs on every write.
+  IF coalesce(current_setting('pg_lease.unfenced', true), '') <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
     RETURN NULL;
   END IF;
   fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
@@ -1093,7 +1094,8 @@ DECLARE
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
   rows_sql text;
 BEGIN
-  IF current_setting('pg_lease.unfenced', true) <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
+  -- coalesce: NULL AND f() still calls f() (the result could be false), and this runs on every write.
+  IF coalesce(current_setting('pg_lease.unfenced', true), '') <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
     RETURN NULL;
   END IF;
   fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
