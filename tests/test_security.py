@@ -942,3 +942,40 @@ def test_a_fenced_queryset_cannot_move_rows_under_another_lease(key: str, monkey
     assert [m.id for m in check_fenced_models_declare_their_key_fields(testapp) if m.obj is Invoice] == [
         "pg_lease_django.E004"
     ]
+
+
+def test_a_fenced_write_never_reads_the_opt_out_secret(roles: Roles, key: str) -> None:
+    """The opt-out is checked only when pg_lease.unfenced is set: a fenced write calls neither
+    pg_lease_unfenced_allowed nor pg_lease_opt_out_token (each costs a sha256 and a table read;
+    `NULL AND f()` would call f() on every write)."""
+    conn = roles.admin
+    if conn.info.server_version < 150000:
+        pytest.skip("PostgreSQL 14 sends function statistics to its collector later (at most every 500 ms)")
+    worker = roles.connect(roles.worker)
+    assert worker.execute(ACQUIRE, [key, "w1", "30 seconds"]).fetchone() == (True, 1)
+    invoice_id = worker_invoice(worker, key, "w1", 1)
+    roles.admin.execute(pgsql.SQL("ALTER ROLE {} SET track_functions = 'all'").format(pgsql.Identifier(roles.worker)))
+    worker = roles.connect(roles.worker)  # a new session takes the role's setting (only a superuser may SET it)
+    assert worker.execute("SHOW track_functions").fetchone() == ("all",)
+
+    def calls(name: str) -> int:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute("SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions WHERE funcname = %s", [name])
+        return int(row.fetchone()[0])  # type: ignore[index]
+
+    before = {
+        name: calls(name) for name in ("pg_lease_unfenced_allowed", "pg_lease_opt_out_token", "pg_lease_guard_key")
+    }
+    for amount in range(3):
+        with worker.transaction():
+            worker.execute(
+                "UPDATE testapp_invoice SET amount = %s, lease_epoch = " + FENCE + " WHERE id = %s",
+                [amount, key, "w1", 1, invoice_id],
+            )
+    worker.execute("SELECT pg_stat_force_next_flush()")
+    after = {name: calls(name) for name in before}
+    assert {name: after[name] - before[name] for name in before} == {
+        "pg_lease_unfenced_allowed": 0,
+        "pg_lease_opt_out_token": 0,
+        "pg_lease_guard_key": 3,
+    }
