@@ -212,3 +212,66 @@ def test_a_hold_learns_the_loss_at_its_next_renewal(key: str) -> None:
         assert isinstance(lease.error, EpochMismatchError), lease.error
     state = Lease.objects.inspect(key)
     assert (state.owner, state.epoch) == ("holder", epoch + 10)  # left to lapse: the hold did not release it
+
+
+def _pg_tool(name: str, server_version: int) -> str | None:
+    """A ``pg_dump``/``pg_restore`` at least as new as the server (pg_dump refuses older servers only)."""
+    import shutil
+    import subprocess
+
+    from tests.pgcluster import find_bindir
+
+    bindir = find_bindir()
+    candidates = [str(bindir / name)] if bindir is not None else []
+    candidates += [found] if (found := shutil.which(name)) else []
+    for tool in candidates:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True)
+        major = int(out.stdout.split()[-1].split(".")[0]) if out.returncode == 0 else 0
+        if major * 10000 >= server_version // 10000 * 10000:
+            return tool
+    return None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_restored_backup_grants_acknowledged_epochs_again_until_the_epochs_advance(key: str) -> None:
+    """Issue 27, finding 10: restoring a dump taken before a grant makes the restored database
+    grant that epoch again (to another owner); `advance-epochs` on the restored database, before
+    anyone reconnects, fences it and puts every later grant above every acknowledged one."""
+    import subprocess
+    import uuid
+
+    import psycopg
+
+    from tests.helpers import conninfo
+
+    admin = psycopg.connect(conninfo(), autocommit=True)
+    pg_dump = _pg_tool("pg_dump", admin.info.server_version)
+    pg_restore = _pg_tool("pg_restore", admin.info.server_version)
+    if pg_dump is None or pg_restore is None:
+        pytest.skip("no pg_dump/pg_restore as new as the server")
+    restored_name = f"pgl_restored_{uuid.uuid4().hex[:8]}"
+    try:
+        before = Lease.objects.acquire(key, "alice", ttl=30)
+        assert before is not None
+        Lease.objects.release(key, "alice", before.epoch)
+        dump = subprocess.run([pg_dump, "-Fc", "-d", conninfo()], capture_output=True, check=True).stdout
+        bob = Lease.objects.acquire(key, "bob", ttl=30)  # acknowledged, then the database is "lost"
+        assert bob is not None
+        admin.execute(f'CREATE DATABASE "{restored_name}"')
+        target = psycopg.conninfo.make_conninfo(conninfo(), dbname=restored_name)
+        subprocess.run([pg_restore, "--exit-on-error", "-d", target], input=dump, capture_output=True, check=True)
+        with psycopg.connect(target, autocommit=True) as restored:
+            acquire = "SELECT granted, epoch FROM pg_lease_acquire(%s::text, %s::text, '30 seconds'::interval)"
+            assert restored.execute(acquire, [key, "dave"]).fetchone() == (True, bob.epoch)  # the same epoch again
+            restored.execute("SELECT * FROM pg_lease_advance_epochs(1000000::bigint, false)")
+            renewed = restored.execute(
+                "SELECT outcome FROM pg_lease_renew(%s::text, 'dave'::text, %s::bigint, '30 seconds'::interval)",
+                [key, bob.epoch],
+            ).fetchone()
+            assert renewed == ("epoch_mismatch",)  # dave's reused epoch is fenced
+            restored.execute("SELECT * FROM pg_lease_force_release(%s::text, NULL::bigint)", [key])
+            row = restored.execute(acquire, [key, "eve"]).fetchone()
+            assert row is not None and row[0] and row[1] > 1000000 > bob.epoch
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{restored_name}" WITH (FORCE)')
+        admin.close()
