@@ -170,6 +170,9 @@ class LeaseConnection:
         """
         attempts = 0
 
+        def interrupted() -> bool:
+            return call is not None and call.interrupted
+
         def sending() -> None:
             nonlocal attempts
             attempts += 1
@@ -180,7 +183,9 @@ class LeaseConnection:
         try:
             self._reset_timeout()
             if blocking:
-                grant = waiting.wait_and_acquire(self.wrapper, key, owner, ttl, wait, before_attempt=sending)
+                grant = waiting.wait_and_acquire(
+                    self.wrapper, key, owner, ttl, wait, before_attempt=sending, interrupted=interrupted
+                )
                 if attempts > 1 and conf.listen_enabled():
                     self._check_not_listening()  # waiting UNLISTENs on every way out: make sure
                 return grant
@@ -191,7 +196,11 @@ class LeaseConnection:
             except NotAcquirableError:
                 raise
             except BaseException:
-                waiting.settle(self.wrapper, key, owner, backend)  # the blocking wait settles its own
+                # The blocking wait settles its own. A lost connection is not settled (no server to
+                # settle on; the outcome is unknown, as for any lost call) unless an interrupt shut it.
+                raw = self.wrapper.connection
+                if interrupted() or not (raw is None or raw.closed):
+                    waiting.settle(self.wrapper, key, owner, backend)
                 raise
         except NotAcquirableError:
             raise  # a refusal: the connection is fine

@@ -134,9 +134,10 @@ def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: i
     """After an attempt of ``owner`` was interrupted in flight: make sure it granted nothing that stays.
 
     The one rule for every interruption (a signal, KeyboardInterrupt, SystemExit, a cancelled task,
-    ``Election.stop``, a lost connection): the attempt's statement is cancelled on the server and
-    waited out (up to `SETTLE_WITHIN` s), then, if it committed a grant nobody received, that grant
-    is released. ``backend_pid``: the server process the attempt ran in (None: nothing to wait out).
+    ``Election.stop``): the attempt's statement is cancelled on the server and waited out (up to
+    `SETTLE_WITHIN` s), then, if it committed a grant nobody received, that grant is released. (A
+    lost connection is not settled: a waiter reports it, see `_nothing_granted`.)
+    ``backend_pid``: the server process the attempt ran in (None: nothing to wait out).
     ``connection`` must be in autocommit; it is closed first, so the settling runs in a fresh
     session (Django reconnects). Never raises an Exception: a failure is logged (the grant, if
     any, then lapses after its TTL), and the interruption goes on.
@@ -223,13 +224,16 @@ def wait_and_acquire(
     wait: timedelta | None,
     *,
     before_attempt: Callable[[], object] | None = None,
+    interrupted: Callable[[], bool] | None = None,
 ) -> Grant:
     """Retry on ``connection`` until granted: on a release notification, at the holder's expiry, or every poll.
 
     ``before_attempt`` is called just before each attempt is sent (the heartbeat's trust window
-    starts there). Inside ``atomic()`` LISTEN would only start at commit, so it polls. A waiter that
-    LISTENs registers with each refused attempt (``ACQUIRE_OR_REGISTER``): releases notify only then.
-    Outside a transaction a lost connection is reopened (`_Rejoin`), LISTEN included.
+    starts there); ``interrupted`` says whether another thread interrupted the wait (then an attempt
+    cut off by a shut socket is settled too, not reported as lost). Inside ``atomic()`` LISTEN would
+    only start at commit, so it polls. A waiter that LISTENs registers with each refused attempt
+    (``ACQUIRE_OR_REGISTER``): releases notify only then. Outside a transaction a lost connection is
+    reopened (`_Rejoin`), LISTEN included.
     """
     deadline = None if wait is None else time.monotonic() + wait.total_seconds()
     # LISTEN inside a transaction takes effect only at its commit: inside atomic() (or with
@@ -242,11 +246,13 @@ def wait_and_acquire(
     rejoin = _Rejoin(key, deadline) if autocommit else None
     pending: list[int] = []  # the server process of the attempt in flight, until it is answered
     try:
-        return _wait_and_acquire(connection, key, owner, ttl, wait, deadline, listen, rejoin, before_attempt, pending)
+        return _wait_and_acquire(
+            connection, key, owner, ttl, wait, deadline, listen, rejoin, before_attempt, interrupted, pending
+        )
     except BaseException:
-        # An attempt whose answer never came (interrupted, cancelled, or lost without rejoining)
-        # may have committed a grant: settle it before the exception goes on. Inside a
-        # transaction the attempt went with it: nothing to settle.
+        # An attempt whose answer never came (interrupted, cancelled) may have committed a grant:
+        # settle it before the exception goes on. Inside a transaction the attempt went with it;
+        # a lost connection is the rejoin's to report (`_nothing_granted`): nothing to settle.
         if autocommit and pending:
             settle(connection, key, owner, pending[-1])
         raise
@@ -262,6 +268,7 @@ def _wait_and_acquire(
     listen: bool,
     rejoin: _Rejoin | None,
     before_attempt: Callable[[], object] | None,
+    interrupted: Callable[[], bool] | None,
     pending: list[int],
 ) -> Grant:
     refused: Attempt | None = None  # the last refused attempt
@@ -271,7 +278,10 @@ def _wait_and_acquire(
         try:
             with _listening(connection, listen, session):
                 if unsure is not None and refused is not None:
-                    _nothing_granted(key, refused, operations.inspect(connection, key).epoch, unsure)
+                    epoch = operations.inspect(connection, key).epoch
+                    if epoch != refused.epoch:
+                        pending.clear()  # the lost attempt's outcome is reported (raised), not settled
+                    _nothing_granted(key, refused, epoch, unsure)
                     unsure = None
                 while True:
                     if before_attempt is not None:
@@ -300,6 +310,10 @@ def _wait_and_acquire(
                 raise
             rejoining = rejoin.pause(exc)
             if rejoining is None:
+                # A connection that stays lost: no server to settle on; its last attempt's outcome
+                # is unknown, as for any lost call (OperationalError). Unless an interrupt shut it.
+                if interrupted is None or not interrupted():
+                    pending.clear()
                 raise
             if session.attempting:
                 unsure = exc
