@@ -465,6 +465,12 @@ def test_first_hour_rough_edges_in_a_new_startproject(tmp_path: Path, db_name: s
         "CommandError: database error: database 'default' has no lease table (pg_lease_django_lease): "
         "run `manage.py migrate pg_lease_django --database default`"
     ], listed.stderr
+    pruned = run(root, "manage.py", "leases", "prune-history")  # the ORM's table, not a lease function
+    assert pruned.returncode == 1, pruned
+    assert stderr_lines(pruned) == [
+        'CommandError: database error: relation "pg_lease_django_tenure" does not exist; '
+        "run `manage.py migrate pg_lease_django --database default`"
+    ], pruned.stderr
     checked = run(root, "manage.py", "check")
     assert checked.returncode == 0, checked  # a warning, not an error
     assert "(pg_lease_django.W007) database 'default' holds no lease tables" in checked.stderr, checked.stderr

@@ -299,6 +299,8 @@ class Command(BaseCommand):
             raise CommandError(f"database error: {exc}", returncode=ExitCode.DATABASE_ERROR) from None
         except DatabaseError as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if getattr(exc.__cause__, "sqlstate", None) == "42P01":  # undefined_table: not migrated (that far)
+                first_line += f"; run `manage.py migrate pg_lease_django --database {alias}`"
             raise CommandError(f"database error: {first_line}", returncode=ExitCode.DATABASE_ERROR) from None
 
     # -- arguments -------------------------------------------------------------------------------
