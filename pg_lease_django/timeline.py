@@ -283,13 +283,17 @@ def render_timeline(history: History, *, width: int = 960) -> str:
     noun = "tenure" if history.count == 1 else "tenures"
     shown = f"{history.count} {noun}" if len(tenures) == history.count else f"last {len(tenures)} of {history.count}"
     title = f"Lease {history.key!r}: {shown}, server time {_clock(now, False)} UTC"
+    # The heading fits the width (15 px bold: about 9 px a character); the tooltip keeps the key whole.
+    rest = len(title) - len(repr(history.key))
+    fitted = _short(history.key, max(12, (width - 20) // 9 - rest - 2))  # 2: the quotes of repr
+    heading = f"Lease {fitted!r}: {shown}, server time {_clock(now, False)} UTC"
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="pg-lease-timeline" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" role="img" aria-label="{_text(title)}" '
         'font-family="sans-serif" font-size="12">',
         f"<title>{_text(title)}</title>",
         f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<text class="pg-lease-heading" x="10" y="22" font-size="15" font-weight="bold">{_text(title)}</text>',
+        f'<text class="pg-lease-heading" x="10" y="22" font-size="15" font-weight="bold">{_text(heading)}</text>',
     ]
     out += _gaps(tenures, now, x, lanes_bottom)
     out += _axis(start, end, x, lanes_bottom)

@@ -301,6 +301,19 @@ def test_chart_draws_a_bar_per_tenure_in_lanes_per_owner(key: str) -> None:
     assert [e for e in root.iter() if "pg-lease-now" in classes(e)]
 
 
+def test_chart_heading_fits_a_long_key_and_the_tooltip_keeps_it_whole(key: str) -> None:
+    """A 200-character key was cut off at the chart's right edge (noticed in issue 28's first hour)."""
+    long_key = f"{key}/" + "x" * (200 - len(key))
+    assert Lease.objects.acquire(long_key, "worker-a", ttl=30) is not None
+    for width in (960, 640):
+        root = parse(render_timeline(read_history(long_key), width=width))
+        (heading,) = [t.text or "" for t in root.iter(f"{SVG}text") if "pg-lease-heading" in classes(t)]
+        assert len(heading) * 9 <= width - 20, (width, heading)
+        assert "\N{HORIZONTAL ELLIPSIS}" in heading and heading.endswith(" UTC")
+        title = root.find(f"{SVG}title")
+        assert title is not None and long_key in (title.text or "")
+
+
 def test_chart_shades_the_gaps(key: str) -> None:
     start = datetime(2026, 5, 1, 12, 0, 0).astimezone()
     at = [start + timedelta(seconds=s) for s in (0, 10, 30, 40, 55)]
@@ -338,7 +351,9 @@ def test_chart_escapes_user_text(key: str) -> None:
     lanes = [t.text for t in root.iter(f"{SVG}text") if "pg-lease-lane" in classes(t)]
     assert lanes == ['<script>alert("x")</scr\N{HORIZONTAL ELLIPSIS}']
     heading = next(t for t in root.iter(f"{SVG}text") if "pg-lease-heading" in classes(t))
-    assert "/<img src=x onerror=alert(1)>" in (heading.text or "")
+    assert "/<img src=x" in (heading.text or "")  # shortened to fit, escaped
+    title = root.find(f"{SVG}title")
+    assert title is not None and "/<img src=x onerror=alert(1)>" in (title.text or "")
 
 
 def test_chart_escapes_a_rewritten_history(key: str) -> None:
