@@ -407,6 +407,22 @@ def check_declared_roles_are_granted(
                     id="pg_lease_django.W008",
                 )
             )
+        try:
+            extra = privileges.undeclared(alias)
+        except DatabaseError:
+            extra = []
+        for role in sorted({g.role for g in extra}):
+            objects = [f"{g.privilege} on {g.object}" for g in extra if g.role == role]
+            warnings.append(
+                checks.Warning(
+                    f"role {role!r} holds lease privileges in database {alias!r} that PG_LEASE_WORKER_ROLES / "
+                    f"PG_LEASE_OPERATOR_ROLES do not give it: {', '.join(objects[:3])}"
+                    f"{', ...' if len(objects) > 3 else ''}.",
+                    hint="Declare the role (as a worker or an operator), or revoke them: "
+                    f"REVOKE EXECUTE ON FUNCTION ... FROM {role} (manage.py leases grant --check lists them).",
+                    id="pg_lease_django.W008",
+                )
+            )
         for role in absent:
             warnings.append(
                 checks.Warning(

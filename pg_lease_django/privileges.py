@@ -4,8 +4,8 @@ Every lease function that locks, reveals or changes a lease is revoked from ``PU
 (``sql/schema.sql``), and ``pg_lease_privileges()`` lists, in SQL and once, what a worker and an
 operator are granted. ``migrate`` grants it to the declared roles (a ``post_migrate`` receiver,
 so grants survive migrating back and forth and every future migration that adds a function), as
-does ``manage.py leases grant``; check ``pg_lease_django.W008`` says what a database lacks.
-Grants the declaration does not name are left alone: revoke those by hand.
+does ``manage.py leases grant``; check ``pg_lease_django.W008`` says what a database lacks, and
+which grants go beyond the declaration (`undeclared`): those are left alone, revoke them by hand.
 
 ``PG_LEASE_KEY_SCOPES`` (role -> key prefixes) is copied into ``pg_lease_django_key_scope`` the
 same way; every lease function refuses a key outside the calling role's prefixes.
@@ -88,6 +88,32 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
         Grant(name, kind, obj, privilege) for name, exists, kind, obj, privilege, held in rows if exists and not held
     ]
     return absent, lacking
+
+
+def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
+    """Grants of ``pg_lease_privileges()``'s objects beyond the declaration: to a role declared
+    nowhere, or an operator's privilege held by a declared worker. The owner's own are not counted."""
+    roles = declared()
+    connection = connections[using]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            sql.render(
+                connection,
+                "SELECT r.rolname, p.role, p.kind, p.object, p.privilege FROM {schema}.pg_lease_privileges() p "
+                "CROSS JOIN LATERAL pg_catalog.aclexplode(CASE p.kind "
+                "WHEN 'FUNCTION' THEN (SELECT f.proacl FROM pg_catalog.pg_proc f WHERE f.oid = p.object::regprocedure) "
+                "ELSE (SELECT c.relacl FROM pg_catalog.pg_class c WHERE c.oid = p.object::regclass) END) a "
+                "JOIN pg_catalog.pg_roles r ON r.oid = a.grantee "
+                "WHERE a.privilege_type = p.privilege AND a.grantee <> a.grantor "
+                "ORDER BY r.rolname, p.kind, p.object",
+            )
+        )
+        rows = cursor.fetchall()
+    return [
+        Grant(name, kind, obj, privilege)
+        for name, tier, kind, obj, privilege in rows
+        if name not in roles or (tier == "operator" and roles[name] == "worker")
+    ]
 
 
 def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:

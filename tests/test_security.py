@@ -833,6 +833,26 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
         out = StringIO()
         call_command("leases", "grant", stdout=out)
         assert "Granted 0 privilege(s)" in out.getvalue()
+        # A grant the declaration does not give (an operator's function to a worker, anything to
+        # a role declared nowhere) is a difference too.
+        roles.admin.execute(
+            pgsql.SQL("GRANT EXECUTE ON FUNCTION public.pg_lease_force_release(text, bigint) TO {}, {}").format(
+                pgsql.Identifier(roles.worker), pgsql.Identifier(roles.attacker)
+            )
+        )
+        found = check_declared_roles_are_granted(databases=["default"])
+        assert sorted(w.msg.split("'")[1] for w in found) == sorted([roles.attacker, roles.worker])
+        assert all("pg_lease_force_release" in w.msg for w in found)
+        out = StringIO()
+        with pytest.raises(CommandError, match="2 undeclared grant"):
+            call_command("leases", "grant", "--check", stdout=out)
+        assert f'FROM "{roles.worker}"  -- not declared' in out.getvalue()
+        roles.admin.execute(
+            pgsql.SQL("REVOKE EXECUTE ON FUNCTION public.pg_lease_force_release(text, bigint) FROM {}, {}").format(
+                pgsql.Identifier(roles.worker), pgsql.Identifier(roles.attacker)
+            )
+        )
+        assert check_declared_roles_are_granted(databases=["default"]) == []
     with override_settings(PG_LEASE_WORKER_ROLES="app_worker"), pytest.raises(ImproperlyConfigured):
         check_declared_roles_are_granted(databases=["default"])
 

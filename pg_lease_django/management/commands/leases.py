@@ -610,17 +610,22 @@ class Command(BaseCommand):
         quote = connections[alias].ops.quote_name
         if options.get("check"):
             absent, lacking = privileges.missing(alias)
+            extra = privileges.undeclared(alias)
             scopes_differ = privileges.stored_key_scopes(alias) not in (None, conf.key_scopes())
             for role in absent:
                 self.stdout.write(f"role {role} does not exist")
             for needed in lacking:
                 self.stdout.write(needed.statement(quote))
+            for held in extra:
+                self.stdout.write(
+                    f"REVOKE {held.privilege} ON {held.kind} {held.object} FROM {quote(held.role)}  -- not declared"
+                )
             if scopes_differ:
                 self.stdout.write("the database's key scopes differ from PG_LEASE_KEY_SCOPES")
-            if absent or lacking or scopes_differ:
+            if absent or lacking or extra or scopes_differ:
                 raise CommandError(  # exit 1, as for any database state that stops the leases working
-                    f"{len(absent)} declared role(s) missing, {len(lacking)} grant(s) missing"
-                    f"{', key scopes differ' if scopes_differ else ''}: "
+                    f"{len(absent)} declared role(s) missing, {len(lacking)} grant(s) missing, "
+                    f"{len(extra)} undeclared grant(s){', key scopes differ' if scopes_differ else ''}: "
                     f"run `manage.py leases grant --database {alias}` as the lease functions' owner",
                     returncode=ExitCode.DATABASE_ERROR,
                 )
