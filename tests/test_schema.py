@@ -97,9 +97,8 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_recorded_follows_scope",  # checks a row's flag against the scope whoever writes it
         "pg_lease_rescope",  # re-flags every lease row when the scope changes, whoever changes it
         "pg_lease_in_history_scope",  # locks the scope table against a change in flight
-        "pg_lease_opt_out_token",  # reads the owner's secret
-        "pg_lease_allow_unfenced",  # mints the opt-out from the secret (revoked from PUBLIC)
-        "pg_lease_unfenced_allowed",  # checks it against the secret
+        "pg_lease_opt_out_token",  # reads the owner's secret (an operator's, as pg_lease_allow_unfenced)
+        "pg_lease_opt_out_valid",  # checks a token against the secret
     }
     assert {r[0] for r in rows} >= operations
     # Hot helpers without a SET clause (it blocks inlining, or costs a switch per call): they name

@@ -50,6 +50,7 @@ WORKER_FUNCTIONS = {
 }
 #: An operator's, on top of a worker's.
 OPERATOR_FUNCTIONS = {
+    "pg_lease_opt_out_token(name)",
     "pg_lease_request_handoff(text,bigint)",
     "pg_lease_force_release(text,bigint)",
     "pg_lease_force_release(text,bigint,text)",
@@ -676,6 +677,7 @@ HARMLESS_FOR_PUBLIC = {
     "pg_lease_remember_fence(text,text,bigint)",
     "pg_lease_refuse(text,text,text,bigint,text)",
     "pg_lease_unfenced_allowed()",
+    "pg_lease_opt_out_valid(text,name)",
     "pg_lease_privileges()",
 }
 
@@ -773,9 +775,31 @@ def test_a_hand_set_opt_out_is_refused_inside_owner_run_functions(roles: Roles, 
         with fails_with("PL004"), worker.transaction():
             worker.execute("SELECT set_config('pg_lease.unfenced', %s, true)", [token[1]])
             worker.execute(pgsql.SQL("SELECT public.{}(%s)").format(function), [invoice_id])
+        # An owner-run function that opts out for its own write: the opt-out is the owner's, and
+        # does not carry over to its caller's next statement (review finding: it did, for the
+        # whole transaction, when the token named only backend and transaction).
+        fix = pgsql.Identifier(f"pgl_{roles.suffix}_fix")
+        admin.execute(
+            pgsql.SQL(
+                "CREATE FUNCTION public.{}(p_id bigint) RETURNS void LANGUAGE plpgsql SECURITY DEFINER "
+                "SET search_path = pg_catalog, public "
+                "AS $$ BEGIN PERFORM public.pg_lease_allow_unfenced(); "
+                "UPDATE testapp_invoice SET status = 'fixed' WHERE id = p_id; END $$"
+            ).format(fix)
+        )
+        admin.execute(
+            pgsql.SQL("GRANT EXECUTE ON FUNCTION public.{}(bigint) TO {}").format(fix, pgsql.Identifier(roles.worker))
+        )
+        with fails_with("PL004"), worker.transaction():
+            worker.execute(pgsql.SQL("SELECT public.{}(%s)").format(fix), [invoice_id])  # the owner's write: fine
+            worker.execute("UPDATE testapp_invoice SET amount = 7 WHERE id = %s", [invoice_id])  # the caller's: refused
+        with worker.transaction():
+            worker.execute(pgsql.SQL("SELECT public.{}(%s)").format(fix), [invoice_id])
+        assert stored(admin, invoice_id) == ("fixed", 0, 1)
+        admin.execute(pgsql.SQL("DROP FUNCTION public.{}(bigint)").format(fix))
     finally:
         admin.execute(pgsql.SQL("DROP FUNCTION public.{}(bigint)").format(function))
-    assert stored(admin, invoice_id) == ("draft", 0, 1)
+    assert stored(admin, invoice_id) == ("fixed", 0, 1)
 
 
 def test_waiter_registrations_of_taken_over_keys_are_pruned(roles: Roles, key: str) -> None:

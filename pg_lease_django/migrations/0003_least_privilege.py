@@ -19,6 +19,6 @@ class Migration(migrations.Migration):
         RunSQLFile(
             "migrations/0003_least_privilege.sql",
             "migrations/0003_least_privilege_reverse.sql",
-            sha256="85d1e0351e2f7b7707b22c04f7b2e854b6b9ffe5dcaf7583506eb9f774c76e33",
+            sha256="074f580fdaba5732964ceb269f0fd9c80289e89f45da7eacfd69d5776ce375d4",
         )
     ]

@@ -948,32 +948,42 @@ BEGIN
 END $$;
 
 -- The explicit opt-out: fenced tables accept this transaction's writes without a fence (data
--- repair, fixtures, admin edits). Revoked from PUBLIC. It sets pg_lease.unfenced to a token minted
--- from the owner's secret for this backend and transaction, which pg_lease_unfenced_allowed checks:
--- the variable set by hand (to anything) never opts out, not even inside owner-run functions.
-CREATE FUNCTION @extschema@.pg_lease_opt_out_token()
+-- repair, fixtures, admin edits), for the role that opted out. pg_lease_allow_unfenced() sets
+-- pg_lease.unfenced to a token minted from the owner's secret for the current role, this backend
+-- and this transaction; pg_lease_unfenced_allowed() (what the triggers ask) checks it for the role
+-- writing. The variable set by hand (to anything) never opts out, and a token minted inside an
+-- owner-run function is the owner's: it does not outlive that function for its caller.
+CREATE FUNCTION @extschema@.pg_lease_opt_out_token(p_role name)
 RETURNS text LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-  SELECT encode(sha256(convert_to(s.secret || '/' || pg_backend_pid()::text || '/'
+  SELECT encode(sha256(convert_to(s.secret || '/' || p_role::text || '/' || pg_backend_pid()::text || '/'
                                   || extract(epoch FROM now())::text, 'UTF8')), 'hex')
     FROM @extschema@."pg_lease_django_secret" s
 $$;
 
-REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_opt_out_token() FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_opt_out_token(name) FROM PUBLIC;
+
+-- Is p_token the opt-out of p_role in this backend and transaction? For any caller: it reveals
+-- nothing a 256-bit token would not.
+CREATE FUNCTION @extschema@.pg_lease_opt_out_valid(p_token text, p_role name)
+RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT p_token = @extschema@.pg_lease_opt_out_token(p_role) $$;
 
 CREATE FUNCTION @extschema@.pg_lease_allow_unfenced()
-RETURNS boolean LANGUAGE sql VOLATILE SECURITY DEFINER
+RETURNS boolean LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT set_config('pg_lease.unfenced', @extschema@.pg_lease_opt_out_token(), true) IS NOT NULL $$;
+AS $$ SELECT set_config('pg_lease.unfenced', @extschema@.pg_lease_opt_out_token(current_user), true) IS NOT NULL $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_allow_unfenced() FROM PUBLIC;
 
--- Did this transaction opt out with pg_lease_allow_unfenced()? Answers only that, for any caller.
+-- Did the current role opt out in this transaction with pg_lease_allow_unfenced()? Runs as the
+-- caller (the writer, in the triggers), so current_user is the role writing.
 CREATE FUNCTION @extschema@.pg_lease_unfenced_allowed()
-RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER
+RETURNS boolean LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT current_setting('pg_lease.unfenced', true) = @extschema@.pg_lease_opt_out_token() $$;
+AS $$ SELECT @extschema@.pg_lease_opt_out_valid(current_setting('pg_lease.unfenced', true), current_user) $$;
 
 -- Check one lease key written by a statement: the transaction presented a fence for it, and that
 -- fence holds now (locking the lease row FOR KEY SHARE until the transaction ends).
@@ -1426,6 +1436,7 @@ AS $$
     ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint)', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint, text)', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_allow_unfenced()', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_opt_out_token(name)', 'EXECUTE'),
     ('operator', 'TABLE', '@extschema@."pg_lease_django_lease"', 'SELECT'),
     ('operator', 'TABLE', '@extschema@."pg_lease_django_tenure"', 'SELECT')
   ) w (role, kind, object, privilege)

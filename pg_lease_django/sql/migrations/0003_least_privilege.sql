@@ -6,7 +6,8 @@
 -- * pg_lease_guard_key (which the fenced tables' triggers call as the writer) is a worker's
 --   privilege: a role granted nothing can no longer lock a lease row or probe a fence with it.
 -- * The opt-out of fencing is a token minted by pg_lease_allow_unfenced() from an owner-only
---   secret for this backend and transaction: pg_lease.unfenced set by hand never opts out.
+--   secret for the current role, this backend and this transaction: pg_lease.unfenced set by hand
+--   never opts out, and an opt-out minted inside an owner-run function is not its caller's.
 -- * pg_lease_prune also removes expired waiters' registrations.
 -- * The TRUNCATE refusals (lease table 23001, fenced tables PL004) hint at the test runner and the
 --   pytest plugin.
@@ -36,26 +37,33 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_fence_outcome(text, text, bigint
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_fence(text, text, bigint) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_guard_key(text, jsonb, text) FROM PUBLIC;
 
-CREATE FUNCTION @extschema@.pg_lease_opt_out_token()
+CREATE FUNCTION @extschema@.pg_lease_opt_out_token(p_role name)
 RETURNS text LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-  SELECT encode(sha256(convert_to(s.secret || '/' || pg_backend_pid()::text || '/'
+  SELECT encode(sha256(convert_to(s.secret || '/' || p_role::text || '/' || pg_backend_pid()::text || '/'
                                   || extract(epoch FROM now())::text, 'UTF8')), 'hex')
     FROM @extschema@."pg_lease_django_secret" s
 $$;
 
-REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_opt_out_token() FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_opt_out_token(name) FROM PUBLIC;
 
-CREATE OR REPLACE FUNCTION @extschema@.pg_lease_allow_unfenced()
-RETURNS boolean LANGUAGE sql VOLATILE SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$ SELECT set_config('pg_lease.unfenced', @extschema@.pg_lease_opt_out_token(), true) IS NOT NULL $$;
-
-CREATE OR REPLACE FUNCTION @extschema@.pg_lease_unfenced_allowed()
+-- Is p_token the opt-out of p_role in this backend and transaction? For any caller: it reveals
+-- nothing a 256-bit token would not.
+CREATE FUNCTION @extschema@.pg_lease_opt_out_valid(p_token text, p_role name)
 RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT current_setting('pg_lease.unfenced', true) = @extschema@.pg_lease_opt_out_token() $$;
+AS $$ SELECT p_token = @extschema@.pg_lease_opt_out_token(p_role) $$;
+
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_allow_unfenced()
+RETURNS boolean LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT set_config('pg_lease.unfenced', @extschema@.pg_lease_opt_out_token(current_user), true) IS NOT NULL $$;
+
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_unfenced_allowed()
+RETURNS boolean LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT @extschema@.pg_lease_opt_out_valid(current_setting('pg_lease.unfenced', true), current_user) $$;
 
 CREATE OR REPLACE FUNCTION @extschema@.pg_lease_guard_rows()
 RETURNS trigger LANGUAGE plpgsql
@@ -254,6 +262,7 @@ AS $$
     ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint)', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint, text)', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_allow_unfenced()', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_opt_out_token(name)', 'EXECUTE'),
     ('operator', 'TABLE', '@extschema@."pg_lease_django_lease"', 'SELECT'),
     ('operator', 'TABLE', '@extschema@."pg_lease_django_tenure"', 'SELECT')
   ) w (role, kind, object, privilege)

@@ -177,7 +177,8 @@ BEGIN
   RETURN QUERY DELETE FROM @extschema@."pg_lease_django_lease" l WHERE l.key = ANY (doomed) RETURNING l.key, l.epoch;
 END $$;
 
-DROP FUNCTION @extschema@.pg_lease_opt_out_token();
+DROP FUNCTION @extschema@.pg_lease_opt_out_valid(text, name);
+DROP FUNCTION @extschema@.pg_lease_opt_out_token(name);
 DROP TABLE @extschema@."pg_lease_django_secret";
 
 GRANT EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval) TO PUBLIC;
