@@ -242,7 +242,8 @@ class FencedQuerySet(models.QuerySet[_M]):
         """Django's bulk_create() in one transaction that first presents the fence (or opts out).
 
         Each object's ``lease_key`` is its own `FencedModel.get_lease_key`; the database refuses
-        the batch if any of them is not the fenced lease.
+        the batch if any of them is not the fenced lease. With ``update_conflicts``, a conflicting
+        row's update writes the recomputed key and the epoch as well.
         """
         token = self._token()
         objs = list(objs)
@@ -250,6 +251,10 @@ class FencedQuerySet(models.QuerySet[_M]):
             obj.lease_id = obj._pg_lease_own_key()
             if token is not None:
                 obj.lease_epoch = token.epoch
+        if kwargs.get("update_conflicts") and kwargs.get("update_fields"):
+            # A conflicting row is updated: it takes the recomputed key and the epoch too, so a row
+            # moved to another lease needs that lease's fence (the database checks both keys).
+            kwargs["update_fields"] = [*kwargs["update_fields"], KEY_FIELD, EPOCH_FIELD]
         with refusals_raised("bulk_create"), in_one_transaction(self._using(), token, present_first=True):
             return super().bulk_create(objs, *args, **kwargs)
 

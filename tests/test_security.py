@@ -970,7 +970,22 @@ def test_a_fenced_queryset_cannot_move_rows_under_another_lease(key: str, monkey
         Invoice.objects.fenced(gb).bulk_update([b_row], ["account"])
     with pytest.raises(InvalidInputError, match="guarded by lease"):  # save() recomputes: B's fence is not A's
         b_row.save(fence=gb)
+    # An upsert whose conflicting row is updated (review finding): the update takes the new key too.
+    with refused(UnfencedWriteError):
+        Invoice.objects.fenced(gb).bulk_create(
+            [Invoice(id=b_row.pk, account=a_key, status="new", amount=1)],
+            update_conflicts=True,
+            unique_fields=["id"],
+            update_fields=["account"],
+        )
     assert stored_key() == (b_key, b_key)
+    upserted = Invoice.objects.fenced(gb).bulk_create(
+        [Invoice(id=b_row.pk, account=b_key, status="upserted", amount=2)],
+        update_conflicts=True,
+        unique_fields=["id"],
+        update_fields=["status"],
+    )
+    assert len(upserted) == 1 and Invoice.objects.get(pk=b_row.pk).status == "upserted"
     # A's fenced update of its own rows goes on; B's of its own too.
     assert Invoice.objects.fenced(ga).filter(account=a_key).update(status="sent") == 1
     assert Invoice.objects.fenced(gb).filter(account=b_key).update(status="sent") == 1
