@@ -6,7 +6,7 @@ from typing import Any, cast
 
 from django.apps import apps
 from django.core import checks
-from django.db import DatabaseError, connections, router
+from django.db import DatabaseError, connections, router, transaction
 
 
 def check_database_is_postgresql(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
@@ -394,15 +394,34 @@ def check_declared_roles_are_granted(
             absent, lacking = privileges.missing(alias)
         except DatabaseError:
             continue
+        wanted = conf.key_scopes()
         try:
-            stored = privileges.stored_key_scopes(alias)
+            with transaction.atomic(using=alias):  # a refused read must not break the checks' connection
+                stored = privileges.stored_key_scopes(alias)
         except DatabaseError:
             stored = None
-        if stored is not None and stored != conf.key_scopes():
+            if wanted:
+                warnings.append(
+                    checks.Warning(
+                        f"database {alias!r}: this role may not read the key scopes the database enforces "
+                        "(pg_lease_django_key_scope), so they could not be compared with PG_LEASE_KEY_SCOPES.",
+                        hint=f"Run, as the lease functions' owner: manage.py leases grant --check --database {alias}",
+                        id="pg_lease_django.W008",
+                    )
+                )
+        for role in privileges.absent_roles(sorted(wanted), alias):
             warnings.append(
                 checks.Warning(
-                    f"database {alias!r} enforces the key scopes {stored!r}, but PG_LEASE_KEY_SCOPES is "
-                    f"{conf.key_scopes()!r}.",
+                    f"PG_LEASE_KEY_SCOPES names role {role!r}, which does not exist in database {alias!r}'s cluster: "
+                    "its scope limits nobody (a renamed role keeps no scope).",
+                    hint="Fix the role name in PG_LEASE_KEY_SCOPES, then run: manage.py leases grant",
+                    id="pg_lease_django.W008",
+                )
+            )
+        if stored is not None and stored != wanted:
+            warnings.append(
+                checks.Warning(
+                    f"database {alias!r} enforces the key scopes {stored!r}, but PG_LEASE_KEY_SCOPES is {wanted!r}.",
                     hint=f"Run, as the lease functions' owner: manage.py leases grant --database {alias}",
                     id="pg_lease_django.W008",
                 )

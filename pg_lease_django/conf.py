@@ -175,7 +175,8 @@ def key_scopes() -> dict[str, tuple[str, ...]]:
     (``pg_lease_django_key_scope``); check ``pg_lease_django.W008`` says when they differ.
 
     Raises:
-        ImproperlyConfigured: not a dict of role names to non-empty lists of prefixes (at most 255 bytes).
+        ImproperlyConfigured: not a dict of role names to non-empty lists of non-empty prefixes (at most
+            255 bytes): a scope of ``""`` would limit nothing.
     """
     value = getattr(settings, "PG_LEASE_KEY_SCOPES", {})
     if not isinstance(value, dict) or not all(
@@ -185,10 +186,11 @@ def key_scopes() -> dict[str, tuple[str, ...]]:
         and isinstance(prefixes, list | tuple)
         and not isinstance(prefixes, str)
         and prefixes
-        and all(isinstance(p, str) and len(p.encode()) <= 255 for p in prefixes)
+        and all(isinstance(p, str) and p and len(p.encode()) <= 255 for p in prefixes)
         for role, prefixes in value.items()
     ):
         raise ImproperlyConfigured(
-            f"PG_LEASE_KEY_SCOPES must map database role names to non-empty lists of key prefixes, got {value!r}"
+            "PG_LEASE_KEY_SCOPES must map database role names to non-empty lists of non-empty key prefixes, "
+            f"got {value!r}"
         )
     return {role: tuple(sorted(set(prefixes))) for role, prefixes in sorted(value.items())}

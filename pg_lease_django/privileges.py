@@ -90,29 +90,58 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
     return absent, lacking
 
 
+#: Every privilege a role can hold on the package's functions and tables.
+_PRIVILEGES = (
+    "('FUNCTION', 'EXECUTE'), ('TABLE', 'SELECT'), ('TABLE', 'INSERT'), ('TABLE', 'UPDATE'), ('TABLE', 'DELETE'), "
+    "('TABLE', 'TRUNCATE'), ('TABLE', 'REFERENCES'), ('TABLE', 'TRIGGER')"
+)
+_HELD = (
+    "WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c "
+    "WHERE c.oid = '{schema}.\"pg_lease_django_lease\"'::pg_catalog.regclass), "
+    "objects AS ("
+    "SELECT 'FUNCTION' AS kind, p.oid, p.oid::pg_catalog.regprocedure::text AS object FROM pg_catalog.pg_proc p "
+    "WHERE p.pronamespace = '{schema}'::pg_catalog.regnamespace AND p.proname LIKE 'pg\\_lease\\_%%' "
+    "AND p.prorettype <> 'pg_catalog.trigger'::pg_catalog.regtype "
+    "UNION ALL SELECT 'TABLE', c.oid, c.oid::pg_catalog.regclass::text FROM pg_catalog.pg_class c "
+    "WHERE c.relnamespace = '{schema}'::pg_catalog.regnamespace AND c.relname LIKE 'pg\\_lease\\_django\\_%%' "
+    "AND c.relkind IN ('r', 'p')), "
+    "wanted AS (SELECT w.role AS tier, w.privilege, CASE w.kind WHEN 'FUNCTION' "
+    "THEN w.object::pg_catalog.regprocedure::oid ELSE w.object::pg_catalog.regclass::oid END AS oid "
+    "FROM {schema}.pg_lease_privileges() w), "
+    "grantees AS (SELECT r.rolname::text AS name, r.rolname AS checked FROM pg_catalog.pg_roles r, owner "
+    "WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE') "
+    "UNION ALL SELECT 'PUBLIC', 'public'::name), "
+    f"privileges (kind, privilege) AS (VALUES {_PRIVILEGES}) "
+    "SELECT g.name, o.kind, o.object, v.privilege, pg_catalog.array_agg(w.tier) FILTER (WHERE w.tier IS NOT NULL) "
+    "FROM grantees g CROSS JOIN objects o JOIN privileges v ON v.kind = o.kind "
+    "LEFT JOIN wanted w ON w.oid = o.oid AND w.privilege = v.privilege "
+    "WHERE CASE o.kind WHEN 'FUNCTION' THEN pg_catalog.has_function_privilege(g.checked, o.oid, v.privilege) "
+    "ELSE pg_catalog.has_table_privilege(g.checked, o.oid, v.privilege) END "
+    "GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4"
+)
+
+
 def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
-    """Grants of ``pg_lease_privileges()``'s objects beyond the declaration: to a role declared
-    nowhere, or an operator's privilege held by a declared worker. The owner's own are not counted."""
+    """Privileges on the package's functions and tables that the declaration does not give.
+
+    Every role is looked at (through its memberships too), and PUBLIC, except superusers, the
+    owner of the lease table and its members, and PostgreSQL's predefined ``pg_*`` roles: any
+    privilege beyond what ``pg_lease_privileges()`` lists for PUBLIC and for the role's declared
+    kind (an operator's function held by a worker, a table granted by ``GRANT ... ON ALL TABLES``,
+    a role granted an operator's membership) is reported. One round trip.
+    """
     roles = declared()
+    allowed = {"worker": {"public", "worker"}, "operator": {"public", "worker", "operator"}}
     connection = connections[using]
     with connection.cursor() as cursor:
-        cursor.execute(
-            sql.render(
-                connection,
-                "SELECT r.rolname, p.role, p.kind, p.object, p.privilege FROM {schema}.pg_lease_privileges() p "
-                "CROSS JOIN LATERAL pg_catalog.aclexplode(CASE p.kind "
-                "WHEN 'FUNCTION' THEN (SELECT f.proacl FROM pg_catalog.pg_proc f WHERE f.oid = p.object::regprocedure) "
-                "ELSE (SELECT c.relacl FROM pg_catalog.pg_class c WHERE c.oid = p.object::regclass) END) a "
-                "JOIN pg_catalog.pg_roles r ON r.oid = a.grantee "
-                "WHERE a.privilege_type = p.privilege AND a.grantee <> a.grantor "
-                "ORDER BY r.rolname, p.kind, p.object",
-            )
-        )
+        cursor.execute(sql.render(connection, _HELD))
         rows = cursor.fetchall()
+    through_public = {(kind, obj, privilege) for name, kind, obj, privilege, _ in rows if name == "PUBLIC"}
     return [
         Grant(name, kind, obj, privilege)
-        for name, tier, kind, obj, privilege in rows
-        if name not in roles or (tier == "operator" and roles[name] == "worker")
+        for name, kind, obj, privilege, tiers in rows
+        if not set(tiers or ()) & allowed.get(roles.get(name, ""), {"public"})
+        and (name == "PUBLIC" or (kind, obj, privilege) not in through_public)  # reported once, as PUBLIC's
     ]
 
 
@@ -195,6 +224,17 @@ def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
                 [[r for r, _ in pairs], [p for _, p in pairs]],
             )
     return True
+
+
+def absent_roles(names: list[str], using: str = DEFAULT_DB_ALIAS) -> list[str]:
+    """Which of ``names`` are no role of database ``using``'s cluster (a typo, a rename, a drop)."""
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT n FROM pg_catalog.unnest(%s::text[]) n "
+            "WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = n) ORDER BY n",
+            [names],
+        )
+        return [row[0] for row in cursor.fetchall()]
 
 
 def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:

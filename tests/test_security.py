@@ -877,6 +877,34 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
             )
         )
         assert check_declared_roles_are_granted(databases=["default"]) == []
+        # Through PUBLIC, a membership, or a table the grant list never names (review findings).
+        worker, attacker = pgsql.Identifier(roles.worker), pgsql.Identifier(roles.attacker)
+        for grant_sql, revoke_sql, role in (
+            (
+                "GRANT EXECUTE ON FUNCTION public.pg_lease_allow_unfenced() TO PUBLIC",
+                "REVOKE EXECUTE ON FUNCTION public.pg_lease_allow_unfenced() FROM PUBLIC",
+                "PUBLIC",
+            ),
+            ("GRANT {operator} TO {attacker}", "REVOKE {operator} FROM {attacker}", roles.attacker),
+            (
+                "GRANT SELECT ON public.pg_lease_django_secret TO {worker}",
+                "REVOKE SELECT ON public.pg_lease_django_secret FROM {worker}",
+                roles.worker,
+            ),
+            (
+                "GRANT DELETE ON public.pg_lease_django_key_scope TO {worker}",
+                "REVOKE DELETE ON public.pg_lease_django_key_scope FROM {worker}",
+                roles.worker,
+            ),
+        ):
+            names = {"operator": pgsql.Identifier(roles.operator), "attacker": attacker, "worker": worker}
+            roles.admin.execute(pgsql.SQL(grant_sql).format(**names))
+            try:
+                found = check_declared_roles_are_granted(databases=["default"])
+                assert [w.msg.split("'")[1] for w in found] == [role], (grant_sql, [w.msg for w in found])
+            finally:
+                roles.admin.execute(pgsql.SQL(revoke_sql).format(**names))
+        assert check_declared_roles_are_granted(databases=["default"]) == []
     with override_settings(PG_LEASE_WORKER_ROLES="app_worker"), pytest.raises(ImproperlyConfigured):
         check_declared_roles_are_granted(databases=["default"])
 
@@ -1038,3 +1066,19 @@ def test_a_fenced_write_never_reads_the_opt_out_secret(roles: Roles, key: str) -
         "pg_lease_opt_out_token": 0,
         "pg_lease_guard_key": 3,
     }
+
+
+def test_w008_says_when_key_scopes_cannot_be_compared_or_name_no_role(roles: Roles) -> None:
+    """Review findings: run as a worker (which may not read the scope table), the scope comparison
+    was silently skipped; a scope for a role that does not exist (a typo, a rename) limits nobody;
+    an empty prefix would limit nothing."""
+    from pg_lease_django.checks import check_declared_roles_are_granted
+
+    scopes = {roles.worker: ["tenantA:"], f"pgl_{roles.suffix}_typo": ["tenantB:"]}
+    with override_settings(PG_LEASE_WORKER_ROLES=[roles.worker], PG_LEASE_KEY_SCOPES=scopes):
+        with django_as(roles.worker):
+            messages = [w.msg for w in check_declared_roles_are_granted(databases=["default"])]
+        assert any("may not read the key scopes" in m for m in messages), messages
+        assert any(f"pgl_{roles.suffix}_typo" in m and "does not exist" in m for m in messages), messages
+    with override_settings(PG_LEASE_KEY_SCOPES={roles.worker: [""]}), pytest.raises(ImproperlyConfigured):
+        check_declared_roles_are_granted(databases=["default"])

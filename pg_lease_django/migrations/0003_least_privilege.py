@@ -19,6 +19,6 @@ class Migration(migrations.Migration):
         RunSQLFile(
             "migrations/0003_least_privilege.sql",
             "migrations/0003_least_privilege_reverse.sql",
-            sha256="074f580fdaba5732964ceb269f0fd9c80289e89f45da7eacfd69d5776ce375d4",
+            sha256="aae6f74c0a06dace3095fe44aff14e1f345ee787d400df88a0f7ca58744e208c",
         )
     ]

@@ -1412,8 +1412,9 @@ CREATE TRIGGER pg_lease_clear_handoff BEFORE UPDATE ON @extschema@."pg_lease_dja
 -- lease is revoked from PUBLIC. A worker runs the four operations and writes fenced rows (the
 -- fenced tables' triggers call pg_lease_guard_key as the writer); an operator may do what a worker
 -- may, plus force release, ask for a hand-off, opt out of fencing and read the lease and history
--- tables. pg_lease_prune and pg_lease_advance_epochs stay with the owner. A migration that adds a
--- function restates this one. By hand: SELECT format('GRANT %s ON %s %s TO app_worker', privilege,
+-- tables. pg_lease_prune and pg_lease_advance_epochs stay with the owner; 'public' rows are what
+-- every role may run (check W008 reports any other privilege on the package's objects that the
+-- declaration does not give). A migration that adds a function restates this one. By hand: SELECT format('GRANT %s ON %s %s TO app_worker', privilege,
 -- kind, object) FROM pg_lease_privileges() WHERE role = 'worker' \gexec
 CREATE FUNCTION @extschema@.pg_lease_privileges()
 RETURNS TABLE (role text, kind text, object text, privilege text)
@@ -1438,6 +1439,18 @@ AS $$
     ('operator', 'FUNCTION', '@extschema@.pg_lease_allow_unfenced()', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_opt_out_token(name)', 'EXECUTE'),
     ('operator', 'TABLE', '@extschema@."pg_lease_django_lease"', 'SELECT'),
-    ('operator', 'TABLE', '@extschema@."pg_lease_django_tenure"', 'SELECT')
+    ('operator', 'TABLE', '@extschema@."pg_lease_django_tenure"', 'SELECT'),
+    -- What every role may run, through PUBLIC: pure helpers, and what the triggers call as the writer.
+    ('public', 'FUNCTION', '@extschema@.pg_lease_status(text, timestamptz, timestamptz)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_check_name(text, text)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_check_ttl(interval)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_check_epoch(bigint)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_ttl(interval)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_verdict(text, bigint, timestamptz, text, bigint, timestamptz)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_remember_fence(text, text, bigint)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_refuse(text, text, text, bigint, text)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_unfenced_allowed()', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_opt_out_valid(text, name)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_privileges()', 'EXECUTE')
   ) w (role, kind, object, privilege)
 $$;
