@@ -691,6 +691,10 @@ def test_public_may_run_no_lease_function_that_locks_reveals_or_changes_a_lease(
     ).fetchall()
     executable = {re.sub(r", ", ",", name) for name, is_trigger in rows if not is_trigger}
     assert executable == HARMLESS_FOR_PUBLIC
+    listed = roles.admin.execute(
+        "SELECT object::regprocedure::text FROM public.pg_lease_privileges() WHERE role = 'public'"
+    ).fetchall()
+    assert {re.sub(r", ", ",", name) for (name,) in listed} == HARMLESS_FOR_PUBLIC  # what W008 expects
     stranger = roles.connect(roles.attacker)
     for statement, params in (
         (ACQUIRE, ["pgl-stranger", "o", "30 seconds"]),
