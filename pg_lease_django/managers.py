@@ -92,7 +92,7 @@ class LeaseManager(models.Manager["Lease"]):
         """
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         if not blocking:
-            return operations.acquire(self._connection(), key, owner, ttl_delta)
+            return waiting.acquire_once(self._connection(), key, owner, ttl_delta)
         return waiting.wait_and_acquire(self._connection(), key, owner, ttl_delta, wait)
 
     @staticmethod

@@ -130,6 +130,26 @@ def attempt_backend(connection: BaseDatabaseWrapper) -> int:
     return int(connection.connection.info.backend_pid)
 
 
+def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
+    """One non-blocking attempt (`Lease.objects.acquire`); interrupted in flight, it is settled.
+
+    A signal, ``SystemExit`` or any other interruption that is not an error of the call leaves a
+    statement that may still run on the server (psycopg cancels only on its own interrupts):
+    outside a transaction it is cancelled and a grant it made is released, as for every attempt
+    (`settle`). Inside one, the caller's transaction owns the attempt.
+    """
+    own = connection.get_autocommit() and not connection.in_atomic_block
+    backend = attempt_backend(connection) if own else None
+    try:
+        return operations.acquire(connection, key, owner, ttl)
+    except Exception:
+        raise  # the server answered (a refusal, a bad argument) or the connection is lost: reported
+    except BaseException:
+        if backend is not None:
+            settle(connection, key, owner, backend)
+        raise
+
+
 def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
     """After an attempt of ``owner`` was interrupted in flight: make sure it granted nothing that stays.
 

@@ -123,6 +123,45 @@ def test_sigterm_during_an_acquire_leaves_nothing_granted(
     assert "not run, lease not held" in run.stderr
 
 
+class _Interrupted(BaseException):
+    """What a signal handler raises (as `exit_on_signals` and `leases run` do): no psycopg interrupt."""
+
+
+@needs_session
+def test_an_interrupted_non_blocking_manager_acquire_leaves_nothing_granted(key: str, raw_connect: Connect) -> None:
+    """``Lease.objects.acquire()`` (non-blocking) interrupted by a signal handler's exception while its
+    statement waits on a row lock: before, the statement ran on after the exception and granted the
+    lease to the interrupted caller once the lock went; now it is cancelled and settled first."""
+    import threading
+
+    epoch = free(key)
+    watch = raw_connect()
+    main = threading.get_ident()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with row_locked(raw_connect, key) as locker:
+            found: list[int] = []
+
+            def signal_once_blocked() -> None:
+                found.append(blocked_behind(watch, locker))
+                signal.pthread_kill(main, signal.SIGUSR1)
+
+            killer = threading.Thread(target=signal_once_blocked)
+            killer.start()
+            with pytest.raises(_Interrupted):
+                Lease.objects.acquire(key, "w-interrupted", ttl=60)
+            killer.join(HANG_GUARD)
+            gone(watch, found[0])  # cancelled on the server while the row is still locked
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch)
+
+
 # -- finding 1: leases run --campaign and a SIGTERM while its attempt is in flight ------------------------
 
 
