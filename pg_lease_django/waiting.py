@@ -265,16 +265,18 @@ def wait_and_acquire(
     # the transaction is gone: raise.
     rejoin = _Rejoin(key, deadline) if autocommit else None
     pending: list[int] = []  # the server process of the attempt in flight, until it is answered
+    granted: list[Grant] = []  # a grant answered but not yet returned (UNLISTEN still to send)
     try:
         return _wait_and_acquire(
-            connection, key, owner, ttl, wait, deadline, listen, rejoin, before_attempt, interrupted, pending
+            connection, key, owner, ttl, wait, deadline, listen, rejoin, before_attempt, interrupted, pending, granted
         )
     except BaseException:
-        # An attempt whose answer never came (interrupted, cancelled) may have committed a grant:
-        # settle it before the exception goes on. Inside a transaction the attempt went with it;
-        # a lost connection is the rejoin's to report (`_nothing_granted`): nothing to settle.
-        if autocommit and pending:
-            settle(connection, key, owner, pending[-1])
+        # An attempt whose answer never came (interrupted, cancelled) may have committed a grant,
+        # and a grant answered but not returned (interrupted while leaving LISTEN) is nobody's:
+        # settle either before the exception goes on. Inside a transaction the attempt went with
+        # it; a lost connection is the rejoin's to report (`_nothing_granted`): nothing to settle.
+        if autocommit and (pending or granted):
+            settle(connection, key, owner, pending[-1] if pending else None)
         raise
 
 
@@ -290,6 +292,7 @@ def _wait_and_acquire(
     before_attempt: Callable[[], object] | None,
     interrupted: Callable[[], bool] | None,
     pending: list[int],
+    granted: list[Grant],
 ) -> Grant:
     refused: Attempt | None = None  # the last refused attempt
     unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
@@ -318,6 +321,7 @@ def _wait_and_acquire(
                         rejoin.answered()
                     grant = tried.grant(key)
                     if grant is not None:
+                        granted.append(grant)
                         return grant
                     refused = tried
                     pause = pause_after_refusal(key, owner, tried, wait, deadline)

@@ -162,6 +162,45 @@ def test_an_interrupted_non_blocking_manager_acquire_leaves_nothing_granted(key:
     assert (state.status, state.epoch) == ("free", epoch)
 
 
+def _interrupt_at(step: int, when: str) -> tuple[Callable[..., Any], list[str]]:
+    """An execute wrapper that raises `_Interrupted` just before or just after the ``step``-th statement."""
+    sent: list[str] = []
+
+    def wrapper(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        sent.append(sql)
+        if len(sent) == step and when == "before":
+            raise _Interrupted
+        result = execute(sql, params, many, context)
+        if len(sent) == step and when == "after":
+            raise _Interrupted
+        return result
+
+    return wrapper, sent
+
+
+@needs_session
+@pytest.mark.parametrize("blocking", [False, True], ids=["non-blocking", "blocking"])
+def test_an_acquire_interrupted_at_every_statement_leaves_nothing_granted(key: str, blocking: bool) -> None:
+    """The interruption explored, not timed: ``Lease.objects.acquire`` interrupted just before and
+    just after each statement it sends (the worst being after the grant committed and before its
+    answer is returned); each time, the interrupted owner holds nothing afterwards."""
+    from django.db import connection
+
+    count, sent = _interrupt_at(0, "never")
+    with connection.execute_wrapper(count):
+        assert Lease.objects.acquire(f"{key}/count", "w-count", ttl=60, blocking=blocking) is not None
+    steps = len(sent)
+    assert steps >= 1
+    for step in range(1, steps + 1):
+        for when in ("before", "after"):
+            target = f"{key}/{step}/{when}"
+            wrapper, _ = _interrupt_at(step, when)
+            with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+                Lease.objects.acquire(target, "w-int", ttl=60, blocking=blocking)
+            state = Lease.objects.inspect(target)
+            assert not (state.status == "held" and state.owner == "w-int"), (step, when, sent[:step])
+
+
 # -- finding 1: leases run --campaign and a SIGTERM while its attempt is in flight ------------------------
 
 
