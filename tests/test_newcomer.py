@@ -471,6 +471,9 @@ def test_first_hour_rough_edges_in_a_new_startproject(tmp_path: Path, db_name: s
         'CommandError: database error: relation "pg_lease_django_tenure" does not exist; '
         "run `manage.py migrate pg_lease_django --database default`"
     ], pruned.stderr
+    campaign = run(root, "manage.py", "leases", "run", "nightly", "--ttl", "5", "--campaign", "--", "true")
+    assert campaign.returncode == 1, campaign  # it campaigned, failing, until stopped
+    assert stderr_lines(campaign) == stderr_lines(listed), campaign.stderr
     checked = run(root, "manage.py", "check")
     assert checked.returncode == 0, checked  # a warning, not an error
     assert "(pg_lease_django.W007) database 'default' holds no lease tables" in checked.stderr, checked.stderr

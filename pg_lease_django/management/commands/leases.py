@@ -35,6 +35,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections, router
 
 from pg_lease_django import conf, privileges
+from pg_lease_django import sql as lease_sql
 from pg_lease_django.display import LeaseRow, format_duration
 from pg_lease_django.exceptions import (
     AlreadyFreeError,
@@ -694,6 +695,9 @@ class Command(BaseCommand):
             raise CommandError(
                 "leases run must be called from the main thread (it handles signals)", returncode=ExitCode.USAGE
             )
+        # An unmigrated database in one line, before anything starts: a campaign would otherwise
+        # retry its failing attempts until stopped (a configuration error is not a transient one).
+        lease_sql.schema(connections[alias])
         supervisor = Supervisor(
             key,
             command,
