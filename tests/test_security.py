@@ -909,6 +909,17 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
             finally:
                 roles.admin.execute(pgsql.SQL(revoke_sql).format(**names))
         assert check_declared_roles_are_granted(databases=["default"]) == []
+        # The runbook's functions, granted by hand as the page says: an operator's, never a worker's.
+        runbook = "public.pg_lease_advance_epochs(bigint, boolean)"
+        for role, expected in ((roles.operator, []), (roles.worker, [roles.worker])):
+            roles.admin.execute(
+                pgsql.SQL(f"GRANT EXECUTE ON FUNCTION {runbook} TO {{}}").format(pgsql.Identifier(role))
+            )
+            found = check_declared_roles_are_granted(databases=["default"])
+            roles.admin.execute(
+                pgsql.SQL(f"REVOKE EXECUTE ON FUNCTION {runbook} FROM {{}}").format(pgsql.Identifier(role))
+            )
+            assert [w.msg.split("'")[1] for w in found] == expected
     with override_settings(PG_LEASE_WORKER_ROLES="app_worker"), pytest.raises(ImproperlyConfigured):
         check_declared_roles_are_granted(databases=["default"])
 

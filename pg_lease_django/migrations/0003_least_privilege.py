@@ -19,6 +19,6 @@ class Migration(migrations.Migration):
         RunSQLFile(
             "migrations/0003_least_privilege.sql",
             "migrations/0003_least_privilege_reverse.sql",
-            sha256="aae6f74c0a06dace3095fe44aff14e1f345ee787d400df88a0f7ca58744e208c",
+            sha256="08761ccd38664369676c0c8508f6caa4a60135f38e0aff4966f8e7fd61547772",
         )
     ]

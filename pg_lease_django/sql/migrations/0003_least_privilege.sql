@@ -238,10 +238,12 @@ END $$;
 -- lease is revoked from PUBLIC. A worker runs the four operations and writes fenced rows (the
 -- fenced tables' triggers call pg_lease_guard_key as the writer); an operator may do what a worker
 -- may, plus force release, ask for a hand-off, opt out of fencing and read the lease and history
--- tables. pg_lease_prune and pg_lease_advance_epochs stay with the owner; 'public' rows are what
--- every role may run (check W008 reports any other privilege on the package's objects that the
--- declaration does not give). A migration that adds a function restates this one. By hand: SELECT format('GRANT %s ON %s %s TO app_worker', privilege,
--- kind, object) FROM pg_lease_privileges() WHERE role = 'worker' \gexec
+-- tables. 'runbook' rows (pg_lease_prune, pg_lease_advance_epochs) are granted to nobody: they stay
+-- with the owner unless granted by hand to an operator. 'public' rows are what every role may run.
+-- Check W008 reports any other privilege on the package's functions and tables. A migration that
+-- adds a function restates this one. By hand:
+--   SELECT format('GRANT %s ON %s %s TO app_worker', privilege, kind, object)
+--     FROM pg_lease_privileges() WHERE role = 'worker' \gexec
 CREATE FUNCTION @extschema@.pg_lease_privileges()
 RETURNS TABLE (role text, kind text, object text, privilege text)
 LANGUAGE sql IMMUTABLE
@@ -266,6 +268,9 @@ AS $$
     ('operator', 'FUNCTION', '@extschema@.pg_lease_opt_out_token(name)', 'EXECUTE'),
     ('operator', 'TABLE', '@extschema@."pg_lease_django_lease"', 'SELECT'),
     ('operator', 'TABLE', '@extschema@."pg_lease_django_tenure"', 'SELECT'),
+    -- The runbook's (failover, restore, maintenance): granted to nobody, an operator may be granted them.
+    ('runbook', 'FUNCTION', '@extschema@.pg_lease_prune(interval, boolean)', 'EXECUTE'),
+    ('runbook', 'FUNCTION', '@extschema@.pg_lease_advance_epochs(bigint, boolean)', 'EXECUTE'),
     -- What every role may run, through PUBLIC: pure helpers, and what the triggers call as the writer.
     ('public', 'FUNCTION', '@extschema@.pg_lease_status(text, timestamptz, timestamptz)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_name(text, text)', 'EXECUTE'),
