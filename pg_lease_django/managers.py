@@ -133,7 +133,7 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("key", key)
         check_name("owner", owner)
         check_epoch(epoch)
-        operations.release(self._connection(), key, owner, epoch)
+        waiting.release_once(self._connection(), key, owner, epoch)
 
     def inspect(self, key: str) -> LeaseState:
         """Return the state of ``key`` at the server clock (lazy expiry). Never raises for an unknown key.

@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 from asgiref.sync import sync_to_async
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper
 from psycopg.sql import SQL, Identifier
@@ -148,6 +148,37 @@ def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: tim
         if backend is not None:
             settle(connection, key, owner, backend)
         raise
+
+
+def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+    """A release (`Lease.objects.release`); interrupted before it took effect, it is completed.
+
+    An interruption landing before the release commits would leave the lease held, for up to its
+    TTL, by an owner that is leaving. Outside a transaction the release is sent again on a fresh
+    session (waiting `SETTLE_WITHIN` s at most for a row lock) before the interruption goes on; one
+    that had committed answers not_owner, which is fine. Inside one, the caller's transaction owns it.
+    """
+    own = connection.get_autocommit() and not connection.in_atomic_block
+    try:
+        operations.release(connection, key, owner, epoch)
+    except Exception:
+        raise  # the server answered (a refusal) or the connection is lost: reported
+    except BaseException:
+        if own:
+            _complete_release(connection, key, owner, epoch)
+        raise
+
+
+def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+    try:
+        _abandon_statement(connection)
+        connection.close()
+        with transaction.atomic(using=connection.alias), suppress(LeaseLostError):
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
+            operations.release(connection, key, owner, epoch)
+    except Exception:
+        logger.warning("completing an interrupted release of %r failed; it lapses at its TTL", key, exc_info=True)
 
 
 def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:

@@ -201,6 +201,31 @@ def test_an_acquire_interrupted_at_every_statement_leaves_nothing_granted(key: s
             assert not (state.status == "held" and state.owner == "w-int"), (step, when, sent[:step])
 
 
+@needs_session
+def test_a_release_interrupted_at_every_statement_still_releases(key: str) -> None:
+    """``Lease.objects.release`` interrupted just before or just after each statement it sends: the
+    lease is free afterwards (interrupted before it took effect, it is completed before the
+    interruption goes on: the owner is leaving, its lease must not wait for its TTL)."""
+    from django.db import connection
+
+    grant = Lease.objects.acquire(f"{key}/count", "w", ttl=60)
+    assert grant is not None
+    count, sent = _interrupt_at(0, "never")
+    with connection.execute_wrapper(count):
+        Lease.objects.release(grant.key, "w", grant.epoch)
+    assert sent
+    for step in range(1, len(sent) + 1):
+        for when in ("before", "after"):
+            target = f"{key}/{step}/{when}"
+            grant = Lease.objects.acquire(target, "w", ttl=60)
+            assert grant is not None
+            wrapper, _ = _interrupt_at(step, when)
+            with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+                Lease.objects.release(target, "w", grant.epoch)
+            state = Lease.objects.inspect(target)
+            assert (state.status, state.epoch) == ("free", grant.epoch + 1), (step, when)
+
+
 # -- finding 1: leases run --campaign and a SIGTERM while its attempt is in flight ------------------------
 
 
