@@ -103,6 +103,7 @@ def no_session_left(watch: psycopg.Connection[Any], application_name: str) -> No
 # -- finding 2: a signal during a non-blocking acquire --------------------------------------------------
 
 
+@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 @pytest.mark.parametrize("wait", [[], ["--wait", "30"]], ids=["non-blocking", "blocking"])
 def test_sigterm_during_an_acquire_leaves_nothing_granted(
     key: str, runs: Callable[..., LeasesRun], raw_connect: Connect, tmp_path: Path, wait: list[str]
@@ -229,6 +230,7 @@ def test_a_release_interrupted_at_every_statement_still_releases(key: str) -> No
 # -- finding 1: leases run --campaign and a SIGTERM while its attempt is in flight ------------------------
 
 
+@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 def test_sigterm_during_a_campaign_attempt_exits_at_once_and_holds_nothing(
     key: str, runs: Callable[..., LeasesRun], raw_connect: Connect, tmp_path: Path
 ) -> None:
@@ -251,6 +253,7 @@ def test_sigterm_during_a_campaign_attempt_exits_at_once_and_holds_nothing(
 # -- finding 5: a cancelled blocking aacquire whose grant had committed ---------------------------------
 
 
+@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 def test_a_cancelled_blocking_aacquire_releases_a_grant_that_committed(key: str, raw_connect: Connect) -> None:
     epoch = free(key)
     watch = raw_connect()
@@ -442,6 +445,7 @@ def test_a_fork_child_leaving_an_inherited_hold_after_its_trust_window_reports_n
 # -- each step of an async hold's acquire: the attempt in flight, the wait between attempts -------------
 
 
+@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 @pytest.mark.parametrize("blocking", [False, True], ids=["non-blocking", "blocking"])
 def test_a_hold_cancelled_while_its_attempt_is_in_flight_is_cancelled_on_the_server(
     key: str, raw_connect: Connect, blocking: bool
