@@ -20,9 +20,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test,lint]"
 	touch $(STAMP)
 
-## make test: the whole suite on a real PostgreSQL.
+# Parallel workers (pytest-xdist), each with a test database of its own (test_<name>_gw0, ...) on
+# the same server; tests that must not overlap share an xdist_group. TEST_WORKERS=0: one process.
+# The suite mostly waits (TTLs, polls, server start-up), so more workers than cores pays.
+TEST_WORKERS ?= 4
+XDIST_ARGS := -n $(TEST_WORKERS) --dist loadgroup
+
+## make test: the whole suite on a real PostgreSQL, in TEST_WORKERS parallel workers (0: one process).
 test: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
 
 test-django6:
 	$(DJANGO6_PYTHON) -m venv $(DJANGO6_VENV)
@@ -31,7 +37,7 @@ test-django6:
 	$(DJANGO6_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow" -x
+	$(BIN)/python -m pytest $(XDIST_ARGS) -m "not slow" -x
 
 lint: venv
 	$(BIN)/ruff check pg_lease_django tests demo benchmarks stress

@@ -50,12 +50,25 @@ BEHIND_PGBOUNCER = bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER"))
 PG_LEASE_LISTEN = not BEHIND_PGBOUNCER
 
 
+def _other_name(name: str) -> str:
+    """The ``other`` alias's database beside ``name``.
+
+    A child process of a pytest-xdist worker (``PYTEST_XDIST_WORKER`` inherited) is handed the
+    worker's test database, ``test_<name>_gw0``, whose ``other`` pytest-django named
+    ``test_<name>_other_gw0`` (it appends the worker's suffix to each test database's name).
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and name.endswith(f"_{worker}"):
+        return f"{name.removesuffix(f'_{worker}')}_other_{worker}"
+    return f"{name}_other"
+
+
 def databases(default: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``DATABASES`` around the ``default`` entry."""
     return {
         "default": default,
         # A second PostgreSQL database on the same server, for db_manager(using) tests.
-        "other": {**default, "NAME": f"{default['NAME']}_other", "TEST": {"NAME": f"test_{default['NAME']}_other"}},
+        "other": {**default, "NAME": _other_name(default["NAME"]), "TEST": {"NAME": f"test_{default['NAME']}_other"}},
         # Not PostgreSQL: only used to show the system check refusing it.
         "sqlite": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
     }

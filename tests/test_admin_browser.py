@@ -32,6 +32,7 @@ CHROMIUM_ARGS = [
 ]
 
 pytestmark = [
+    pytest.mark.browser,
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian: apt-get install chromium)"),
     pytest.mark.skipif(
         importlib.util.find_spec("playwright") is None, reason="playwright is not installed (pip install playwright)"

@@ -210,7 +210,8 @@ def test_a_waiter_that_loses_the_race_after_locking_keeps_no_lock(key: str, raw_
     wait_until(
         lambda: (
             probe.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE cardinality(pg_blocking_pids(pid)) > 0 AND query LIKE %s",
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND cardinality(pg_blocking_pids(pid)) > 0 AND query LIKE %s",
                 ["%pg_lease_acquire%"],
             ).fetchone()[0]
             > 0

@@ -28,7 +28,10 @@ from tests.failover_child import REPO, Child
 from tests.pgcluster import Cluster, find_bindir, poll
 
 BINDIR = find_bindir()
-pytestmark = pytest.mark.skipif(BINDIR is None, reason="no PostgreSQL server binaries with pg_basebackup")
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(BINDIR is None, reason="no PostgreSQL server binaries with pg_basebackup"),
+]
 
 TTL = 4.0  # trust window 3.6 s, renewals every 1.33 s
 

@@ -30,7 +30,7 @@ from tests.dbserver import REPO
 from tests.helpers import url_of_test_database
 from tests.testapp.models import Entry
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 
 TTL = 3.0
 RENEW = TTL / 3

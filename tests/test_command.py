@@ -563,7 +563,9 @@ def cli(transactional_db: None) -> Callable[..., subprocess.CompletedProcess[str
 
 @pytest.mark.django_db(transaction=True)
 def test_exit_codes_from_a_real_process(key: str, cli: Callable[..., subprocess.CompletedProcess[str]]) -> None:
-    epoch = held(key, "w1")
+    # Held for longer than the nine processes below can take on a loaded machine (each starts
+    # Python and Django): the forced release must find it held, not lapsed.
+    epoch = held(key, "w1", ttl=3600)
     outcomes = {
         "ok": cli("show", key),
         "usage": cli("list", "--state", "bogus"),

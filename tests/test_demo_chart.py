@@ -15,6 +15,7 @@ from tests.test_admin_browser import CHROMIUM, CHROMIUM_ARGS
 from tests.test_history_browser import overlapping
 
 pytestmark = [
+    pytest.mark.browser,
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian: apt-get install chromium)"),
     pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="playwright is not installed"),
 ]

@@ -38,6 +38,8 @@ from django.db import models
 
 from tests.testapp.models import Invoice
 
+pytestmark = pytest.mark.acceptance
+
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 

@@ -66,6 +66,7 @@ def run_django(url: str, code: str) -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.cluster
 def test_acknowledged_grants_survive_a_crash_even_with_synchronous_commit_off() -> None:
     """Crash (immediate shutdown) right after a burst of grants: every acknowledged epoch survives."""
     server = LocalServer(throwaway_datadir("crash"))

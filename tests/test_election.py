@@ -30,7 +30,7 @@ from tests.election_child import Campaigner
 from tests.helpers import held, url_of_test_database, wait_until
 from tests.testapp.models import Entry
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 
 TTL = 3.0
 RENEW = TTL / 3  # hold()'s default renew interval

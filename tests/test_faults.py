@@ -33,7 +33,7 @@ from tests.helpers import Background, wait_until, wait_until_blocked
 from tests.test_stress import server_url
 from tests.testapp.models import Invoice
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 
 
 def test_db_url() -> str:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from playwright.sync_api import FloatRect
 
 pytestmark = [
+    pytest.mark.browser,
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (Debian: apt-get install chromium)"),
     pytest.mark.skipif(
         importlib.util.find_spec("playwright") is None, reason="playwright is not installed (pip install playwright)"

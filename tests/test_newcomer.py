@@ -44,6 +44,8 @@ from tests import dbserver
 from tests.helpers import free_port
 from tests.test_docs import python_blocks
 
+pytestmark = pytest.mark.acceptance
+
 REPO = Path(__file__).resolve().parent.parent
 INSTALLATION = REPO / "docs" / "installation.md"
 QUICKSTART = REPO / "docs" / "quickstart.md"

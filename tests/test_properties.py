@@ -26,7 +26,7 @@ from pg_lease_django.fencing import unfenced_writes
 from tests.test_stress import server_url
 from tests.testapp.models import Invoice
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 
 HELD_KEY, HOLDER = "properties-held", "holder"
 MAX_EPOCH = 2**63 - 1

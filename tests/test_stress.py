@@ -12,6 +12,8 @@ from django.db import connections
 from stress.checker import AuditRow, Op, Report, WriteRow, check
 from stress.harness import Result, run, short_configs
 
+pytestmark = pytest.mark.chaos
+
 
 def server_url() -> str:
     """URL of the server the test database lives on (the harness creates its own databases there)."""

@@ -21,6 +21,8 @@ from stress.failover import FailoverConfig, FailoverResult, run_failover
 from stress.harness import django_database
 from tests.pgcluster import find_bindir
 
+pytestmark = pytest.mark.cluster
+
 BINDIR = find_bindir()
 needs_binaries = pytest.mark.skipif(BINDIR is None, reason="no PostgreSQL server binaries with pg_basebackup")
 
