@@ -314,13 +314,19 @@ def test_killed_and_frozen_leaders_are_replaced_within_ttl_plus_a_renew_interval
     assert fourth["name"] == second["name"] and after_handoff < HANDOFF_BOUND, after_handoff
     assert by_name[third["name"]].expect("stepping", count=1)["handoff"]
 
-    for child in children:
-        child.close()
+    close_leader_last(children, fourth["name"])
     terms = check_history(key, children)
     assert [name for _epoch, name in terms] == [first["name"], second["name"], third["name"], fourth["name"]]
     assert Lease.objects.inspect(key).status == "free"  # the last leader released when stopped
     took = f"after SIGKILL {after_kill:.2f}s, after SIGSTOP {after_freeze:.2f}s, hand-off {after_handoff:.2f}s"
     print(f"\nsync: failover {took}")
+
+
+def close_leader_last(children: list[Campaigner], leader: str) -> None:
+    """Stop the campaigners, the leader last: closed first, it would hand the lease to one still
+    campaigning (a term the test did not ask for; seen once under load, in xdist workers)."""
+    for child in sorted(children, key=lambda child: child.name == leader):
+        child.close()
 
 
 def test_async_campaigners_fail_over_and_hand_off(key: str, campaigners: list[Campaigner]) -> None:
@@ -341,8 +347,7 @@ def test_async_campaigners_fail_over_and_hand_off(key: str, campaigners: list[Ca
     assert third["name"] not in (first["name"], second["name"]) and after_handoff < HANDOFF_BOUND, after_handoff
     assert by_name[second["name"]].expect("stepping")["handoff"]  # its task was cancelled
 
-    for child in children:
-        child.close()
+    close_leader_last(children, third["name"])
     terms = check_history(key, children)
     assert [name for _epoch, name in terms] == [first["name"], second["name"], third["name"]]
     assert Lease.objects.inspect(key).status == "free"
