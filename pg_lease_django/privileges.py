@@ -249,12 +249,6 @@ def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwa
 
     if not router.allow_migrate_model(using, Lease) or not installed(using):
         return
-    if not declared():
-        try:
-            sync_key_scopes(using)
-        except ImproperlyConfigured as exc:
-            (kwargs.get("stdout") or sys.stdout).write(f"  pg_lease_django: {exc}\n")
-        return
     stdout = kwargs.get("stdout") or sys.stdout
     try:
         granted = grant(using)

@@ -130,6 +130,12 @@ def attempt_backend(connection: BaseDatabaseWrapper) -> int:
     return int(connection.connection.info.backend_pid)
 
 
+def _autocommit(connection: BaseDatabaseWrapper) -> bool:
+    """Whether a call's statements commit on their own: then an interrupted one is settled here;
+    inside the caller's transaction, that transaction owns it."""
+    return connection.get_autocommit() and not connection.in_atomic_block
+
+
 def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
     """One non-blocking attempt (`Lease.objects.acquire`); interrupted in flight, it is settled.
 
@@ -138,7 +144,7 @@ def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: tim
     outside a transaction it is cancelled and a grant it made is released, as for every attempt
     (`settle`). Inside one, the caller's transaction owns the attempt.
     """
-    own = connection.get_autocommit() and not connection.in_atomic_block
+    own = _autocommit(connection)
     backend = attempt_backend(connection) if own else None
     try:
         return operations.acquire(connection, key, owner, ttl)
@@ -158,7 +164,7 @@ def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: i
     session (waiting `SETTLE_WITHIN` s at most for a row lock) before the interruption goes on; one
     that had committed answers not_owner, which is fine. Inside one, the caller's transaction owns it.
     """
-    own = connection.get_autocommit() and not connection.in_atomic_block
+    own = _autocommit(connection)
     try:
         operations.release(connection, key, owner, epoch)
     except Exception:
@@ -289,7 +295,7 @@ def wait_and_acquire(
     deadline = None if wait is None else time.monotonic() + wait.total_seconds()
     # LISTEN inside a transaction takes effect only at its commit: inside atomic() (or with
     # autocommit off) a waiter could never hear a release, so it polls.
-    autocommit = connection.get_autocommit() and not connection.in_atomic_block
+    autocommit = _autocommit(connection)
     listen = conf.listen_enabled() and autocommit
     # Outside a transaction a lost connection loses nothing but the attempt in flight: reconnect
     # (Django's next cursor does) and go on, once sure that attempt granted nothing. Inside one,
