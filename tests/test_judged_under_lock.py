@@ -1,4 +1,4 @@
-"""A renewal or a release is judged on the clock read once it holds the row lock (``pg_lease_recheck_under_lock``).
+"""A renewal or a release is judged on the clock read once it holds the row lock (``pg_lease_guard_update``).
 
 Renew and release are one ``UPDATE … WHERE … AND expires_at > clock_timestamp()``. PostgreSQL
 evaluates that WHERE before it locks the row; when the row changed meanwhile, READ COMMITTED judges

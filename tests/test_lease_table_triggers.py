@@ -144,9 +144,9 @@ def test_the_recheck_ignores_the_writers_search_path(key: str, raw_connect: Conn
     assert Lease.objects.inspect(key).status == "lapsed"
 
 
-def test_a_grant_and_a_release_call_no_trigger_function_but_the_recheck(key: str, raw_connect: Connect) -> None:
-    """What fires for a pair on a key nobody records: pg_lease_recheck_under_lock for the grant's
-    stamp and the release's re-check, nothing else (counted by pg_stat_user_functions)."""
+def test_a_grant_and_a_release_call_no_trigger_function_but_the_update_guard(key: str, raw_connect: Connect) -> None:
+    """What fires for a pair on a key nobody records: pg_lease_guard_update for the grant's stamp
+    and the release's re-check, nothing else (counted by pg_stat_user_functions)."""
     conn = raw_connect()
     if conn.info.server_version < 150000:
         pytest.skip("PostgreSQL 14 sends function statistics to its collector later (at most every 500 ms)")
@@ -174,7 +174,7 @@ def test_a_grant_and_a_release_call_no_trigger_function_but_the_recheck(key: str
     fired = {name: after.get(name, 0) - before.get(name, 0) for name in after}
     fired = {name: count for name, count in fired.items() if count}
     triggers = {name: count for name, count in fired.items() if name not in _CALLED_BY_NAME}
-    assert triggers == {"pg_lease_recheck_under_lock": 6}, fired
+    assert triggers == {"pg_lease_guard_update": 6}, fired
 
 
 # Functions the pair calls by name (not as triggers).

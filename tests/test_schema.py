@@ -94,7 +94,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_guard_key",  # the triggers' lease-row check: locking it needs the owner's rights
         "pg_lease_request_handoff",
         "pg_lease_record_transition",  # the history trigger: whoever changes a lease row, its tenure is recorded
-        "pg_lease_recorded_follows_scope",  # checks a row's flag against the scope whoever writes it
+        "pg_lease_record_tenure",  # writes the tenure table for the lease table's triggers
         "pg_lease_rescope",  # re-flags every lease row when the scope changes, whoever changes it
         "pg_lease_in_history_scope",  # locks the scope table against a change in flight
         "pg_lease_opt_out_token",  # reads the owner's secret (an operator's, as pg_lease_allow_unfenced)
@@ -109,7 +109,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_remember_fence",
         "pg_lease_waiter_lock",
         "pg_lease_wake_waiters",  # every release; revoked from PUBLIC
-        "pg_lease_recheck_under_lock",  # every acquire and release; names every built-in with its schema
+        "pg_lease_guard_update",  # every acquire and release; names every built-in and operator with its schema
         "pg_lease_check_key_scope",  # every operation; revoked from PUBLIC, called under the callers' path
     }
     for name, security_definer, config in rows:

@@ -373,7 +373,7 @@ def test_worker_cannot_switch_the_triggers_off(roles: Roles) -> None:
     worker = roles.connect(roles.worker)
     for statement in (
         "ALTER TABLE testapp_invoice DISABLE TRIGGER pg_lease_fence_update",
-        "ALTER TABLE pg_lease_django_lease DISABLE TRIGGER pg_lease_forbid_rewrite",
+        "ALTER TABLE pg_lease_django_lease DISABLE TRIGGER pg_lease_guard_update",
         "SET session_replication_role = replica",  # would skip every ordinary trigger
     ):
         with fails_with("42501"):

@@ -12,7 +12,9 @@
 -- stand in for a built-in that needs an implicit cast, least of all inside the functions that run as
 -- their owner. The exceptions carry no SET clause on purpose and name only exact-typed built-ins:
 -- pg_lease_status, pg_lease_verdict and pg_lease_waiter_lock (inlined by the planner; a SET clause
--- stops that, ~20 us a call), pg_lease_remember_fence and pg_lease_wake_waiters (hot paths).
+-- stops that, ~20 us a call), pg_lease_remember_fence, pg_lease_wake_waiters, pg_lease_check_key_scope
+-- and the lease table's update trigger pg_lease_guard_update (hot paths; the trigger names even its
+-- operators with their schema).
 --
 -- The operations run as their owner (SECURITY DEFINER): workers need EXECUTE, no privilege on the
 -- tables. Functions for operators, and internal helpers, are revoked from PUBLIC beside them.
@@ -166,21 +168,22 @@ BEGIN
   END IF;
 END $$;
 
--- Refuse a key outside the session role's key scope (pg_lease_django_key_scope): one index probe,
--- NULL (no scope: every key) for a role without rows. Called first by every lease function. No SET
--- clause (every operation pays it): only the lease functions call it (revoked from PUBLIC), under
--- their pinned search_path, and it names only exact-typed built-ins and its table.
+-- Refuse a key outside the session role's key scope (pg_lease_django_key_scope). Called first by
+-- every lease function: one index probe decides the usual case (a role without rows may use any
+-- key); the prefixes are read only for a role that has some. No SET clause (every operation pays
+-- it): only the lease functions call it (revoked from PUBLIC), under their pinned search_path, and
+-- it names only exact-typed built-ins and its table.
 CREATE FUNCTION @extschema@.pg_lease_check_key_scope(p_key text)
 RETURNS void LANGUAGE plpgsql STABLE
 AS $$
-DECLARE
-  allowed boolean;
 BEGIN
-  SELECT bool_or(left(p_key, length(s.prefix)) = s.prefix) INTO allowed
-    FROM @extschema@."pg_lease_django_key_scope" s WHERE s.role = session_user;
-  IF NOT allowed THEN
-    RAISE EXCEPTION 'key_scope: role % may not use lease key %', session_user, p_key
-      USING ERRCODE = '42501', HINT = 'PG_LEASE_KEY_SCOPES limits this role to the keys starting with its prefixes.';
+  PERFORM FROM @extschema@."pg_lease_django_key_scope" s WHERE s.role = session_user LIMIT 1;
+  IF FOUND THEN
+    IF p_key IS NOT NULL AND NOT EXISTS (SELECT FROM @extschema@."pg_lease_django_key_scope" s
+                                         WHERE s.role = session_user AND left(p_key, length(s.prefix)) = s.prefix) THEN
+      RAISE EXCEPTION 'key_scope: role % may not use lease key %', session_user, p_key
+        USING ERRCODE = '42501', HINT = 'PG_LEASE_KEY_SCOPES limits this role to the keys starting with its prefixes.';
+    END IF;
   END IF;
 END $$;
 
@@ -258,9 +261,9 @@ BEGIN
   END IF;
   -- Every registration made before is committed and seen by this statement; a later one waits for
   -- this transaction and then finds the lease free. Every waiter is woken, so the rows go (a waiter
-  -- still refused registers again); an expired row goes without a notification.
-  WITH gone AS (DELETE FROM @extschema@."pg_lease_django_waiter" w WHERE w.key = p_key RETURNING w.until)
-  SELECT max(gone.until) INTO last_until FROM gone;
+  -- still refused registers again); an expired row goes without a notification. One row at most: the
+  -- key is the waiter table's primary key.
+  DELETE FROM @extschema@."pg_lease_django_waiter" w WHERE w.key = p_key RETURNING w.until INTO last_until;
   IF last_until > clock_timestamp() THEN
     PERFORM pg_notify('pg_lease_django', p_key);
   END IF;
@@ -284,7 +287,7 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_wake_waiters(text) FROM PUBLIC;
 -- * That UPDATE names the key column, so it locks FOR UPDATE, the one mode that conflicts with a
 --   fence's FOR KEY SHARE: a takeover waits for every fenced transaction of the old holder to end.
 -- * It marks its grant (acquired_at = -infinity, expires_at = the Unix epoch + TTL), and
---   pg_lease_recheck_under_lock stamps it with one clock read taken under the row lock, after any
+--   pg_lease_guard_update stamps it with one clock read taken under the row lock, after any
 --   wait: expiry = server_now + TTL exactly. (The SET list is computed before the wait, and two
 --   clock_timestamp() calls differ.)
 CREATE FUNCTION @extschema@.pg_lease_acquire(p_key text, p_owner text, p_ttl interval)
@@ -346,7 +349,7 @@ BEGIN
     -- Acquirable at the look: one UPDATE in a subtransaction, rolled back when it finds the row taken
     -- meanwhile (an UPDATE that waited for the row and then fails its WHERE keeps the row locked; the
     -- rollback drops that lock). key = l.key: lock FOR UPDATE, which waits for the old holder's fenced
-    -- transactions (FOR KEY SHARE). acquired_at = -infinity: pg_lease_recheck_under_lock stamps the
+    -- transactions (FOR KEY SHARE). acquired_at = -infinity: pg_lease_guard_update stamps the
     -- grant with one clock read taken under the row lock, after any wait; the TTL reaches it as
     -- expires_at = the Unix epoch + TTL.
     ttl := make_interval(secs => extract(epoch FROM p_ttl)::double precision);  -- as pg_lease_ttl
@@ -469,7 +472,7 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire_or_register(text, text, 
 -- Renew (heartbeat): extend a live lease held by (owner, epoch) to server_now + TTL, never changing
 -- the epoch, and say whether a hand-off was requested: what the package sends for every renewal.
 -- One UPDATE ... WHERE key AND owner AND epoch AND expires_at > clock_timestamp(), judged again
--- under the row lock (pg_lease_recheck_under_lock); the row is read afterwards only when it found
+-- under the row lock (pg_lease_guard_update); the row is read afterwards only when it found
 -- nothing, to name the verdict in the spec's precedence. A refused renewal writes nothing, and locks
 -- nothing unless it waited for the row (then the lock lasts until the caller's transaction ends).
 -- It sets no key column, so it locks FOR NO KEY UPDATE, which does not conflict with a fence's FOR
@@ -558,7 +561,7 @@ BEGIN
     PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
   END IF;
   LOOP  -- as in pg_lease_heartbeat
-    -- key = l.key: lock FOR UPDATE (waits for fenced transactions); -infinity: pg_lease_recheck_under_lock
+    -- key = l.key: lock FOR UPDATE (waits for fenced transactions); -infinity: pg_lease_guard_update
     -- judges it again under the lock and stamps the clock it read.
     UPDATE @extschema@."pg_lease_django_lease" l SET key = l.key, owner = NULL, epoch = l.epoch + 1, acquired_at = NULL, expires_at = NULL,
                      released_at = '-infinity'
@@ -1175,26 +1178,6 @@ CREATE TRIGGER pg_lease_forbid_delete BEFORE DELETE ON @extschema@."pg_lease_dja
 CREATE TRIGGER pg_lease_forbid_truncate BEFORE TRUNCATE ON @extschema@."pg_lease_django_lease"
   FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.pg_lease_forbid_delete();
 
--- The lease table guards itself, whoever writes it: an UPDATE may never lower an epoch, change
--- the key, or hand the lease to another owner without raising the epoch (that would make a stale
--- fence current again). Checked in the trigger's WHEN clause, so legal updates call no function.
-CREATE FUNCTION @extschema@.pg_lease_forbid_rewrite()
-RETURNS trigger LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-  RAISE EXCEPTION 'lease rows keep their key, and their epoch only grows, with each new owner '
-                  '(lease %: epoch % -> %, owner % -> %)', OLD.key, OLD.epoch, NEW.epoch, OLD.owner, NEW.owner
-    USING ERRCODE = '23514',
-          HINT = 'Use the lease functions (pg_lease_acquire, pg_lease_release, pg_lease_force_release).';
-END $$;
-
-CREATE TRIGGER pg_lease_forbid_rewrite BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
-  FOR EACH ROW
-  WHEN (NEW.key <> OLD.key OR NEW.epoch < OLD.epoch
-        OR (NEW.owner IS DISTINCT FROM OLD.owner AND NEW.epoch = OLD.epoch))
-  EXECUTE FUNCTION @extschema@.pg_lease_forbid_rewrite();
-
 -- A lease row may be inserted only above the floor, whoever inserts it: a pruned key must not come
 -- back below its past (acquire starts new keys at floor + 1).
 CREATE FUNCTION @extschema@.pg_lease_insert_above_floor()
@@ -1213,47 +1196,89 @@ END $$;
 CREATE TRIGGER pg_lease_insert_above_floor BEFORE INSERT ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW EXECUTE FUNCTION @extschema@.pg_lease_insert_above_floor();
 
--- Judged under the row lock. PostgreSQL evaluates an UPDATE's WHERE before it locks the row: when the
--- row was *changed* meanwhile, READ COMMITTED judges it again on the new version, but when it was
--- only *locked* meanwhile (SELECT ... FOR UPDATE by anyone, a force release that found nothing to
--- do), nothing is judged again, and the lease may have lapsed while the call waited. Row triggers
--- run once the row is locked: this one reads the clock there and skips the row (the UPDATE then
--- finds nothing) when a renewal (same epoch, later expiry) or a release (released_at = -infinity,
--- replaced by the clock read) meets a lease that has lapsed, whoever sends it: a plain UPDATE can
--- no longer bring back a lapsed epoch either. It also stamps acquire's grants (see pg_lease_acquire).
--- tests/test_judged_under_lock.py forces each interleaving. No SET clause (it would cost a
--- configuration switch on every acquire and release): every built-in, operator and type is named
--- with its schema, so a writer's search_path cannot stand in for any of them.
-CREATE FUNCTION @extschema@.pg_lease_recheck_under_lock()
+-- The lease table guards itself, whoever writes it (the owner and superusers included), with one
+-- BEFORE UPDATE trigger. PostgreSQL parses and compiles every trigger's WHEN clause for each UPDATE
+-- statement: one small WHEN, true only when a rule below may apply, costs a renewal nothing else
+-- (it enters no PL/pgSQL), and an acquire or a release one function. The rules, in this order:
+-- 1. A hand-off request ends with the tenure it was made for: any change of epoch clears it.
+-- 2. A row keeps its key, its epoch only grows, and the lease changes owner only with a new epoch
+--    (else a stale fence would be current again).
+-- 3. Judged under the row lock. PostgreSQL evaluates an UPDATE's WHERE before it locks the row: when
+--    the row was *changed* meanwhile, READ COMMITTED judges it again on the new version, but when it
+--    was only *locked* meanwhile (SELECT ... FOR UPDATE by anyone, a force release that found nothing
+--    to do), nothing is judged again, and the lease may have lapsed while the call waited. Row
+--    triggers run once the row is locked: this one reads the clock there and skips the row (the
+--    UPDATE then finds nothing) when a renewal (same epoch, later expiry) or a release
+--    (released_at = -infinity, replaced by the clock read) meets a lease that has lapsed, whoever
+--    sends it: a plain UPDATE cannot bring back a lapsed epoch either. It stamps acquire's grants
+--    (acquired_at = -infinity, expires_at = the Unix epoch + TTL) with that clock read.
+--    tests/test_judged_under_lock.py forces each interleaving.
+-- 4. A change of epoch of a recorded key is written to its tenures (pg_lease_record_tenure), with
+--    the values stamped above.
+-- 5. `recorded` follows the history scope: a writer may change it only to what the scope says.
+-- No SET clause (it would cost a configuration switch on every acquire and release): every
+-- built-in, operator and type is named with its schema, so a writer's search_path cannot stand in
+-- for any of them; the functions it calls pin their own.
+CREATE FUNCTION @extschema@.pg_lease_guard_update()
 RETURNS trigger LANGUAGE plpgsql
 AS $$
 DECLARE
-  now_at pg_catalog.timestamptz := pg_catalog.clock_timestamp();
+  now_at pg_catalog.timestamptz;
 BEGIN
-  IF NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
-    -- a grant by pg_lease_acquire: expiry = this clock read + TTL
-    NEW.expires_at := now_at OPERATOR(pg_catalog.+)
-      pg_catalog.make_interval(secs => pg_catalog.date_part('epoch', NEW.expires_at));
-    NEW.acquired_at := now_at;
-    RETURN NEW;
+  IF NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch AND NEW.handoff_requested_at IS NOT NULL THEN
+    NEW.handoff_requested_at := NULL;
   END IF;
-  IF OLD.expires_at OPERATOR(pg_catalog.<=) now_at THEN
-    RETURN NULL;  -- it lapsed before the row lock was granted: refused, nothing written
+
+  IF NEW.key OPERATOR(pg_catalog.<>) OLD.key OR NEW.epoch OPERATOR(pg_catalog.<) OLD.epoch
+     OR (NEW.epoch OPERATOR(pg_catalog.=) OLD.epoch
+         AND ((NEW.owner IS NULL) OPERATOR(pg_catalog.<>) (OLD.owner IS NULL)
+              OR NEW.owner OPERATOR(pg_catalog.<>) OLD.owner)) THEN
+    RAISE EXCEPTION 'lease rows keep their key, and their epoch only grows, with each new owner '
+                    '(lease %: epoch % -> %, owner % -> %)', OLD.key, OLD.epoch, NEW.epoch, OLD.owner, NEW.owner
+      USING ERRCODE = '23514',
+            HINT = 'Use the lease functions (pg_lease_acquire, pg_lease_release, pg_lease_force_release).';
   END IF;
-  IF NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
-    NEW.released_at := now_at;
+
+  IF (NEW.epoch OPERATOR(pg_catalog.=) OLD.epoch AND NEW.expires_at OPERATOR(pg_catalog.>) OLD.expires_at
+      AND OLD.expires_at OPERATOR(pg_catalog.<=) pg_catalog.clock_timestamp())
+     OR NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz
+     OR NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
+    now_at := pg_catalog.clock_timestamp();
+    IF NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
+      -- a grant by pg_lease_acquire: expiry = this clock read + TTL
+      NEW.expires_at := now_at OPERATOR(pg_catalog.+)
+        pg_catalog.make_interval(secs => pg_catalog.date_part('epoch', NEW.expires_at));
+      NEW.acquired_at := now_at;
+    ELSIF OLD.expires_at OPERATOR(pg_catalog.<=) now_at THEN
+      RETURN NULL;  -- it lapsed before the row lock was granted: refused, nothing written
+    ELSIF NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
+      NEW.released_at := now_at;
+    END IF;
+  END IF;
+
+  IF NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch AND NEW.recorded THEN
+    PERFORM @extschema@.pg_lease_record_tenure('UPDATE', OLD, NEW);
+  END IF;
+
+  IF NEW.recorded OPERATOR(pg_catalog.<>) OLD.recorded
+     AND NEW.recorded OPERATOR(pg_catalog.<>) @extschema@.pg_lease_in_history_scope(NEW.key) THEN
+    RAISE EXCEPTION 'lease %: recorded follows the history scope (pg_lease_django_history_scope)', NEW.key
+      USING ERRCODE = '23514', HINT = 'Change the scope (PG_LEASE_HISTORY, then migrate), not the flag.';
   END IF;
   RETURN NEW;
 END $$;
 
-REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_recheck_under_lock() FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_guard_update() FROM PUBLIC;
 
--- After the row lock is granted (row triggers run then), with the clock read there.
-CREATE TRIGGER pg_lease_recheck_under_lock BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
+-- The WHEN clause holds whenever one of the rules above may apply (a superset of each rule's own
+-- condition); a live renewal, and a hand-off request, pass it by.
+CREATE TRIGGER pg_lease_guard_update BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW
-  WHEN ((NEW.epoch = OLD.epoch AND NEW.expires_at > OLD.expires_at AND OLD.expires_at <= clock_timestamp())
+  WHEN (NEW.epoch <> OLD.epoch OR NEW.key <> OLD.key OR NEW.owner IS DISTINCT FROM OLD.owner
+        OR NEW.recorded <> OLD.recorded
+        OR (NEW.expires_at > OLD.expires_at AND OLD.expires_at <= clock_timestamp())
         OR NEW.released_at = '-infinity' OR NEW.acquired_at = '-infinity')
-  EXECUTE FUNCTION @extschema@.pg_lease_recheck_under_lock();
+  EXECUTE FUNCTION @extschema@.pg_lease_guard_update();
 
 -- The floor only grows, and is never deleted: either would let a pruned key restart below its past.
 -- (A test database, which may truncate the lease table anyway, may also lower it: allow_truncate,
@@ -1280,10 +1305,13 @@ CREATE TRIGGER pg_lease_floor_kept BEFORE DELETE OR TRUNCATE ON @extschema@."pg_
 -- History
 -- ================================================================================================
 
--- Record a transition of a recorded lease row in its tenures. Runs as the owner (the lease
--- functions do too), in the statement of the transition.
-CREATE FUNCTION @extschema@.pg_lease_record_transition()
-RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+-- Record a transition of a recorded lease row in its tenures: p_op is 'INSERT' (a grant to a new
+-- key, p_old NULL), 'UPDATE' (the row's epoch changed) or 'DELETE' (a prune, p_new NULL). Runs as
+-- the owner, in the statement of the transition: called by pg_lease_guard_update and by the
+-- INSERT and DELETE triggers (pg_lease_record_transition), only for recorded keys.
+CREATE FUNCTION @extschema@.pg_lease_record_tenure(
+  p_op text, p_old @extschema@."pg_lease_django_lease", p_new @extschema@."pg_lease_django_lease")
+RETURNS void LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -1292,33 +1320,45 @@ DECLARE
   ended timestamptz;
   by_whom text;
 BEGIN
-  -- Fired only for recorded keys (the triggers' WHEN clauses test the row's `recorded`).
-  IF TG_OP <> 'INSERT' AND OLD.owner IS NOT NULL THEN  -- the tenure of OLD ends here
-    now_at := CASE WHEN NEW.owner IS NULL THEN coalesce(NEW.released_at, clock_timestamp())  -- a release
-                   WHEN NEW.acquired_at IS DISTINCT FROM OLD.acquired_at THEN NEW.acquired_at  -- a grant
+  IF p_op <> 'INSERT' AND p_old.owner IS NOT NULL THEN  -- the tenure of p_old ends here
+    now_at := CASE WHEN p_new.owner IS NULL THEN coalesce(p_new.released_at, clock_timestamp())  -- a release
+                   WHEN p_new.acquired_at IS DISTINCT FROM p_old.acquired_at THEN p_new.acquired_at  -- a grant
                    ELSE clock_timestamp() END;  -- an epoch advance
-    IF TG_OP = 'DELETE' OR OLD.expires_at <= now_at THEN
+    IF p_op = 'DELETE' OR p_old.expires_at <= now_at THEN
       -- It had lapsed: it ended at its expiry, whatever cleared the row (a take-over: by the new
       -- owner; a prune, an epoch advance: nobody; a force release: pg_lease_force_release adds who).
-      reason := 'lapsed'; ended := OLD.expires_at;
-      by_whom := CASE WHEN TG_OP = 'UPDATE' AND NEW.owner IS DISTINCT FROM OLD.owner THEN NEW.owner END;
-    ELSIF NEW.owner IS NULL THEN  -- a release (pg_lease_force_release relabels its own afterwards)
-      reason := CASE WHEN OLD.handoff_requested_at IS NOT NULL THEN 'handed_off' ELSE 'released' END;
-      ended := now_at; by_whom := OLD.owner;
-    ELSIF NEW.acquired_at IS NOT DISTINCT FROM OLD.acquired_at THEN  -- epochs advanced under it
+      reason := 'lapsed'; ended := p_old.expires_at;
+      by_whom := CASE WHEN p_op = 'UPDATE' AND p_new.owner IS DISTINCT FROM p_old.owner THEN p_new.owner END;
+    ELSIF p_new.owner IS NULL THEN  -- a release (pg_lease_force_release relabels its own afterwards)
+      reason := CASE WHEN p_old.handoff_requested_at IS NOT NULL THEN 'handed_off' ELSE 'released' END;
+      ended := now_at; by_whom := p_old.owner;
+    ELSIF p_new.acquired_at IS NOT DISTINCT FROM p_old.acquired_at THEN  -- epochs advanced under it
       reason := 'epochs_advanced'; ended := now_at; by_whom := session_user;
     ELSE
-      reason := 'reacquired'; ended := NEW.acquired_at; by_whom := NEW.owner;
+      reason := 'reacquired'; ended := p_new.acquired_at; by_whom := p_new.owner;
     END IF;
     UPDATE @extschema@."pg_lease_django_tenure" r
        SET ended_at = ended, end_reason = reason, ended_by = by_whom, ended_by_role = session_user
-     WHERE r.key = OLD.key AND r.epoch = OLD.epoch AND r.ended_at IS NULL;
+     WHERE r.key = p_old.key AND r.epoch = p_old.epoch AND r.ended_at IS NULL;
   END IF;
 
-  IF TG_OP <> 'DELETE' AND NEW.owner IS NOT NULL
-     AND (TG_OP = 'INSERT' OR NEW.acquired_at IS DISTINCT FROM OLD.acquired_at) THEN  -- a grant
-    INSERT INTO @extschema@."pg_lease_django_tenure" (key, epoch, owner, granted_at) VALUES (NEW.key, NEW.epoch, NEW.owner, NEW.acquired_at);
+  IF p_op <> 'DELETE' AND p_new.owner IS NOT NULL
+     AND (p_op = 'INSERT' OR p_new.acquired_at IS DISTINCT FROM p_old.acquired_at) THEN  -- a grant
+    INSERT INTO @extschema@."pg_lease_django_tenure" (key, epoch, owner, granted_at)
+      VALUES (p_new.key, p_new.epoch, p_new.owner, p_new.acquired_at);
   END IF;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_record_tenure(text, @extschema@."pg_lease_django_lease", @extschema@."pg_lease_django_lease") FROM PUBLIC;
+
+-- The INSERT and DELETE triggers' side of pg_lease_record_tenure (an UPDATE's is pg_lease_guard_update).
+CREATE FUNCTION @extschema@.pg_lease_record_transition()
+RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  -- Fired only for recorded keys (the triggers' WHEN clauses test the row's `recorded`).
+  PERFORM @extschema@.pg_lease_record_tenure(TG_OP, OLD, NEW);
   RETURN CASE WHEN TG_OP = 'DELETE' THEN OLD ELSE NEW END;
 END $$;
 
@@ -1326,9 +1366,6 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_record_transition() FROM PUBLIC;
 
 CREATE TRIGGER pg_lease_record_grant AFTER INSERT ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW WHEN (NEW.owner IS NOT NULL AND NEW.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
-
-CREATE TRIGGER pg_lease_record_transition BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
-  FOR EACH ROW WHEN (NEW.epoch IS DISTINCT FROM OLD.epoch AND NEW.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
 
 CREATE TRIGGER pg_lease_record_prune AFTER DELETE ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW WHEN (OLD.owner IS NOT NULL AND OLD.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
@@ -1349,26 +1386,6 @@ END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_in_history_scope(text) FROM PUBLIC;
 
--- `recorded` follows the scope: a writer may change it only to what the scope says (the flag is
--- what keeps a key's history, so nobody turns it off by hand).
-CREATE FUNCTION @extschema@.pg_lease_recorded_follows_scope()
-RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-  IF NEW.recorded IS DISTINCT FROM @extschema@.pg_lease_in_history_scope(NEW.key) THEN
-    RAISE EXCEPTION 'lease %: recorded follows the history scope (pg_lease_django_history_scope)', NEW.key
-      USING ERRCODE = '23514', HINT = 'Change the scope (PG_LEASE_HISTORY, then migrate), not the flag.';
-  END IF;
-  RETURN NEW;
-END $$;
-
-REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_recorded_follows_scope() FROM PUBLIC;
-
-CREATE TRIGGER pg_lease_recorded_follows_scope BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
-  FOR EACH ROW WHEN (NEW.recorded IS DISTINCT FROM OLD.recorded)
-  EXECUTE FUNCTION @extschema@.pg_lease_recorded_follows_scope();
-
 -- Any change of the scope table re-flags every lease row in the same transaction, whoever makes it.
 CREATE FUNCTION @extschema@.pg_lease_rescope()
 RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
@@ -1385,23 +1402,6 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_rescope() FROM PUBLIC;
 CREATE TRIGGER pg_lease_rescope AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE
   ON @extschema@."pg_lease_django_history_scope"
   FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.pg_lease_rescope();
-
--- A hand-off request ends with the tenure it was made for: any change of epoch clears it, whoever
--- writes. The WHEN clause is true only while a request is pending, so it costs nothing otherwise.
-CREATE FUNCTION @extschema@.pg_lease_clear_handoff()
-RETURNS trigger LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-  NEW.handoff_requested_at := NULL;
-  RETURN NEW;
-END $$;
-
-REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_clear_handoff() FROM PUBLIC;
-
-CREATE TRIGGER pg_lease_clear_handoff BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
-  FOR EACH ROW WHEN (NEW.epoch IS DISTINCT FROM OLD.epoch AND NEW.handoff_requested_at IS NOT NULL)
-  EXECUTE FUNCTION @extschema@.pg_lease_clear_handoff();
 
 -- ================================================================================================
 -- Privileges
