@@ -1,0 +1,341 @@
+"""Prometheus metrics of this process's holds, elections and fenced writes (docs/observability.md).
+
+Optional: with ``prometheus_client`` installed (the ``metrics`` extra) and ``PG_LEASE_METRICS`` on
+(the default), `install` registers the metrics below in prometheus_client's default registry when
+Django starts (``PgLeaseConfig.ready``), so django-prometheus' ``/metrics`` or prometheus_client's
+own server shows them with no user code. Without prometheus_client nothing is imported and every
+hook below is one global read.
+
+Most numbers come from the signals (`pg_lease_django.signals`); the library calls a hook of this
+module only where no signal says it: an acquire's outcome and wait (`acquiring`), a renewal's
+latency and slack (`renewed`, `renewal_failed`), a refused fenced write (`fenced_write_refused`)
+and an election's campaign and terms (`campaigning`, `leading`). A hook never raises.
+
+Every metric has a ``prefix`` label: `key_label` of the key (``PG_LEASE_METRICS_KEY_LABEL``), never
+the raw key unless asked, so that the number of series stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+from . import conf
+from .exceptions import LeaseTimeoutError, NotAcquirableError
+from .signals import lease_acquired, lease_handoff_requested, lease_lost, lease_released
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from .held import HeldLease
+
+__all__ = [
+    "METRICS",
+    "acquiring",
+    "campaigning",
+    "fenced_write_refused",
+    "install",
+    "install_quietly",
+    "installed",
+    "key_label",
+    "leading",
+    "renewal_failed",
+    "renewed",
+    "whole_key",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Every metric this module exports: name (as exposed, counters with ``_total``), type, labels.
+#: docs/observability.md and the Grafana dashboard are checked against it (tests/test_metrics.py).
+METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "pg_lease_grants_total": ("counter", ("prefix",)),
+    "pg_lease_refusals_total": ("counter", ("prefix", "reason")),
+    "pg_lease_renewals_total": ("counter", ("prefix",)),
+    "pg_lease_renewal_errors_total": ("counter", ("prefix",)),
+    "pg_lease_releases_total": ("counter", ("prefix",)),
+    "pg_lease_lapses_total": ("counter", ("prefix",)),
+    "pg_lease_losses_total": ("counter", ("prefix", "reason")),
+    "pg_lease_handoffs_total": ("counter", ("prefix",)),
+    "pg_lease_fenced_writes_refused_total": ("counter", ("prefix", "reason")),
+    "pg_lease_renewal_latency_seconds": ("histogram", ("prefix",)),
+    "pg_lease_renewal_slack_seconds": ("histogram", ("prefix",)),
+    "pg_lease_blocking_wait_seconds": ("histogram", ("prefix", "outcome")),
+    "pg_lease_holds": ("gauge", ("prefix",)),
+    "pg_lease_elections": ("gauge", ("prefix",)),
+    "pg_lease_leaderships": ("gauge", ("prefix",)),
+}
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SLACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def whole_key(key: str) -> str:
+    """The raw key as its label: ``PG_LEASE_METRICS_KEY_LABEL = "pg_lease_django.metrics.whole_key"``.
+
+    Only for a bounded set of keys: every key becomes a series of every metric.
+    """
+    return key
+
+
+def _labeller() -> Callable[[str], str]:
+    rule = conf.metrics_key_label()
+    if isinstance(rule, str):
+        separator = rule
+        return lambda key: key.split(separator, 1)[0]
+    return rule
+
+
+class _Instruments:
+    """The metrics, created in ``registry`` by `install`."""
+
+    def __init__(self, registry: CollectorRegistry, label: Callable[[str], str]) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.label = label
+
+        def counter(name: str, doc: str, *labels: str) -> Any:
+            return Counter(name.removesuffix("_total"), doc, ("prefix", *labels), registry=registry)
+
+        def gauge(name: str, doc: str) -> Any:
+            # livesum: in multiprocess mode (PROMETHEUS_MULTIPROC_DIR) the sum over the live processes.
+            return Gauge(name, doc, ("prefix",), registry=registry, multiprocess_mode="livesum")
+
+        self.grants = counter("pg_lease_grants_total", "Leases granted to this process's holds and elections.")
+        self.refusals = counter(
+            "pg_lease_refusals_total",
+            "Acquires of this process's holds that got no lease: busy (held by another) or timeout (blocking).",
+            "reason",
+        )
+        self.renewals = counter("pg_lease_renewals_total", "Renewals confirmed by the server.")
+        self.renewal_errors = counter(
+            "pg_lease_renewal_errors_total", "Renewals that failed without a verdict (retried while trusted)."
+        )
+        self.releases = counter("pg_lease_releases_total", "Holds that ended by releasing their lease (key freed).")
+        self.lapses = counter(
+            "pg_lease_lapses_total",
+            "Holds that ended leaving their lease to lapse at its expiry (hold_at_least, or a failed release).",
+        )
+        self.losses = counter(
+            "pg_lease_losses_total", "Leases lost while held, by the error's code (lapsed, not_owner, ...).", "reason"
+        )
+        self.handoffs = counter("pg_lease_handoffs_total", "Hand-off requests seen by this process's holders.")
+        self.fenced_refused = counter(
+            "pg_lease_fenced_writes_refused_total",
+            "Fenced writes of this process the database refused, by the error's code.",
+            "reason",
+        )
+        self.latency = Histogram(
+            "pg_lease_renewal_latency_seconds",
+            "Seconds from sending a renewal to its confirmation.",
+            ("prefix",),
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.slack = Histogram(
+            "pg_lease_renewal_slack_seconds",
+            "Seconds of trust window the holder had left when a renewal was confirmed (0: it came too late).",
+            ("prefix",),
+            registry=registry,
+            buckets=_SLACK_BUCKETS,
+        )
+        self.wait = Histogram(
+            "pg_lease_blocking_wait_seconds",
+            "Seconds a blocking hold() waited for its lease, by outcome (granted, timeout).",
+            ("prefix", "outcome"),
+            registry=registry,
+            buckets=_WAIT_BUCKETS,
+        )
+        self.holds = gauge("pg_lease_holds", "Leases this process's holds hold now (acquired, not released or lost).")
+        self.elections = gauge("pg_lease_elections", "Elections this process campaigns in now.")
+        self.leaderships = gauge("pg_lease_leaderships", "Elections this process leads now.")
+        self._held: weakref.WeakSet[Any] = weakref.WeakSet()  # the leases counted in holds
+        self._leading: weakref.WeakSet[Any] = weakref.WeakSet()  # those also counted in leaderships
+        self._held_lock = threading.Lock()
+
+    def prefix(self, key: str | None) -> str:
+        if key is None:
+            return ""
+        try:
+            return str(self.label(key))
+        except Exception:
+            logger.exception("PG_LEASE_METRICS_KEY_LABEL failed for a key; labelled ''")
+            return ""
+
+    # ---- signal receivers (connected by install) -------------------------------------------------
+
+    def on_acquired(self, sender: Any, lease: Any, **kwargs: Any) -> None:
+        with self._held_lock:
+            self._held.add(lease)
+        self.holds.labels(self.prefix(lease.key)).inc()
+
+    def lead(self, lease: Any) -> None:
+        with self._held_lock:
+            if lease not in self._held or lease in self._leading:
+                return  # already ended (lost while starting), or counted
+            self._leading.add(lease)
+        self.leaderships.labels(self.prefix(lease.key)).inc()
+
+    def _ended(self, lease: Any) -> str | None:
+        with self._held_lock:
+            if lease not in self._held:
+                return None
+            self._held.discard(lease)
+            led = lease in self._leading
+            self._leading.discard(lease)
+        prefix = self.prefix(lease.key)
+        self.holds.labels(prefix).dec()
+        if led:
+            self.leaderships.labels(prefix).dec()
+        return prefix
+
+    def on_released(self, sender: Any, lease: Any, freed: bool, **kwargs: Any) -> None:
+        prefix = self._ended(lease) or self.prefix(lease.key)
+        (self.releases if freed else self.lapses).labels(prefix).inc()
+
+    def on_lost(self, sender: Any, lease: Any, error: Any, **kwargs: Any) -> None:
+        prefix = self._ended(lease) or self.prefix(lease.key)
+        self.losses.labels(prefix, str(getattr(error, "code", "unknown"))).inc()
+
+    def on_handoff(self, sender: Any, lease: Any, **kwargs: Any) -> None:
+        self.handoffs.labels(self.prefix(lease.key)).inc()
+
+    @contextmanager
+    def acquiring(self, key: str, blocking: bool) -> Iterator[None]:
+        started = time.monotonic()
+        prefix = self.prefix(key)
+        try:
+            yield
+        except NotAcquirableError:
+            self.refusals.labels(prefix, "busy").inc()
+            raise
+        except LeaseTimeoutError:
+            self.refusals.labels(prefix, "timeout").inc()
+            if blocking:
+                self.wait.labels(prefix, "timeout").observe(time.monotonic() - started)
+            raise
+        self.grants.labels(prefix).inc()
+        if blocking:
+            self.wait.labels(prefix, "granted").observe(time.monotonic() - started)
+
+
+_instruments: _Instruments | None = None
+_install_lock = threading.Lock()
+
+
+def installed() -> bool:
+    """True once `install` registered the metrics in this process."""
+    return _instruments is not None
+
+
+def install(registry: CollectorRegistry | None = None) -> bool:
+    """Register the process's metrics once (the app's ``ready()`` then adds `metrics_db`'s collector).
+
+    Called by the app's ``ready()``; a second call does nothing. Returns False, registering nothing,
+    when prometheus_client is not installed or ``PG_LEASE_METRICS`` is False.
+
+    Args:
+        registry: where to register; default prometheus_client's default registry.
+
+    Raises:
+        ImproperlyConfigured: ``PG_LEASE_METRICS_KEY_LABEL`` is invalid.
+    """
+    global _instruments
+    if not conf.metrics_enabled():
+        return False
+    try:
+        import prometheus_client
+    except ImportError:
+        return False
+    label = _labeller()
+    with _install_lock:
+        if _instruments is not None:
+            return True
+        target = prometheus_client.REGISTRY if registry is None else registry
+        instruments = _Instruments(target, label)
+        for signal_, receiver in (
+            (lease_acquired, instruments.on_acquired),
+            (lease_released, instruments.on_released),
+            (lease_lost, instruments.on_lost),
+            (lease_handoff_requested, instruments.on_handoff),
+        ):
+            signal_.connect(receiver, weak=False, dispatch_uid=f"pg_lease_django.metrics.{receiver.__name__}")
+        _instruments = instruments
+    return True
+
+
+def install_quietly() -> bool:
+    """`install`, logging instead of raising on a bad setting (check ``pg_lease_django.E005`` reports it)."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        return install()
+    except ImproperlyConfigured as exc:
+        logger.error("the lease metrics are not registered: %s", exc)
+        return False
+
+
+def key_label(key: str) -> str:
+    """The ``prefix`` label the metrics give ``key`` (``PG_LEASE_METRICS_KEY_LABEL``)."""
+    instruments = _instruments
+    return instruments.prefix(key) if instruments is not None else _labeller()(key)
+
+
+# ---- the hooks the library calls -----------------------------------------------------------------
+
+_NOTHING: AbstractContextManager[None] = nullcontext()
+
+
+def acquiring(key: str, blocking: bool) -> AbstractContextManager[None]:
+    """Around a hold's acquire: counts the grant or the refusal, and times a blocking wait."""
+    instruments = _instruments
+    return _NOTHING if instruments is None else instruments.acquiring(key, blocking)
+
+
+def renewed(key: str, sent_at: float, trusted_until: float) -> None:
+    """A renewal sent at ``sent_at`` (monotonic) was confirmed; ``trusted_until``: the trust window's end before it."""
+    instruments = _instruments
+    if instruments is None:
+        return
+    try:
+        now = time.monotonic()
+        prefix = instruments.prefix(key)
+        instruments.renewals.labels(prefix).inc()
+        instruments.latency.labels(prefix).observe(max(0.0, now - sent_at))
+        instruments.slack.labels(prefix).observe(max(0.0, trusted_until - now))
+    except Exception:
+        logger.exception("recording a renewal in the metrics failed")
+
+
+def renewal_failed(key: str) -> None:
+    """A renewal failed without a verdict (it is retried)."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.renewal_errors.labels(instruments.prefix(key)).inc()
+
+
+def fenced_write_refused(key: str | None, reason: str) -> None:
+    """The database refused a fenced write of this process (``reason``: the error's code)."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.fenced_refused.labels(instruments.prefix(key), reason).inc()
+
+
+def campaigning(key: str, delta: int) -> None:
+    """An election of this process started (+1) or stopped (-1) campaigning for ``key``."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.elections.labels(instruments.prefix(key)).inc(delta)
+
+
+def leading(lease: HeldLease) -> None:
+    """An election of this process started a term under ``lease``; it ends with the hold (released or lost)."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.lead(lease)
