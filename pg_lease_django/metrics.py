@@ -46,6 +46,7 @@ __all__ = [
     "leading",
     "renewal_failed",
     "renewed",
+    "uninstall",
     "whole_key",
 ]
 
@@ -99,6 +100,7 @@ class _Instruments:
         from prometheus_client import Counter, Gauge, Histogram
 
         self.label = label
+        self.registry = registry
 
         def counter(name: str, doc: str, *labels: str) -> Any:
             return Counter(name.removesuffix("_total"), doc, ("prefix", *labels), registry=registry)
@@ -158,6 +160,21 @@ class _Instruments:
         self._held: weakref.WeakSet[Any] = weakref.WeakSet()  # the leases counted in holds
         self._leading: weakref.WeakSet[Any] = weakref.WeakSet()  # those also counted in leaderships
         self._held_lock = threading.Lock()
+
+    def receivers(self) -> list[tuple[Any, Callable[..., None]]]:
+        return [
+            (lease_acquired, self.on_acquired),
+            (lease_released, self.on_released),
+            (lease_lost, self.on_lost),
+            (lease_handoff_requested, self.on_handoff),
+        ]
+
+    def collectors(self) -> list[Any]:
+        return [
+            self.grants, self.refusals, self.renewals, self.renewal_errors, self.releases, self.lapses, self.losses,
+            self.handoffs, self.fenced_refused, self.latency, self.slack, self.wait, self.holds, self.elections,
+            self.leaderships,
+        ]  # fmt: skip
 
     def prefix(self, key: str | None) -> str:
         if key is None:
@@ -259,15 +276,26 @@ def install(registry: CollectorRegistry | None = None) -> bool:
             return True
         target = prometheus_client.REGISTRY if registry is None else registry
         instruments = _Instruments(target, label)
-        for signal_, receiver in (
-            (lease_acquired, instruments.on_acquired),
-            (lease_released, instruments.on_released),
-            (lease_lost, instruments.on_lost),
-            (lease_handoff_requested, instruments.on_handoff),
-        ):
+        for signal_, receiver in instruments.receivers():
             signal_.connect(receiver, weak=False, dispatch_uid=f"pg_lease_django.metrics.{receiver.__name__}")
         _instruments = instruments
     return True
+
+
+def uninstall() -> None:
+    """Undo `install`: disconnect the receivers, unregister the metrics; the hooks do nothing again.
+
+    For benchmarks (the metrics' cost, side by side) and tests; a later `install` starts from zero.
+    """
+    global _instruments
+    with _install_lock:
+        instruments, _instruments = _instruments, None
+        if instruments is None:
+            return
+        for signal_, receiver in instruments.receivers():
+            signal_.disconnect(dispatch_uid=f"pg_lease_django.metrics.{receiver.__name__}")
+        for collector in instruments.collectors():
+            instruments.registry.unregister(collector)
 
 
 def install_quietly() -> bool:
