@@ -90,7 +90,7 @@ def _hooks_us(metrics: Any, cycles: int = 20_000) -> float:
     def loop() -> float:
         started = time.perf_counter()
         for _ in range(cycles):
-            lease = Lease()
+            lease: Any = Lease()
             with metrics.acquiring(lease.key, False):
                 pass
             send_lease_signal(lease_acquired, lease)
