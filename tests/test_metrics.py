@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -284,3 +285,73 @@ def test_multiprocess_mode_sums_two_worker_processes(tmp_path: Path, prefix: str
     assert value(after, "pg_lease_grants_total", prefix=prefix) == 2
     assert value(after, "pg_lease_releases_total", prefix=prefix) == 2
     assert value(after, "pg_lease_holds", prefix=prefix) == 0
+
+
+def _declared() -> dict[str, tuple[str, ...]]:
+    """Every series name the code exports (histograms with their three suffixes) -> its labels."""
+    names: dict[str, tuple[str, ...]] = {}
+    for name, (kind, labels) in {**metrics.METRICS, **metrics_db.DATABASE_METRICS}.items():
+        names[name] = labels
+        if kind == "histogram":
+            names[f"{name}_bucket"] = (*labels, "le")
+            names[f"{name}_sum"] = names[f"{name}_count"] = labels
+    return names
+
+
+def test_the_declared_metrics_are_the_ones_registered_with_those_labels() -> None:
+    exposition = prometheus_client.generate_latest().decode()
+    for name, (kind, _labels) in metrics.METRICS.items():
+        assert f"# TYPE {name} {kind}\n" in exposition
+    registered = {
+        collector._name: tuple(collector._labelnames)  # type: ignore[attr-defined]
+        for collector in list(prometheus_client.REGISTRY._collector_to_names)
+        if getattr(collector, "_name", "").startswith("pg_lease_")
+    }
+    declared = {name.removesuffix("_total"): labels for name, (_kind, labels) in metrics.METRICS.items()}
+    assert registered == declared
+
+
+def test_the_database_view_exports_what_it_declares(prefix: str) -> None:
+    held(f"{prefix}:x")
+    registry = CollectorRegistry()
+    metrics_db.register(registry)
+    families = {family.name: family for family in registry.collect()}
+    assert set(families) == set(metrics_db.DATABASE_METRICS)
+    for name, (kind, labels) in metrics_db.DATABASE_METRICS.items():
+        assert families[name].type == kind
+        # Waiters and ended tenures appear only when there are some (history is off here).
+        assert families[name].samples or name in ("pg_lease_db_waiters", "pg_lease_db_tenures_ended"), name
+        for sample in families[name].samples:
+            assert tuple(sample.labels) == labels, (name, sample)
+
+
+def test_every_dashboard_query_names_an_exported_metric_with_labels_it_has() -> None:
+    dashboard = json.loads((REPO / "docs" / "grafana" / "pg_lease.json").read_text())
+    declared = _declared()
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert len(expressions) >= 10
+    used: set[str] = set()
+    for expression in expressions:
+        names = re.findall(r"\bpg_lease_\w+", expression)
+        assert names, f"{expression!r} names no metric of ours"
+        for name in names:
+            assert name in declared, f"{name} (in {expression!r}) is not a metric the code exports"
+        labels: set[str] = set()
+        for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expression):
+            labels |= {label.strip() for label in group.split(",") if label.strip()}
+        for selector in re.findall(r"\{([^}]*)\}", expression):
+            labels |= set(re.findall(r"(\w+)\s*(?:=|!=|=~|!~)", selector))
+        allowed = set().union(*(declared[name] for name in names))
+        assert labels <= allowed, f"{expression!r} uses labels {labels - allowed} its metrics do not have"
+        used.update(name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for name in names)
+    # And the dashboard shows every metric (a new one gets a panel, or this fails).
+    assert used == set(metrics.METRICS) | set(metrics_db.DATABASE_METRICS)
+
+
+def test_the_observability_page_explains_every_metric_and_setting() -> None:
+    page = (REPO / "docs" / "observability.md").read_text()
+    for name in {**metrics.METRICS, **metrics_db.DATABASE_METRICS}:
+        assert f"`{name}`" in page, f"docs/observability.md does not explain {name}"
+    for setting in ("PG_LEASE_METRICS", "PG_LEASE_METRICS_DATABASE_VIEW", "PG_LEASE_METRICS_KEY_LABEL"):
+        assert setting in page
+    assert "observability.md" in (REPO / "mkdocs.yml").read_text()
