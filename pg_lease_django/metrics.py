@@ -21,8 +21,8 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from . import conf
@@ -160,6 +160,16 @@ class _Instruments:
         self._held: weakref.WeakSet[Any] = weakref.WeakSet()  # the leases counted in holds
         self._leading: weakref.WeakSet[Any] = weakref.WeakSet()  # those also counted in leaderships
         self._held_lock = threading.Lock()
+        # Children by (metric, label values): as many as label combinations, which the labels keep few.
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept: a dict lookup instead of prometheus_client's checks and lock."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def receivers(self) -> list[tuple[Any, Callable[..., None]]]:
         return [
@@ -190,14 +200,14 @@ class _Instruments:
     def on_acquired(self, sender: Any, lease: Any, **kwargs: Any) -> None:
         with self._held_lock:
             self._held.add(lease)
-        self.holds.labels(self.prefix(lease.key)).inc()
+        self.child(self.holds, self.prefix(lease.key)).inc()
 
     def lead(self, lease: Any) -> None:
         with self._held_lock:
             if lease not in self._held or lease in self._leading:
                 return  # already ended (lost while starting), or counted
             self._leading.add(lease)
-        self.leaderships.labels(self.prefix(lease.key)).inc()
+        self.child(self.leaderships, self.prefix(lease.key)).inc()
 
     def _ended(self, lease: Any) -> str | None:
         with self._held_lock:
@@ -207,39 +217,55 @@ class _Instruments:
             led = lease in self._leading
             self._leading.discard(lease)
         prefix = self.prefix(lease.key)
-        self.holds.labels(prefix).dec()
+        self.child(self.holds, prefix).dec()
         if led:
-            self.leaderships.labels(prefix).dec()
+            self.child(self.leaderships, prefix).dec()
         return prefix
 
     def on_released(self, sender: Any, lease: Any, freed: bool, **kwargs: Any) -> None:
         prefix = self._ended(lease) or self.prefix(lease.key)
-        (self.releases if freed else self.lapses).labels(prefix).inc()
+        self.child(self.releases if freed else self.lapses, prefix).inc()
 
     def on_lost(self, sender: Any, lease: Any, error: Any, **kwargs: Any) -> None:
         prefix = self._ended(lease) or self.prefix(lease.key)
-        self.losses.labels(prefix, str(getattr(error, "code", "unknown"))).inc()
+        self.child(self.losses, prefix, str(getattr(error, "code", "unknown"))).inc()
 
     def on_handoff(self, sender: Any, lease: Any, **kwargs: Any) -> None:
-        self.handoffs.labels(self.prefix(lease.key)).inc()
+        self.child(self.handoffs, self.prefix(lease.key)).inc()
 
-    @contextmanager
-    def acquiring(self, key: str, blocking: bool) -> Iterator[None]:
-        started = time.monotonic()
-        prefix = self.prefix(key)
-        try:
-            yield
-        except NotAcquirableError:
-            self.refusals.labels(prefix, "busy").inc()
-            raise
-        except LeaseTimeoutError:
-            self.refusals.labels(prefix, "timeout").inc()
-            if blocking:
-                self.wait.labels(prefix, "timeout").observe(time.monotonic() - started)
-            raise
-        self.grants.labels(prefix).inc()
-        if blocking:
-            self.wait.labels(prefix, "granted").observe(time.monotonic() - started)
+    def acquiring(self, key: str, blocking: bool) -> _Acquiring:
+        return _Acquiring(self, self.prefix(key), blocking)
+
+
+class _Acquiring:
+    """Around one acquire of a hold: the grant or the refusal, and a blocking wait's time."""
+
+    __slots__ = ("blocking", "instruments", "prefix", "started")
+
+    def __init__(self, instruments: _Instruments, prefix: str, blocking: bool) -> None:
+        self.instruments = instruments
+        self.prefix = prefix
+        self.blocking = blocking
+        self.started = 0.0
+
+    def __enter__(self) -> None:
+        self.started = time.monotonic()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        instruments, prefix = self.instruments, self.prefix
+        if exc_type is None:
+            instruments.child(instruments.grants, prefix).inc()
+            outcome = "granted"
+        elif issubclass(exc_type, NotAcquirableError):
+            instruments.child(instruments.refusals, prefix, "busy").inc()
+            return
+        elif issubclass(exc_type, LeaseTimeoutError):
+            instruments.child(instruments.refusals, prefix, "timeout").inc()
+            outcome = "timeout"
+        else:
+            return  # interrupted, or the database failed: neither a grant nor a refusal
+        if self.blocking:
+            instruments.child(instruments.wait, prefix, outcome).observe(time.monotonic() - self.started)
 
 
 _instruments: _Instruments | None = None
@@ -334,9 +360,9 @@ def renewed(key: str, sent_at: float, trusted_until: float) -> None:
     try:
         now = time.monotonic()
         prefix = instruments.prefix(key)
-        instruments.renewals.labels(prefix).inc()
-        instruments.latency.labels(prefix).observe(max(0.0, now - sent_at))
-        instruments.slack.labels(prefix).observe(max(0.0, trusted_until - now))
+        instruments.child(instruments.renewals, prefix).inc()
+        instruments.child(instruments.latency, prefix).observe(max(0.0, now - sent_at))
+        instruments.child(instruments.slack, prefix).observe(max(0.0, trusted_until - now))
     except Exception:
         logger.exception("recording a renewal in the metrics failed")
 
@@ -345,21 +371,21 @@ def renewal_failed(key: str) -> None:
     """A renewal failed without a verdict (it is retried)."""
     instruments = _instruments
     if instruments is not None:
-        instruments.renewal_errors.labels(instruments.prefix(key)).inc()
+        instruments.child(instruments.renewal_errors, instruments.prefix(key)).inc()
 
 
 def fenced_write_refused(key: str | None, reason: str) -> None:
     """The database refused a fenced write of this process (``reason``: the error's code)."""
     instruments = _instruments
     if instruments is not None:
-        instruments.fenced_refused.labels(instruments.prefix(key), reason).inc()
+        instruments.child(instruments.fenced_refused, instruments.prefix(key), reason).inc()
 
 
 def campaigning(key: str, delta: int) -> None:
     """An election of this process started (+1) or stopped (-1) campaigning for ``key``."""
     instruments = _instruments
     if instruments is not None:
-        instruments.elections.labels(instruments.prefix(key)).inc(delta)
+        instruments.child(instruments.elections, instruments.prefix(key)).inc(delta)
 
 
 def leading(lease: HeldLease) -> None:
