@@ -21,6 +21,7 @@ class PgLeaseConfig(AppConfig):
         post_migrate.connect(privileges.grant_after_migrate, sender=self, dispatch_uid="pg_lease_django.privileges")
         # Lazily: nothing of prometheus_client is imported unless it is installed and PG_LEASE_METRICS is on.
         # A bad PG_LEASE_METRICS_KEY_LABEL is reported by check pg_lease_django.E005, not here.
+        metrics.install_tracing()  # spans where opentelemetry-api is installed
         if metrics.install_quietly() and conf.metrics_database_view():
             from . import metrics_db
 

@@ -213,7 +213,9 @@ class Heartbeat:
             if self._failures:
                 logger.info("renewed lease %r after %d failed attempts", lease.key, self._failures)
             self._failures = 0
-            metrics.renewed(lease.key, sent_at, lease._trusted_until)  # before _renewed moves the trust window
+            metrics.renewed(
+                lease.key, lease.epoch, sent_at, lease._trusted_until
+            )  # before _renewed moves the trust window
             if not lease._renewed(renewal.expires_at, sent_at):
                 self._stop_beating()  # the answer came after the trust window ended: lost all the same
                 return

@@ -161,10 +161,11 @@ class _Session:
         grant: Grant | None = None
         heartbeat: Heartbeat | None = None
         try:
-            with metrics.acquiring(self.key, options.blocking):
+            with metrics.acquiring(self.key, options.blocking) as measured:
                 grant, sent_at = pool.acquire(
                     self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait, call=self.acquiring
                 )
+                measured.granted(grant.epoch)
             lease = HeldLease(
                 grant,
                 ttl=options.ttl,

@@ -22,10 +22,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-from . import conf
+from . import conf, tracing
 from .exceptions import LeaseTimeoutError, NotAcquirableError
 from .signals import lease_acquired, lease_handoff_requested, lease_lost, lease_released
 
@@ -41,6 +40,7 @@ __all__ = [
     "fenced_write_refused",
     "install",
     "install_quietly",
+    "install_tracing",
     "installed",
     "key_label",
     "leading",
@@ -233,42 +233,72 @@ class _Instruments:
     def on_handoff(self, sender: Any, lease: Any, **kwargs: Any) -> None:
         self.child(self.handoffs, self.prefix(lease.key)).inc()
 
-    def acquiring(self, key: str, blocking: bool) -> _Acquiring:
-        return _Acquiring(self, self.prefix(key), blocking)
-
 
 class _Acquiring:
-    """Around one acquire of a hold: the grant or the refusal, and a blocking wait's time."""
+    """Around one acquire of a hold: the grant or the refusal, a blocking wait's time, its span."""
 
-    __slots__ = ("blocking", "instruments", "prefix", "started")
+    __slots__ = ("blocking", "epoch", "instruments", "prefix", "span", "started")
 
-    def __init__(self, instruments: _Instruments, prefix: str, blocking: bool) -> None:
+    def __init__(self, instruments: _Instruments | None, prefix: str, blocking: bool) -> None:
         self.instruments = instruments
         self.prefix = prefix
         self.blocking = blocking
         self.started = 0.0
+        self.epoch: int | None = None
+        self.span: Any = None
 
-    def __enter__(self) -> None:
+    def granted(self, epoch: int) -> None:
+        """The acquire was granted at ``epoch`` (for its span)."""
+        self.epoch = epoch
+
+    def __enter__(self) -> _Acquiring:
+        if _tracing:
+            self.span = tracing.start("pg_lease.acquire", self.prefix)
         self.started = time.monotonic()
+        return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        try:
+            self._count(exc_type)
+        except Exception:
+            logger.exception("recording an acquire in the metrics failed")
+
+    def _count(self, exc_type: type[BaseException] | None) -> None:
         instruments, prefix = self.instruments, self.prefix
         if exc_type is None:
-            instruments.child(instruments.grants, prefix).inc()
             outcome = "granted"
         elif issubclass(exc_type, NotAcquirableError):
-            instruments.child(instruments.refusals, prefix, "busy").inc()
-            return
+            outcome = "busy"
         elif issubclass(exc_type, LeaseTimeoutError):
-            instruments.child(instruments.refusals, prefix, "timeout").inc()
             outcome = "timeout"
         else:
-            return  # interrupted, or the database failed: neither a grant nor a refusal
-        if self.blocking:
+            outcome = "error"  # interrupted, or the database failed: neither a grant nor a refusal
+        tracing.finish(self.span, outcome, self.epoch)
+        if instruments is None or outcome == "error":
+            return
+        if outcome == "granted":
+            instruments.child(instruments.grants, prefix).inc()
+        else:
+            instruments.child(instruments.refusals, prefix, outcome).inc()
+        if self.blocking and outcome != "busy":
             instruments.child(instruments.wait, prefix, outcome).observe(time.monotonic() - self.started)
 
 
+class _NotMeasured:
+    """`acquiring` when neither metrics nor tracing are on: does nothing."""
+
+    def granted(self, epoch: int) -> None:
+        pass
+
+    def __enter__(self) -> _NotMeasured:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        pass
+
+
 _instruments: _Instruments | None = None
+_tracing = False  # install_tracing() found opentelemetry-api
 _install_lock = threading.Lock()
 
 
@@ -324,6 +354,29 @@ def uninstall() -> None:
             instruments.registry.unregister(collector)
 
 
+def install_tracing() -> bool:
+    """Trace the holds' lease operations when opentelemetry-api is installed (`pg_lease_django.tracing`).
+
+    Called by the app's ``ready()``; False (and nothing done) without opentelemetry-api.
+    """
+    global _tracing
+    if tracing.tracer() is None:
+        return False
+    with _install_lock:
+        lease_released.connect(_trace_released, weak=False, dispatch_uid="pg_lease_django.tracing.released")
+        lease_lost.connect(_trace_lost, weak=False, dispatch_uid="pg_lease_django.tracing.lost")
+        _tracing = True
+    return True
+
+
+def _trace_released(sender: Any, lease: Any, freed: bool, **kwargs: Any) -> None:
+    tracing.record("pg_lease.release", key_label(lease.key), "freed" if freed else "kept", lease.epoch)
+
+
+def _trace_lost(sender: Any, lease: Any, error: Any, **kwargs: Any) -> None:
+    tracing.record("pg_lease.lost", key_label(lease.key), str(getattr(error, "code", "unknown")), lease.epoch)
+
+
 def install_quietly() -> bool:
     """`install`, logging instead of raising on a bad setting (check ``pg_lease_django.E005`` reports it)."""
     from django.core.exceptions import ImproperlyConfigured
@@ -343,26 +396,34 @@ def key_label(key: str) -> str:
 
 # ---- the hooks the library calls -----------------------------------------------------------------
 
-_NOTHING: AbstractContextManager[None] = nullcontext()
+_NOT_MEASURED = _NotMeasured()
 
 
-def acquiring(key: str, blocking: bool) -> AbstractContextManager[None]:
-    """Around a hold's acquire: counts the grant or the refusal, and times a blocking wait."""
-    instruments = _instruments
-    return _NOTHING if instruments is None else instruments.acquiring(key, blocking)
+def acquiring(key: str, blocking: bool) -> _Acquiring | _NotMeasured:
+    """Around a hold's acquire: counts the grant or the refusal, times a blocking wait, traces it.
 
-
-def renewed(key: str, sent_at: float, trusted_until: float) -> None:
-    """A renewal sent at ``sent_at`` (monotonic) was confirmed; ``trusted_until``: the trust window's end before it."""
+    The holder calls ``granted(epoch)`` on what the ``with`` gives, once it has the grant.
+    """
     instruments = _instruments
     if instruments is None:
+        return _Acquiring(None, key_label(key), blocking) if _tracing else _NOT_MEASURED
+    return _Acquiring(instruments, instruments.prefix(key), blocking)
+
+
+def renewed(key: str, epoch: int, sent_at: float, trusted_until: float) -> None:
+    """A renewal sent at ``sent_at`` (monotonic) was confirmed; ``trusted_until``: the trust window's end before it."""
+    instruments = _instruments
+    if instruments is None and not _tracing:
         return
     try:
         now = time.monotonic()
-        prefix = instruments.prefix(key)
-        instruments.child(instruments.renewals, prefix).inc()
-        instruments.child(instruments.latency, prefix).observe(max(0.0, now - sent_at))
-        instruments.child(instruments.slack, prefix).observe(max(0.0, trusted_until - now))
+        if instruments is not None:
+            prefix = instruments.prefix(key)
+            instruments.child(instruments.renewals, prefix).inc()
+            instruments.child(instruments.latency, prefix).observe(max(0.0, now - sent_at))
+            instruments.child(instruments.slack, prefix).observe(max(0.0, trusted_until - now))
+        if _tracing:
+            tracing.record("pg_lease.renew", key_label(key), "renewed", epoch, began_seconds_ago=now - sent_at)
     except Exception:
         logger.exception("recording a renewal in the metrics failed")
 

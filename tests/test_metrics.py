@@ -355,3 +355,40 @@ def test_the_observability_page_explains_every_metric_and_setting() -> None:
     for setting in ("PG_LEASE_METRICS", "PG_LEASE_METRICS_DATABASE_VIEW", "PG_LEASE_METRICS_KEY_LABEL"):
         assert setting in page
     assert "observability.md" in (REPO / "mkdocs.yml").read_text()
+
+
+def _child(mode: str, key: str) -> list[dict[str, Any]]:
+    env = {**os.environ, "DATABASE_URL": url_of_test_database(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.observability_child", mode, key],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_each_lease_operation_of_a_hold_is_a_span_with_prefix_outcome_and_epoch(prefix: str) -> None:
+    spans = _child("spans", f"{prefix}:traced")
+    by_outcome = {(span["name"], span["attributes"]["pg_lease.outcome"]): span for span in spans}
+    granted = by_outcome["pg_lease.acquire", "granted"]
+    epoch = granted["attributes"]["pg_lease.epoch"]
+    assert granted["attributes"]["pg_lease.prefix"] == prefix
+    assert "pg_lease.epoch" not in by_outcome["pg_lease.acquire", "busy"]["attributes"]
+    renew = by_outcome["pg_lease.renew", "renewed"]
+    assert renew["attributes"]["pg_lease.epoch"] == epoch and renew["duration_ns"] > 0
+    assert by_outcome["pg_lease.release", "freed"]["attributes"]["pg_lease.epoch"] == epoch
+    assert {span["attributes"]["pg_lease.prefix"] for span in spans} == {prefix}
+
+
+@pytest.mark.slow
+def test_without_the_optional_packages_nothing_is_registered_and_holds_work(prefix: str) -> None:
+    [report] = _child("without", f"{prefix}:plain")
+    assert report == {"metrics": False, "rich": False, "epoch": report["epoch"]}
+    assert report["epoch"] >= 1

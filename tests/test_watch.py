@@ -141,6 +141,8 @@ def test_the_live_view_refreshes_in_a_terminal_and_ctrl_c_ends_it_cleanly(prefix
         argv.append("--plain")
     pid, fd = pty.fork()  # the child gets the pty as its controlling terminal: Ctrl-C reaches it as in a shell
     if pid == 0:  # pragma: no cover (the child)
+        # As from an interactive shell: a suite started in the background inherits SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.chdir(REPO)
         os.execve(sys.executable, argv, env)
     seen = bytearray()
