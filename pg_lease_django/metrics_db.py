@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from django.db import connections, router
+from django.db import connections, router, transaction
 
 from . import conf
 from . import sql as lease_sql
@@ -58,6 +58,12 @@ SELECT 'tenure', {tenure_label}, t.end_reason, count(*)::float8, NULL
  WHERE %s::boolean AND t.end_reason IS NOT NULL
  GROUP BY 2, 3
 """
+
+
+_ROOM = (
+    "SELECT pg_catalog.set_config('work_mem', '32MB', true) "
+    "WHERE pg_catalog.pg_size_bytes(pg_catalog.current_setting('work_mem')) < 33554432"
+)
 
 
 def _statement(schema: str, by_separator: bool) -> str:
@@ -118,7 +124,12 @@ class DatabaseCollector:
             statement = _statement(lease_sql.schema(connection), separator is not None)
             params: list[Any] = [separator] * 3 if separator is not None else []
             params.append(bool(conf.history_prefixes()))
-            with connection.cursor() as cursor:
+            with transaction.atomic(using=alias), connection.cursor() as cursor:
+                # The planner cannot estimate how many labels there are (an expression without
+                # statistics), guesses a group per row and sorts every row, on disk past work_mem;
+                # with room for a hash of that guess it hashes instead (2-3x faster at 100k rows).
+                # For this transaction only, and never lowered.
+                cursor.execute(_ROOM)
                 cursor.execute(statement, params)
                 raw = cursor.fetchall()
         finally:
