@@ -21,6 +21,8 @@ One server, one run: ``DATABASE_URL`` when set (that database), else the embedde
   (failed attempts/s, WAL bytes per attempt, the holder's renew latency meanwhile) against an
   ``INSERT .. ON CONFLICT DO UPDATE .. WHERE`` attempt; handoff latency through blocking acquire
   (``benchmarks/handoff.py``);
+* the Prometheus metrics: their cost on a pair and on ``hold()`` (installed vs not, side by side),
+  and one scrape of the database's view with 100,000 lease rows (``benchmarks/observability.py``);
 * a heartbeat soak: 1,000 leases renewed from 4 processes (HOT ratio, table size, dead tuples).
 
 Single-connection figures are measured in interleaved blocks (A, B, C, C, B, A, ...) and ratios
@@ -29,8 +31,9 @@ of a ratio alike. Quote ratios, not absolutes. Prints a table; writes the same a
 (``benchmarks/results/latest.json`` by default). Worker processes use the spawn start method.
 
 This file only runs the stages. Each is a module of its own: ``floor.py`` (single), ``fenced_save.py``
-(save), ``history.py``, ``peers.py``, ``scale_out.py`` (scale), ``contention.py``, ``soak.py`` (and the TTL
-recommendation), ``handoff.py``; ``common.py`` has what they share (set-up, timing, the table, the JSON).
+(save), ``history.py``, ``observability.py`` (metrics), ``peers.py``, ``scale_out.py`` (scale),
+``contention.py``, ``soak.py`` (and the TTL recommendation), ``handoff.py``; ``common.py`` has what
+they share (set-up, timing, the table, the JSON).
 """
 
 from __future__ import annotations
@@ -49,12 +52,13 @@ import fenced_save
 import floor
 import handoff
 import history
+import observability
 import peers
 import scale_out
 import soak
 from common import DEFAULT_JSON, HEADER, OWNER, Report, bench_database, installed_apps, run_meta, setup_django, stage
 
-STAGES = ("single", "save", "history", "peers", "scale", "contention", "soak", "handoff")
+STAGES = ("single", "save", "history", "metrics", "peers", "scale", "contention", "soak", "handoff")
 
 
 def main() -> None:
@@ -99,6 +103,9 @@ def main() -> None:
     if "history" in only:
         with stage("history: acquire + release with the tenure recorded", timings):
             report.details["history"] = history.run(report, rounds, block, owner)
+    if "metrics" in only and observability.available():
+        with stage("metrics: their cost on a pair and on hold(); one scrape of the database's view", timings):
+            report.details["metrics"] = observability.run(report, rounds, block, owner)
     if "peers" in only and not args.no_peers:
         with stage("peers: acquire + release of a named lock", timings):
             peers.run(report, database, rounds, block, owner)

@@ -3,7 +3,8 @@ from django.apps import AppConfig
 
 class PgLeaseConfig(AppConfig):
     """Registers the system checks; after ``migrate``, copies ``PG_LEASE_HISTORY`` into the database and
-    grants the declared roles (``PG_LEASE_WORKER_ROLES``, ``PG_LEASE_OPERATOR_ROLES``) their privileges."""
+    grants the declared roles (``PG_LEASE_WORKER_ROLES``, ``PG_LEASE_OPERATOR_ROLES``) their privileges;
+    with prometheus_client installed, registers the metrics (docs/observability.md)."""
 
     name = "pg_lease_django"
     verbose_name = "Leases"
@@ -12,9 +13,16 @@ class PgLeaseConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_migrate
 
-        from . import checks, history, privileges
+        from . import checks, conf, history, metrics, privileges
 
         checks.register()
         checks.register_without_database_option()
         post_migrate.connect(history.sync_after_migrate, sender=self, dispatch_uid="pg_lease_django.history")
         post_migrate.connect(privileges.grant_after_migrate, sender=self, dispatch_uid="pg_lease_django.privileges")
+        # Lazily: nothing of prometheus_client is imported unless it is installed and PG_LEASE_METRICS is on.
+        # A bad PG_LEASE_METRICS_KEY_LABEL is reported by check pg_lease_django.E005, not here.
+        metrics.install_tracing()  # spans where opentelemetry-api is installed
+        if metrics.install_quietly() and conf.metrics_database_view():
+            from . import metrics_db
+
+            metrics_db.register()

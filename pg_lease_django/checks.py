@@ -463,8 +463,29 @@ def check_declared_roles_are_granted(
     return warnings
 
 
+def check_metrics_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """E005: ``PG_LEASE_METRICS_KEY_LABEL`` is neither one separator character nor a callable (or its path)."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from . import conf
+
+    try:
+        conf.metrics_key_label()
+    except ImproperlyConfigured as exc:
+        return [
+            checks.Error(
+                str(exc),
+                hint='Use one character (e.g. ":"), a callable f(key) -> str, or the dotted path of one; '
+                "the metrics are not registered until it is fixed.",
+                id="pg_lease_django.E005",
+            )
+        ]
+    return []
+
+
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
+    checks.register(check_metrics_settings)
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
     checks.register(check_fenced_models_have_fenced_parents, checks.Tags.models)
     checks.register(check_fenced_models_have_a_fenced_admin, checks.Tags.admin)

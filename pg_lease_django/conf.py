@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from datetime import timedelta
 
 from django.conf import settings
@@ -194,3 +195,53 @@ def key_scopes() -> dict[str, tuple[str, ...]]:
             f"got {value!r}"
         )
     return {role: tuple(sorted(set(prefixes))) for role, prefixes in sorted(value.items())}
+
+
+def metrics_enabled() -> bool:
+    """``PG_LEASE_METRICS`` (bool, default ``True``): export Prometheus metrics when ``prometheus_client`` is installed.
+
+    With the ``metrics`` extra installed, the app registers its metrics in prometheus_client's
+    default registry when Django starts (docs/observability.md). ``False`` registers nothing; without
+    prometheus_client the setting changes nothing.
+    """
+    return bool(getattr(settings, "PG_LEASE_METRICS", True))
+
+
+def metrics_database_view() -> bool:
+    """``PG_LEASE_METRICS_DATABASE_VIEW`` (bool, default ``True``): add the database's view to the metrics.
+
+    A collector that reads, in one statement per scrape, the leases held, lapsed and free by key
+    label, the oldest lapse, the waiters registered and (with ``PG_LEASE_HISTORY``) the tenures
+    ended by reason, from the router's write database for `Lease`. ``False``: only the process's
+    own metrics.
+    """
+    return bool(getattr(settings, "PG_LEASE_METRICS_DATABASE_VIEW", True))
+
+
+def metrics_key_label() -> str | Callable[[str], str]:
+    """``PG_LEASE_METRICS_KEY_LABEL`` (one character, a callable or its dotted path; default ``":"``).
+
+    What the ``prefix`` label of a metric says about a key, so that labels stay few. One character:
+    the key up to the first occurrence of it (``"billing:acme:42"`` → ``"billing"``; a key without
+    it is its own label). A callable ``f(key) -> str`` (or its dotted path) decides otherwise;
+    ``"pg_lease_django.metrics.whole_key"`` labels by the raw key (only for a bounded set of keys).
+
+    Raises:
+        ImproperlyConfigured: not a one-character string, a callable, or the dotted path of one.
+    """
+    from django.utils.module_loading import import_string
+
+    value = getattr(settings, "PG_LEASE_METRICS_KEY_LABEL", ":")
+    if isinstance(value, str) and len(value) == 1:
+        return value
+    if isinstance(value, str) and value:
+        try:
+            value = import_string(value)
+        except ImportError as exc:
+            raise ImproperlyConfigured(f"PG_LEASE_METRICS_KEY_LABEL: cannot import {value!r}: {exc}") from None
+    if not callable(value):
+        raise ImproperlyConfigured(
+            "PG_LEASE_METRICS_KEY_LABEL must be one separator character, a callable f(key) -> str or its dotted "
+            f"path, got {value!r}"
+        )
+    return value  # type: ignore[no-any-return]

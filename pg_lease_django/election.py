@@ -38,7 +38,7 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction
 from django.db import connections
 
-from . import conf, sigterm
+from . import conf, metrics, sigterm
 from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
 from .held import HeldLease
 from .holding import Holding, hold
@@ -233,6 +233,7 @@ class Election:
     def _start_term(self, lease: HeldLease) -> None:
         self._term_failed = False
         self._lease = lease
+        metrics.leading(lease)
         if self._stop.is_set():  # stop() came while acquiring: the callback must see it at once
             self._term_ends.set()
 
@@ -270,6 +271,7 @@ class Election:
 
     def _run(self) -> None:
         _current.set(self)
+        metrics.campaigning(self.key, 1)
         try:
             while not self._stop.is_set():
                 ended = self._term()
@@ -282,6 +284,7 @@ class Election:
         except BaseException:
             logger.exception("election %r (%s) crashed; it no longer campaigns", self.key, self.owner)
         finally:
+            metrics.campaigning(self.key, -1)
             connections.close_all()  # this thread's own (callbacks', and the watch after a hand-off)
             self._done.set()
 
@@ -440,14 +443,18 @@ async def aelect(
         owner=owner,
         using=using,
     )
-    while True:
-        ended = await _aterm(election)
-        if ended is None:
-            continue
-        if ended == _End.HANDOFF:
-            await _awatch_for(election, election._rest(ended))
-        else:
-            await asyncio.sleep(election._rest(ended))
+    metrics.campaigning(election.key, 1)
+    try:
+        while True:
+            ended = await _aterm(election)
+            if ended is None:
+                continue
+            if ended == _End.HANDOFF:
+                await _awatch_for(election, election._rest(ended))
+            else:
+                await asyncio.sleep(election._rest(ended))
+    finally:
+        metrics.campaigning(election.key, -1)
 
 
 async def _aterm(election: Election) -> _End | None:

@@ -17,7 +17,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Expression
 from django.db.models.sql.compiler import SQLCompiler
 
-from . import sql
+from . import metrics, sql
 from .exceptions import REFUSED_WRITE_ERRORS, LeaseError
 from .fence_resolution import FenceToken
 
@@ -89,6 +89,7 @@ def refusals_raised(action: str) -> Iterator[None]:
         refusal = _refusal(error, action)
         if refusal is None:
             raise
+        metrics.fenced_write_refused(refusal.key, refusal.code)
         raise refusal from error
 
 

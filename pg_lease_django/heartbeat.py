@@ -38,7 +38,7 @@ from typing import Literal
 
 from django.db import connections
 
-from . import conf, lease_pool
+from . import conf, lease_pool, metrics
 from .exceptions import HeartbeatFailedError, LeaseLostError
 from .held import HeldLease
 
@@ -198,6 +198,7 @@ class Heartbeat:
                 lease._declare_lost(exc, definitive=True)
                 return
             except Exception:
+                metrics.renewal_failed(lease.key)
                 self._failures += 1
                 delay = min(self.interval, MAX_RETRY_DELAY, 0.05 * 2 ** min(self._failures - 1, 10))
                 logger.warning(
@@ -212,6 +213,9 @@ class Heartbeat:
             if self._failures:
                 logger.info("renewed lease %r after %d failed attempts", lease.key, self._failures)
             self._failures = 0
+            metrics.renewed(
+                lease.key, lease.epoch, sent_at, lease._trusted_until
+            )  # before _renewed moves the trust window
             if not lease._renewed(renewal.expires_at, sent_at):
                 self._stop_beating()  # the answer came after the trust window ended: lost all the same
                 return

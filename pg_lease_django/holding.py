@@ -26,7 +26,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 from asgiref.sync import iscoroutinefunction
 from django.db import router
 
-from . import conf, sigterm
+from . import conf, metrics, sigterm
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
 from .heartbeat import Heartbeat
 from .held import HeldLease, OnLost, send_lease_signal, send_robust
@@ -161,9 +161,11 @@ class _Session:
         grant: Grant | None = None
         heartbeat: Heartbeat | None = None
         try:
-            grant, sent_at = pool.acquire(
-                self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait, call=self.acquiring
-            )
+            with metrics.acquiring(self.key, options.blocking) as measured:
+                grant, sent_at = pool.acquire(
+                    self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait, call=self.acquiring
+                )
+                measured.granted(grant.epoch)
             lease = HeldLease(
                 grant,
                 ttl=options.ttl,

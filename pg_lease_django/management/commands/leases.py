@@ -1,6 +1,7 @@
 """``manage.py leases``: see who holds what, and break a stuck lease safely.
 
-Subcommands: ``list`` (the default), ``show KEY``, ``release KEY --force [--operator NAME]``,
+Subcommands: ``list`` (the default), ``show KEY``, ``watch`` (a live view, `pg_lease_django.watch`),
+``release KEY --force [--operator NAME]``,
 ``handoff KEY`` (ask the holder to step down at its next renewal), ``history KEY`` (the recorded
 tenures of a key, `pg_lease_django.timeline`), ``prune-history [--older-than 30d]``,
 ``prune --free-for 30d`` (delete rows of leases free that long; epochs never go back),
@@ -28,7 +29,7 @@ import socket
 import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TextIO, cast
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -49,6 +50,7 @@ from pg_lease_django.status import LeaseStatus
 from pg_lease_django.supervisor import DEFAULT_GRACE, ExitCode, RunError, Supervisor
 from pg_lease_django.timeline import History, read_history
 from pg_lease_django.validation import MAX_ADVANCE, MAX_EPOCH, MAX_TTL, MAX_WAIT, MIN_TTL, check_name
+from pg_lease_django.watch import Watcher, watch
 
 __doc__ = f"""{__doc__ or ""}
 Exit codes:
@@ -100,12 +102,13 @@ class SubcommandParser(CommandParser):
 
 
 class Command(BaseCommand):
-    """``manage.py leases [list|show|history|handoff|release|prune|prune-history|advance-epochs|run] ...``:
+    """``manage.py leases [list|show|watch|history|handoff|release|prune|prune-history|advance-epochs|run] ...``:
     the operators' view of the lease table."""
 
     help = (
         "Inspect leases, break stuck ones, run a command under a lease. Subcommands: list (default), "
-        "show KEY, history KEY, handoff KEY, release KEY --force, prune --free-for AGE, prune-history, "
+        "show KEY, watch [--prefix P | --glob G], history KEY, handoff KEY, release KEY --force, "
+        "prune --free-for AGE, prune-history, "
         "advance-epochs --by N, run KEY --ttl SECONDS -- COMMAND. "
         f"Exit codes: {ExitCode.summary(run=False)}; run: COMMAND's status, {ExitCode.summary(run=True)}."
     )
@@ -123,7 +126,7 @@ class Command(BaseCommand):
         subparsers = parser.add_subparsers(
             dest="subcommand",
             title="subcommands",
-            metavar="{list,show,history,handoff,release,prune,prune-history,advance-epochs,grant,run}",
+            metavar="{list,show,watch,history,handoff,release,prune,prune-history,advance-epochs,grant,run}",
             parser_class=SubcommandParser,
         )
 
@@ -203,6 +206,18 @@ class Command(BaseCommand):
         advance_parser.add_argument("--dry-run", action="store_true", help="Say what would change; change nothing.")
         advance_parser.add_argument("--json", action="store_true", help="JSON for scripts (stable field names).")
 
+        watch_parser = subparsers.add_parser(
+            "watch", help="A live view of the leases matching --prefix or --glob, refreshed in place (Ctrl-C stops)."
+        )
+        watch_parser.add_argument("--prefix", help="Only keys starting with this text.")
+        watch_parser.add_argument("--glob", help="Only keys matching this glob: * any text, ? one character.")
+        watch_parser.add_argument("--limit", help="Show at most this many leases (default 50; the count covers all).")
+        watch_parser.add_argument("--interval", help="Seconds between refreshes (default 1).")
+        watch_parser.add_argument("--transitions", help="How many recent transitions to show (default 10; 0: none).")
+        watch_parser.add_argument("--once", action="store_true", help="Show one frame and exit.")
+        watch_parser.add_argument("--json", action="store_true", help="JSON for scripts: one document per frame.")
+        watch_parser.add_argument("--plain", action="store_true", help="Plain text even when rich is installed.")
+
         grant_parser = subparsers.add_parser(
             "grant",
             help="Grant the roles of PG_LEASE_WORKER_ROLES and PG_LEASE_OPERATOR_ROLES their lease privileges "
@@ -261,6 +276,7 @@ class Command(BaseCommand):
             prune_parser,
             prune_history_parser,
             advance_parser,
+            watch_parser,
             grant_parser,
             run_parser,
         ):
@@ -290,6 +306,8 @@ class Command(BaseCommand):
                 self._advance_epochs(alias, options)
             elif subcommand == "grant":
                 self._grant(alias, options)
+            elif subcommand == "watch":
+                self._watch(alias, options)
             elif subcommand == "run":
                 self._run(alias, options)
             else:
@@ -603,6 +621,29 @@ class Command(BaseCommand):
             self.stdout.write(
                 self.style.SUCCESS(f"Pruned {len(keys)} lease(s) free for at least {options['free_for']}.") + listing
             )
+
+    # -- watch ---------------------------------------------------------------------------------------
+
+    def _watch(self, alias: str, options: dict[str, Any]) -> None:
+        prefix = self._pattern("--prefix", options.get("prefix"))
+        glob = self._pattern("--glob", options.get("glob"))
+        limit = self._positive_int("--limit", options.get("limit") or "50")
+        text = options.get("transitions")
+        transitions = 10 if text is None else 0 if text == "0" else self._positive_int("--transitions", text, 1000)
+        interval = 1.0
+        if options.get("interval") is not None:
+            interval = _seconds("--interval", options["interval"], timedelta(milliseconds=100), timedelta(hours=1))
+        what = " and ".join(f"{name} {value!r}" for name, value in (("prefix", prefix), ("glob", glob)) if value)
+        watcher = Watcher(alias, prefix=prefix, glob=glob, limit=limit or 50, transitions=transitions or 0)
+        watch(
+            watcher,
+            cast(TextIO, getattr(self.stdout, "_out", self.stdout)),  # the stream: rich writes escapes, not lines
+            what=what or "any key",
+            interval=interval,
+            once=bool(options.get("once")),
+            as_json=bool(options.get("json")),
+            plain=bool(options.get("plain")),
+        )
 
     # -- grant -----------------------------------------------------------------------------------------
 

@@ -1,0 +1,456 @@
+"""Prometheus metrics of this process's holds, elections and fenced writes (docs/observability.md).
+
+Optional: with ``prometheus_client`` installed (the ``metrics`` extra) and ``PG_LEASE_METRICS`` on
+(the default), `install` registers the metrics below in prometheus_client's default registry when
+Django starts (``PgLeaseConfig.ready``), so django-prometheus' ``/metrics`` or prometheus_client's
+own server shows them with no user code. Without prometheus_client nothing is imported and every
+hook below is one global read.
+
+Most numbers come from the signals (`pg_lease_django.signals`); the library calls a hook of this
+module only where no signal says it: an acquire's outcome and wait (`acquiring`), a renewal's
+latency and slack (`renewed`, `renewal_failed`), a refused fenced write (`fenced_write_refused`)
+and an election's campaign and terms (`campaigning`, `leading`). A hook never raises.
+
+Every metric has a ``prefix`` label: `key_label` of the key (``PG_LEASE_METRICS_KEY_LABEL``), never
+the raw key unless asked, so that the number of series stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import conf, tracing
+from .exceptions import LeaseTimeoutError, NotAcquirableError
+from .signals import lease_acquired, lease_handoff_requested, lease_lost, lease_released
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from .held import HeldLease
+
+__all__ = [
+    "METRICS",
+    "acquiring",
+    "campaigning",
+    "fenced_write_refused",
+    "install",
+    "install_quietly",
+    "install_tracing",
+    "installed",
+    "key_label",
+    "leading",
+    "renewal_failed",
+    "renewed",
+    "uninstall",
+    "whole_key",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Every metric this module exports: name (as exposed, counters with ``_total``), type, labels.
+#: docs/observability.md and the Grafana dashboard are checked against it (tests/test_metrics.py).
+METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "pg_lease_grants_total": ("counter", ("prefix",)),
+    "pg_lease_refusals_total": ("counter", ("prefix", "reason")),
+    "pg_lease_renewals_total": ("counter", ("prefix",)),
+    "pg_lease_renewal_errors_total": ("counter", ("prefix",)),
+    "pg_lease_releases_total": ("counter", ("prefix",)),
+    "pg_lease_lapses_total": ("counter", ("prefix",)),
+    "pg_lease_losses_total": ("counter", ("prefix", "reason")),
+    "pg_lease_handoffs_total": ("counter", ("prefix",)),
+    "pg_lease_fenced_writes_refused_total": ("counter", ("prefix", "reason")),
+    "pg_lease_renewal_latency_seconds": ("histogram", ("prefix",)),
+    "pg_lease_renewal_slack_seconds": ("histogram", ("prefix",)),
+    "pg_lease_blocking_wait_seconds": ("histogram", ("prefix", "outcome")),
+    "pg_lease_holds": ("gauge", ("prefix",)),
+    "pg_lease_elections": ("gauge", ("prefix",)),
+    "pg_lease_leaderships": ("gauge", ("prefix",)),
+}
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SLACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def whole_key(key: str) -> str:
+    """The raw key as its label: ``PG_LEASE_METRICS_KEY_LABEL = "pg_lease_django.metrics.whole_key"``.
+
+    Only for a bounded set of keys: every key becomes a series of every metric.
+    """
+    return key
+
+
+def _labeller() -> Callable[[str], str]:
+    rule = conf.metrics_key_label()
+    if isinstance(rule, str):
+        separator = rule
+        return lambda key: key.split(separator, 1)[0]
+    return rule
+
+
+class _Instruments:
+    """The metrics, created in ``registry`` by `install`."""
+
+    def __init__(self, registry: CollectorRegistry, label: Callable[[str], str]) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.label = label
+        self.registry = registry
+
+        def counter(name: str, doc: str, *labels: str) -> Any:
+            return Counter(name.removesuffix("_total"), doc, ("prefix", *labels), registry=registry)
+
+        def gauge(name: str, doc: str) -> Any:
+            # livesum: in multiprocess mode (PROMETHEUS_MULTIPROC_DIR) the sum over the live processes.
+            return Gauge(name, doc, ("prefix",), registry=registry, multiprocess_mode="livesum")
+
+        self.grants = counter("pg_lease_grants_total", "Leases granted to this process's holds and elections.")
+        self.refusals = counter(
+            "pg_lease_refusals_total",
+            "Acquires of this process's holds that got no lease: busy (held by another) or timeout (blocking).",
+            "reason",
+        )
+        self.renewals = counter("pg_lease_renewals_total", "Renewals confirmed by the server.")
+        self.renewal_errors = counter(
+            "pg_lease_renewal_errors_total", "Renewals that failed without a verdict (retried while trusted)."
+        )
+        self.releases = counter("pg_lease_releases_total", "Holds that ended by releasing their lease (key freed).")
+        self.lapses = counter(
+            "pg_lease_lapses_total",
+            "Holds that ended leaving their lease to lapse at its expiry (hold_at_least, or a failed release).",
+        )
+        self.losses = counter(
+            "pg_lease_losses_total", "Leases lost while held, by the error's code (lapsed, not_owner, ...).", "reason"
+        )
+        self.handoffs = counter("pg_lease_handoffs_total", "Hand-off requests seen by this process's holders.")
+        self.fenced_refused = counter(
+            "pg_lease_fenced_writes_refused_total",
+            "Fenced writes of this process the database refused, by the error's code.",
+            "reason",
+        )
+        self.latency = Histogram(
+            "pg_lease_renewal_latency_seconds",
+            "Seconds from sending a renewal to its confirmation.",
+            ("prefix",),
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.slack = Histogram(
+            "pg_lease_renewal_slack_seconds",
+            "Seconds of trust window the holder had left when a renewal was confirmed (0: it came too late).",
+            ("prefix",),
+            registry=registry,
+            buckets=_SLACK_BUCKETS,
+        )
+        self.wait = Histogram(
+            "pg_lease_blocking_wait_seconds",
+            "Seconds a blocking hold() waited for its lease, by outcome (granted, timeout).",
+            ("prefix", "outcome"),
+            registry=registry,
+            buckets=_WAIT_BUCKETS,
+        )
+        self.holds = gauge("pg_lease_holds", "Leases this process's holds hold now (acquired, not released or lost).")
+        self.elections = gauge("pg_lease_elections", "Elections this process campaigns in now.")
+        self.leaderships = gauge("pg_lease_leaderships", "Elections this process leads now.")
+        self._held: weakref.WeakSet[Any] = weakref.WeakSet()  # the leases counted in holds
+        self._leading: weakref.WeakSet[Any] = weakref.WeakSet()  # those also counted in leaderships
+        self._held_lock = threading.Lock()
+        # Children by (metric, label values): as many as label combinations, which the labels keep few.
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept: a dict lookup instead of prometheus_client's checks and lock."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def receivers(self) -> list[tuple[Any, Callable[..., None]]]:
+        return [
+            (lease_acquired, self.on_acquired),
+            (lease_released, self.on_released),
+            (lease_lost, self.on_lost),
+            (lease_handoff_requested, self.on_handoff),
+        ]
+
+    def collectors(self) -> list[Any]:
+        return [
+            self.grants, self.refusals, self.renewals, self.renewal_errors, self.releases, self.lapses, self.losses,
+            self.handoffs, self.fenced_refused, self.latency, self.slack, self.wait, self.holds, self.elections,
+            self.leaderships,
+        ]  # fmt: skip
+
+    def prefix(self, key: str | None) -> str:
+        if key is None:
+            return ""
+        try:
+            return str(self.label(key))
+        except Exception:
+            logger.exception("PG_LEASE_METRICS_KEY_LABEL failed for a key; labelled ''")
+            return ""
+
+    # ---- signal receivers (connected by install) -------------------------------------------------
+
+    def on_acquired(self, sender: Any, lease: Any, **kwargs: Any) -> None:
+        with self._held_lock:
+            self._held.add(lease)
+        self.child(self.holds, self.prefix(lease.key)).inc()
+
+    def lead(self, lease: Any) -> None:
+        with self._held_lock:
+            if lease not in self._held or lease in self._leading:
+                return  # already ended (lost while starting), or counted
+            self._leading.add(lease)
+        self.child(self.leaderships, self.prefix(lease.key)).inc()
+
+    def _ended(self, lease: Any) -> str | None:
+        with self._held_lock:
+            if lease not in self._held:
+                return None
+            self._held.discard(lease)
+            led = lease in self._leading
+            self._leading.discard(lease)
+        prefix = self.prefix(lease.key)
+        self.child(self.holds, prefix).dec()
+        if led:
+            self.child(self.leaderships, prefix).dec()
+        return prefix
+
+    def on_released(self, sender: Any, lease: Any, freed: bool, **kwargs: Any) -> None:
+        prefix = self._ended(lease) or self.prefix(lease.key)
+        self.child(self.releases if freed else self.lapses, prefix).inc()
+
+    def on_lost(self, sender: Any, lease: Any, error: Any, **kwargs: Any) -> None:
+        prefix = self._ended(lease) or self.prefix(lease.key)
+        self.child(self.losses, prefix, str(getattr(error, "code", "unknown"))).inc()
+
+    def on_handoff(self, sender: Any, lease: Any, **kwargs: Any) -> None:
+        self.child(self.handoffs, self.prefix(lease.key)).inc()
+
+
+class _Acquiring:
+    """Around one acquire of a hold: the grant or the refusal, a blocking wait's time, its span."""
+
+    __slots__ = ("blocking", "epoch", "instruments", "prefix", "span", "started")
+
+    def __init__(self, instruments: _Instruments | None, prefix: str, blocking: bool) -> None:
+        self.instruments = instruments
+        self.prefix = prefix
+        self.blocking = blocking
+        self.started = 0.0
+        self.epoch: int | None = None
+        self.span: Any = None
+
+    def granted(self, epoch: int) -> None:
+        """The acquire was granted at ``epoch`` (for its span)."""
+        self.epoch = epoch
+
+    def __enter__(self) -> _Acquiring:
+        if _tracing:
+            self.span = tracing.start("pg_lease.acquire", self.prefix)
+        self.started = time.monotonic()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        try:
+            self._count(exc_type)
+        except Exception:
+            logger.exception("recording an acquire in the metrics failed")
+
+    def _count(self, exc_type: type[BaseException] | None) -> None:
+        instruments, prefix = self.instruments, self.prefix
+        if exc_type is None:
+            outcome = "granted"
+        elif issubclass(exc_type, NotAcquirableError):
+            outcome = "busy"
+        elif issubclass(exc_type, LeaseTimeoutError):
+            outcome = "timeout"
+        else:
+            outcome = "error"  # interrupted, or the database failed: neither a grant nor a refusal
+        tracing.finish(self.span, outcome, self.epoch)
+        if instruments is None or outcome == "error":
+            return
+        if outcome == "granted":
+            instruments.child(instruments.grants, prefix).inc()
+        else:
+            instruments.child(instruments.refusals, prefix, outcome).inc()
+        if self.blocking and outcome != "busy":
+            instruments.child(instruments.wait, prefix, outcome).observe(time.monotonic() - self.started)
+
+
+class _NotMeasured:
+    """`acquiring` when neither metrics nor tracing are on: does nothing."""
+
+    def granted(self, epoch: int) -> None:
+        pass
+
+    def __enter__(self) -> _NotMeasured:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        pass
+
+
+_instruments: _Instruments | None = None
+_tracing = False  # install_tracing() found opentelemetry-api
+_install_lock = threading.Lock()
+
+
+def installed() -> bool:
+    """True once `install` registered the metrics in this process."""
+    return _instruments is not None
+
+
+def install(registry: CollectorRegistry | None = None) -> bool:
+    """Register the process's metrics once (the app's ``ready()`` then adds `metrics_db`'s collector).
+
+    Called by the app's ``ready()``; a second call does nothing. Returns False, registering nothing,
+    when prometheus_client is not installed or ``PG_LEASE_METRICS`` is False.
+
+    Args:
+        registry: where to register; default prometheus_client's default registry.
+
+    Raises:
+        ImproperlyConfigured: ``PG_LEASE_METRICS_KEY_LABEL`` is invalid.
+    """
+    global _instruments
+    if not conf.metrics_enabled():
+        return False
+    try:
+        import prometheus_client
+    except ImportError:
+        return False
+    label = _labeller()
+    with _install_lock:
+        if _instruments is not None:
+            return True
+        target = prometheus_client.REGISTRY if registry is None else registry
+        instruments = _Instruments(target, label)
+        for signal_, receiver in instruments.receivers():
+            signal_.connect(receiver, weak=False, dispatch_uid=f"pg_lease_django.metrics.{receiver.__name__}")
+        _instruments = instruments
+    return True
+
+
+def uninstall() -> None:
+    """Undo `install`: disconnect the receivers, unregister the metrics; the hooks do nothing again.
+
+    For benchmarks (the metrics' cost, side by side) and tests; a later `install` starts from zero.
+    """
+    global _instruments
+    with _install_lock:
+        instruments, _instruments = _instruments, None
+        if instruments is None:
+            return
+        for signal_, receiver in instruments.receivers():
+            signal_.disconnect(dispatch_uid=f"pg_lease_django.metrics.{receiver.__name__}")
+        for collector in instruments.collectors():
+            instruments.registry.unregister(collector)
+
+
+def install_tracing() -> bool:
+    """Trace the holds' lease operations when opentelemetry-api is installed (`pg_lease_django.tracing`).
+
+    Called by the app's ``ready()``; False (and nothing done) without opentelemetry-api.
+    """
+    global _tracing
+    if tracing.tracer() is None:
+        return False
+    with _install_lock:
+        lease_released.connect(_trace_released, weak=False, dispatch_uid="pg_lease_django.tracing.released")
+        lease_lost.connect(_trace_lost, weak=False, dispatch_uid="pg_lease_django.tracing.lost")
+        _tracing = True
+    return True
+
+
+def _trace_released(sender: Any, lease: Any, freed: bool, **kwargs: Any) -> None:
+    tracing.record("pg_lease.release", key_label(lease.key), "freed" if freed else "kept", lease.epoch)
+
+
+def _trace_lost(sender: Any, lease: Any, error: Any, **kwargs: Any) -> None:
+    tracing.record("pg_lease.lost", key_label(lease.key), str(getattr(error, "code", "unknown")), lease.epoch)
+
+
+def install_quietly() -> bool:
+    """`install`, logging instead of raising on a bad setting (check ``pg_lease_django.E005`` reports it)."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    try:
+        return install()
+    except ImproperlyConfigured as exc:
+        logger.error("the lease metrics are not registered: %s", exc)
+        return False
+
+
+def key_label(key: str) -> str:
+    """The ``prefix`` label the metrics give ``key`` (``PG_LEASE_METRICS_KEY_LABEL``)."""
+    instruments = _instruments
+    return instruments.prefix(key) if instruments is not None else _labeller()(key)
+
+
+# ---- the hooks the library calls -----------------------------------------------------------------
+
+_NOT_MEASURED = _NotMeasured()
+
+
+def acquiring(key: str, blocking: bool) -> _Acquiring | _NotMeasured:
+    """Around a hold's acquire: counts the grant or the refusal, times a blocking wait, traces it.
+
+    The holder calls ``granted(epoch)`` on what the ``with`` gives, once it has the grant.
+    """
+    instruments = _instruments
+    if instruments is None:
+        return _Acquiring(None, key_label(key), blocking) if _tracing else _NOT_MEASURED
+    return _Acquiring(instruments, instruments.prefix(key), blocking)
+
+
+def renewed(key: str, epoch: int, sent_at: float, trusted_until: float) -> None:
+    """A renewal sent at ``sent_at`` (monotonic) was confirmed; ``trusted_until``: the trust window's end before it."""
+    instruments = _instruments
+    if instruments is None and not _tracing:
+        return
+    try:
+        now = time.monotonic()
+        if instruments is not None:
+            prefix = instruments.prefix(key)
+            instruments.child(instruments.renewals, prefix).inc()
+            instruments.child(instruments.latency, prefix).observe(max(0.0, now - sent_at))
+            instruments.child(instruments.slack, prefix).observe(max(0.0, trusted_until - now))
+        if _tracing:
+            tracing.record("pg_lease.renew", key_label(key), "renewed", epoch, began_seconds_ago=now - sent_at)
+    except Exception:
+        logger.exception("recording a renewal in the metrics failed")
+
+
+def renewal_failed(key: str) -> None:
+    """A renewal failed without a verdict (it is retried)."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.child(instruments.renewal_errors, instruments.prefix(key)).inc()
+
+
+def fenced_write_refused(key: str | None, reason: str) -> None:
+    """The database refused a fenced write of this process (``reason``: the error's code)."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.child(instruments.fenced_refused, instruments.prefix(key), reason).inc()
+
+
+def campaigning(key: str, delta: int) -> None:
+    """An election of this process started (+1) or stopped (-1) campaigning for ``key``."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.child(instruments.elections, instruments.prefix(key)).inc(delta)
+
+
+def leading(lease: HeldLease) -> None:
+    """An election of this process started a term under ``lease``; it ends with the hold (released or lost)."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.lead(lease)

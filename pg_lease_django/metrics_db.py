@@ -1,0 +1,207 @@
+"""The database's view for Prometheus: one statement per scrape (docs/observability.md).
+
+`DatabaseCollector` reads, from the router's write database for `Lease`, the leases held, lapsed
+and free by key label, the oldest lapse not yet taken over, the waiters registered and, with
+``PG_LEASE_HISTORY``, the tenures ended by reason. Registered by the app's ``ready()`` in
+prometheus_client's default registry (``PG_LEASE_METRICS_DATABASE_VIEW``); in multiprocess mode
+register it in the registry your ``/metrics`` view builds (`register`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections, router, transaction
+
+from . import conf
+from . import sql as lease_sql
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
+__all__ = ["DATABASE_METRICS", "DatabaseCollector", "register"]
+
+logger = logging.getLogger(__name__)
+
+#: Every metric of the database's view: name, type, labels (checked like `metrics.METRICS`).
+DATABASE_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "pg_lease_db_up": ("gauge", ()),
+    "pg_lease_db_leases": ("gauge", ("prefix", "state")),
+    "pg_lease_db_oldest_lapse_seconds": ("gauge", ("prefix",)),
+    "pg_lease_db_waiters": ("gauge", ("prefix",)),
+    "pg_lease_db_tenures_ended": ("gauge", ("prefix", "reason")),
+}
+
+# One statement: the lease rows grouped by label and state (the state by pg_lease_status, the rule
+# every lease function applies, against one clock_timestamp() read for the whole statement), the
+# waiters whose registration has not run out, and the ended tenures (only when history is on: a
+# constant false filter skips the scan). No index helps a whole-table count; none is added (an index
+# on expires_at or owner would make renewals non-HOT, see docs/performance.md).
+_VIEW = """
+WITH now AS MATERIALIZED (SELECT pg_catalog.clock_timestamp() AS t)
+SELECT 'lease', {lease_label}, {schema}.pg_lease_status(l.owner, l.expires_at, now.t),
+       count(*)::float8, max(extract(epoch FROM now.t - l.expires_at))::float8
+  FROM {schema}.pg_lease_django_lease l, now
+ GROUP BY 2, 3
+UNION ALL
+SELECT 'waiter', {waiter_label}, '', count(*)::float8, NULL
+  FROM {schema}.pg_lease_django_waiter w, now
+ WHERE w.until > now.t
+ GROUP BY 2
+UNION ALL
+SELECT 'tenure', {tenure_label}, t.end_reason, count(*)::float8, NULL
+  FROM {schema}.pg_lease_django_tenure t
+ WHERE %s::boolean AND t.end_reason IS NOT NULL
+ GROUP BY 2, 3
+"""
+
+
+_ROOM = (
+    "SELECT pg_catalog.set_config('work_mem', '32MB', true) "
+    "WHERE pg_catalog.pg_size_bytes(pg_catalog.current_setting('work_mem')) < 33554432"
+)
+
+
+def _statement(schema: str, by_separator: bool) -> str:
+    label = "pg_catalog.split_part({}.key, %s, 1)" if by_separator else "{}.key"
+    return _VIEW.format(
+        schema=schema,
+        lease_label=label.format("l"),
+        waiter_label=label.format("w"),
+        tenure_label=label.format("t"),
+    )
+
+
+class DatabaseCollector:
+    """A prometheus_client collector: the database's view of the leases, read at each scrape.
+
+    With a one-character ``PG_LEASE_METRICS_KEY_LABEL`` the database groups by label itself; with a
+    callable it returns a row per key and state, grouped here (costlier on a large table).
+    A failed read (database down, no privilege on the waiter table) sets ``pg_lease_db_up`` to 0
+    and is logged; it never fails the scrape.
+
+    Args:
+        using: the database alias; default the router's write database for `Lease`.
+    """
+
+    def __init__(self, using: str | None = None) -> None:
+        self.using = using
+
+    def describe(self) -> list[Metric]:
+        """Nothing: the metrics are only known at a scrape (no query at registration)."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Read the view (one statement) and yield it as gauges."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        up = GaugeMetricFamily("pg_lease_db_up", "1 if the last read of the database's view of the leases worked.")
+        try:
+            rows = self.read()
+        except Exception as exc:
+            logger.warning("reading the database's view of the leases for the metrics failed: %s", exc)
+            up.add_metric([], 0.0)
+            yield up
+            return
+        up.add_metric([], 1.0)
+        yield up
+        yield from _families(rows)
+
+    def read(self) -> list[tuple[str, str, str, float, float | None]]:
+        """The view's rows, labelled: (kind, prefix, state or reason, count, oldest lapse in seconds)."""
+        from .models import Lease
+
+        alias = self.using or router.db_for_write(Lease)
+        connection = connections[alias]
+        rule = conf.metrics_key_label()
+        separator = rule if isinstance(rule, str) else None
+        opened = connection.connection is None
+        try:
+            statement = _statement(lease_sql.schema(connection), separator is not None)
+            params: list[Any] = [separator] * 3 if separator is not None else []
+            params.append(bool(conf.history_prefixes()))
+            with transaction.atomic(using=alias), connection.cursor() as cursor:
+                # The planner cannot estimate how many labels there are (an expression without
+                # statistics), guesses a group per row and sorts every row, on disk past work_mem;
+                # with room for a hash of that guess it hashes instead (2-3x faster at 100k rows).
+                # For this transaction only, and never lowered.
+                cursor.execute(_ROOM)
+                cursor.execute(statement, params)
+                raw = cursor.fetchall()
+        finally:
+            # A scrape thread of prometheus_client's server is new each time: close what it opened.
+            if opened and not connection.in_atomic_block:
+                connection.close()
+        if separator is not None:
+            return [(kind, prefix, what, count, lapse) for kind, prefix, what, count, lapse in raw]
+        assert callable(rule)
+        return _regroup(raw, rule)
+
+
+def _regroup(
+    raw: list[tuple[str, str, str, float, float | None]], label: Callable[[str], str]
+) -> list[tuple[str, str, str, float, float | None]]:
+    counts: dict[tuple[str, str, str], float] = defaultdict(float)
+    lapses: dict[tuple[str, str, str], float | None] = {}
+    for kind, key, what, count, lapse in raw:
+        group = (kind, str(label(key)), what)
+        counts[group] += count
+        if lapse is not None:
+            known = lapses.get(group)
+            lapses[group] = lapse if known is None else max(known, lapse)
+    return [(*group, count, lapses.get(group)) for group, count in counts.items()]
+
+
+def _families(rows: list[tuple[str, str, str, float, float | None]]) -> Iterator[Metric]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    from .status import LeaseStatus
+
+    leases = GaugeMetricFamily(
+        "pg_lease_db_leases", "Lease rows by key label and state (server clock).", labels=["prefix", "state"]
+    )
+    oldest = GaugeMetricFamily(
+        "pg_lease_db_oldest_lapse_seconds",
+        "Seconds since the expiry of the longest-lapsed lease not yet taken over (0: none lapsed).",
+        labels=["prefix"],
+    )
+    waiters = GaugeMetricFamily("pg_lease_db_waiters", "Keys with a blocking waiter registered now.", labels=["prefix"])
+    tenures = GaugeMetricFamily(
+        "pg_lease_db_tenures_ended",
+        "Recorded tenures (PG_LEASE_HISTORY) by how they ended, as kept (pruning lowers them).",
+        labels=["prefix", "reason"],
+    )
+    seen: dict[str, set[str]] = defaultdict(set)
+    lapsed_for: dict[str, float] = {}
+    for kind, prefix, what, count, lapse in rows:
+        if kind == "lease":
+            leases.add_metric([prefix, what], count)
+            seen[prefix].add(what)
+            if what == LeaseStatus.LAPSED and lapse is not None:
+                lapsed_for[prefix] = max(lapse, lapsed_for.get(prefix, 0.0))
+        elif kind == "waiter":
+            waiters.add_metric([prefix], count)
+        else:
+            tenures.add_metric([prefix, what], count)
+    for prefix, states in seen.items():
+        for state in LeaseStatus.values:  # every state of a label present, 0 included: alerts need no absent()
+            if state not in states:
+                leases.add_metric([prefix, state], 0.0)
+        oldest.add_metric([prefix], lapsed_for.get(prefix, 0.0))
+    yield from (leases, oldest, waiters, tenures)
+
+
+def register(registry: CollectorRegistry | None = None, using: str | None = None) -> DatabaseCollector:
+    """Register a `DatabaseCollector` in ``registry`` (default prometheus_client's default registry).
+
+    For multiprocess mode, where ``/metrics`` builds a registry of its own per scrape.
+    """
+    import prometheus_client
+
+    collector = DatabaseCollector(using)
+    (prometheus_client.REGISTRY if registry is None else registry).register(collector)
+    return collector

@@ -1,0 +1,66 @@
+"""OpenTelemetry spans of the lease operations of holds, where ``opentelemetry-api`` is installed.
+
+A no-op otherwise (nothing imported after the first look). With the API but no SDK configured,
+OpenTelemetry's own no-op tracer answers. Spans (tracer ``pg_lease_django``), each with the
+attributes ``pg_lease.prefix`` (the key's label, `pg_lease_django.metrics.key_label`'s rule),
+``pg_lease.outcome`` and, once known, ``pg_lease.epoch``:
+
+- ``pg_lease.acquire``: a hold's acquire, blocking wait included; outcome ``granted``, ``busy``,
+  ``timeout`` or ``error``.
+- ``pg_lease.renew``: a confirmed renewal, from sending it to its confirmation; outcome ``renewed``.
+- ``pg_lease.release`` / ``pg_lease.lost``: the end of a hold (no duration: the signal that says so
+  comes after it); outcome ``freed`` / ``kept``, or the loss's error code.
+
+Called by `pg_lease_django.metrics`' hooks and receivers; nothing here is public API.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+_UNKNOWN: Any = object()
+_tracer: Any = _UNKNOWN
+
+
+def tracer() -> Any:
+    """The ``pg_lease_django`` tracer, or None without opentelemetry-api (looked up once)."""
+    global _tracer
+    if _tracer is _UNKNOWN:
+        try:
+            from opentelemetry.trace import get_tracer
+        except ImportError:
+            _tracer = None
+        else:
+            _tracer = get_tracer("pg_lease_django")
+    return _tracer
+
+
+def start(name: str, prefix: str) -> Any:
+    """Start a span (None without OpenTelemetry); end it with `finish`."""
+    found = tracer()
+    if found is None:
+        return None
+    return found.start_span(name, attributes={"pg_lease.prefix": prefix})
+
+
+def finish(span: Any, outcome: str, epoch: int | None = None) -> None:
+    """Set the outcome (and epoch) of ``span`` and end it."""
+    if span is None:
+        return
+    span.set_attribute("pg_lease.outcome", outcome)
+    if epoch is not None:
+        span.set_attribute("pg_lease.epoch", epoch)
+    span.end()
+
+
+def record(name: str, prefix: str, outcome: str, epoch: int | None, *, began_seconds_ago: float = 0.0) -> None:
+    """A span that already happened: it began ``began_seconds_ago`` and ends now."""
+    found = tracer()
+    if found is None:
+        return
+    start_ns = time.time_ns() - int(max(began_seconds_ago, 0.0) * 1e9)
+    attributes: dict[str, Any] = {"pg_lease.prefix": prefix, "pg_lease.outcome": outcome}
+    if epoch is not None:
+        attributes["pg_lease.epoch"] = epoch
+    found.start_span(name, attributes=attributes, start_time=start_ns).end()

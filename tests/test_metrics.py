@@ -1,0 +1,394 @@
+"""Prometheus metrics (pg_lease_django.metrics, .metrics_db): scraped over real HTTP after real holds.
+
+Each test labels its keys with a prefix of its own, so the series it reads start at zero whatever
+else this process held before: every count asserted is exactly what the scenario implies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import prometheus_client
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from django.test import override_settings
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from pg_lease_django import Lease, LeaseError, LeaseTimeoutError, NotAcquirableError, hold, metrics, metrics_db
+from pg_lease_django.checks import check_metrics_settings
+from pg_lease_django.history import sync_scope
+from tests.helpers import Background, held, lapsed, url_of_test_database, wait_until
+from tests.testapp.models import Entry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+REPO = Path(__file__).resolve().parent.parent
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+_counter = itertools.count()
+
+
+def scrape_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200
+        return str(response.read().decode())
+
+
+def parse(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name, frozenset(sample.labels.items())] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sample ``name{labels}``, 0 when absent (a counter never incremented has no child)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture
+def served() -> Iterator[Callable[[], Samples]]:
+    """prometheus_client's own HTTP server on an ephemeral port, serving the default registry."""
+    assert metrics.installed(), "the app's ready() registers the metrics when prometheus_client is installed"
+    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1")
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    yield lambda: parse(scrape_text(url))
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=30)
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"m{uuid.uuid4().hex[:12]}n{next(_counter)}"
+
+
+def test_every_counter_is_at_the_value_the_scenario_implies(served: Callable[[], Samples], prefix: str) -> None:
+    p = prefix
+    # Two grants and two refusals (busy, then a blocking wait that times out) while one is held.
+    with hold(f"{p}:a", ttl=10) as a:
+        busy = Background(lambda: hold(f"{p}:a", ttl=10).__enter__())
+        busy.start()
+        busy.join(timeout=60)
+        assert isinstance(busy.error, NotAcquirableError)
+        waited = Background(lambda: hold(f"{p}:a", ttl=10, blocking=True, timeout=0.3).__enter__())
+        waited.start()
+        waited.join(timeout=60)
+        assert isinstance(waited.error, LeaseTimeoutError)
+        during = served()
+        assert value(during, "pg_lease_holds", prefix=p) == 1
+        assert a.epoch >= 1
+    # A lost hold: an operator force-releases it; the next renewal hears the verdict. A fenced write
+    # with the stale lease is then refused by the database.
+    with hold(f"{p}:b", ttl=0.6) as b:
+        Lease.objects.force_release(f"{p}:b")
+        assert b.wait_lost(timeout=60)
+        assert b.error is not None
+        lost_code = b.error.code
+        with pytest.raises(LeaseError) as refusal:
+            Entry(account=f"{p}:b", writer="stale").save(fence=b)
+    # A hand-off: asked to step down, the holder learns at its next renewal, then releases.
+    with hold(f"{p}:c", ttl=0.6) as c:
+        Lease.objects.request_handoff(f"{p}:c")
+        assert c.wait_stop(timeout=60)
+        assert c.handoff_requested and not c.lost
+    after = served()
+
+    assert value(after, "pg_lease_grants_total", prefix=p) == 3
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="busy") == 1
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=p, outcome="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_sum", prefix=p, outcome="timeout") >= 0.3
+    assert value(after, "pg_lease_releases_total", prefix=p) == 2  # a and c
+    assert value(after, "pg_lease_lapses_total", prefix=p) == 0
+    assert value(after, "pg_lease_losses_total", prefix=p, reason=lost_code) == 1
+    assert value(after, "pg_lease_handoffs_total", prefix=p) == 1
+    assert value(after, "pg_lease_fenced_writes_refused_total", prefix=p, reason=refusal.value.code) == 1
+    assert value(after, "pg_lease_holds", prefix=p) == 0
+    # c renewed at least once (that is how it heard of the hand-off); every renewal has its latency and slack.
+    renewals = value(after, "pg_lease_renewals_total", prefix=p)
+    assert renewals >= 1
+    assert value(after, "pg_lease_renewal_latency_seconds_count", prefix=p) == renewals
+    assert value(after, "pg_lease_renewal_slack_seconds_count", prefix=p) == renewals
+    # The database's view, in the same scrape: the three keys are free now.
+    assert value(after, "pg_lease_db_up") == 1
+    assert value(after, "pg_lease_db_leases", prefix=p, state="free") == 3
+    assert value(after, "pg_lease_db_leases", prefix=p, state="held") == 0
+
+
+def test_an_election_counts_its_campaign_and_its_term(served: Callable[[], Samples], prefix: str) -> None:
+    from pg_lease_django import current_election, elect
+
+    def lead(lease: Any) -> None:
+        election = current_election()
+        assert election is not None
+        election.wait_stop()
+
+    election = elect(f"{prefix}:leader", ttl=5, on_started_leading=lead, on_stopped_leading=lambda: None)
+    try:
+        wait_until(lambda: election.leading, timeout=60, what="the election to lead")
+        during = served()
+        assert value(during, "pg_lease_elections", prefix=prefix) == 1
+        assert value(during, "pg_lease_leaderships", prefix=prefix) == 1
+        assert value(during, "pg_lease_holds", prefix=prefix) == 1
+    finally:
+        election.stop()
+        assert election.join(timeout=60)
+    after = served()
+    assert value(after, "pg_lease_elections", prefix=prefix) == 0
+    assert value(after, "pg_lease_leaderships", prefix=prefix) == 0
+    assert value(after, "pg_lease_grants_total", prefix=prefix) == 1
+    assert value(after, "pg_lease_releases_total", prefix=prefix) == 1
+
+
+def test_the_database_view_counts_states_lapses_waiters_and_tenures(served: Callable[[], Samples], prefix: str) -> None:
+    p = prefix
+    with override_settings(PG_LEASE_HISTORY=[f"{p}:"]):
+        sync_scope()
+        try:
+            held(f"{p}:held", "w1")
+            lapsed(f"{p}:lapsed-1", "w2")
+            lapsed(f"{p}:lapsed-2", "w3")
+            epoch = held(f"{p}:free", "w4")
+            Lease.objects.release(f"{p}:free", "w4", epoch)
+
+            # A blocking waiter registers (LISTEN) while the key is held.
+            def wait() -> Any:
+                try:
+                    return Lease.objects.acquire(f"{p}:held", "w5", ttl=10, blocking=True, timeout=60)
+                finally:
+                    connections.close_all()  # this thread's own
+
+            waiter = Background(wait)
+            waiter.start()
+            wait_until(lambda: value(served(), "pg_lease_db_waiters", prefix=p) == 1, timeout=60, what="a waiter")
+            samples = served()
+            Lease.objects.release(f"{p}:held", "w1", Lease.objects.inspect(f"{p}:held").epoch)
+            waiter.join(timeout=60)
+            assert waiter.error is None and waiter.result is not None
+            after = served()
+        finally:
+            with override_settings(PG_LEASE_HISTORY=[]):
+                sync_scope()
+    assert value(samples, "pg_lease_db_leases", prefix=p, state="held") == 1
+    assert value(samples, "pg_lease_db_leases", prefix=p, state="lapsed") == 2
+    assert value(samples, "pg_lease_db_leases", prefix=p, state="free") == 1
+    assert value(samples, "pg_lease_db_oldest_lapse_seconds", prefix=p) > 0
+    assert value(samples, "pg_lease_db_tenures_ended", prefix=p, reason="released") == 1
+    assert value(after, "pg_lease_db_leases", prefix=p, state="held") == 1  # the waiter's grant
+    assert value(after, "pg_lease_db_waiters", prefix=p) == 0
+    assert value(after, "pg_lease_db_tenures_ended", prefix=p, reason="released") == 2
+    # With history off the tenures are not read (a constant false filter: no scan).
+    assert value(served(), "pg_lease_db_tenures_ended", prefix=p, reason="released") == 0
+
+
+def test_a_callable_label_groups_the_database_view_the_same_way(prefix: str) -> None:
+    held(f"{prefix}/x:1")
+    held(f"{prefix}/y:2")
+    registry = CollectorRegistry()
+    with override_settings(PG_LEASE_METRICS_KEY_LABEL="tests.test_metrics.slash_label"):
+        metrics_db.register(registry)
+        samples = parse(prometheus_client.generate_latest(registry).decode())
+    assert value(samples, "pg_lease_db_leases", prefix=prefix, state="held") == 2
+
+
+def slash_label(key: str) -> str:
+    return key.split("/", 1)[0]
+
+
+def test_a_database_that_cannot_be_read_is_reported_not_raised() -> None:
+    registry = CollectorRegistry()
+    metrics_db.register(registry, using="other")  # a database alias without the lease table
+    samples = parse(prometheus_client.generate_latest(registry).decode())
+    assert value(samples, "pg_lease_db_up") == 0
+
+
+@pytest.mark.parametrize("bad", ["", "::", "no.such.module.label", 3])
+def test_a_bad_key_label_setting_is_a_system_check_error(bad: object) -> None:
+    with override_settings(PG_LEASE_METRICS_KEY_LABEL=bad):
+        with pytest.raises(ImproperlyConfigured):
+            from pg_lease_django import conf
+
+            conf.metrics_key_label()
+        [error] = check_metrics_settings()
+    assert error.id == "pg_lease_django.E005"
+    assert check_metrics_settings() == []
+
+
+def test_the_default_label_is_the_text_before_the_first_colon() -> None:
+    assert metrics.key_label("billing:acme:42") == "billing"
+    assert metrics.key_label("nightly-billing") == "nightly-billing"
+
+
+@pytest.mark.slow
+def test_multiprocess_mode_sums_two_worker_processes(tmp_path: Path, prefix: str) -> None:
+    """Two real workers with PROMETHEUS_MULTIPROC_DIR; the parent serves their sum over HTTP."""
+    from prometheus_client import multiprocess
+
+    env = {
+        **os.environ,
+        "DATABASE_URL": url_of_test_database(),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+    }
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.metrics_child", f"{prefix}:w{n}"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    try:
+        for worker in workers:
+            assert worker.stdout is not None
+            assert json.loads(worker.stdout.readline())["event"] == "holding"
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(tmp_path))  # type: ignore[no-untyped-call]
+        server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        try:
+            during = parse(scrape_text(url))
+            assert value(during, "pg_lease_grants_total", prefix=prefix) == 2
+            assert value(during, "pg_lease_holds", prefix=prefix) == 2
+            for worker in workers:
+                assert worker.stdin is not None and worker.stdout is not None
+                worker.stdin.close()
+                assert json.loads(worker.stdout.readline())["event"] == "released"
+                assert worker.wait(timeout=60) == 0
+                multiprocess.mark_process_dead(worker.pid, str(tmp_path))  # type: ignore[no-untyped-call]
+            after = parse(scrape_text(url))
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=30)
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    assert value(after, "pg_lease_grants_total", prefix=prefix) == 2
+    assert value(after, "pg_lease_releases_total", prefix=prefix) == 2
+    assert value(after, "pg_lease_holds", prefix=prefix) == 0
+
+
+def _declared() -> dict[str, tuple[str, ...]]:
+    """Every series name the code exports (histograms with their three suffixes) -> its labels."""
+    names: dict[str, tuple[str, ...]] = {}
+    for name, (kind, labels) in {**metrics.METRICS, **metrics_db.DATABASE_METRICS}.items():
+        names[name] = labels
+        if kind == "histogram":
+            names[f"{name}_bucket"] = (*labels, "le")
+            names[f"{name}_sum"] = names[f"{name}_count"] = labels
+    return names
+
+
+def test_the_declared_metrics_are_the_ones_registered_with_those_labels() -> None:
+    exposition = prometheus_client.generate_latest().decode()
+    for name, (kind, _labels) in metrics.METRICS.items():
+        assert f"# TYPE {name} {kind}\n" in exposition
+    registered = {
+        collector._name: tuple(collector._labelnames)  # type: ignore[attr-defined]
+        for collector in list(prometheus_client.REGISTRY._collector_to_names)
+        if getattr(collector, "_name", "").startswith("pg_lease_")
+    }
+    declared = {name.removesuffix("_total"): labels for name, (_kind, labels) in metrics.METRICS.items()}
+    assert registered == declared
+
+
+def test_the_database_view_exports_what_it_declares(prefix: str) -> None:
+    held(f"{prefix}:x")
+    registry = CollectorRegistry()
+    metrics_db.register(registry)
+    families = {family.name: family for family in registry.collect()}
+    assert set(families) == set(metrics_db.DATABASE_METRICS)
+    for name, (kind, labels) in metrics_db.DATABASE_METRICS.items():
+        assert families[name].type == kind
+        # Waiters and ended tenures appear only when there are some (history is off here).
+        assert families[name].samples or name in ("pg_lease_db_waiters", "pg_lease_db_tenures_ended"), name
+        for sample in families[name].samples:
+            assert tuple(sample.labels) == labels, (name, sample)
+
+
+def test_every_dashboard_query_names_an_exported_metric_with_labels_it_has() -> None:
+    dashboard = json.loads((REPO / "docs" / "grafana" / "pg_lease.json").read_text())
+    declared = _declared()
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    assert len(expressions) >= 10
+    used: set[str] = set()
+    for expression in expressions:
+        names = re.findall(r"\bpg_lease_\w+", expression)
+        assert names, f"{expression!r} names no metric of ours"
+        for name in names:
+            assert name in declared, f"{name} (in {expression!r}) is not a metric the code exports"
+        labels: set[str] = set()
+        for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expression):
+            labels |= {label.strip() for label in group.split(",") if label.strip()}
+        for selector in re.findall(r"\{([^}]*)\}", expression):
+            labels |= set(re.findall(r"(\w+)\s*(?:=|!=|=~|!~)", selector))
+        allowed = set().union(*(declared[name] for name in names))
+        assert labels <= allowed, f"{expression!r} uses labels {labels - allowed} its metrics do not have"
+        used.update(name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for name in names)
+    # And the dashboard shows every metric (a new one gets a panel, or this fails).
+    assert used == set(metrics.METRICS) | set(metrics_db.DATABASE_METRICS)
+
+
+def test_the_observability_page_explains_every_metric_and_setting() -> None:
+    page = (REPO / "docs" / "observability.md").read_text()
+    for name in {**metrics.METRICS, **metrics_db.DATABASE_METRICS}:
+        assert f"`{name}`" in page, f"docs/observability.md does not explain {name}"
+    for setting in ("PG_LEASE_METRICS", "PG_LEASE_METRICS_DATABASE_VIEW", "PG_LEASE_METRICS_KEY_LABEL"):
+        assert setting in page
+    assert "observability.md" in (REPO / "mkdocs.yml").read_text()
+
+
+def _child(mode: str, key: str) -> list[dict[str, Any]]:
+    env = {**os.environ, "DATABASE_URL": url_of_test_database(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.observability_child", mode, key],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_each_lease_operation_of_a_hold_is_a_span_with_prefix_outcome_and_epoch(prefix: str) -> None:
+    spans = _child("spans", f"{prefix}:traced")
+    by_outcome = {(span["name"], span["attributes"]["pg_lease.outcome"]): span for span in spans}
+    granted = by_outcome["pg_lease.acquire", "granted"]
+    epoch = granted["attributes"]["pg_lease.epoch"]
+    assert granted["attributes"]["pg_lease.prefix"] == prefix
+    assert "pg_lease.epoch" not in by_outcome["pg_lease.acquire", "busy"]["attributes"]
+    renew = by_outcome["pg_lease.renew", "renewed"]
+    assert renew["attributes"]["pg_lease.epoch"] == epoch and renew["duration_ns"] > 0
+    assert by_outcome["pg_lease.release", "freed"]["attributes"]["pg_lease.epoch"] == epoch
+    assert {span["attributes"]["pg_lease.prefix"] for span in spans} == {prefix}
+
+
+@pytest.mark.slow
+def test_without_the_optional_packages_nothing_is_registered_and_holds_work(prefix: str) -> None:
+    [report] = _child("without", f"{prefix}:plain")
+    assert report == {"metrics": False, "rich": False, "epoch": report["epoch"]}
+    assert report["epoch"] >= 1
