@@ -354,6 +354,114 @@ class Election:
                 self._call(self._on_new_leader, state.owner, seen=self._seen(state.owner))
                 return
 
+    # ---- the coroutine of aelect() ---------------------------------------------------------------
+
+    async def _acampaign(self) -> None:
+        """`_run` for the event loop: campaign until cancelled."""
+        metrics.campaigning(self.key, 1)
+        try:
+            while True:
+                ended = await self._aterm()
+                if ended is None:
+                    continue
+                if ended == _End.HANDOFF:
+                    await self._awatch_for(self._rest(ended))
+                else:
+                    await asyncio.sleep(self._rest(ended))
+        finally:
+            metrics.campaigning(self.key, -1)
+
+    async def _aterm(self) -> _End | None:
+        """`_term` for the event loop; None when refused (after the pause)."""
+        loop = asyncio.get_running_loop()
+        step_down = asyncio.Event()
+
+        def handoff(lease: HeldLease) -> None:  # a heartbeat worker thread; a loss cancels this task through the hold
+            loop.call_soon_threadsafe(step_down.set)
+
+        started = False
+        held: HeldLease | None = None
+        task = asyncio.current_task()
+        cancelling = task.cancelling() if task is not None else 0
+        try:
+            async with self._hold(None, handoff) as lease:
+                held = lease
+                self._start_term(lease)
+                await self._acall(self._on_new_leader, self.owner, seen=self._seen(self.owner))
+                started = True
+                leader: asyncio.Future[Any] = asyncio.ensure_future(self._on_started_leading(lease))
+                stepping = asyncio.ensure_future(step_down.wait())
+                try:
+                    await asyncio.wait({leader, stepping}, return_when=asyncio.FIRST_COMPLETED)
+                finally:  # also when this task is cancelled: by the hold on a loss, or from outside
+                    self._lease = None
+                    stepping.cancel()
+                    if not leader.done():
+                        leader.cancel()
+                        await asyncio.wait({leader})
+                if leader.cancelled():
+                    ended = _End.RETURNED  # by the hand-off (see _end_of)
+                elif (exc := leader.exception()) is not None:
+                    self._log_failure("on_started_leading", exc)
+                    ended = _End.FAILED
+                else:
+                    ended = _End.RETURNED
+        except NotAcquirableError as busy:
+            if busy.holder is not None:
+                await self._acall(self._on_new_leader, busy.holder, seen=self._seen(busy.holder))
+            await asyncio.sleep(conf.poll_interval())
+            return None
+        except LeaseLostError:
+            if not started:
+                return _End.LOST
+            ended = _End.LOST  # the hold cancelled this task on the loss, and turned that into this error
+        except asyncio.CancelledError:
+            # The hold's own cancellation on a loss normally comes back as LeaseLostError; one that lands
+            # as the hold is being left escapes unconverted. It is ours if it is the only one pending.
+            if task is not None and held is not None and held.lost and task.cancelling() == cancelling + 1:
+                task.uncancel()
+                ended = _End.LOST
+            else:
+                if started:  # cancelled from outside while leading: the hold has released; step down, then go
+                    await self._acall(self._on_stopped_leading)
+                raise
+        except Exception as exc:  # the database, while acquiring: keep campaigning, backing off
+            logger.warning("election %r (%s): campaigning failed: %r", self.key, self.owner, exc)
+            if started:
+                await self._acall(self._on_stopped_leading)
+            await asyncio.sleep(self._rest(_End.FAILED))
+            return None
+        if ended != _End.LOST:
+            ended = self._end_of(lease, ended)
+        await self._acall(self._on_stopped_leading)
+        return ended
+
+    async def _acall(self, callback: Callable[..., Any] | None, *args: Any, seen: bool = True) -> None:
+        if callback is None or not seen:
+            return
+        try:
+            result = callback(*args)
+            if inspect.isawaitable(result):
+                await result
+        except Exception as exc:
+            self._log_failure(getattr(callback, "__name__", "a callback"), exc)
+
+    async def _awatch_for(self, seconds: float) -> None:
+        """`_watch_for` for the event loop."""
+        from .models import Lease
+
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(conf.poll_interval(), remaining))
+            try:
+                state = await Lease.objects.db_manager(self._using).ainspect(self.key)
+            except Exception as exc:
+                logger.warning("election %r: reading the lease failed: %r", self.key, exc)
+                continue
+            if state.held and state.owner and state.owner != self.owner:
+                await self._acall(self._on_new_leader, state.owner, seen=self._seen(state.owner))
+                return
+
 
 def elect(
     key: str,
@@ -443,112 +551,7 @@ async def aelect(
         owner=owner,
         using=using,
     )
-    metrics.campaigning(election.key, 1)
-    try:
-        while True:
-            ended = await _aterm(election)
-            if ended is None:
-                continue
-            if ended == _End.HANDOFF:
-                await _awatch_for(election, election._rest(ended))
-            else:
-                await asyncio.sleep(election._rest(ended))
-    finally:
-        metrics.campaigning(election.key, -1)
-
-
-async def _aterm(election: Election) -> _End | None:
-    """`Election._term` for the event loop; None when refused (after the pause)."""
-    loop = asyncio.get_running_loop()
-    step_down = asyncio.Event()
-
-    def handoff(lease: HeldLease) -> None:  # a heartbeat worker thread; a loss cancels this task through the hold
-        loop.call_soon_threadsafe(step_down.set)
-
-    started = False
-    held: HeldLease | None = None
-    task = asyncio.current_task()
-    cancelling = task.cancelling() if task is not None else 0
-    try:
-        async with election._hold(None, handoff) as lease:
-            held = lease
-            election._start_term(lease)
-            await _acall(election, election._on_new_leader, election.owner, seen=election._seen(election.owner))
-            started = True
-            leader: asyncio.Future[Any] = asyncio.ensure_future(election._on_started_leading(lease))
-            stepping = asyncio.ensure_future(step_down.wait())
-            try:
-                await asyncio.wait({leader, stepping}, return_when=asyncio.FIRST_COMPLETED)
-            finally:  # also when this task is cancelled: by the hold on a loss, or from outside
-                election._lease = None
-                stepping.cancel()
-                if not leader.done():
-                    leader.cancel()
-                    await asyncio.wait({leader})
-            if leader.cancelled():
-                ended = _End.RETURNED  # by the hand-off (see _end_of)
-            elif (exc := leader.exception()) is not None:
-                election._log_failure("on_started_leading", exc)
-                ended = _End.FAILED
-            else:
-                ended = _End.RETURNED
-    except NotAcquirableError as busy:
-        if busy.holder is not None:
-            await _acall(election, election._on_new_leader, busy.holder, seen=election._seen(busy.holder))
-        await asyncio.sleep(conf.poll_interval())
-        return None
-    except LeaseLostError:
-        if not started:
-            return _End.LOST
-        ended = _End.LOST  # the hold cancelled this task on the loss, and turned that into this error
-    except asyncio.CancelledError:
-        # The hold's own cancellation on a loss normally comes back as LeaseLostError; one that lands
-        # as the hold is being left escapes unconverted. It is ours if it is the only one pending.
-        if task is not None and held is not None and held.lost and task.cancelling() == cancelling + 1:
-            task.uncancel()
-            ended = _End.LOST
-        else:
-            if started:  # cancelled from outside while leading: the hold has released; step down, then go
-                await _acall(election, election._on_stopped_leading)
-            raise
-    except Exception as exc:  # the database, while acquiring: keep campaigning, backing off
-        logger.warning("election %r (%s): campaigning failed: %r", election.key, election.owner, exc)
-        if started:
-            await _acall(election, election._on_stopped_leading)
-        await asyncio.sleep(election._rest(_End.FAILED))
-        return None
-    if ended != _End.LOST:
-        ended = election._end_of(lease, ended)
-    await _acall(election, election._on_stopped_leading)
-    return ended
-
-
-async def _acall(election: Election, callback: Callable[..., Any] | None, *args: Any, seen: bool = True) -> None:
-    if callback is None or not seen:
-        return
-    try:
-        result = callback(*args)
-        if inspect.isawaitable(result):
-            await result
-    except Exception as exc:
-        election._log_failure(getattr(callback, "__name__", "a callback"), exc)
-
-
-async def _awatch_for(election: Election, seconds: float) -> None:
-    """`Election._watch_for` for the event loop."""
-    from .models import Lease
-
-    deadline = time.monotonic() + seconds
-    while (remaining := deadline - time.monotonic()) > 0:
-        await asyncio.sleep(min(conf.poll_interval(), remaining))
-        try:
-            state = await Lease.objects.db_manager(election._using).ainspect(election.key)
-        except Exception as exc:
-            logger.warning("election %r: reading the lease failed: %r", election.key, exc)
-            continue
-        if state.held and state.owner and state.owner != election.owner:
-            await _acall(election, election._on_new_leader, state.owner, seen=election._seen(state.owner))
-            return
+    await election._acampaign()  # aelect is the event loop's driver of an Election, elect() its thread's
 
 
 def _default_owner() -> str:
