@@ -1,0 +1,203 @@
+"""System checks of the code: fenced models, their admins, the lease database's engine, the metrics settings."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from django.apps import apps
+from django.core import checks
+from django.db import connections, router
+
+
+def check_database_is_postgresql(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.E001: the Lease table must live in PostgreSQL (its rules are SQL functions)."""
+    lease = apps.get_model("pg_lease_django", "Lease")
+    alias = router.db_for_write(lease)
+    if connections[alias].vendor == "postgresql":
+        return []
+    return [
+        checks.Error(
+            f"Leases are routed to database {alias!r}, which is {connections[alias].vendor}, not PostgreSQL.",
+            hint=(
+                f"Use ENGINE 'django.db.backends.postgresql' for DATABASES[{alias!r}], or route the "
+                "pg_lease_django app to a PostgreSQL database (DATABASE_ROUTERS)."
+            ),
+            obj=lease,
+            id="pg_lease_django.E001",
+        )
+    ]
+
+
+def check_fenced_models_share_the_lease_database(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.E002: a FencedModel must be written to the database that holds the leases.
+
+    Its fence check runs inside its own write statement, against the lease table of that database.
+    """
+    from pg_lease_django.fencing import FencedModel
+
+    lease = apps.get_model("pg_lease_django", "Lease")
+    lease_alias = router.db_for_write(lease)
+    configs = apps.get_app_configs() if app_configs is None else app_configs
+    errors: list[checks.CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel):
+                continue
+            alias = router.db_for_write(model)
+            if alias != lease_alias:
+                errors.append(
+                    checks.Error(
+                        f"{model._meta.label} is a FencedModel routed to database {alias!r}, "
+                        f"but leases are routed to {lease_alias!r}: its fence could not see the leases.",
+                        hint="Route the model and the pg_lease_django app to the same database (DATABASE_ROUTERS).",
+                        obj=model,
+                        id="pg_lease_django.E002",
+                    )
+                )
+    return errors
+
+
+def check_fenced_models_have_fenced_parents(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.E003: a FencedModel must not be a multi-table child of an unfenced model.
+
+    The parent's table would hold some of the row's columns without a fence trigger (only tables
+    of fenced models get one), so writes to those columns would not be guarded.
+    """
+    from pg_lease_django.fencing import FencedModel
+
+    configs = apps.get_app_configs() if app_configs is None else app_configs
+    errors: list[checks.CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel):
+                continue
+            for parent in model._meta.get_parent_list():
+                if not issubclass(parent, FencedModel):
+                    errors.append(
+                        checks.Error(
+                            f"{model._meta.label} is a FencedModel whose multi-table parent {parent._meta.label} "
+                            "is not: the parent's columns would be written without a fence.",
+                            hint=f"Make {parent._meta.label} the FencedModel (its children are fenced too), "
+                            "or make the parent abstract.",
+                            obj=model,
+                            id="pg_lease_django.E003",
+                        )
+                    )
+    return errors
+
+
+def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.W009 / E004: a per-row lease key whose fields are not declared, or not fields.
+
+    ``Model.objects.fenced(g).update(tenant=...)`` cannot recompute the stored lease key; the
+    queryset refuses it only for fields named in ``lease_key_fields``. Without them, such an
+    update moves rows under another lease with one fence (the database checks the stored key).
+    """
+    from pg_lease_django.fencing import FencedModel
+
+    configs = apps.get_app_configs() if app_configs is None else app_configs
+    found: list[checks.CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel) or model._meta.proxy:
+                continue
+            fenced = cast("type[FencedModel]", model)
+            names = {f.name for f in fenced._meta.get_fields()}
+            unknown = [name for name in fenced.lease_key_fields if name not in names]
+            if unknown:
+                found.append(
+                    checks.Error(
+                        f"{model._meta.label}.lease_key_fields names {', '.join(unknown)}, not fields of the model.",
+                        hint="Name the fields get_lease_key() reads.",
+                        obj=model,
+                        id="pg_lease_django.E004",
+                    )
+                )
+            elif fenced.get_lease_key is not FencedModel.get_lease_key and not fenced.lease_key_fields:
+                found.append(
+                    checks.Warning(
+                        f"{model._meta.label} overrides get_lease_key() but declares no lease_key_fields: "
+                        "a fenced update() of the fields it reads would move rows under another lease.",
+                        hint="Set lease_key_fields = (...) to the fields get_lease_key() reads (docs/fencing.md).",
+                        obj=model,
+                        id="pg_lease_django.W009",
+                    )
+                )
+    return found
+
+
+def check_fenced_many_to_many(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.W003: a FencedModel's many-to-many field whose rows are not fenced.
+
+    Its ``through`` table (Django's automatic one, or a plain model) has no fence trigger: adding or
+    removing relations (``obj.tags.add()``) is not guarded by the lease.
+    """
+    from pg_lease_django.fencing import FencedModel
+
+    configs = apps.get_app_configs() if app_configs is None else app_configs
+    warnings: list[checks.CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel):
+                continue
+            for field in model._meta.local_many_to_many:
+                through = field.remote_field.through
+                if isinstance(through, type) and issubclass(through, FencedModel):
+                    continue
+                label = through._meta.label if isinstance(through, type) else str(through)  # type: ignore[attr-defined]
+                warnings.append(
+                    checks.Warning(
+                        f"{model._meta.label}.{field.name} is a many-to-many field of a FencedModel whose relation "
+                        f"rows ({label}) are not fenced: a stale holder can still add or remove them.",
+                        hint="Give it a through= model that is a FencedModel (with the same lease key), or keep the "
+                        "relation out of what the lease guards.",
+                        obj=model,
+                        id="pg_lease_django.W003",
+                    )
+                )
+    return warnings
+
+
+def check_fenced_models_have_a_fenced_admin(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """pg_lease_django.W001: a FencedModel registered in the admin with a plain ModelAdmin.
+
+    Its add, change and delete views would fail with UnfencedWriteError on every write.
+    """
+    if not apps.is_installed("django.contrib.admin"):
+        return []
+    from django.contrib import admin
+
+    from pg_lease_django.admin import FencedModelAdmin
+    from pg_lease_django.fencing import FencedModel
+
+    return [
+        checks.Warning(
+            f"{model._meta.label} is a FencedModel registered in the admin with {type(model_admin).__name__}, "
+            "which writes without a fence: adding, changing and deleting rows there will fail.",
+            hint="Register it with pg_lease_django.admin.FencedModelAdmin (writes become recorded opt-outs).",
+            obj=model,
+            id="pg_lease_django.W001",
+        )
+        for model, model_admin in admin.site._registry.items()
+        if issubclass(model, FencedModel) and not isinstance(model_admin, FencedModelAdmin)
+    ]
+
+
+def check_metrics_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """E005: ``PG_LEASE_METRICS_KEY_LABEL`` is neither one separator character nor a callable (or its path)."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from pg_lease_django import conf
+
+    try:
+        conf.metrics_key_label()
+    except ImproperlyConfigured as exc:
+        return [
+            checks.Error(
+                str(exc),
+                hint='Use one character (e.g. ":"), a callable f(key) -> str, or the dotted path of one; '
+                "the metrics are not registered until it is fixed.",
+                id="pg_lease_django.E005",
+            )
+        ]
+    return []
