@@ -17,6 +17,6 @@ class Migration(migrations.Migration):
         RunSQLFile(
             "migrations/0005_one_update_trigger.sql",
             "migrations/0005_one_update_trigger_reverse.sql",
-            sha256="6ceec73c5ac01c16007a2d8b7a2aa2a56ee530efb948c0ec3544c2d1004d6271",
+            sha256="b7a0b17351c52d64dd7694c6ca7152b0dbda29e18c1ef10f1cbb3059866aa37f",
         )
     ]

@@ -6,13 +6,19 @@
 --   pg_lease_recheck_under_lock, pg_lease_record_transition, pg_lease_recorded_follows_scope) cost an
 --   acquire+release pair about 30 us of server CPU and a renewal 12 us, against 14 and 5 us for one
 --   trigger, pg_lease_guard_update, whose WHEN holds whenever one of the rules may apply. Its body
---   applies the five rules in the order the five triggers fired (their names' order).
+--   applies the five rules in the order the five triggers fired (their names' order). It runs as the
+--   owner (SECURITY DEFINER, no SET clause: every name in it carries its schema), as the triggers that
+--   wrote the history did: a role granted UPDATE on the table by hand keeps moving leases on.
 -- * pg_lease_record_tenure(op, old, new): the tenure bookkeeping, called by that trigger for an
 --   UPDATE and by pg_lease_record_transition for INSERT and DELETE.
 -- * pg_lease_check_key_scope: an index probe, and the prefixes only for a role that has some (was
 --   an aggregate: 4.5 -> 3.0 us a call, two calls a pair).
 -- * pg_lease_wake_waiters: DELETE ... RETURNING INTO (the key is the primary key), no aggregate.
 -- * pg_lease_acquire and pg_lease_release: restated for their comments, which name the new trigger.
+-- * pg_lease_insert_above_floor refuses the markers ('-infinity'): a raw INSERT stored them, and every
+--   later UPDATE of the row was then stamped or skipped.
+-- * A grant marker counts only with a new epoch, and any change of the expiry on the same epoch of a
+--   lapsed lease is judged under the lock (a shorter renewal too): neither brings a lapsed epoch back.
 
 DROP TRIGGER pg_lease_clear_handoff ON @extschema@."pg_lease_django_lease";
 DROP TRIGGER pg_lease_forbid_rewrite ON @extschema@."pg_lease_django_lease";
@@ -97,17 +103,21 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_record_transition() FROM PUBLIC;
 --    triggers run once the row is locked: this one reads the clock there and skips the row (the
 --    UPDATE then finds nothing) when a renewal (same epoch, later expiry) or a release
 --    (released_at = -infinity, replaced by the clock read) meets a lease that has lapsed, whoever
---    sends it: a plain UPDATE cannot bring back a lapsed epoch either. It stamps acquire's grants
---    (acquired_at = -infinity, expires_at = the Unix epoch + TTL) with that clock read.
+--    sends it: a plain UPDATE cannot bring back a lapsed epoch either (any change of the expiry on
+--    the same epoch is judged, a shorter one too, and a grant marker counts only with a new epoch).
+--    It stamps acquire's grants (acquired_at = -infinity, expires_at = the Unix epoch + TTL) with
+--    that clock read.
 --    tests/test_judged_under_lock.py forces each interleaving.
 -- 4. A change of epoch of a recorded key is written to its tenures (pg_lease_record_tenure), with
 --    the values stamped above.
 -- 5. `recorded` follows the history scope: a writer may change it only to what the scope says.
--- No SET clause (it would cost a configuration switch on every acquire and release): every
--- built-in, operator and type is named with its schema, so a writer's search_path cannot stand in
--- for any of them; the functions it calls pin their own.
+-- It runs as the owner, as the triggers that wrote the history did: a role granted UPDATE on the
+-- table by hand moves leases, and has them recorded, without EXECUTE on the owner's helpers. No SET
+-- clause (it would cost a configuration switch on every acquire and release): every built-in,
+-- operator, type and function is named with its schema (and the literal typed), so a writer's
+-- search_path cannot stand in for any of them; the functions it calls pin their own.
 CREATE FUNCTION @extschema@.pg_lease_guard_update()
-RETURNS trigger LANGUAGE plpgsql
+RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
 AS $$
 DECLARE
   now_at pg_catalog.timestamptz;
@@ -126,13 +136,14 @@ BEGIN
             HINT = 'Use the lease functions (pg_lease_acquire, pg_lease_release, pg_lease_force_release).';
   END IF;
 
-  IF (NEW.epoch OPERATOR(pg_catalog.=) OLD.epoch AND NEW.expires_at OPERATOR(pg_catalog.>) OLD.expires_at
+  IF (NEW.epoch OPERATOR(pg_catalog.=) OLD.epoch AND NEW.expires_at OPERATOR(pg_catalog.<>) OLD.expires_at
       AND OLD.expires_at OPERATOR(pg_catalog.<=) pg_catalog.clock_timestamp())
      OR NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz
      OR NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
     now_at := pg_catalog.clock_timestamp();
-    IF NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
-      -- a grant by pg_lease_acquire: expiry = this clock read + TTL
+    IF NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz
+       AND NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch THEN
+      -- a grant by pg_lease_acquire (always a new epoch): expiry = this clock read + TTL
       NEW.expires_at := now_at OPERATOR(pg_catalog.+)
         pg_catalog.make_interval(secs => pg_catalog.date_part('epoch', NEW.expires_at));
       NEW.acquired_at := now_at;
@@ -144,13 +155,14 @@ BEGIN
   END IF;
 
   IF NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch AND NEW.recorded THEN
-    PERFORM @extschema@.pg_lease_record_tenure('UPDATE', OLD, NEW);
+    PERFORM @extschema@.pg_lease_record_tenure('UPDATE'::pg_catalog.text, OLD, NEW);
   END IF;
 
-  IF NEW.recorded OPERATOR(pg_catalog.<>) OLD.recorded
-     AND NEW.recorded OPERATOR(pg_catalog.<>) @extschema@.pg_lease_in_history_scope(NEW.key) THEN
-    RAISE EXCEPTION 'lease %: recorded follows the history scope (pg_lease_django_history_scope)', NEW.key
-      USING ERRCODE = '23514', HINT = 'Change the scope (PG_LEASE_HISTORY, then migrate), not the flag.';
+  IF NEW.recorded OPERATOR(pg_catalog.<>) OLD.recorded THEN
+    IF NEW.recorded OPERATOR(pg_catalog.<>) @extschema@.pg_lease_in_history_scope(NEW.key) THEN
+      RAISE EXCEPTION 'lease %: recorded follows the history scope (pg_lease_django_history_scope)', NEW.key
+        USING ERRCODE = '23514', HINT = 'Change the scope (PG_LEASE_HISTORY, then migrate), not the flag.';
+    END IF;
   END IF;
   RETURN NEW;
 END $$;
@@ -163,7 +175,7 @@ CREATE TRIGGER pg_lease_guard_update BEFORE UPDATE ON @extschema@."pg_lease_djan
   FOR EACH ROW
   WHEN (NEW.epoch <> OLD.epoch OR NEW.key <> OLD.key OR NEW.owner IS DISTINCT FROM OLD.owner
         OR NEW.recorded <> OLD.recorded
-        OR (NEW.expires_at > OLD.expires_at AND OLD.expires_at <= clock_timestamp())
+        OR (NEW.expires_at <> OLD.expires_at AND OLD.expires_at <= clock_timestamp())
         OR NEW.released_at = '-infinity' OR NEW.acquired_at = '-infinity')
   EXECUTE FUNCTION @extschema@.pg_lease_guard_update();
 
@@ -327,4 +339,22 @@ BEGIN
       RETURN;
     END IF;
   END LOOP;
+END $$;
+
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_insert_above_floor()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF NEW.epoch <= (SELECT f.floor FROM @extschema@."pg_lease_django_epoch_floor" f) THEN
+    RAISE EXCEPTION 'lease % may not start at epoch %: the epoch floor is above it', NEW.key, NEW.epoch
+      USING ERRCODE = '23514', HINT = 'Acquire the lease instead (pg_lease_acquire).';
+  END IF;
+  IF NEW.acquired_at = '-infinity' OR NEW.released_at = '-infinity' THEN
+    -- the lease functions' markers (pg_lease_guard_update stamps them on UPDATE): never stored
+    RAISE EXCEPTION 'lease %: -infinity marks a grant or a release for the update trigger; it is not a time', NEW.key
+      USING ERRCODE = '23514', HINT = 'Acquire the lease instead (pg_lease_acquire).';
+  END IF;
+  NEW.recorded := @extschema@.pg_lease_in_history_scope(NEW.key);  -- whatever the writer said
+  RETURN NEW;
 END $$;

@@ -304,3 +304,16 @@ BEGIN
     END IF;
   END LOOP;
 END $$;
+
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_insert_above_floor()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF NEW.epoch <= (SELECT f.floor FROM @extschema@."pg_lease_django_epoch_floor" f) THEN
+    RAISE EXCEPTION 'lease % may not start at epoch %: the epoch floor is above it', NEW.key, NEW.epoch
+      USING ERRCODE = '23514', HINT = 'Acquire the lease instead (pg_lease_acquire).';
+  END IF;
+  NEW.recorded := @extschema@.pg_lease_in_history_scope(NEW.key);  -- whatever the writer said
+  RETURN NEW;
+END $$;
