@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -473,3 +474,190 @@ def test_a_hold_cancelled_while_its_attempt_is_in_flight_is_cancelled_on_the_ser
     no_session_left(watch, "pg_lease_django hold")
     state = Lease.objects.inspect(key)
     assert (state.status, state.epoch) == ("free", epoch)
+
+
+# -- hold()'s own connections: its enter and its exit interrupted at each statement ----------------------
+
+
+class _HoldStatements:
+    """An execute wrapper on each lease connection of ``hold()`` (`lease_pool`) opened while it is installed.
+
+    Django's ``connection_created`` signal attaches it to each of those connections (they are Django
+    connections of their own, named ``pg_lease_django hold``), with no hook in the package. It counts
+    the statements sent from the time it is `arm`-ed and raises `_Interrupted` just before or just
+    after the ``step``-th, in whichever thread sends it (the thread entering or leaving a sync hold,
+    an async hold's own thread). The heartbeat's renewals are not counted (a TTL of 60 s puts the
+    first one 20 s after the grant; they run on threads of their own).
+
+    ``contender``: ``(key, owner, epoch)`` released from ``side`` just after the first acquire
+    attempt has been answered (refused): a blocking hold then waits, is notified and attempts again,
+    with no timing involved.
+    """
+
+    def __init__(self, side: psycopg.Connection[Any]) -> None:
+        self.side = side
+        self.sent: list[str] = []
+        self.step = 0
+        self.when = "never"
+        self.contender: tuple[str, str, int] | None = None
+
+    def arm(self, step: int = 0, when: str = "never") -> None:
+        self.sent, self.step, self.when = [], step, when
+
+    def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        if threading.current_thread().name.startswith("pg_lease heartbeat"):
+            return execute(sql, params, many, context)
+        self.sent.append(sql)
+        step = len(self.sent)
+        if step == self.step and self.when == "before":
+            raise _Interrupted
+        result = execute(sql, params, many, context)
+        if self.contender is not None and "pg_lease_acquire" in sql:
+            contender, self.contender = self.contender, None
+            self.side.execute("SELECT * FROM pg_lease_release(%s::text, %s::text, %s::bigint)", list(contender))
+        if step == self.step and self.when == "after":
+            raise _Interrupted
+        return result
+
+
+@contextmanager
+def hold_statements(raw_connect: Connect) -> Iterator[_HoldStatements]:
+    """Install a `_HoldStatements` on the lease connections ``hold()`` opens in the block (none idle before)."""
+    from django.db.backends.signals import connection_created
+
+    from pg_lease_django import lease_pool
+
+    statements = _HoldStatements(raw_connect())
+
+    def attach(sender: Any, connection: Any, **kwargs: Any) -> None:
+        options = connection.settings_dict.get("OPTIONS") or {}
+        if options.get("application_name") == lease_pool.APPLICATION_NAME:
+            if statements not in connection.execute_wrappers:
+                connection.execute_wrappers.append(statements)
+
+    lease_pool.close_connections()  # each lease connection of the block is opened in it
+    connection_created.connect(attach, weak=False)
+    try:
+        yield statements
+    finally:
+        connection_created.disconnect(attach)
+        lease_pool.close_connections()
+
+
+def _in_a_hold(
+    mode: str, key: str, owner: str, blocking: bool, body: Callable[[Any], None], before: Callable[[], None]
+) -> None:
+    """``before()``, then ``body(lease)`` inside ``hold(key, 60, owner=owner)``: a ``with`` or an ``async with``."""
+    timeout = HANG_GUARD if blocking else None  # a hold that waited forever would fail, not hang
+    before()
+    if mode == "sync":
+        with hold(key, 60, owner=owner, blocking=blocking, timeout=timeout) as lease:
+            body(lease)
+        return
+
+    async def scenario() -> None:
+        async with hold(key, 60, owner=owner, blocking=blocking, timeout=timeout) as lease:
+            body(lease)
+
+    async_to_sync(scenario)()
+
+
+def _no_hold_left(key: str) -> None:
+    from pg_lease_django.heartbeat import active_holds
+
+    assert [lease for lease in active_holds() if lease.key.startswith(key)] == []  # no heartbeat renewing
+
+
+HOLD_CASES = [
+    pytest.param("sync", "free", id="sync-non-blocking"),
+    pytest.param("sync", "blocking", id="sync-blocking"),
+    pytest.param("sync", "contended", id="sync-blocking-contended"),
+    pytest.param("async", "free", id="async-non-blocking"),
+    pytest.param("async", "blocking", id="async-blocking"),
+    pytest.param("async", "contended", id="async-blocking-contended"),
+]
+
+
+@needs_session
+@pytest.mark.parametrize(("mode", "how"), HOLD_CASES)
+def test_a_hold_interrupted_at_every_statement_of_its_enter_holds_nothing(
+    key: str, raw_connect: Connect, mode: str, how: str
+) -> None:
+    """``hold()``'s enter (the acquire on its own lease connections) interrupted just before and just
+    after each statement it sends: the body never runs, the interrupted owner holds nothing, no
+    heartbeat is left renewing. "contended": a blocking hold whose first attempt is refused (a
+    contender holds the key and releases it as soon as that attempt is answered), so its wait is
+    explored too (LISTEN, the refused attempt, the granting one, UNLISTEN and what follows)."""
+    blocking = how != "free"
+    watch = raw_connect()
+
+    def prepare(target: str) -> Callable[[], None]:
+        def before() -> None:
+            if how == "contended":
+                statements.contender = (target, "contender", held(target, "contender", ttl=60))
+
+        return before
+
+    def never(lease: Any) -> None:
+        pytest.fail("the body of an interrupted hold ran")
+
+    with hold_statements(raw_connect) as statements:
+        # The enter's statements: those sent before the body runs (the rest are the exit's).
+        entered: list[str] = []
+        _in_a_hold(
+            mode, f"{key}/count", "w-count", blocking, lambda lease: entered.extend(statements.sent), prepare(f"{key}/count")
+        )
+        sent, steps = entered, len(entered)
+        _no_hold_left(key)
+        assert Lease.objects.inspect(f"{key}/count").status == "free"
+        assert any("pg_lease_acquire" in sql for sql in sent)
+        if how == "contended":
+            assert sum("pg_lease_acquire" in sql for sql in sent[:steps]) == 2, sent
+        for step in range(1, steps + 1):
+            for when in ("before", "after"):
+                target = f"{key}/{step}/{when}"
+                statements.arm(step, when)
+                with pytest.raises(_Interrupted):
+                    _in_a_hold(mode, target, "w-int", blocking, never, prepare(target))
+                state = Lease.objects.inspect(target)
+                assert not (state.status == "held" and state.owner == "w-int"), (step, when, statements.sent[:step])
+                _no_hold_left(key)
+    no_session_left(watch, "pg_lease_django hold")
+
+
+@needs_session
+@pytest.mark.parametrize(("mode", "how"), [case for case in HOLD_CASES if case.values[1] != "contended"])
+def test_a_hold_interrupted_at_every_statement_of_its_exit_still_releases(
+    key: str, raw_connect: Connect, mode: str, how: str
+) -> None:
+    """``hold()``'s exit (the release on its own lease connections) interrupted just before and just
+    after each statement it sends: the interruption goes on, and the lease is free afterwards
+    (completed the way ``Lease.objects.release`` completes an interrupted release: the owner is
+    leaving, its lease must not wait for its TTL), with no heartbeat left renewing."""
+    blocking = how != "free"
+    watch = raw_connect()
+    granted: list[int] = []
+
+    def count(lease: Any) -> None:
+        granted.append(lease.epoch)
+        statements.arm()  # count the exit's statements only
+
+    with hold_statements(raw_connect) as statements:
+        _in_a_hold(mode, f"{key}/count", "w-count", blocking, count, lambda: None)
+        steps = len(statements.sent)
+        assert any("pg_lease_release" in sql for sql in statements.sent), statements.sent
+        for step in range(1, steps + 1):
+            for when in ("before", "after"):
+                target = f"{key}/{step}/{when}"
+
+                def interrupt_exit(lease: Any) -> None:
+                    granted.append(lease.epoch)
+                    statements.arm(step, when)  # noqa: B023 - called before the loop moves on
+
+                with pytest.raises(_Interrupted):
+                    _in_a_hold(mode, target, "w-int", blocking, interrupt_exit, lambda: None)
+                state = Lease.objects.inspect(target)
+                # Before the fix: held by the gone owner until its TTL (and the interrupt swallowed).
+                assert (state.status, state.epoch) == ("free", granted[-1] + 1), (step, when, statements.sent)
+                _no_hold_left(key)
+    no_session_left(watch, "pg_lease_django hold")
