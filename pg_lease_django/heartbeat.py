@@ -119,9 +119,14 @@ class Heartbeat:
             stuck.interrupt(grace=INTERRUPT_GRACE)
         try:
             self.outcome = self._finish(keep_until)
-        except BaseException:
+        except Exception:
             logger.exception("ending the hold of lease %r failed; it lapses at its expiry", self.lease.key)
             self.outcome = "unknown"
+        except BaseException:
+            # Interrupted in this thread (a signal, KeyboardInterrupt, SystemExit): a release cut off
+            # was completed on a fresh session (`LeaseConnection.release`); the interruption goes on.
+            self.outcome = "unknown"
+            raise
         finally:
             if self._scheduler is not None:
                 self._scheduler.remove(self)  # after the end: its watchdog runs on the scheduler

@@ -207,10 +207,12 @@ class _Session:
         keep_until = None
         if self.options.hold_at_least is not None:
             keep_until = lease._granted_at + self.options.hold_at_least.total_seconds()
-        heartbeat.finish(keep_until=keep_until)
-        if not lease.lost:
-            logger.debug("ended the hold of lease %r (%s)", lease.key, heartbeat.outcome)
-            send_lease_signal(lease_released, lease, freed=heartbeat.outcome == "freed")
+        try:
+            heartbeat.finish(keep_until=keep_until)
+        finally:  # also when an interrupt (completed release) goes on: the hold has ended
+            if not lease.lost:
+                logger.debug("ended the hold of lease %r (%s)", lease.key, heartbeat.outcome)
+                send_lease_signal(lease_released, lease, freed=heartbeat.outcome == "freed")
 
 
 #: Seconds between the cancel request of an acquire abandoned by a cancelled task and shutting its socket.

@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 from asgiref.sync import sync_to_async
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import InterfaceError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper
 from psycopg.sql import SQL, Identifier
@@ -160,9 +160,8 @@ def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: i
     """A release (`Lease.objects.release`); interrupted before it took effect, it is completed.
 
     An interruption landing before the release commits would leave the lease held, for up to its
-    TTL, by an owner that is leaving. Outside a transaction the release is sent again on a fresh
-    session (waiting `SETTLE_WITHIN` s at most for a row lock) before the interruption goes on; one
-    that had committed answers not_owner, which is fine. Inside one, the caller's transaction owns it.
+    TTL, by an owner that is leaving. Outside a transaction it is completed (`complete_release`)
+    before the interruption goes on. Inside one, the caller's transaction owns it.
     """
     own = _autocommit(connection)
     try:
@@ -171,20 +170,45 @@ def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: i
         raise  # the server answered (a refusal) or the connection is lost: reported
     except BaseException:
         if own:
-            _complete_release(connection, key, owner, epoch)
+            complete_release(connection, key, owner, epoch)
         raise
 
 
-def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> bool:
+    """After a release of ``(owner, epoch)`` was interrupted (a signal, KeyboardInterrupt, SystemExit):
+    send it again on a fresh session of ``connection``, before the interruption goes on.
+
+    The rule for every interrupted release (`Lease.objects.release`, the exit of ``hold()``): the
+    owner is leaving, its lease must not wait for its TTL. A statement still running is cancelled
+    and the connection closed; the release is sent on a new session (Django reconnects) in a
+    transaction of its own that waits `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``).
+    A release that had committed answers not_owner, which is fine. ``connection`` is left closed
+    or in autocommit, outside a transaction. Never raises an Exception: a failure is logged (the
+    lease then lapses at its TTL). True when ``(owner, epoch)`` is known not to hold the lease any more.
+    """
     try:
         _abandon_statement(connection)
         connection.close()
-        with transaction.atomic(using=connection.alias), suppress(LeaseLostError):
+        # A transaction on this very connection (not `transaction.atomic`, which takes the alias's
+        # connection of this thread: for a lease connection of hold() that is another one).
+        connection.set_autocommit(False)
+        try:
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
-            operations.release(connection, key, owner, epoch)
+            with suppress(LeaseLostError):  # released by the interrupted call, or lapsed: not ours any more
+                operations.release(connection, key, owner, epoch)
+            connection.commit()
+        finally:
+            if connection.connection is not None and not connection.get_autocommit():
+                with suppress(Exception):
+                    connection.rollback()
+                connection.set_autocommit(True)
     except Exception:
         logger.warning("completing an interrupted release of %r failed; it lapses at its TTL", key, exc_info=True)
+        with suppress(Exception):
+            connection.close()
+        return False
+    return True
 
 
 def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:

@@ -531,9 +531,9 @@ def hold_statements(raw_connect: Connect) -> Iterator[_HoldStatements]:
 
     def attach(sender: Any, connection: Any, **kwargs: Any) -> None:
         options = connection.settings_dict.get("OPTIONS") or {}
-        if options.get("application_name") == lease_pool.APPLICATION_NAME:
-            if statements not in connection.execute_wrappers:
-                connection.execute_wrappers.append(statements)
+        ours = options.get("application_name") == lease_pool.APPLICATION_NAME
+        if ours and statements not in connection.execute_wrappers:
+            connection.execute_wrappers.append(statements)
 
     lease_pool.close_connections()  # each lease connection of the block is opened in it
     connection_created.connect(attach, weak=False)
@@ -604,12 +604,11 @@ def test_a_hold_interrupted_at_every_statement_of_its_enter_holds_nothing(
     with hold_statements(raw_connect) as statements:
         # The enter's statements: those sent before the body runs (the rest are the exit's).
         entered: list[str] = []
-        _in_a_hold(
-            mode, f"{key}/count", "w-count", blocking, lambda lease: entered.extend(statements.sent), prepare(f"{key}/count")
-        )
+        count = f"{key}/count"
+        _in_a_hold(mode, count, "w-count", blocking, lambda lease: entered.extend(statements.sent), prepare(count))
         sent, steps = entered, len(entered)
         _no_hold_left(key)
-        assert Lease.objects.inspect(f"{key}/count").status == "free"
+        assert Lease.objects.inspect(count).status == "free"
         assert any("pg_lease_acquire" in sql for sql in sent)
         if how == "contended":
             assert sum("pg_lease_acquire" in sql for sql in sent[:steps]) == 2, sent
