@@ -568,6 +568,12 @@ def _no_hold_left(key: str) -> None:
     assert [lease for lease in active_holds() if lease.key.startswith(key)] == []  # no heartbeat renewing
 
 
+def _no_hold_session_left(watch: psycopg.Connection[Any]) -> None:
+    # Behind PgBouncer the server sessions are the pooler's (and may keep the name): not checked there.
+    if not os.environ.get("PG_LEASE_TEST_PGBOUNCER"):
+        no_session_left(watch, "pg_lease_django hold")
+
+
 HOLD_CASES = [
     pytest.param("sync", "free", id="sync-non-blocking"),
     pytest.param("sync", "blocking", id="sync-blocking"),
@@ -578,7 +584,6 @@ HOLD_CASES = [
 ]
 
 
-@needs_session
 @pytest.mark.parametrize(("mode", "how"), HOLD_CASES)
 def test_a_hold_interrupted_at_every_statement_of_its_enter_holds_nothing(
     key: str, raw_connect: Connect, mode: str, how: str
@@ -621,10 +626,9 @@ def test_a_hold_interrupted_at_every_statement_of_its_enter_holds_nothing(
                 state = Lease.objects.inspect(target)
                 assert not (state.status == "held" and state.owner == "w-int"), (step, when, statements.sent[:step])
                 _no_hold_left(key)
-    no_session_left(watch, "pg_lease_django hold")
+    _no_hold_session_left(watch)
 
 
-@needs_session
 @pytest.mark.parametrize(("mode", "how"), [case for case in HOLD_CASES if case.values[1] != "contended"])
 def test_a_hold_interrupted_at_every_statement_of_its_exit_still_releases(
     key: str, raw_connect: Connect, mode: str, how: str
@@ -659,4 +663,4 @@ def test_a_hold_interrupted_at_every_statement_of_its_exit_still_releases(
                 # Before the fix: held by the gone owner until its TTL (and the interrupt swallowed).
                 assert (state.status, state.epoch) == ("free", granted[-1] + 1), (step, when, statements.sent)
                 _no_hold_left(key)
-    no_session_left(watch, "pg_lease_django hold")
+    _no_hold_session_left(watch)
