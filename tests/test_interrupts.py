@@ -166,14 +166,20 @@ def test_an_interrupted_non_blocking_manager_acquire_leaves_nothing_granted(key:
 
 def _interrupt_at(step: int, when: str) -> tuple[Callable[..., Any], list[str]]:
     """An execute wrapper that raises `_Interrupted` just before or just after the ``step``-th statement."""
+    return _interrupts({step: when})
+
+
+def _interrupts(at: dict[int, str]) -> tuple[Callable[..., Any], list[str]]:
+    """An execute wrapper that raises `_Interrupted` just ``at[n]`` ("before" or "after") the ``n``-th statement."""
     sent: list[str] = []
 
     def wrapper(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
         sent.append(sql)
-        if len(sent) == step and when == "before":
+        when = at.get(len(sent))
+        if when == "before":
             raise _Interrupted
         result = execute(sql, params, many, context)
-        if len(sent) == step and when == "after":
+        if when == "after":
             raise _Interrupted
         return result
 
@@ -485,7 +491,7 @@ class _HoldStatements:
     Django's ``connection_created`` signal attaches it to each of those connections (they are Django
     connections of their own, named ``pg_lease_django hold``), with no hook in the package. It counts
     the statements sent from the time it is `arm`-ed and raises `_Interrupted` just before or just
-    after the ``step``-th, in whichever thread sends it (the thread entering or leaving a sync hold,
+    after the ones it is armed for, in whichever thread sends them (the thread entering or leaving a sync hold,
     an async hold's own thread). The heartbeat's renewals are not counted (a TTL of 60 s puts the
     first one 20 s after the grant; they run on threads of their own).
 
@@ -497,25 +503,25 @@ class _HoldStatements:
     def __init__(self, side: psycopg.Connection[Any]) -> None:
         self.side = side
         self.sent: list[str] = []
-        self.step = 0
-        self.when = "never"
+        self.at: dict[int, str] = {}
         self.contender: tuple[str, str, int] | None = None
 
-    def arm(self, step: int = 0, when: str = "never") -> None:
-        self.sent, self.step, self.when = [], step, when
+    def arm(self, at: dict[int, str] | None = None) -> None:
+        """Count from here; interrupt just ``at[n]`` ("before" or "after") the ``n``-th statement."""
+        self.sent, self.at = [], at or {}
 
     def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
         if threading.current_thread().name.startswith("pg_lease heartbeat"):
             return execute(sql, params, many, context)
         self.sent.append(sql)
-        step = len(self.sent)
-        if step == self.step and self.when == "before":
+        when = self.at.get(len(self.sent))
+        if when == "before":
             raise _Interrupted
         result = execute(sql, params, many, context)
         if self.contender is not None and "pg_lease_acquire" in sql:
             contender, self.contender = self.contender, None
             self.side.execute("SELECT * FROM pg_lease_release(%s::text, %s::text, %s::bigint)", list(contender))
-        if step == self.step and self.when == "after":
+        if when == "after":
             raise _Interrupted
         return result
 
@@ -620,7 +626,7 @@ def test_a_hold_interrupted_at_every_statement_of_its_enter_holds_nothing(
         for step in range(1, steps + 1):
             for when in ("before", "after"):
                 target = f"{key}/{step}/{when}"
-                statements.arm(step, when)
+                statements.arm({step: when})
                 with pytest.raises(_Interrupted):
                     _in_a_hold(mode, target, "w-int", blocking, never, prepare(target))
                 state = Lease.objects.inspect(target)
@@ -655,7 +661,7 @@ def test_a_hold_interrupted_at_every_statement_of_its_exit_still_releases(
 
                 def interrupt_exit(lease: Any) -> None:
                     granted.append(lease.epoch)
-                    statements.arm(step, when)  # noqa: B023 - called before the loop moves on
+                    statements.arm({step: when})  # noqa: B023 - called before the loop moves on
 
                 with pytest.raises(_Interrupted):
                     _in_a_hold(mode, target, "w-int", blocking, interrupt_exit, lambda: None)
@@ -663,4 +669,112 @@ def test_a_hold_interrupted_at_every_statement_of_its_exit_still_releases(
                 # Before the fix: held by the gone owner until its TTL (and the interrupt swallowed).
                 assert (state.status, state.epoch) == ("free", granted[-1] + 1), (step, when, statements.sent)
                 _no_hold_left(key)
+    _no_hold_session_left(watch)
+
+
+# -- a second interruption while the first is settled --------------------------------------------------
+
+
+def _first_and_again(sent: list[str], first: int) -> Iterator[dict[int, str]]:
+    """A first interruption just after statement ``first``, then again before or after each later one of ``sent``."""
+    for again in range(first + 1, len(sent) + 1):
+        for when in ("before", "after"):
+            yield {first: "after", again: when}
+
+
+def _index_of(sent: list[str], fragment: str) -> int:
+    """The 1-based position of the first statement of ``sent`` that contains ``fragment``."""
+    return next(index for index, sql in enumerate(sent, 1) if fragment in sql)
+
+
+@needs_session
+@pytest.mark.parametrize("blocking", [False, True], ids=["non-blocking", "blocking"])
+def test_an_acquire_interrupted_again_while_it_is_settled_leaves_nothing_granted(key: str, blocking: bool) -> None:
+    """The worst moment (the grant committed, its answer not returned), then a second interruption
+    (a second signal) at each statement of the settling: the settling starts over, the grant is
+    released, and an interruption goes on."""
+    from django.db import connection
+
+    wrapper, sent = _interrupts({})
+    with connection.execute_wrapper(wrapper):
+        assert Lease.objects.acquire(f"{key}/count", "w-count", ttl=60, blocking=blocking) is not None
+    granting = _index_of(sent, "pg_lease_acquire")
+    wrapper, sent = _interrupts({granting: "after"})
+    with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+        Lease.objects.acquire(f"{key}/once", "w-int", ttl=60, blocking=blocking)
+    assert len(sent) > granting  # the settling's statements
+    for number, at in enumerate(_first_and_again(sent, granting)):
+        target = f"{key}/{number}"
+        wrapper, _ = _interrupts(at)
+        with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+            Lease.objects.acquire(target, "w-int", ttl=60, blocking=blocking)
+        state = Lease.objects.inspect(target)
+        # Before the fix the second interruption cut the settling short: held until the TTL.
+        assert not (state.status == "held" and state.owner == "w-int"), (at, sent)
+
+
+@needs_session
+def test_a_release_interrupted_again_while_it_is_completed_still_releases(key: str) -> None:
+    """A release interrupted before its statement, then again at each statement of its completion."""
+    from django.db import connection
+
+    grant = Lease.objects.acquire(f"{key}/once", "w", ttl=60)
+    assert grant is not None
+    wrapper, sent = _interrupts({1: "before"})
+    with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+        Lease.objects.release(grant.key, "w", grant.epoch)
+    assert len(sent) > 1  # the completion's statements
+    for again in range(2, len(sent) + 1):
+        for when in ("before", "after"):
+            target = f"{key}/{again}/{when}"
+            grant = Lease.objects.acquire(target, "w", ttl=60)
+            assert grant is not None
+            wrapper, _ = _interrupts({1: "before", again: when})
+            with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+                Lease.objects.release(target, "w", grant.epoch)
+            state = Lease.objects.inspect(target)
+            assert (state.status, state.epoch) == ("free", grant.epoch + 1), (again, when, sent)
+
+
+@pytest.mark.parametrize("phase", ["enter", "exit"])
+def test_a_hold_interrupted_again_while_it_is_settled_holds_nothing(key: str, raw_connect: Connect, phase: str) -> None:
+    """``hold()``'s enter interrupted just after its granting attempt, or its exit just before its
+    release, then again at each statement of the settling (or the completion of the release)."""
+    watch = raw_connect()
+    granted: list[int] = []
+    first = [0]
+
+    def interrupt_exit(at: dict[int, str]) -> Callable[[Any], None]:
+        def body(lease: Any) -> None:
+            granted.append(lease.epoch)
+            statements.arm(at)
+
+        return body
+
+    with hold_statements(raw_connect) as statements:
+        if phase == "enter":
+            statements.arm()
+            _in_a_hold("sync", f"{key}/count", "w-count", False, lambda lease: None, lambda: None)
+            first[0] = _index_of(statements.sent, "pg_lease_acquire")
+            statements.arm({first[0]: "after"})
+            with pytest.raises(_Interrupted):
+                _in_a_hold("sync", f"{key}/once", "w-int", False, lambda lease: None, lambda: None)
+        else:
+            _in_a_hold("sync", f"{key}/count", "w-count", False, interrupt_exit({}), lambda: None)
+            first[0] = _index_of(statements.sent, "pg_lease_release") - 1
+            with pytest.raises(_Interrupted):
+                _in_a_hold("sync", f"{key}/once", "w-int", False, interrupt_exit({first[0]: "after"}), lambda: None)
+        sent = list(statements.sent)
+        assert len(sent) > first[0] + 1, sent  # the settling's statements
+        for number, at in enumerate(_first_and_again(sent, first[0])):
+            target = f"{key}/{number}"
+            with pytest.raises(_Interrupted):
+                if phase == "enter":
+                    statements.arm(at)
+                    _in_a_hold("sync", target, "w-int", False, lambda lease: None, lambda: None)
+                else:
+                    _in_a_hold("sync", target, "w-int", False, interrupt_exit(at), lambda: None)
+            state = Lease.objects.inspect(target)
+            assert not (state.status == "held" and state.owner == "w-int"), (at, sent)
+            _no_hold_left(key)
     _no_hold_session_left(watch)
