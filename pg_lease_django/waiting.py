@@ -18,6 +18,7 @@ as for any lost call. So a call returns at most one grant, the one it was told o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -174,7 +175,7 @@ def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: i
         raise
 
 
-def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> bool:
+def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
     """After a release of ``(owner, epoch)`` was interrupted (a signal, KeyboardInterrupt, SystemExit):
     send it again on a fresh session of ``connection``, before the interruption goes on.
 
@@ -184,31 +185,35 @@ def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoc
     transaction of its own that waits `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``).
     A release that had committed answers not_owner, which is fine. ``connection`` is left closed
     or in autocommit, outside a transaction. Never raises an Exception: a failure is logged (the
-    lease then lapses at its TTL). True when ``(owner, epoch)`` is known not to hold the lease any more.
+    lease then lapses at its TTL). A second interruption starts it over (`to_the_end`).
     """
+    to_the_end(functools.partial(_complete_release, connection, key, owner, epoch))
+
+
+def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
     try:
         _abandon_statement(connection)
         connection.close()
         # A transaction on this very connection (not `transaction.atomic`, which takes the alias's
         # connection of this thread: for a lease connection of hold() that is another one).
         connection.set_autocommit(False)
-        try:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
-            with suppress(LeaseLostError):  # released by the interrupted call, or lapsed: not ours any more
-                operations.release(connection, key, owner, epoch)
-            connection.commit()
-        finally:
-            if connection.connection is not None and not connection.get_autocommit():
-                with suppress(Exception):
-                    connection.rollback()
-                connection.set_autocommit(True)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
+        with suppress(LeaseLostError):  # released by the interrupted call, or lapsed: not ours any more
+            operations.release(connection, key, owner, epoch)
+        connection.commit()
+        connection.set_autocommit(True)
     except Exception:
         logger.warning("completing an interrupted release of %r failed; it lapses at its TTL", key, exc_info=True)
-        with suppress(Exception):
-            connection.close()
-        return False
-    return True
+        _drop(connection)
+    except BaseException:
+        _drop(connection)  # interrupted again: no transaction left open (Django reconnects in autocommit)
+        raise
+
+
+def _drop(connection: BaseDatabaseWrapper) -> None:
+    with suppress(Exception):
+        connection.close()
 
 
 def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
@@ -221,14 +226,53 @@ def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: i
     ``backend_pid``: the server process the attempt ran in (None: nothing to wait out).
     ``connection`` must be in autocommit; it is closed first, so the settling runs in a fresh
     session (Django reconnects). Never raises an Exception: a failure is logged (the grant, if
-    any, then lapses after its TTL), and the interruption goes on.
+    any, then lapses after its TTL), and the interruption goes on. A second interruption starts it
+    over (`to_the_end`).
     """
+    to_the_end(functools.partial(_settle_on_fresh_session, connection, key, owner, backend_pid))
+
+
+#: How many times a second interruption (and a third, ...) starts the settling over before it goes on.
+SETTLE_RESTARTS = 3
+
+
+def to_the_end(settling: Callable[[], None]) -> None:
+    """Run ``settling`` (`settle`, `complete_release`: each starts by abandoning what runs, so it can
+    start over) to its end although interrupted again: a second signal whose handler raises, a
+    second KeyboardInterrupt (psycopg cancels the statement it cuts short).
+
+    Each interruption of the settling starts it over, up to `SETTLE_RESTARTS` times; the last one is
+    raised once the settling has ended (its context is the first interruption, which the caller
+    would have raised), or at once after `SETTLE_RESTARTS` restarts (what was settling is then left
+    to lapse at its TTL).
+    """
+    again: BaseException | None = None
+    for restart in range(SETTLE_RESTARTS + 1):
+        try:
+            settling()
+        except Exception:
+            raise  # pragma: no cover - the settlings catch and log their errors
+        except BaseException as exc:
+            again = exc
+            if restart == SETTLE_RESTARTS:
+                break
+            logger.warning("interrupted again while settling an interrupted lease call: starting over")
+            continue
+        break
+    if again is not None:
+        raise again
+
+
+def _settle_on_fresh_session(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
     try:
         _abandon_statement(connection)
         connection.close()
         _settle(connection, key, owner, backend_pid)
     except Exception:
         logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
+    except BaseException:
+        _drop(connection)  # interrupted again: no statement left running on it
+        raise
 
 
 def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
