@@ -237,6 +237,11 @@ class LeaseConnection:
             self._discard()  # the fresh session is not what the pool lent (its statement_timeout)
             raise
 
+    def settle(self, key: str, owner: str) -> None:
+        """Release a grant of ``key`` found in ``owner``'s name (`waiting.settle`), then drop the session."""
+        waiting.settle(self.wrapper, key, owner, None)
+        self._discard()  # a fresh session: not the statement_timeout this connection says it has
+
     def lend(self) -> int:
         """Count a new lending: an interrupt meant for an earlier one never touches this one."""
         with self._guard:
@@ -437,6 +442,11 @@ class LeasePool:
         """`LeaseConnection.release` on a lent connection."""
         with self.connection(_timeout_ms(timeout), call) as conn:
             conn.release(key, owner, epoch, timeout=timeout)
+
+    def settle(self, key: str, owner: str) -> None:
+        """`LeaseConnection.settle` on a lent connection: after an acquire interrupted before its grant was received."""
+        with self.connection(None) as conn:
+            conn.settle(key, owner)
 
     def idle_count(self) -> int:
         with self._lock:

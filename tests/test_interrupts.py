@@ -10,6 +10,7 @@ granted to an owner that is gone, and no session of the interrupted caller is le
 from __future__ import annotations
 
 import asyncio
+import dis
 import json
 import os
 import signal
@@ -778,3 +779,115 @@ def test_a_hold_interrupted_again_while_it_is_settled_holds_nothing(key: str, ra
             assert not (state.status == "held" and state.owner == "w-int"), (at, sent)
             _no_hold_left(key)
     _no_hold_session_left(watch)
+
+
+# -- finding 7's last item: an interrupt at any instruction of a sync hold's own bookkeeping -----------
+
+
+def _codes(phase: str) -> set[Any]:
+    """The code of ``hold()``'s enter (after the statements: they are explored above) or its exit."""
+    from pg_lease_django import heartbeat, held, holding
+
+    if phase == "enter":
+        functions: list[Any] = [
+            holding.Holding.__enter__,
+            holding.Holding._push,
+            holding._Session.start,
+            heartbeat.Heartbeat.start,
+        ]
+    else:
+        functions = [
+            holding.Holding.__exit__,
+            holding.Holding._pop,
+            holding._Session.finish,
+            held.HeldLease._end,
+            heartbeat.Heartbeat.finish,
+            heartbeat.Heartbeat._finish,
+        ]
+    return {function.__code__ for function in functions}
+
+
+_NO_SIGNAL_CHECK = {dis.opmap["RETURN_VALUE"], dis.opmap["NOP"]}
+
+
+@contextmanager
+def _interrupt_at_instruction(codes: set[Any], number: int) -> Iterator[list[str]]:
+    """Raise `_Interrupted` at the ``number``-th bytecode instruction run in ``codes`` (0: never), in this thread.
+
+    A signal's handler runs between two instructions of the main thread (at some of them: these are
+    all of them but returns and no-ops), so this is every place a signal can interrupt this code, one
+    per run, but one: the first instruction of a function (where CPython checks for signals too) is
+    not traced. There, at the very start of ``Holding.__exit__``, no handler of ours can run (gh-74174).
+    """
+    seen: list[str] = []
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        # Not before a return or a no-op: CPython checks for signals at calls and backward jumps
+        # (and on entering a function: not traced here), never there.
+        if event == "opcode" and frame.f_code.co_code[frame.f_lasti] not in _NO_SIGNAL_CHECK:
+            seen.append(f"{frame.f_code.co_name}:{frame.f_lasti}")
+            if len(seen) == number:
+                raise _Interrupted
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code not in codes:
+            return None
+        frame.f_trace_lines = False
+        frame.f_trace_opcodes = True
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield seen
+    finally:
+        sys.settrace(previous)
+
+
+@pytest.mark.parametrize("phase", ["enter", "exit"])
+def test_a_sync_hold_interrupted_at_every_instruction_of_its_bookkeeping_leaves_nothing(key: str, phase: str) -> None:
+    """``with hold()`` interrupted at each bytecode instruction of its enter (``Holding.__enter__`` and
+    what it runs once the lease is granted) or of its exit (down to the release): afterwards nothing
+    is held by the interrupted owner, no heartbeat renews it, and no lease is left current."""
+    from pg_lease_django import current_lease
+
+    codes = _codes(phase)
+
+    def run(target: str, number: int) -> list[str]:
+        if phase == "enter":
+            with _interrupt_at_instruction(codes, number) as seen, hold(target, 60, owner="w-int"):
+                pass
+            return seen
+        with hold(target, 60, owner="w-int"):
+            tracing = _interrupt_at_instruction(codes, number)
+            seen = tracing.__enter__()
+        tracing.__exit__(None, None, None)
+        return seen
+
+    where = run(f"{key}/count", 0)
+    instructions = len(where)
+    assert instructions > 20
+    failures = []
+    for number in range(1, instructions + 1):
+        target = f"{key}/{number}"
+        try:
+            run(target, number)
+        except _Interrupted:
+            pass
+        else:
+            failures.append((where[number - 1], "not interrupted"))
+        state = Lease.objects.inspect(target)
+        if state.status == "held" and state.owner == "w-int":
+            failures.append((where[number - 1], "held"))
+        if any(lease.key == target for lease in _active_holds()):
+            failures.append((where[number - 1], "renewed"))
+        if current_lease(target) is not None:
+            failures.append((where[number - 1], "current"))
+    assert failures == [], " ".join(f"{place}/{what}" for place, what in failures)
+
+
+def _active_holds() -> list[Any]:
+    from pg_lease_django.heartbeat import active_holds
+
+    return active_holds()
