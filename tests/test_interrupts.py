@@ -891,3 +891,64 @@ def _active_holds() -> list[Any]:
     from pg_lease_django.heartbeat import active_holds
 
     return active_holds()
+
+
+# -- a cancelled non-blocking aacquire ------------------------------------------------------------------
+
+
+@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
+def test_a_cancelled_non_blocking_aacquire_is_cancelled_on_the_server(key: str, raw_connect: Connect) -> None:
+    """A non-blocking ``aacquire`` (its statement in Django's thread, ``sync_to_async``) cancelled while
+    its statement waits on a row lock: the statement is cancelled on the server while the row is
+    still locked, so it cannot grant later, and the cancellation goes on."""
+    epoch = free(key)
+    watch = raw_connect()
+
+    async def scenario() -> None:
+        with row_locked(raw_connect, key) as locker:
+            task = asyncio.ensure_future(Lease.objects.aacquire(key, "w-cancelled", ttl=60))
+            with ThreadPoolExecutor(max_workers=1) as watching:
+                loop = asyncio.get_running_loop()
+                attempt = await loop.run_in_executor(watching, blocked_behind, watch, locker)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                # Before the fix the statement ran on in its thread and granted once the lock went.
+                await loop.run_in_executor(watching, gone, watch, attempt)
+
+    async_to_sync(scenario)()
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch)
+
+
+@needs_session
+def test_a_non_blocking_aacquire_cancelled_after_its_grant_committed_releases_it(key: str) -> None:
+    """The worst moment: the grant has committed in Django's thread and the task is cancelled before it
+    gets the answer (the statement's answer is held up by an execute wrapper until the cancellation
+    has landed). The grant is released before the cancellation goes on."""
+    from django.db import connection
+
+    epoch = free(key)
+    answered, cancelled = threading.Event(), threading.Event()
+
+    def hold_up_the_answer(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        result = execute(sql, params, many, context)
+        if "pg_lease_acquire" in sql:
+            answered.set()
+            assert cancelled.wait(HANG_GUARD)
+        return result
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(Lease.objects.aacquire(key, "w-cancelled", ttl=60))
+        await asyncio.get_running_loop().run_in_executor(None, answered.wait, HANG_GUARD)
+        task.cancel()
+        await asyncio.sleep(0)  # the cancellation lands in the task
+        cancelled.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with connection.execute_wrapper(hold_up_the_answer):
+        async_to_sync(scenario)()
+    state = Lease.objects.inspect(key)
+    # Before the fix: held by the cancelled caller for its 60 s TTL.
+    assert (state.status, state.epoch) == ("free", epoch + 2)
