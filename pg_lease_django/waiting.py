@@ -157,6 +157,64 @@ def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: tim
         raise
 
 
+async def aacquire_once(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta
+) -> Grant | None:
+    """`acquire_once` for the event loop (`Lease.objects.aacquire` without ``blocking``).
+
+    The statement runs in Django's thread for sync code (``sync_to_async``), on the caller's
+    connection, as Django's async ORM runs its own. A thread cannot be cancelled: when the task is
+    cancelled (``asyncio.timeout`` too) while the statement runs outside a transaction, the statement
+    is cancelled on the server (psycopg's ``cancel_safe``, again until its thread has returned), and
+    a grant it had committed is released, before the cancellation goes on. A second cancellation
+    cuts that short. Inside a transaction the attempt is the transaction's: it finishes in its thread.
+    """
+    started: list[Any] = []  # the psycopg connection the attempt runs on; None: in a transaction
+    abandoned = False
+
+    def attempt() -> Grant | None:
+        if abandoned:
+            return None  # cancelled before it was sent
+        connection = connection_of()
+        if not _autocommit(connection):
+            started.append(None)
+            return operations.acquire(connection, key, owner, ttl)
+        attempt_backend(connection)
+        started.append(connection.connection)
+        return acquire_once(connection, key, owner, ttl)
+
+    running = asyncio.ensure_future(sync_to_async(attempt)())
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        abandoned = True
+        loop = asyncio.get_running_loop()
+        while not running.done() and None not in started:
+            if started:
+                await loop.run_in_executor(None, _cancel_statement, started[0])
+            await asyncio.wait({running}, timeout=0.05)
+        if running.done() and not running.cancelled() and running.exception() is None:
+            grant = running.result()
+            if grant is not None:
+                await sync_to_async(_give_back)(connection_of, grant)
+        raise
+
+
+def _cancel_statement(raw: Any) -> None:
+    # A cancel request that arrives while the session is idle is ignored by the server.
+    with suppress(Exception):
+        raw.cancel_safe(timeout=SETTLE_WITHIN)
+
+
+def _give_back(connection_of: Callable[[], BaseDatabaseWrapper], grant: Grant) -> None:
+    try:
+        release_once(connection_of(), grant.key, grant.owner, grant.epoch)
+    except Exception:
+        logger.warning("releasing the grant of a cancelled acquire of %r failed", grant.key, exc_info=True)
+    else:
+        logger.warning("a cancelled acquire of %r had been granted (epoch %s): released it", grant.key, grant.epoch)
+
+
 def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
     """A release (`Lease.objects.release`); interrupted before it took effect, it is completed.
 

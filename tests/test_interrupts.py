@@ -88,6 +88,15 @@ def gone(watch: psycopg.Connection[Any], pid: int) -> None:
     )
 
 
+def not_running(watch: psycopg.Connection[Any], pid: int) -> None:
+    """Wait until server process ``pid`` runs no statement (ended, or idle)."""
+    wait_until(
+        lambda: watch.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone() != ("active",),
+        HANG_GUARD,
+        f"backend {pid} to stop running its statement",
+    )
+
+
 def no_session_left(watch: psycopg.Connection[Any], application_name: str) -> None:
     wait_until(
         lambda: (
@@ -914,7 +923,8 @@ def test_a_cancelled_non_blocking_aacquire_is_cancelled_on_the_server(key: str, 
                 with pytest.raises(asyncio.CancelledError):
                     await task
                 # Before the fix the statement ran on in its thread and granted once the lock went.
-                await loop.run_in_executor(watching, gone, watch, attempt)
+                # Cancelled on the server while the row is still locked (the session is the caller's: it stays).
+                await loop.run_in_executor(watching, not_running, watch, attempt)
 
     async_to_sync(scenario)()
     state = Lease.objects.inspect(key)
