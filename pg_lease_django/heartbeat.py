@@ -88,6 +88,7 @@ class Heartbeat:
         self._renewing: lease_pool.InFlight | None = None  # the renewal in flight, to interrupt
         #: True once `finish` has ended (whatever its outcome): a second call does nothing.
         self.ended = False
+        self._left_early = False  # an interrupted finish released with a renewal perhaps in flight
 
     def start(self) -> None:
         """Hand the renewals to the process's scheduler."""
@@ -121,7 +122,8 @@ class Heartbeat:
             except BaseException:
                 # Interrupted before the last move was made (or known to be): make it now, once. A
                 # verdict then is no loss: the interrupted release had committed, or was completed.
-                self._stopped = True
+                # (Without waiting for a renewal in flight again: what was interrupted may be that wait.)
+                self._stopped = self._left_early = True
                 try:
                     self.outcome = self._finish(keep_until, again=True)
                 except Exception:
@@ -223,7 +225,8 @@ class Heartbeat:
                 )
             except LeaseLostError as exc:
                 self._stop_beating()
-                lease._declare_lost(exc, definitive=True)
+                if not self._left_early:  # else the verdict answers our own release, not a loss
+                    lease._declare_lost(exc, definitive=True)
                 return
             except Exception:
                 self._failures += 1

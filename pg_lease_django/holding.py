@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import socket
-import sys
 import threading
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
@@ -182,7 +181,7 @@ class _Session:
             # Inside the try: an interrupt here must stop the heartbeat, not leave it renewing.
             send_lease_signal(lease_acquired, lease)
             return lease  # also inside: an interrupt at any instruction before it is handled below
-        except BaseException:
+        except BaseException as exc:
             # Busy, timed out, or interrupted (a signal, a cancellation) before the hold was set up.
             self.lease = self.heartbeat = None
             if heartbeat is not None:
@@ -192,7 +191,7 @@ class _Session:
                     pool.release(grant.key, grant.owner, grant.epoch, timeout=max(interval, 1.0))
                 except Exception:
                     logger.warning("releasing lease %r after a failed start failed", self.key, exc_info=True)
-            elif not isinstance(sys.exc_info()[1], Exception):
+            elif not isinstance(exc, Exception):
                 # Interrupted (a signal) in or after the acquire, before its grant reached this frame
                 # (an attempt cut short is settled by the acquire itself): settle here too.
                 pool.settle(self.key, owner)
