@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -962,3 +963,49 @@ def test_a_non_blocking_aacquire_cancelled_after_its_grant_committed_releases_it
     state = Lease.objects.inspect(key)
     # Before the fix: held by the cancelled caller for its 60 s TTL.
     assert (state.status, state.epoch) == ("free", epoch + 2)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_hold_at_least_exit_interrupted_at_every_statement_still_keeps_only_until_then(
+    key: str, raw_connect: Connect, mode: str
+) -> None:
+    """With ``hold_at_least``, the exit's last move is a renewal to exactly the time left (not a
+    release). Interrupted just before or just after each of its statements, it is made again before
+    the interruption goes on: the lease then lapses at ``grant + hold_at_least``, not at its TTL."""
+    watch = raw_connect()
+    grants: list[Any] = []
+
+    def run(target: str, at: dict[int, str]) -> None:
+        def body(lease: Any) -> None:
+            grants.append(lease.expires_at)
+            statements.arm(at)
+
+        if mode == "sync":
+            with hold(target, 60, owner="w-int", hold_at_least=20) as lease:
+                body(lease)
+            return
+
+        async def scenario() -> None:
+            async with hold(target, 60, owner="w-int", hold_at_least=20) as lease:
+                body(lease)
+
+        async_to_sync(scenario)()
+
+    with hold_statements(raw_connect) as statements:
+        run(f"{key}/count", {})
+        sent = list(statements.sent)
+        assert any("pg_lease_heartbeat" in sql for sql in sent), sent
+        for step in range(1, len(sent) + 1):
+            for when in ("before", "after"):
+                target = f"{key}/{step}/{when}"
+                with pytest.raises(_Interrupted):
+                    run(target, {step: when})
+                state = Lease.objects.inspect(target)
+                # Granted for 60 s; kept until 20 s after the grant (server clock), give or take a round trip.
+                assert state.status == "held" and state.expires_at <= grants[-1] - timedelta(seconds=30), (
+                    step,
+                    when,
+                    state,
+                )
+                _no_hold_left(key)
+    _no_hold_session_left(watch)
