@@ -86,6 +86,9 @@ class Heartbeat:
         self._generation = 0  # only the latest due time scheduled counts
         self._scheduler: _Scheduler | None = None
         self._renewing: lease_pool.InFlight | None = None  # the renewal in flight, to interrupt
+        #: True once `finish` has ended (whatever its outcome): a second call does nothing.
+        self.ended = False
+        self._left_early = False  # an interrupted finish released with a renewal perhaps in flight
 
     def start(self) -> None:
         """Hand the renewals to the process's scheduler."""
@@ -95,12 +98,49 @@ class Heartbeat:
             self._schedule(min(self._next_at, self.lease._trusted_until))
 
     def finish(self, *, keep_until: float | None = None) -> Outcome:
-        """Stop renewing (waiting for a renewal in flight), then release, or keep until ``keep_until`` (monotonic)."""
+        """Stop renewing (waiting for a renewal in flight), then release, or keep until ``keep_until`` (monotonic).
+
+        Interrupted in this thread (a signal, KeyboardInterrupt, SystemExit) anywhere before its last
+        move is made, it makes it then (a release cut short is completed on a fresh session:
+        `LeaseConnection.release`), and the interruption goes on. A second call does nothing.
+        """
+        if self.ended:
+            self._unregister()  # an interrupt may have cut the first call short just before
+            return self.outcome
         if self.pool.pid != os.getpid():
             # A hold entered before a fork, left in the child: the parent's scheduler and
             # connections are not the child's to use (the parent still renews and releases it).
             self._stopped = True
             return "unknown"
+        try:
+            try:
+                self._stop_renewing()
+                self.outcome = self._finish(keep_until)
+            except Exception:
+                logger.exception("ending the hold of lease %r failed; it lapses at its expiry", self.lease.key)
+                self.outcome = "unknown"
+            except BaseException:
+                # Interrupted before the last move was made (or known to be): make it now, once. A
+                # verdict then is no loss: the interrupted release had committed, or was completed.
+                # (Without waiting for a renewal in flight again: what was interrupted may be that wait.)
+                self._stopped = self._left_early = True
+                try:
+                    self.outcome = self._finish(keep_until, again=True)
+                except Exception:
+                    logger.warning("ending the hold of lease %r failed; it lapses at its expiry", self.lease.key)
+                    self.outcome = "unknown"
+                raise
+        finally:
+            self.ended = True
+            self._unregister()  # after the end: its watchdog runs on the scheduler
+            lease_pool.settle_for_tests()  # also when the end sent nothing (the lease was gone)
+        return self.outcome
+
+    def _unregister(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.remove(self)
+
+    def _stop_renewing(self) -> None:
         with self._cond:
             self._stopped = True
             self._generation += 1
@@ -117,16 +157,6 @@ class Heartbeat:
                 "a renewal of lease %r did not return within the trust window; interrupting it", self.lease.key
             )
             stuck.interrupt(grace=INTERRUPT_GRACE)
-        try:
-            self.outcome = self._finish(keep_until)
-        except BaseException:
-            logger.exception("ending the hold of lease %r failed; it lapses at its expiry", self.lease.key)
-            self.outcome = "unknown"
-        finally:
-            if self._scheduler is not None:
-                self._scheduler.remove(self)  # after the end: its watchdog runs on the scheduler
-        lease_pool.settle_for_tests()  # also when the end sent nothing (the lease was gone)
-        return self.outcome
 
     # ---- the scheduler thread --------------------------------------------------------------------
 
@@ -195,7 +225,8 @@ class Heartbeat:
                 )
             except LeaseLostError as exc:
                 self._stop_beating()
-                lease._declare_lost(exc, definitive=True)
+                if not self._left_early:  # else the verdict answers our own release, not a loss
+                    lease._declare_lost(exc, definitive=True)
                 return
             except Exception:
                 metrics.renewal_failed(lease.key)
@@ -254,7 +285,8 @@ class Heartbeat:
 
     # ---- the end of the hold (the thread that leaves it) -----------------------------------------
 
-    def _finish(self, keep_until: float | None) -> Outcome:
+    def _finish(self, keep_until: float | None, *, again: bool = False) -> Outcome:
+        """The last move. ``again``: a first one was interrupted; a verdict now means it took effect."""
         lease = self.lease
         if lease._gone:
             return "gone"  # the server said it is not ours: nothing to release
@@ -269,6 +301,8 @@ class Heartbeat:
                 with self._watchdog(call, bound):
                     self.pool.release(lease.key, lease.owner, lease.epoch, timeout=bound, call=call)
             except LeaseLostError as exc:
+                if again:
+                    return "freed"  # by the interrupted release (or its completion): not a loss
                 lease._declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
                 return "gone"
             except Exception:

@@ -197,6 +197,8 @@ class HeldLease:
 
     def _end(self) -> None:
         """The hold ends now: from here on the trust window is judged at this instant, and lost if it ran out."""
+        if self._ended_at is not None:
+            return  # a second call, after an interrupt cut the end of the hold short: the first instant counts
         self._ended_at = time.monotonic()
         if self._trust_expired() and self._error is None:
             self._lose_trust()

@@ -126,6 +126,7 @@ class _Session:
         self.heartbeat: Heartbeat | None = None
         #: The acquire, which another thread may interrupt (a cancelled task, ``Election.stop``).
         self.acquiring = acquiring or InFlight()
+        self.told = False  # lease_released sent (or the hold ended lost): finish() has nothing left to do
 
     def start(self) -> HeldLease:
         from .models import Lease
@@ -181,7 +182,8 @@ class _Session:
             logger.debug("acquired lease %r as %r at epoch %s", lease.key, lease.owner, lease.epoch)
             # Inside the try: an interrupt here must stop the heartbeat, not leave it renewing.
             send_lease_signal(lease_acquired, lease)
-        except BaseException:
+            return lease  # also inside: an interrupt at any instruction before it is handled below
+        except BaseException as exc:
             # Busy, timed out, or interrupted (a signal, a cancellation) before the hold was set up.
             self.lease = self.heartbeat = None
             if heartbeat is not None:
@@ -191,13 +193,22 @@ class _Session:
                     pool.release(grant.key, grant.owner, grant.epoch, timeout=max(interval, 1.0))
                 except Exception:
                     logger.warning("releasing lease %r after a failed start failed", self.key, exc_info=True)
+            elif not isinstance(exc, Exception):
+                # Interrupted (a signal) in or after the acquire, before its grant reached this frame
+                # (an attempt cut short is settled by the acquire itself): settle here too.
+                pool.settle(self.key, owner)
             raise
-        return lease
 
     def finish(self) -> None:
-        """Stop renewing; release (or keep until ``hold_at_least``) on a pooled lease connection."""
+        """Stop renewing; release (or keep until ``hold_at_least``) on a pooled lease connection.
+
+        Called again after an interrupt cut it short (`Holding.__exit__`), it completes what is left.
+        """
         lease, heartbeat = self.lease, self.heartbeat
         if lease is None or heartbeat is None:
+            return
+        if self.told:
+            heartbeat.finish()  # ended: only makes sure it is no longer registered with the scheduler
             return
         if heartbeat.pool.pid != os.getpid():
             # A hold entered before a fork, left in the child: the lease is the parent's, which
@@ -209,10 +220,14 @@ class _Session:
         keep_until = None
         if self.options.hold_at_least is not None:
             keep_until = lease._granted_at + self.options.hold_at_least.total_seconds()
-        heartbeat.finish(keep_until=keep_until)
-        if not lease.lost:
-            logger.debug("ended the hold of lease %r (%s)", lease.key, heartbeat.outcome)
-            send_lease_signal(lease_released, lease, freed=heartbeat.outcome == "freed")
+        try:
+            heartbeat.finish(keep_until=keep_until)
+        finally:  # also when an interrupt goes on once the release is completed: the hold has ended
+            if heartbeat.ended and not self.told:
+                self.told = True
+                if not lease.lost:
+                    logger.debug("ended the hold of lease %r (%s)", lease.key, heartbeat.outcome)
+                    send_lease_signal(lease_released, lease, freed=heartbeat.outcome == "freed")
 
 
 #: Seconds between the cancel request of an acquire abandoned by a cancelled task and shutting its socket.
@@ -246,6 +261,13 @@ def _in_own_thread(fn: Callable[[], R], name: str) -> asyncio.Future[R]:
 
     threading.Thread(target=run, name=name[:100], daemon=True).start()
     return future
+
+
+def _forget(lease: HeldLease) -> None:
+    """Take ``lease`` out of this context's active holds, pushed or not (an interrupted enter or exit)."""
+    stack = _active.get()
+    if lease in stack:
+        _active.set(tuple(other for other in stack if other is not lease))
 
 
 def _abandoned_start(session: _Session, starting: asyncio.Future[HeldLease]) -> None:
@@ -303,29 +325,45 @@ class Holding:
         counted = sigterm.enter()  # a SIGTERM from here on releases the lease (see sigterm.py)
         try:
             lease = session.start()
+            self._sigterm = counted
             self._push(session, lease)
+            return lease  # inside the try: an interrupt at any instruction before it is handled below
         except BaseException:
-            # Also an interrupt (KeyboardInterrupt, a signal) landing between start() and _push():
-            # the hold is left, not a heartbeat renewing with nothing to stop it.
-            self._session = None
-            if self._token is not None:
-                _active.reset(self._token)
-                self._token = None
+            # Also an interrupt (KeyboardInterrupt, a signal) landing after start() returned: the
+            # hold is left, not a heartbeat renewing with nothing to stop it.
+            self._session, self._token, self._sigterm = None, None, False
+            if session.lease is not None:
+                _forget(session.lease)
             try:
                 session.finish()
             finally:
                 sigterm.leave(counted)
             raise
-        self._sigterm = counted
-        return lease
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        counted, self._sigterm = self._sigterm, False
         try:
-            self._pop().finish()
+            session = self._session  # kept until the exit has ended: an interrupt may need it below
+            if session is None:
+                raise RuntimeError("this hold() is not active")
+            if self._token is not None:
+                _active.reset(self._token)
+                self._token = None
+            session.finish()
+        except BaseException:
+            # An interrupt (a signal) landing before the hold was left: leave it now (a no-op if it
+            # was), then go on. Only the first instruction of __exit__ is out of reach (CPython
+            # checks for signals there, before any handler of ours: gh-74174).
+            session = self._session
+            if session is not None:
+                if session.lease is not None:
+                    _forget(session.lease)
+                session.finish()
+            raise
         finally:
+            self._session = None
+            counted, self._sigterm = self._sigterm, False
             sigterm.leave(counted)  # the outermost scope re-sends a SIGTERM that arrived meanwhile
 
     async def __aenter__(self) -> HeldLease:

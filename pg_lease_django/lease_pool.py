@@ -187,7 +187,12 @@ class LeaseConnection:
                     self.wrapper, key, owner, ttl, wait, before_attempt=sending, interrupted=interrupted
                 )
                 if attempts > 1 and conf.listen_enabled():
-                    self._check_not_listening()  # waiting UNLISTENs on every way out: make sure
+                    try:
+                        self._check_not_listening()  # waiting UNLISTENs on every way out: make sure
+                    except BaseException:
+                        # The grant will not be returned (an interrupt, a LISTEN left): it is nobody's.
+                        waiting.settle(self.wrapper, key, owner, None)
+                        raise
                 return grant
             backend = waiting.attempt_backend(self.wrapper)
             sending()
@@ -215,10 +220,27 @@ class LeaseConnection:
             return operations.renew(self.wrapper, key, owner, epoch, ttl)
 
     def release(self, key: str, owner: str, epoch: int, *, timeout: float) -> None:
-        """Release ``(owner, epoch)`` only, giving up server-side after ``timeout`` seconds."""
-        with self._bounded(timeout):
-            self._sending()
-            operations.release(self.wrapper, key, owner, epoch)
+        """Release ``(owner, epoch)`` only, giving up server-side after ``timeout`` seconds.
+
+        Interrupted in this thread (a signal, KeyboardInterrupt, SystemExit: not an error of the
+        call) at any of its statements, the release is completed on a fresh session
+        (`waiting.complete_release`, as ``Lease.objects.release`` does) before the interruption goes on.
+        """
+        try:
+            with self._bounded(timeout):
+                self._sending()
+                operations.release(self.wrapper, key, owner, epoch)
+        except Exception:
+            raise  # a verdict, a timeout, a lost connection, an interrupt from another thread: reported
+        except BaseException:
+            waiting.complete_release(self.wrapper, key, owner, epoch)
+            self._discard()  # the fresh session is not what the pool lent (its statement_timeout)
+            raise
+
+    def settle(self, key: str, owner: str) -> None:
+        """Release a grant of ``key`` found in ``owner``'s name (`waiting.settle`), then drop the session."""
+        waiting.settle(self.wrapper, key, owner, None)
+        self._discard()  # a fresh session: not the statement_timeout this connection says it has
 
     def lend(self) -> int:
         """Count a new lending: an interrupt meant for an earlier one never touches this one."""
@@ -420,6 +442,11 @@ class LeasePool:
         """`LeaseConnection.release` on a lent connection."""
         with self.connection(_timeout_ms(timeout), call) as conn:
             conn.release(key, owner, epoch, timeout=timeout)
+
+    def settle(self, key: str, owner: str) -> None:
+        """`LeaseConnection.settle` on a lent connection: after an acquire interrupted before its grant was received."""
+        with self.connection(None) as conn:
+            conn.settle(key, owner)
 
     def idle_count(self) -> int:
         with self._lock:

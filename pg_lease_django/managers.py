@@ -263,11 +263,8 @@ class LeaseManager(models.Manager["Lease"]):
         """
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         if not blocking:
-            return await sync_to_async(self._acquire_once)(key, owner, ttl_delta)
+            return await waiting.aacquire_once(self._connection, key, owner, ttl_delta)
         return await waiting.await_and_acquire(self._connection, key, owner, ttl_delta, wait)
-
-    def _acquire_once(self, key: str, owner: str, ttl: timedelta) -> Grant | None:
-        return operations.acquire(self._connection(), key, owner, ttl)
 
     async def arenew(self, key: str, owner: str, epoch: int, ttl: Seconds) -> datetime:
         """Async `renew`: the same arguments, result and errors (the statement runs via ``sync_to_async``).

@@ -18,6 +18,7 @@ as for any lost call. So a call returns at most one grant, the one it was told o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from typing import Any
 
 import psycopg
 from asgiref.sync import sync_to_async
-from django.db import InterfaceError, OperationalError, transaction
+from django.db import InterfaceError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper
 from psycopg.sql import SQL, Identifier
@@ -156,13 +157,70 @@ def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: tim
         raise
 
 
+async def aacquire_once(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta
+) -> Grant | None:
+    """`acquire_once` for the event loop (`Lease.objects.aacquire` without ``blocking``).
+
+    The statement runs in Django's thread for sync code (``sync_to_async``), on the caller's
+    connection, as Django's async ORM runs its own. A thread cannot be cancelled: when the task is
+    cancelled (``asyncio.timeout`` too) while the statement runs outside a transaction, the statement
+    is cancelled on the server (psycopg's ``cancel_safe``, again until its thread has returned), and
+    a grant it had committed is released, before the cancellation goes on. A second cancellation
+    cuts that short. Inside a transaction the attempt is the transaction's: it finishes in its thread.
+    """
+    started: list[Any] = []  # the psycopg connection the attempt runs on; None: in a transaction
+    abandoned = False
+
+    def attempt() -> Grant | None:
+        if abandoned:
+            return None  # cancelled before it was sent
+        connection = connection_of()
+        if not _autocommit(connection):
+            started.append(None)
+            return operations.acquire(connection, key, owner, ttl)
+        attempt_backend(connection)
+        started.append(connection.connection)
+        return acquire_once(connection, key, owner, ttl)
+
+    running = asyncio.ensure_future(sync_to_async(attempt)())
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        abandoned = True
+        loop = asyncio.get_running_loop()
+        while not running.done() and None not in started:
+            if started:
+                await loop.run_in_executor(None, _cancel_statement, started[0])
+            await asyncio.wait({running}, timeout=0.05)
+        if running.done() and not running.cancelled() and running.exception() is None:
+            grant = running.result()
+            if grant is not None:
+                await sync_to_async(_give_back)(connection_of, grant)
+        raise
+
+
+def _cancel_statement(raw: Any) -> None:
+    # A cancel request that arrives while the session is idle is ignored by the server.
+    with suppress(Exception):
+        raw.cancel_safe(timeout=SETTLE_WITHIN)
+
+
+def _give_back(connection_of: Callable[[], BaseDatabaseWrapper], grant: Grant) -> None:
+    try:
+        release_once(connection_of(), grant.key, grant.owner, grant.epoch)
+    except Exception:
+        logger.warning("releasing the grant of a cancelled acquire of %r failed", grant.key, exc_info=True)
+    else:
+        logger.warning("a cancelled acquire of %r had been granted (epoch %s): released it", grant.key, grant.epoch)
+
+
 def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
     """A release (`Lease.objects.release`); interrupted before it took effect, it is completed.
 
     An interruption landing before the release commits would leave the lease held, for up to its
-    TTL, by an owner that is leaving. Outside a transaction the release is sent again on a fresh
-    session (waiting `SETTLE_WITHIN` s at most for a row lock) before the interruption goes on; one
-    that had committed answers not_owner, which is fine. Inside one, the caller's transaction owns it.
+    TTL, by an owner that is leaving. Outside a transaction it is completed (`complete_release`)
+    before the interruption goes on. Inside one, the caller's transaction owns it.
     """
     own = _autocommit(connection)
     try:
@@ -171,20 +229,49 @@ def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: i
         raise  # the server answered (a refusal) or the connection is lost: reported
     except BaseException:
         if own:
-            _complete_release(connection, key, owner, epoch)
+            complete_release(connection, key, owner, epoch)
         raise
+
+
+def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+    """After a release of ``(owner, epoch)`` was interrupted (a signal, KeyboardInterrupt, SystemExit):
+    send it again on a fresh session of ``connection``, before the interruption goes on.
+
+    The rule for every interrupted release (`Lease.objects.release`, the exit of ``hold()``): the
+    owner is leaving, its lease must not wait for its TTL. A statement still running is cancelled
+    and the connection closed; the release is sent on a new session (Django reconnects) in a
+    transaction of its own that waits `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``).
+    A release that had committed answers not_owner, which is fine. ``connection`` is left closed
+    or in autocommit, outside a transaction. Never raises an Exception: a failure is logged (the
+    lease then lapses at its TTL). A second interruption starts it over (`to_the_end`).
+    """
+    to_the_end(functools.partial(_complete_release, connection, key, owner, epoch))
 
 
 def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
     try:
         _abandon_statement(connection)
         connection.close()
-        with transaction.atomic(using=connection.alias), suppress(LeaseLostError):
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
+        # A transaction on this very connection (not `transaction.atomic`, which takes the alias's
+        # connection of this thread: for a lease connection of hold() that is another one).
+        connection.set_autocommit(False)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
+        with suppress(LeaseLostError):  # released by the interrupted call, or lapsed: not ours any more
             operations.release(connection, key, owner, epoch)
+        connection.commit()
+        connection.set_autocommit(True)
     except Exception:
         logger.warning("completing an interrupted release of %r failed; it lapses at its TTL", key, exc_info=True)
+        _drop(connection)
+    except BaseException:
+        _drop(connection)  # interrupted again: no transaction left open (Django reconnects in autocommit)
+        raise
+
+
+def _drop(connection: BaseDatabaseWrapper) -> None:
+    with suppress(Exception):
+        connection.close()
 
 
 def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
@@ -197,14 +284,53 @@ def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: i
     ``backend_pid``: the server process the attempt ran in (None: nothing to wait out).
     ``connection`` must be in autocommit; it is closed first, so the settling runs in a fresh
     session (Django reconnects). Never raises an Exception: a failure is logged (the grant, if
-    any, then lapses after its TTL), and the interruption goes on.
+    any, then lapses after its TTL), and the interruption goes on. A second interruption starts it
+    over (`to_the_end`).
     """
+    to_the_end(functools.partial(_settle_on_fresh_session, connection, key, owner, backend_pid))
+
+
+#: How many times a second interruption (and a third, ...) starts the settling over before it goes on.
+SETTLE_RESTARTS = 3
+
+
+def to_the_end(settling: Callable[[], None]) -> None:
+    """Run ``settling`` (`settle`, `complete_release`: each starts by abandoning what runs, so it can
+    start over) to its end although interrupted again: a second signal whose handler raises, a
+    second KeyboardInterrupt (psycopg cancels the statement it cuts short).
+
+    Each interruption of the settling starts it over, up to `SETTLE_RESTARTS` times; the last one is
+    raised once the settling has ended (its context is the first interruption, which the caller
+    would have raised), or at once after `SETTLE_RESTARTS` restarts (what was settling is then left
+    to lapse at its TTL).
+    """
+    again: BaseException | None = None
+    for restart in range(SETTLE_RESTARTS + 1):
+        try:
+            settling()
+        except Exception:
+            raise  # pragma: no cover - the settlings catch and log their errors
+        except BaseException as exc:
+            again = exc
+            if restart == SETTLE_RESTARTS:
+                break
+            logger.warning("interrupted again while settling an interrupted lease call: starting over")
+            continue
+        break
+    if again is not None:
+        raise again
+
+
+def _settle_on_fresh_session(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
     try:
         _abandon_statement(connection)
         connection.close()
         _settle(connection, key, owner, backend_pid)
     except Exception:
         logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
+    except BaseException:
+        _drop(connection)  # interrupted again: no statement left running on it
+        raise
 
 
 def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:

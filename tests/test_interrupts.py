@@ -10,14 +10,17 @@ granted to an owner that is gone, and no session of the interrupted caller is le
 from __future__ import annotations
 
 import asyncio
+import dis
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,15 @@ def gone(watch: psycopg.Connection[Any], pid: int) -> None:
         lambda: watch.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone() == (0,),
         HANG_GUARD,
         f"backend {pid} to end",
+    )
+
+
+def not_running(watch: psycopg.Connection[Any], pid: int) -> None:
+    """Wait until server process ``pid`` runs no statement (ended, or idle)."""
+    wait_until(
+        lambda: watch.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone() != ("active",),
+        HANG_GUARD,
+        f"backend {pid} to stop running its statement",
     )
 
 
@@ -165,14 +177,20 @@ def test_an_interrupted_non_blocking_manager_acquire_leaves_nothing_granted(key:
 
 def _interrupt_at(step: int, when: str) -> tuple[Callable[..., Any], list[str]]:
     """An execute wrapper that raises `_Interrupted` just before or just after the ``step``-th statement."""
+    return _interrupts({step: when})
+
+
+def _interrupts(at: dict[int, str]) -> tuple[Callable[..., Any], list[str]]:
+    """An execute wrapper that raises `_Interrupted` just ``at[n]`` ("before" or "after") the ``n``-th statement."""
     sent: list[str] = []
 
     def wrapper(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
         sent.append(sql)
-        if len(sent) == step and when == "before":
+        when = at.get(len(sent))
+        if when == "before":
             raise _Interrupted
         result = execute(sql, params, many, context)
-        if len(sent) == step and when == "after":
+        if when == "after":
             raise _Interrupted
         return result
 
@@ -473,3 +491,521 @@ def test_a_hold_cancelled_while_its_attempt_is_in_flight_is_cancelled_on_the_ser
     no_session_left(watch, "pg_lease_django hold")
     state = Lease.objects.inspect(key)
     assert (state.status, state.epoch) == ("free", epoch)
+
+
+# -- hold()'s own connections: its enter and its exit interrupted at each statement ----------------------
+
+
+class _HoldStatements:
+    """An execute wrapper on each lease connection of ``hold()`` (`lease_pool`) opened while it is installed.
+
+    Django's ``connection_created`` signal attaches it to each of those connections (they are Django
+    connections of their own, named ``pg_lease_django hold``), with no hook in the package. It counts
+    the statements sent from the time it is `arm`-ed and raises `_Interrupted` just before or just
+    after the ones it is armed for, in whichever thread sends them (the thread entering or leaving a sync hold,
+    an async hold's own thread). The heartbeat's renewals are not counted (a TTL of 60 s puts the
+    first one 20 s after the grant; they run on threads of their own).
+
+    ``contender``: ``(key, owner, epoch)`` released from ``side`` just after the first acquire
+    attempt has been answered (refused): a blocking hold then waits, is notified and attempts again,
+    with no timing involved.
+    """
+
+    def __init__(self, side: psycopg.Connection[Any]) -> None:
+        self.side = side
+        self.sent: list[str] = []
+        self.at: dict[int, str] = {}
+        self.contender: tuple[str, str, int] | None = None
+
+    def arm(self, at: dict[int, str] | None = None) -> None:
+        """Count from here; interrupt just ``at[n]`` ("before" or "after") the ``n``-th statement."""
+        self.sent, self.at = [], at or {}
+
+    def __call__(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        if threading.current_thread().name.startswith("pg_lease heartbeat"):
+            return execute(sql, params, many, context)
+        self.sent.append(sql)
+        when = self.at.get(len(self.sent))
+        if when == "before":
+            raise _Interrupted
+        result = execute(sql, params, many, context)
+        if self.contender is not None and "pg_lease_acquire" in sql:
+            contender, self.contender = self.contender, None
+            self.side.execute("SELECT * FROM pg_lease_release(%s::text, %s::text, %s::bigint)", list(contender))
+        if when == "after":
+            raise _Interrupted
+        return result
+
+
+@contextmanager
+def hold_statements(raw_connect: Connect) -> Iterator[_HoldStatements]:
+    """Install a `_HoldStatements` on the lease connections ``hold()`` opens in the block (none idle before)."""
+    from django.db.backends.signals import connection_created
+
+    from pg_lease_django import lease_pool
+
+    statements = _HoldStatements(raw_connect())
+
+    def attach(sender: Any, connection: Any, **kwargs: Any) -> None:
+        options = connection.settings_dict.get("OPTIONS") or {}
+        ours = options.get("application_name") == lease_pool.APPLICATION_NAME
+        if ours and statements not in connection.execute_wrappers:
+            connection.execute_wrappers.append(statements)
+
+    lease_pool.close_connections()  # each lease connection of the block is opened in it
+    connection_created.connect(attach, weak=False)
+    try:
+        yield statements
+    finally:
+        connection_created.disconnect(attach)
+        lease_pool.close_connections()
+
+
+def _in_a_hold(
+    mode: str, key: str, owner: str, blocking: bool, body: Callable[[Any], None], before: Callable[[], None]
+) -> None:
+    """``before()``, then ``body(lease)`` inside ``hold(key, 60, owner=owner)``: a ``with`` or an ``async with``."""
+    timeout = HANG_GUARD if blocking else None  # a hold that waited forever would fail, not hang
+    before()
+    if mode == "sync":
+        with hold(key, 60, owner=owner, blocking=blocking, timeout=timeout) as lease:
+            body(lease)
+        return
+
+    async def scenario() -> None:
+        async with hold(key, 60, owner=owner, blocking=blocking, timeout=timeout) as lease:
+            body(lease)
+
+    async_to_sync(scenario)()
+
+
+def _no_hold_left(key: str) -> None:
+    from pg_lease_django.heartbeat import active_holds
+
+    assert [lease for lease in active_holds() if lease.key.startswith(key)] == []  # no heartbeat renewing
+
+
+def _no_hold_session_left(watch: psycopg.Connection[Any]) -> None:
+    # Behind PgBouncer the server sessions are the pooler's (and may keep the name): not checked there.
+    if not os.environ.get("PG_LEASE_TEST_PGBOUNCER"):
+        no_session_left(watch, "pg_lease_django hold")
+
+
+HOLD_CASES = [
+    pytest.param("sync", "free", id="sync-non-blocking"),
+    pytest.param("sync", "blocking", id="sync-blocking"),
+    pytest.param("sync", "contended", id="sync-blocking-contended"),
+    pytest.param("async", "free", id="async-non-blocking"),
+    pytest.param("async", "blocking", id="async-blocking"),
+    pytest.param("async", "contended", id="async-blocking-contended"),
+]
+
+
+@pytest.mark.parametrize(("mode", "how"), HOLD_CASES)
+def test_a_hold_interrupted_at_every_statement_of_its_enter_holds_nothing(
+    key: str, raw_connect: Connect, mode: str, how: str
+) -> None:
+    """``hold()``'s enter (the acquire on its own lease connections) interrupted just before and just
+    after each statement it sends: the body never runs, the interrupted owner holds nothing, no
+    heartbeat is left renewing. "contended": a blocking hold whose first attempt is refused (a
+    contender holds the key and releases it as soon as that attempt is answered), so its wait is
+    explored too (LISTEN, the refused attempt, the granting one, UNLISTEN and what follows)."""
+    blocking = how != "free"
+    watch = raw_connect()
+
+    def prepare(target: str) -> Callable[[], None]:
+        def before() -> None:
+            if how == "contended":
+                statements.contender = (target, "contender", held(target, "contender", ttl=60))
+
+        return before
+
+    def never(lease: Any) -> None:
+        pytest.fail("the body of an interrupted hold ran")
+
+    with hold_statements(raw_connect) as statements:
+        # The enter's statements: those sent before the body runs (the rest are the exit's).
+        entered: list[str] = []
+        count = f"{key}/count"
+        _in_a_hold(mode, count, "w-count", blocking, lambda lease: entered.extend(statements.sent), prepare(count))
+        sent, steps = entered, len(entered)
+        _no_hold_left(key)
+        assert Lease.objects.inspect(count).status == "free"
+        assert any("pg_lease_acquire" in sql for sql in sent)
+        if how == "contended":
+            assert sum("pg_lease_acquire" in sql for sql in sent[:steps]) == 2, sent
+        for step in range(1, steps + 1):
+            for when in ("before", "after"):
+                target = f"{key}/{step}/{when}"
+                statements.arm({step: when})
+                with pytest.raises(_Interrupted):
+                    _in_a_hold(mode, target, "w-int", blocking, never, prepare(target))
+                state = Lease.objects.inspect(target)
+                assert not (state.status == "held" and state.owner == "w-int"), (step, when, statements.sent[:step])
+                _no_hold_left(key)
+    _no_hold_session_left(watch)
+
+
+@pytest.mark.parametrize(("mode", "how"), [case for case in HOLD_CASES if case.values[1] != "contended"])
+def test_a_hold_interrupted_at_every_statement_of_its_exit_still_releases(
+    key: str, raw_connect: Connect, mode: str, how: str
+) -> None:
+    """``hold()``'s exit (the release on its own lease connections) interrupted just before and just
+    after each statement it sends: the interruption goes on, and the lease is free afterwards
+    (completed the way ``Lease.objects.release`` completes an interrupted release: the owner is
+    leaving, its lease must not wait for its TTL), with no heartbeat left renewing."""
+    blocking = how != "free"
+    watch = raw_connect()
+    granted: list[int] = []
+
+    def count(lease: Any) -> None:
+        granted.append(lease.epoch)
+        statements.arm()  # count the exit's statements only
+
+    with hold_statements(raw_connect) as statements:
+        _in_a_hold(mode, f"{key}/count", "w-count", blocking, count, lambda: None)
+        steps = len(statements.sent)
+        assert any("pg_lease_release" in sql for sql in statements.sent), statements.sent
+        for step in range(1, steps + 1):
+            for when in ("before", "after"):
+                target = f"{key}/{step}/{when}"
+
+                def interrupt_exit(lease: Any) -> None:
+                    granted.append(lease.epoch)
+                    statements.arm({step: when})  # noqa: B023 - called before the loop moves on
+
+                with pytest.raises(_Interrupted):
+                    _in_a_hold(mode, target, "w-int", blocking, interrupt_exit, lambda: None)
+                state = Lease.objects.inspect(target)
+                # Before the fix: held by the gone owner until its TTL (and the interrupt swallowed).
+                assert (state.status, state.epoch) == ("free", granted[-1] + 1), (step, when, statements.sent)
+                _no_hold_left(key)
+    _no_hold_session_left(watch)
+
+
+# -- a second interruption while the first is settled --------------------------------------------------
+
+
+def _first_and_again(sent: list[str], first: int) -> Iterator[dict[int, str]]:
+    """A first interruption just after statement ``first``, then again before or after each later one of ``sent``."""
+    for again in range(first + 1, len(sent) + 1):
+        for when in ("before", "after"):
+            yield {first: "after", again: when}
+
+
+def _index_of(sent: list[str], fragment: str) -> int:
+    """The 1-based position of the first statement of ``sent`` that contains ``fragment``."""
+    return next(index for index, sql in enumerate(sent, 1) if fragment in sql)
+
+
+@needs_session
+@pytest.mark.parametrize("blocking", [False, True], ids=["non-blocking", "blocking"])
+def test_an_acquire_interrupted_again_while_it_is_settled_leaves_nothing_granted(key: str, blocking: bool) -> None:
+    """The worst moment (the grant committed, its answer not returned), then a second interruption
+    (a second signal) at each statement of the settling: the settling starts over, the grant is
+    released, and an interruption goes on."""
+    from django.db import connection
+
+    wrapper, sent = _interrupts({})
+    with connection.execute_wrapper(wrapper):
+        assert Lease.objects.acquire(f"{key}/count", "w-count", ttl=60, blocking=blocking) is not None
+    granting = _index_of(sent, "pg_lease_acquire")
+    wrapper, sent = _interrupts({granting: "after"})
+    with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+        Lease.objects.acquire(f"{key}/once", "w-int", ttl=60, blocking=blocking)
+    assert len(sent) > granting  # the settling's statements
+    for number, at in enumerate(_first_and_again(sent, granting)):
+        target = f"{key}/{number}"
+        wrapper, _ = _interrupts(at)
+        with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+            Lease.objects.acquire(target, "w-int", ttl=60, blocking=blocking)
+        state = Lease.objects.inspect(target)
+        # Before the fix the second interruption cut the settling short: held until the TTL.
+        assert not (state.status == "held" and state.owner == "w-int"), (at, sent)
+
+
+@needs_session
+def test_a_release_interrupted_again_while_it_is_completed_still_releases(key: str) -> None:
+    """A release interrupted before its statement, then again at each statement of its completion."""
+    from django.db import connection
+
+    grant = Lease.objects.acquire(f"{key}/once", "w", ttl=60)
+    assert grant is not None
+    wrapper, sent = _interrupts({1: "before"})
+    with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+        Lease.objects.release(grant.key, "w", grant.epoch)
+    assert len(sent) > 1  # the completion's statements
+    for again in range(2, len(sent) + 1):
+        for when in ("before", "after"):
+            target = f"{key}/{again}/{when}"
+            grant = Lease.objects.acquire(target, "w", ttl=60)
+            assert grant is not None
+            wrapper, _ = _interrupts({1: "before", again: when})
+            with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+                Lease.objects.release(target, "w", grant.epoch)
+            state = Lease.objects.inspect(target)
+            assert (state.status, state.epoch) == ("free", grant.epoch + 1), (again, when, sent)
+
+
+@pytest.mark.parametrize("phase", ["enter", "exit"])
+def test_a_hold_interrupted_again_while_it_is_settled_holds_nothing(key: str, raw_connect: Connect, phase: str) -> None:
+    """``hold()``'s enter interrupted just after its granting attempt, or its exit just before its
+    release, then again at each statement of the settling (or the completion of the release)."""
+    watch = raw_connect()
+    granted: list[int] = []
+    first = [0]
+
+    def interrupt_exit(at: dict[int, str]) -> Callable[[Any], None]:
+        def body(lease: Any) -> None:
+            granted.append(lease.epoch)
+            statements.arm(at)
+
+        return body
+
+    with hold_statements(raw_connect) as statements:
+        if phase == "enter":
+            statements.arm()
+            _in_a_hold("sync", f"{key}/count", "w-count", False, lambda lease: None, lambda: None)
+            first[0] = _index_of(statements.sent, "pg_lease_acquire")
+            statements.arm({first[0]: "after"})
+            with pytest.raises(_Interrupted):
+                _in_a_hold("sync", f"{key}/once", "w-int", False, lambda lease: None, lambda: None)
+        else:
+            _in_a_hold("sync", f"{key}/count", "w-count", False, interrupt_exit({}), lambda: None)
+            first[0] = _index_of(statements.sent, "pg_lease_release") - 1
+            with pytest.raises(_Interrupted):
+                _in_a_hold("sync", f"{key}/once", "w-int", False, interrupt_exit({first[0]: "after"}), lambda: None)
+        sent = list(statements.sent)
+        assert len(sent) > first[0] + 1, sent  # the settling's statements
+        for number, at in enumerate(_first_and_again(sent, first[0])):
+            target = f"{key}/{number}"
+            with pytest.raises(_Interrupted):
+                if phase == "enter":
+                    statements.arm(at)
+                    _in_a_hold("sync", target, "w-int", False, lambda lease: None, lambda: None)
+                else:
+                    _in_a_hold("sync", target, "w-int", False, interrupt_exit(at), lambda: None)
+            state = Lease.objects.inspect(target)
+            assert not (state.status == "held" and state.owner == "w-int"), (at, sent)
+            _no_hold_left(key)
+    _no_hold_session_left(watch)
+
+
+# -- finding 7's last item: an interrupt at any instruction of a sync hold's own bookkeeping -----------
+
+
+def _codes(phase: str) -> set[Any]:
+    """The code of ``hold()``'s enter (after the statements: they are explored above) or its exit."""
+    from pg_lease_django import heartbeat, held, holding
+
+    if phase == "enter":
+        functions: list[Any] = [
+            holding.Holding.__enter__,
+            holding.Holding._push,
+            holding._Session.start,
+            heartbeat.Heartbeat.start,
+        ]
+    else:
+        functions = [
+            holding.Holding.__exit__,
+            holding.Holding._pop,
+            holding._Session.finish,
+            held.HeldLease._end,
+            heartbeat.Heartbeat.finish,
+            heartbeat.Heartbeat._finish,
+        ]
+    return {function.__code__ for function in functions}
+
+
+_NO_SIGNAL_CHECK = {dis.opmap["RETURN_VALUE"], dis.opmap["NOP"]}
+
+
+@contextmanager
+def _interrupt_at_instruction(codes: set[Any], number: int) -> Iterator[list[str]]:
+    """Raise `_Interrupted` at the ``number``-th bytecode instruction run in ``codes`` (0: never), in this thread.
+
+    A signal's handler runs between two instructions of the main thread (at some of them: these are
+    all of them but returns and no-ops), so this is every place a signal can interrupt this code, one
+    per run, but one: the first instruction of a function (where CPython checks for signals too) is
+    not traced. There, at the very start of ``Holding.__exit__``, no handler of ours can run (gh-74174).
+    """
+    seen: list[str] = []
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        # Not before a return or a no-op: CPython checks for signals at calls and backward jumps
+        # (and on entering a function: not traced here), never there.
+        if event == "opcode" and frame.f_code.co_code[frame.f_lasti] not in _NO_SIGNAL_CHECK:
+            seen.append(f"{frame.f_code.co_name}:{frame.f_lasti}")
+            if len(seen) == number:
+                raise _Interrupted
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code not in codes:
+            return None
+        frame.f_trace_lines = False
+        frame.f_trace_opcodes = True
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield seen
+    finally:
+        sys.settrace(previous)
+
+
+@pytest.mark.parametrize("phase", ["enter", "exit"])
+def test_a_sync_hold_interrupted_at_every_instruction_of_its_bookkeeping_leaves_nothing(key: str, phase: str) -> None:
+    """``with hold()`` interrupted at each bytecode instruction of its enter (``Holding.__enter__`` and
+    what it runs once the lease is granted) or of its exit (down to the release): afterwards nothing
+    is held by the interrupted owner, no heartbeat renews it, and no lease is left current."""
+    from pg_lease_django import current_lease
+
+    codes = _codes(phase)
+
+    def run(target: str, number: int) -> list[str]:
+        if phase == "enter":
+            with _interrupt_at_instruction(codes, number) as seen, hold(target, 60, owner="w-int"):
+                pass
+            return seen
+        with hold(target, 60, owner="w-int"):
+            tracing = _interrupt_at_instruction(codes, number)
+            seen = tracing.__enter__()
+        tracing.__exit__(None, None, None)
+        return seen
+
+    where = run(f"{key}/count", 0)
+    instructions = len(where)
+    assert instructions > 20
+    failures = []
+    for number in range(1, instructions + 1):
+        target = f"{key}/{number}"
+        try:
+            run(target, number)
+        except _Interrupted:
+            pass
+        else:
+            failures.append((where[number - 1], "not interrupted"))
+        state = Lease.objects.inspect(target)
+        if state.status == "held" and state.owner == "w-int":
+            failures.append((where[number - 1], "held"))
+        if any(lease.key == target for lease in _active_holds()):
+            failures.append((where[number - 1], "renewed"))
+        if current_lease(target) is not None:
+            failures.append((where[number - 1], "current"))
+    assert failures == [], " ".join(f"{place}/{what}" for place, what in failures)
+
+
+def _active_holds() -> list[Any]:
+    from pg_lease_django.heartbeat import active_holds
+
+    return active_holds()
+
+
+# -- a cancelled non-blocking aacquire ------------------------------------------------------------------
+
+
+@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
+def test_a_cancelled_non_blocking_aacquire_is_cancelled_on_the_server(key: str, raw_connect: Connect) -> None:
+    """A non-blocking ``aacquire`` (its statement in Django's thread, ``sync_to_async``) cancelled while
+    its statement waits on a row lock: the statement is cancelled on the server while the row is
+    still locked, so it cannot grant later, and the cancellation goes on."""
+    epoch = free(key)
+    watch = raw_connect()
+
+    async def scenario() -> None:
+        with row_locked(raw_connect, key) as locker:
+            task = asyncio.ensure_future(Lease.objects.aacquire(key, "w-cancelled", ttl=60))
+            with ThreadPoolExecutor(max_workers=1) as watching:
+                loop = asyncio.get_running_loop()
+                attempt = await loop.run_in_executor(watching, blocked_behind, watch, locker)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                # Before the fix the statement ran on in its thread and granted once the lock went.
+                # Cancelled on the server while the row is still locked (the session is the caller's: it stays).
+                await loop.run_in_executor(watching, not_running, watch, attempt)
+
+    async_to_sync(scenario)()
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch)
+
+
+@needs_session
+def test_a_non_blocking_aacquire_cancelled_after_its_grant_committed_releases_it(key: str) -> None:
+    """The worst moment: the grant has committed in Django's thread and the task is cancelled before it
+    gets the answer (the statement's answer is held up by an execute wrapper until the cancellation
+    has landed). The grant is released before the cancellation goes on."""
+    from django.db import connection
+
+    epoch = free(key)
+    answered, cancelled = threading.Event(), threading.Event()
+
+    def hold_up_the_answer(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        result = execute(sql, params, many, context)
+        if "pg_lease_acquire" in sql:
+            answered.set()
+            assert cancelled.wait(HANG_GUARD)
+        return result
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(Lease.objects.aacquire(key, "w-cancelled", ttl=60))
+        await asyncio.get_running_loop().run_in_executor(None, answered.wait, HANG_GUARD)
+        task.cancel()
+        await asyncio.sleep(0)  # the cancellation lands in the task
+        cancelled.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with connection.execute_wrapper(hold_up_the_answer):
+        async_to_sync(scenario)()
+    state = Lease.objects.inspect(key)
+    # Before the fix: held by the cancelled caller for its 60 s TTL.
+    assert (state.status, state.epoch) == ("free", epoch + 2)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_hold_at_least_exit_interrupted_at_every_statement_still_keeps_only_until_then(
+    key: str, raw_connect: Connect, mode: str
+) -> None:
+    """With ``hold_at_least``, the exit's last move is a renewal to exactly the time left (not a
+    release). Interrupted just before or just after each of its statements, it is made again before
+    the interruption goes on: the lease then lapses at ``grant + hold_at_least``, not at its TTL."""
+    watch = raw_connect()
+    grants: list[Any] = []
+
+    def run(target: str, at: dict[int, str]) -> None:
+        def body(lease: Any) -> None:
+            grants.append(lease.expires_at)
+            statements.arm(at)
+
+        if mode == "sync":
+            with hold(target, 60, owner="w-int", hold_at_least=20) as lease:
+                body(lease)
+            return
+
+        async def scenario() -> None:
+            async with hold(target, 60, owner="w-int", hold_at_least=20) as lease:
+                body(lease)
+
+        async_to_sync(scenario)()
+
+    with hold_statements(raw_connect) as statements:
+        run(f"{key}/count", {})
+        sent = list(statements.sent)
+        assert any("pg_lease_heartbeat" in sql for sql in sent), sent
+        for step in range(1, len(sent) + 1):
+            for when in ("before", "after"):
+                target = f"{key}/{step}/{when}"
+                with pytest.raises(_Interrupted):
+                    run(target, {step: when})
+                state = Lease.objects.inspect(target)
+                # Granted for 60 s; kept until 20 s after the grant (server clock), give or take a round trip.
+                assert state.status == "held" and state.expires_at <= grants[-1] - timedelta(seconds=30), (
+                    step,
+                    when,
+                    state,
+                )
+                _no_hold_left(key)
+    _no_hold_session_left(watch)
