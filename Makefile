@@ -87,6 +87,12 @@ bench:
 stress-failover: venv
 	$(BIN)/python -m stress failover --suite $(STRESS_FAILOVER_ARGS)
 
+## make patroni-packages: Patroni, etcd and HAProxy from Debian (the Patroni cluster's tests and `make stress-patroni`).
+.PHONY: patroni-packages stress-patroni
+patroni-packages:
+	@command -v patroni >/dev/null && command -v etcd >/dev/null && command -v haproxy >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patroni etcd-server haproxy >/dev/null; }
+
 clean:
 	rm -rf $(VENV) .pgdata .mypy_cache .ruff_cache .pytest_cache
 
