@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from importlib import metadata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,11 +60,35 @@ class Ports:
     rest: int
 
 
+def hook_python() -> str:
+    """How Patroni (run as the server's user) starts a Python that imports this package.
+
+    This interpreter when that user can run it; else (a pyenv under root's private home) Debian's
+    ``/usr/bin/python3`` with Django and psycopg installed once, by this interpreter's pip, into
+    ``.pgdata/hook-site`` (same versions; wheels for the same Python minor version), and the
+    repository on ``PYTHONPATH``.
+    """
+    user = _service_user()
+    probe = ["runuser", "-u", user or "", "--", sys.executable, "-c", "import psycopg, django"]
+    if user is None or subprocess.run(probe, capture_output=True).returncode == 0:
+        return sys.executable
+    site = REPO / ".pgdata" / "hook-site"
+    if not site.exists():
+        partial = site.with_name(f"hook-site.{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        wanted = [f"Django=={metadata.version('django')}", f"psycopg[binary]=={metadata.version('psycopg')}"]
+        pip = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"]
+        subprocess.run([*pip, str(partial), *wanted], check=True, capture_output=True)
+        try:
+            partial.rename(site)
+        except OSError:  # another process was first
+            shutil.rmtree(partial, ignore_errors=True)
+    return f"env PYTHONPATH={site}:{REPO} /usr/bin/python3"
+
+
 def callback_command(conninfo: str, bindir: Path, *, by: int = 1_000_000) -> str:
     """The hook's command line, as Patroni's configuration carries it (Patroni appends its arguments)."""
-    return (
-        f"{sys.executable} -m pg_lease_django.patroni --conninfo '{conninfo}' --bindir {bindir} --by {by}"
-    )
+    return f"{hook_python()} -m pg_lease_django.patroni --conninfo '{conninfo}' --bindir {bindir} --by {by}"
 
 
 def patroni_config(
@@ -192,6 +217,20 @@ class Member:
     @property
     def datadir(self) -> Path:
         return self.config.parent / self.name / "data"
+
+    def kill_postgres(self, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to this node's postmaster and every child of it at once (SIGKILL: a crashed
+        server, no backend left to commit); the postmaster's PID."""
+        pid = self.postmaster_pid()
+        if pid is None:
+            raise RuntimeError(f"{self.name}: no postmaster.pid")
+        targets = [pid] + [p for p, ppid in _children() if ppid == pid]
+        for target in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target, sig)
+        if sig == signal.SIGKILL:
+            poll(lambda: not ({pid, *targets} & {p for p, *_ in _processes()}), timeout=30, what="postgres to die")
+        return pid
 
     def postmaster_pid(self) -> int | None:
         try:
@@ -425,6 +464,19 @@ class PatroniCluster:
             "PORT": ",".join(str(m.ports.postgres) for m in self.members),
             "OPTIONS": {"target_session_attrs": "read-write", "connect_timeout": 3},
         }
+
+
+def _children() -> Iterator[tuple[int, int]]:
+    """(pid, parent pid) of every live process."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] != "Z":
+                yield int(entry.name), int(fields[1])
 
 
 def _processes() -> Iterator[tuple[int, int, str, str]]:
