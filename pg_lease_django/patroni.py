@@ -61,7 +61,9 @@ WRITE_THROUGH_GATE = "-c default_transaction_read_only=off"
 #: How far back from the end of the standby's WAL ``pg_waldump`` starts looking for the last record
 #: (it skips to the first record boundary; a last record longer than this reads as "not clean").
 WAL_WINDOW = 256 * 1024
-_RECORD = re.compile(r"^rmgr: (\S+)\s+len \(rec/tot\):\s+\d+/\s*\d+, tx:\s+\d+, lsn: ([0-9A-F]+/[0-9A-F]+), .*desc: (\S+)")
+_RECORD = re.compile(
+    r"^rmgr: (\S+)\s+len \(rec/tot\):\s+\d+/\s*\d+, tx:\s+\d+, lsn: ([0-9A-F]+/[0-9A-F]+), .*desc: (\S+)"
+)
 
 
 def _lsn(text: str) -> int:
@@ -204,7 +206,11 @@ def on_leader(args: argparse.Namespace) -> int:
             for dbname in databases:
                 leases, highest = advance(args.conninfo, dbname, args.by)
                 logger.warning(
-                    "pg_lease_django: advanced %s lease(s) in %s by %s (highest epoch %s)", leases, dbname, args.by, highest
+                    "pg_lease_django: advanced %s lease(s) in %s by %s (highest epoch %s)",
+                    leases,
+                    dbname,
+                    args.by,
+                    highest,
                 )
             set_gate(args.conninfo, False)
             logger.warning("pg_lease_django: gate open")

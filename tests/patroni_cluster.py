@@ -325,9 +325,7 @@ class PatroniCluster:
         )
         poll(lambda: self._http(self.etcd_port, "/health"), timeout=timeout, what="etcd to answer")
         haproxy_cfg = self.root / "haproxy.cfg"
-        haproxy_cfg.write_text(
-            haproxy_config(port=self.haproxy_port, nodes=[(m.name, m.ports) for m in self.members])
-        )
+        haproxy_cfg.write_text(haproxy_config(port=self.haproxy_port, nodes=[(m.name, m.ports) for m in self.members]))
         for index, member in enumerate(self.members):
             member.process = self._spawn(["patroni", str(member.config)], f"{member.name}.log")
             if index == 0:  # the first bootstraps alone; the others then clone it
