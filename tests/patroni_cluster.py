@@ -101,6 +101,7 @@ def patroni_config(
     bindir: Path,
     synchronous: str = "off",
     callback: bool = True,
+    maximum_lag_on_failover: int = 1048576,
 ) -> str:
     """One node's ``patroni.yml``.
 
@@ -108,6 +109,8 @@ def patroni_config(
         synchronous: ``"off"`` (asynchronous replication), ``"on"`` (``synchronous_mode``) or
             ``"strict"`` (``synchronous_mode`` and ``synchronous_mode_strict``).
         callback: run :mod:`pg_lease_django.patroni` as ``pre_promote``, ``on_role_change`` and ``on_start``.
+        maximum_lag_on_failover: bytes a replica may lag behind the leader's last reported position
+            and still be promoted (Patroni's default: 1 MiB).
     """
     local = f"host=127.0.0.1 port={ports.postgres} user=postgres dbname=postgres"
     hooks = ""
@@ -134,8 +137,8 @@ bootstrap:
     ttl: 20
     loop_wait: 1
     retry_timeout: 5
-    maximum_lag_on_failover: 1048576
-    master_start_timeout: 0
+    maximum_lag_on_failover: {maximum_lag_on_failover}
+    primary_start_timeout: 0
     synchronous_mode: {"true" if synchronous in ("on", "strict") else "false"}
     synchronous_mode_strict: {"true" if synchronous == "strict" else "false"}
     synchronous_node_count: 1
@@ -248,6 +251,7 @@ class PatroniCluster:
     callback: bool = True
     bindir: Path | None = None
     scope: str = "leases"
+    maximum_lag_on_failover: int = 1048576
     root: Path = field(init=False)
     members: list[Member] = field(init=False, default_factory=list)
     etcd_port: int = field(init=False)
@@ -284,6 +288,7 @@ class PatroniCluster:
                     bindir=self.bindir,
                     synchronous=self.synchronous,
                     callback=self.callback,
+                    maximum_lag_on_failover=self.maximum_lag_on_failover,
                 )
             )
             self.members.append(Member(name, ports, config))

@@ -96,7 +96,7 @@ def test_switchover_keeps_the_epochs_and_a_crash_failover_advances_them_before_c
     patroni: PatroniCluster, children: Callable[[dict[str, Any]], Child]
 ) -> None:
     """A ``patronictl switchover`` is a clean hand-over: the hook leaves every epoch and the hold as
-    they were. A SIGKILL of the leader's PostgreSQL (``master_start_timeout: 0``: Patroni fails
+    they were. A SIGKILL of the leader's PostgreSQL (``primary_start_timeout: 0``: Patroni fails
     over at once) may have lost writes: the hook closes the gate before the promotion, advances
     every epoch by 1,000,000, then opens it. The writer fenced before the kill is refused, the
     hold entered before it reports the loss, and the first lease change any client makes on the
