@@ -26,12 +26,14 @@ may already be connecting:
    open (a clean hand-over), it does nothing.
 
 Patroni's configuration (``postgresql`` section of each node; Patroni appends ``on_role_change
-ROLE SCOPE`` to a callback, and nothing to ``pre_promote``)::
+ROLE SCOPE`` to a callback, and nothing to ``pre_promote``; HOOK stands for
+``/srv/app/.venv/bin/python -m pg_lease_django.patroni --conninfo 'host=127.0.0.1 port=5432
+user=postgres dbname=postgres' --bindir /usr/lib/postgresql/15/bin --by 1000000``, on one line)::
 
-    pre_promote: /srv/app/.venv/bin/python -m pg_lease_django.patroni --conninfo 'host=127.0.0.1 port=5432 user=postgres dbname=postgres' --bindir /usr/lib/postgresql/15/bin --by 1000000 pre_promote
+    pre_promote: HOOK pre_promote
     callbacks:
-      on_role_change: /srv/app/.venv/bin/python -m pg_lease_django.patroni --conninfo '...' --bindir ... --by 1000000
-      on_start: /srv/app/.venv/bin/python -m pg_lease_django.patroni --conninfo '...' --bindir ... --by 1000000
+      on_role_change: HOOK
+      on_start: HOOK
 
 ``--conninfo`` reaches this node's own server as a role that may run ``ALTER SYSTEM`` and
 ``pg_lease_advance_epochs`` (Patroni's superuser); ``--bindir`` holds ``pg_waldump``. Needs no
@@ -179,7 +181,7 @@ def advance(conninfo: str, dbname: str, by: int) -> tuple[int, int]:
         if len(schemas) != 1:
             raise RuntimeError(f"database {dbname!r}: {len(schemas)} schemas with a lease table on the search_path")
         statement = lease_sql.ADVANCE_EPOCHS.format(schema=pgsql.Identifier(schemas[0]).as_string(conn))
-        row = conn.execute(statement, (by, False)).fetchone()  # type: ignore[arg-type]
+        row = conn.execute(statement.encode(), (by, False)).fetchone()
     assert row is not None
     return int(row[0]), int(row[3])
 
@@ -233,7 +235,7 @@ def _in_recovery(conninfo: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pg_lease_django.patroni [options] pre_promote | ACTION ROLE SCOPE`` (Patroni's callback arguments)."""
+    """``python -m pg_lease_django.patroni [options] pre_promote | ACTION ROLE SCOPE`` (Patroni's arguments)."""
     parser = argparse.ArgumentParser(prog="python -m pg_lease_django.patroni", description=__doc__.split("\n\n")[0])
     parser.add_argument("--conninfo", required=True, help="libpq conninfo of this node's own server (a superuser)")
     parser.add_argument("--bindir", type=Path, default=None, help="directory of pg_waldump (default: PATH)")

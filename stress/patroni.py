@@ -39,7 +39,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from tests.patroni_cluster import Member, PatroniCluster, leftovers, missing_programs
+from tests.patroni_cluster import Member, PatroniCluster, children_of, leftovers, missing_programs
 from tests.pgcluster import poll
 
 from .checker import Op, summarize
@@ -112,7 +112,9 @@ class PatroniResult:
             "  " + ", ".join(f"{k} {v}" for k, v in self.figures().items()),
         ]
         if self.promoted_after:
-            lines.append(f"  new leader writable {min(self.promoted_after):.2f}-{max(self.promoted_after):.2f}s after the fault")
+            lines.append(
+                f"  new leader writable {min(self.promoted_after):.2f}-{max(self.promoted_after):.2f}s after the fault"
+            )
         if not self.ok:
             kinds: dict[str, int] = {}
             for violation in self.result.report.violations + self.result.report.clock_violations:
@@ -127,13 +129,8 @@ def _count(cluster: PatroniCluster, member: Member, database: str) -> int:
     return int(cluster.query(member, AUDIT_COUNT, dbname=database)[0][0])
 
 
-def _leader(cluster: PatroniCluster, *, other_than: Member | None = None, timeout: float = 180) -> Member:
-    return poll(
-        lambda: (m := cluster.leader()) is not None and m is not other_than and m,
-        timeout=timeout,
-        what="a new leader",
-        interval=0.1,
-    )
+def _leader(cluster: PatroniCluster, *, other_than: Member | None = None) -> Member:
+    return cluster.wait_leader(other_than=other_than)
 
 
 def _walsenders(cluster: PatroniCluster, member: Member) -> list[int]:
@@ -144,15 +141,9 @@ def _signal_postgres(member: Member, sig: int) -> None:
     pid = member.postmaster_pid()
     if pid is None:
         return
-    for target, ppid in [(pid, 0), *_children_of(pid)]:
+    for target in [pid, *children_of(pid)]:
         with suppress(ProcessLookupError):
             os.kill(target, sig)
-
-
-def _children_of(pid: int) -> list[tuple[int, int]]:
-    from tests.patroni_cluster import _children
-
-    return [(child, ppid) for child, ppid in _children() if ppid == pid]
 
 
 def fault(cluster: PatroniCluster, run: Run, config: PatroniConfig, kind: str, leader: Member) -> Member:
@@ -165,18 +156,13 @@ def fault(cluster: PatroniCluster, run: Run, config: PatroniConfig, kind: str, l
             run.stopping.wait(config.lag)
         killed = leader.kill_postgres()
         # Patroni fails over, or (no replica close enough: maximum_lag_on_failover) restarts it in place.
-        return poll(
-            lambda: (m := cluster.leader()) is not None and (m is not leader or m.postmaster_pid() != killed) and m,
-            timeout=180,
-            what="a leader after the kill",
-            interval=0.1,
-        )
+        return cluster.wait_leader(other_than=leader, restarted_from=killed)
     if kind == "kill-patroni":
         assert leader.process is not None
         leader.process.kill()
         leader.process.wait()
         new = _leader(cluster, other_than=leader)
-        leader.process = cluster._spawn(["patroni", str(leader.config)], f"{leader.name}.log")  # noqa: SLF001
+        leader.process = cluster._spawn(["patroni", str(leader.config)], f"{leader.name}.log")
         cluster.groups.add(leader.process.pid)
         return new
     if kind == "stop":
@@ -232,7 +218,9 @@ def nemesis(cluster: PatroniCluster, run: Run, config: PatroniConfig, outcome: P
         cluster.wait_healthy(timeout=240)
     last = _leader(cluster)
     before = _count(cluster, last, run.database)
-    poll(lambda: _count(cluster, last, run.database) >= before + config.min_changes, timeout=120, what="load at the end")
+    poll(
+        lambda: _count(cluster, last, run.database) >= before + config.min_changes, timeout=120, what="load at the end"
+    )
 
 
 def hook_advances(cluster: PatroniCluster, run: Run) -> list[Op]:
@@ -249,7 +237,9 @@ def hook_advances(cluster: PatroniCluster, run: Run) -> list[Op]:
                 wall = datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
                 advances.append((wall + offset, int(found.group(3))))
     return [
-        Op("operator", key, "advance", at - 1.0, at + 1.0, "ok", by=by) for at, by in sorted(advances) for key in run.keys
+        Op("operator", key, "advance", at - 1.0, at + 1.0, "ok", by=by)
+        for at, by in sorted(advances)
+        for key in run.keys
     ]
 
 
@@ -315,7 +305,11 @@ def suite(seed: int, failovers: int, lag: float) -> list[tuple[PatroniResult, bo
             cases.append(
                 (
                     PatroniConfig(
-                        synchronous=mode, callback=True, failovers=len(FAULTS), faults=FAULTS, via=via,
+                        synchronous=mode,
+                        callback=True,
+                        failovers=len(FAULTS),
+                        faults=FAULTS,
+                        via=via,
                         seed=seed + offset * 10 + (via == "haproxy"),
                     ),
                     True,

@@ -34,9 +34,9 @@ import subprocess
 import sys
 import time
 import urllib.request
-from importlib import metadata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +227,7 @@ class Member:
         pid = self.postmaster_pid()
         if pid is None:
             raise RuntimeError(f"{self.name}: no postmaster.pid")
-        targets = [pid] + [p for p, ppid in _children() if ppid == pid]
+        targets = [pid, *children_of(pid)]
         for target in targets:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(target, sig)
@@ -310,6 +310,10 @@ class PatroniCluster:
         self.groups.add(process.pid)
         return process
 
+    def start_patroni(self, member: Member) -> None:
+        """Start ``member``'s Patroni (again, after it was killed)."""
+        member.process = self._spawn(["patroni", str(member.config)], f"{member.name}.log")
+
     def start(self, *, timeout: float = 120) -> None:
         """Start etcd, every Patroni node (the first bootstraps, the others clone it) and HAProxy;
         return once there is a leader and every replica streams from it."""
@@ -332,7 +336,7 @@ class PatroniCluster:
         haproxy_cfg = self.root / "haproxy.cfg"
         haproxy_cfg.write_text(haproxy_config(port=self.haproxy_port, nodes=[(m.name, m.ports) for m in self.members]))
         for index, member in enumerate(self.members):
-            member.process = self._spawn(["patroni", str(member.config)], f"{member.name}.log")
+            self.start_patroni(member)
             if index == 0:  # the first bootstraps alone; the others then clone it
                 poll(self.leader, timeout=timeout, what="Patroni to elect a leader")
         self.haproxy = self._spawn(["haproxy", "-db", "-f", str(haproxy_cfg)], "haproxy.log")
@@ -424,6 +428,24 @@ class PatroniCluster:
                         return member
         return None
 
+    def wait_leader(
+        self, *, other_than: Member | None = None, restarted_from: int | None = None, timeout: float = 180
+    ) -> Member:
+        """Wait for a leader that accepts writes: another than ``other_than`` when given, or, with
+        ``restarted_from`` (a killed postmaster's PID), the same one restarted by Patroni too."""
+
+        def found() -> Member | None:
+            member = self.leader()
+            if member is None:
+                return None
+            if member is other_than:
+                pid = member.postmaster_pid()
+                if restarted_from is None or pid is None or pid == restarted_from:
+                    return None
+            return member
+
+        return poll(found, timeout=timeout, what="a leader", interval=0.1)
+
     def member(self, name: str) -> Member:
         return next(m for m in self.members if m.name == name)
 
@@ -437,7 +459,7 @@ class PatroniCluster:
     def query(self, member: Member, sql: str, params: tuple[Any, ...] = (), dbname: str = "postgres") -> list[Any]:
         conninfo = f"host=127.0.0.1 port={member.ports.postgres} user=postgres dbname={dbname} connect_timeout=3"
         with psycopg.connect(conninfo, autocommit=True) as conn:
-            cursor = conn.execute(sql, params)  # type: ignore[arg-type]
+            cursor = conn.execute(sql.encode(), params)
             return cursor.fetchall() if cursor.description else []
 
     def url(self, dbname: str = "postgres", *, via: str = "hosts") -> str:
@@ -469,8 +491,9 @@ class PatroniCluster:
         }
 
 
-def _children() -> Iterator[tuple[int, int]]:
-    """(pid, parent pid) of every live process."""
+def children_of(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -478,8 +501,9 @@ def _children() -> Iterator[tuple[int, int]]:
             except OSError:
                 continue
             fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] != "Z":
-                yield int(entry.name), int(fields[1])
+            if fields[0] != "Z" and int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
 
 
 def _processes() -> Iterator[tuple[int, int, str, str]]:
