@@ -86,9 +86,10 @@ def hook_python() -> str:
     return f"env PYTHONPATH={site}:{REPO} /usr/bin/python3"
 
 
-def callback_command(conninfo: str, bindir: Path, *, by: int = 1_000_000) -> str:
+def callback_command(conninfo: str, bindir: Path, *, python: str | None = None, by: int = 1_000_000) -> str:
     """The hook's command line, as Patroni's configuration carries it (Patroni appends its arguments)."""
-    return f"{hook_python()} -m pg_lease_django.patroni --conninfo '{conninfo}' --bindir {bindir} --by {by}"
+    python = python or hook_python()
+    return f"{python} -m pg_lease_django.patroni --conninfo '{conninfo}' --bindir {bindir} --by {by}"
 
 
 def patroni_config(
@@ -102,6 +103,7 @@ def patroni_config(
     synchronous: str = "off",
     callback: bool = True,
     maximum_lag_on_failover: int = 1048576,
+    python: str | None = None,
 ) -> str:
     """One node's ``patroni.yml``.
 
@@ -111,11 +113,12 @@ def patroni_config(
         callback: run :mod:`pg_lease_django.patroni` as ``pre_promote``, ``on_role_change`` and ``on_start``.
         maximum_lag_on_failover: bytes a replica may lag behind the leader's last reported position
             and still be promoted (Patroni's default: 1 MiB).
+        python: the hook's interpreter (default: :func:`hook_python`).
     """
     local = f"host=127.0.0.1 port={ports.postgres} user=postgres dbname=postgres"
     hooks = ""
     if callback:
-        command = callback_command(local, bindir)
+        command = callback_command(local, bindir, python=python)
         hooks = f"""
   pre_promote: {command} pre_promote
   callbacks:

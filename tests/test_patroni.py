@@ -14,17 +14,26 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
 
 from tests.failover_child import Child
-from tests.patroni_cluster import Member, PatroniCluster, leftovers, missing_programs
+from tests.patroni_cluster import (
+    Member,
+    PatroniCluster,
+    Ports,
+    haproxy_config,
+    leftovers,
+    missing_programs,
+    patroni_config,
+)
 from tests.pgcluster import find_bindir, poll
 
 MISSING = missing_programs()
-pytestmark = [
+NEEDS_PATRONI = [
     pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.xdist_group("patroni"),
@@ -32,6 +41,35 @@ pytestmark = [
     pytest.mark.skipif(find_bindir() is None, reason="no PostgreSQL server binaries"),
 ]
 ADVANCE = 1_000_000
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def needs_patroni(test: F) -> F:
+    """A test that starts a Patroni cluster: marked ``cluster`` and ``slow``, skipped without the programs."""
+    for mark in reversed(NEEDS_PATRONI):
+        test = mark(test)
+    return test
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "high-availability.md"
+
+
+def test_the_docs_quote_the_configurations_the_tests_start() -> None:
+    """docs/high-availability.md shows the renderer's patroni.yml and haproxy.cfg, verbatim (with a
+    production layout's ports and paths)."""
+    text = DOCS.read_text()
+    node = patroni_config(
+        scope="leases",
+        name="node1",
+        root=Path("/srv/patroni"),
+        ports=Ports(5432, 8008),
+        etcd_port=2379,
+        bindir=Path("/usr/lib/postgresql/15/bin"),
+        python="/srv/app/.venv/bin/python",
+    )
+    proxy = haproxy_config(port=5000, nodes=[("node1", Ports(5432, 8008)), ("node2", Ports(5433, 8009))])
+    assert f"```yaml\n{node}```" in text
+    assert f"```\n{proxy}```" in text
 
 
 @pytest.fixture
@@ -92,6 +130,7 @@ def new_leader(cluster: PatroniCluster, old: Member) -> Member:
     return cluster.wait_leader(other_than=old)
 
 
+@needs_patroni
 def test_switchover_keeps_the_epochs_and_a_crash_failover_advances_them_before_clients_get_in(
     patroni: PatroniCluster, children: Callable[[dict[str, Any]], Child]
 ) -> None:
@@ -173,6 +212,7 @@ def test_switchover_keeps_the_epochs_and_a_crash_failover_advances_them_before_c
     )
 
 
+@needs_patroni
 def test_no_patroni_etcd_or_haproxy_process_outlives_the_cluster() -> None:
     """Destroyed with one Patroni SIGKILLed (its PostgreSQL orphaned) and the other SIGSTOPped:
     nothing of the cluster is left, and no process names its directory."""
