@@ -88,10 +88,11 @@ class PatroniResult:
     faults: dict[str, int] = field(default_factory=dict)
     promoted_after: list[float] = field(default_factory=list)
     advances: int = 0
+    stuck: str | None = None  # why the nemesis gave up (the cluster did not recover in time)
 
     @property
     def ok(self) -> bool:
-        return self.result.report.ok
+        return self.result.report.ok and self.stuck is None
 
     def figures(self) -> dict[str, int]:
         """Promotions, operations, acknowledged grants, losses, violations (and the checker's counts)."""
@@ -108,7 +109,7 @@ class PatroniResult:
     def describe(self, *, full: bool = True) -> str:
         lines = [
             f"patroni run ({self.config.name}), seed {self.config.seed}: {'ok' if self.ok else 'VIOLATIONS'}; "
-            f"{self.seconds:.0f}s; faults {self.faults}",
+            f"{self.seconds:.0f}s; faults {self.faults}" + (f"; STUCK: {self.stuck}" if self.stuck else ""),
             "  " + ", ".join(f"{k} {v}" for k, v in self.figures().items()),
         ]
         if self.promoted_after:
@@ -275,8 +276,11 @@ def run_patroni(config: PatroniConfig) -> PatroniResult:
             run.start()
             try:
                 nemesis(cluster, run, config, outcome)
+            except AssertionError as exc:  # the cluster did not recover: a finding, the history is still checked
+                outcome.stuck = str(exc)
             finally:
                 run.stop()
+                run.deadline = time.monotonic()  # a worker stuck in a call is killed after join's grace
             run.extra_ops += hook_advances(cluster, run)
             outcome.advances = len(run.extra_ops) // max(1, len(run.keys))
             outcome.result = run.finish()

@@ -352,11 +352,14 @@ class PatroniCluster:
             leader = self.leader()
             if leader is None:
                 return None
-            members = self.cluster_state().get("members", [])
-            streaming = [m for m in members if m.get("state") in ("streaming", "running") and m["name"] != leader.name]
-            if len(streaming) < len(self.members) - 1:
+            # Patroni 3.0 reports a replica "running" whether it streams or not: ask the leader.
+            states = [
+                str(r[0])
+                for r in self.query(leader, "SELECT sync_state FROM pg_stat_replication WHERE state = 'streaming'")
+            ]
+            if len(states) < len(self.members) - 1:
                 return None
-            if self.synchronous != "off" and not any(m.get("role") == "sync_standby" for m in members):
+            if self.synchronous != "off" and "sync" not in states:
                 return None
             return leader
 
