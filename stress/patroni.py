@@ -162,10 +162,14 @@ def fault(cluster: PatroniCluster, run: Run, config: PatroniConfig, kind: str, l
         assert leader.process is not None
         leader.process.kill()
         leader.process.wait()
-        new = _leader(cluster, other_than=leader)
-        leader.process = cluster._spawn(["patroni", str(leader.config)], f"{leader.name}.log")
-        cluster.groups.add(leader.process.pid)
-        return new
+        # As a service manager would, Patroni is started again: once the other node leads, or after
+        # the leader key's TTL and a margin if it does not (then the old leader may lead again).
+        try:
+            new: Member | None = cluster.wait_leader(other_than=leader, timeout=60)
+        except AssertionError:
+            new = None
+        cluster.start_patroni(leader)
+        return new or _leader(cluster)
     if kind == "stop":
         _signal_postgres(leader, signal.SIGSTOP)
         try:
