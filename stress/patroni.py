@@ -88,6 +88,7 @@ class PatroniResult:
     faults: dict[str, int] = field(default_factory=dict)
     promoted_after: list[float] = field(default_factory=list)
     advances: int = 0
+    decisions: dict[str, int] = field(default_factory=dict)  # the hook's pre_promote decisions
     stuck: str | None = None  # why the nemesis gave up (the cluster did not recover in time)
 
     @property
@@ -109,7 +110,8 @@ class PatroniResult:
     def describe(self, *, full: bool = True) -> str:
         lines = [
             f"patroni run ({self.config.name}), seed {self.config.seed}: {'ok' if self.ok else 'VIOLATIONS'}; "
-            f"{self.seconds:.0f}s; faults {self.faults}" + (f"; STUCK: {self.stuck}" if self.stuck else ""),
+            f"{self.seconds:.0f}s; faults {self.faults}; hook {self.decisions}"
+            + (f"; STUCK: {self.stuck}" if self.stuck else ""),
             "  " + ", ".join(f"{k} {v}" for k, v in self.figures().items()),
         ]
         if self.promoted_after:
@@ -248,6 +250,16 @@ def hook_advances(cluster: PatroniCluster, run: Run) -> list[Op]:
     ]
 
 
+def hook_decisions(cluster: PatroniCluster) -> dict[str, int]:
+    """How often the hook's ``pre_promote`` found a clean hand-over, and how often it closed the gate."""
+    found = {"clean": 0, "gate closed": 0}
+    for member in cluster.members:
+        text = (cluster.root / f"{member.name}.log").read_text(errors="replace")
+        found["clean"] += text.count("pg_lease_django: clean hand-over")
+        found["gate closed"] += text.count("gate closed until the advance")
+    return found
+
+
 def run_patroni(config: PatroniConfig) -> PatroniResult:
     """Start a cluster, run the workers and the nemesis, check the history; always clean up."""
     start = time.monotonic()
@@ -286,6 +298,7 @@ def run_patroni(config: PatroniConfig) -> PatroniResult:
                 run.stop()
                 run.deadline = time.monotonic()  # a worker stuck in a call is killed after join's grace
             run.extra_ops += hook_advances(cluster, run)
+            outcome.decisions = hook_decisions(cluster)
             outcome.advances = len(run.extra_ops) // max(1, len(run.keys))
             outcome.result = run.finish()
         finally:
