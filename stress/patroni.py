@@ -216,12 +216,17 @@ def nemesis(cluster: PatroniCluster, run: Run, config: PatroniConfig, outcome: P
         else:
             outcome.promotions += 1
         outcome.faults[kind] = outcome.faults.get(kind, 0) + 1
+
+        def changed(leader: Member, here: int) -> bool:
+            return _count(cluster, leader, run.database) > here
+
         here = _count(cluster, new, run.database)
-        poll(
-            lambda: _count(cluster, new, run.database) > here,  # noqa: B023
-            timeout=120,
-            what="a client's lease change on the new leader",
-        )
+        try:
+            poll(lambda: changed(new, here), timeout=30, what="a client's lease change on the new leader")  # noqa: B023
+        except AssertionError:  # the new leader lost its key meanwhile: wait for the cluster to settle
+            new = cluster.wait_healthy(timeout=240)
+            here = _count(cluster, new, run.database)
+            poll(lambda: changed(new, here), timeout=120, what="a client's lease change on the leader")  # noqa: B023
         outcome.promoted_after.append(time.monotonic() - at)
         cluster.wait_healthy(timeout=240)
     last = _leader(cluster)
