@@ -87,6 +87,16 @@ bench:
 stress-failover: venv
 	$(BIN)/python -m stress failover --suite $(STRESS_FAILOVER_ARGS)
 
+## make patroni-packages: Patroni, etcd and HAProxy from Debian (the Patroni cluster's tests and `make stress-patroni`).
+.PHONY: patroni-packages stress-patroni
+patroni-packages:
+	@command -v patroni >/dev/null && command -v etcd >/dev/null && command -v haproxy >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patroni etcd-server haproxy >/dev/null; }
+
+## make stress-patroni: the stress harness against a Patroni cluster (etcd, 2 nodes, HAProxy): asynchronous kill -9 of the leader's PostgreSQL, 10 failovers without then with the pg_lease_django.patroni hook; then every fault (kill postgres, kill Patroni, SIGSTOP, switchover, failover) per synchronous_mode strict / on / off, via the host list and via HAProxy; every history checked; about 50 minutes; exit status 1 on a violation or a cluster that did not recover (STUCK).
+stress-patroni: venv patroni-packages
+	$(BIN)/python -m stress patroni --suite $(STRESS_PATRONI_ARGS)
+
 clean:
 	rm -rf $(VENV) .pgdata .mypy_cache .ruff_cache .pytest_cache
 

@@ -2,6 +2,8 @@
 
 ``python -m stress failover ...``: the same against a primary and a standby whose primary is
 SIGKILLed and the standby promoted, again and again (:mod:`stress.failover`).
+``python -m stress patroni ...``: against a Patroni cluster (etcd, HAProxy) whose leader keeps
+failing (:mod:`stress.patroni`).
 
 The database server is ``--url`` or ``DATABASE_URL`` (else the embedded server of the test suite);
 each run creates its own database there and drops it afterwards. Exit status 1 on any violation,
@@ -38,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         from .failover import main as failover_main
 
         return failover_main(argv[1:])
+    if argv[:1] == ["patroni"]:
+        from .patroni import main as patroni_main
+
+        return patroni_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m stress", description=__doc__)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--short", action="store_true", help="fixed seeds, about a minute (CI)")

@@ -311,7 +311,12 @@ class _Worker:
             with suppress(Exception):
                 self.connection.close()  # Django reconnects on next use
         except Exception as exc:
-            entry.update(outcome="unknown", cause=f"unexpected: {type(exc).__name__}: {str(exc).strip()[:300]}")
+            if getattr(exc.__cause__, "sqlstate", getattr(exc, "sqlstate", None)) == "25006":
+                # read_only_sql_transaction: a server that refuses writes (a standby, or a promoted one
+                # whose failover hook keeps clients out) wrote nothing.
+                entry.update(outcome="fail", cause="read-only server")
+            else:
+                entry.update(outcome="unknown", cause=f"unexpected: {type(exc).__name__}: {str(exc).strip()[:300]}")
             with suppress(Exception):
                 self.connection.close()
         entry.setdefault("outcome", "ok")

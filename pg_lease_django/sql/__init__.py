@@ -51,9 +51,9 @@ UNLISTEN = f"UNLISTEN {NOTIFY_CHANNEL}"
 # The lease table's schema per database alias, looked up once per process (one catalog query).
 _schemas: dict[str, str] = {}
 
-# Every schema of the search_path holding a table of that name: more than one is ambiguous (one of
-# them may be a decoy another role created to capture the calls), so the lookup refuses to guess.
-_LOOKUP = (
+#: Every schema of the search_path holding a table of that name: more than one is ambiguous (one of
+#: them may be a decoy another role created to capture the calls), so the lookup refuses to guess.
+SCHEMA_LOOKUP = (
     "SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
     "WHERE c.relname = 'pg_lease_django_lease' AND c.relkind IN ('r', 'p') "
     "AND n.nspname = ANY (pg_catalog.current_schemas(false))"
@@ -73,7 +73,7 @@ def schema(connection: BaseDatabaseWrapper) -> str:
     name = conf.schema() or _schemas.get(connection.alias)
     if name is None:
         with connection.cursor() as cursor:
-            cursor.execute(_LOOKUP)
+            cursor.execute(SCHEMA_LOOKUP)
             found = [row[0] for row in cursor.fetchall()]
         if not found:
             raise ImproperlyConfigured(
