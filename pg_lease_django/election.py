@@ -25,9 +25,6 @@ import enum
 import functools
 import inspect
 import logging
-import os
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -43,6 +40,7 @@ from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
 from .held import HeldLease
 from .holding import Holding, hold
 from .lease_pool import InFlight
+from .owners import default_owner
 from .validation import Seconds, check_name, check_ttl
 
 __all__ = ["Election", "aelect", "current_election", "elect"]
@@ -100,7 +98,7 @@ class Election:
     ) -> None:
         self.key = check_name("key", key)
         self._ttl = check_ttl(ttl)
-        self.owner = check_name("owner", owner if owner is not None else _default_owner())
+        self.owner = check_name("owner", owner if owner is not None else default_owner())
         for name, callback in (
             ("on_started_leading", on_started_leading),
             ("on_stopped_leading", on_stopped_leading),
@@ -552,8 +550,3 @@ async def aelect(
         using=using,
     )
     await election._acampaign()  # aelect is the event loop's driver of an Election, elect() its thread's
-
-
-def _default_owner() -> str:
-    """``host:pid:random``: one identity for every term of one campaign."""
-    return f"{socket.gethostname()[:200]}:{os.getpid()}:{secrets.token_hex(4)}"

@@ -12,8 +12,6 @@ import contextvars
 import functools
 import logging
 import os
-import secrets
-import socket
 import threading
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
@@ -32,6 +30,7 @@ from .heartbeat import Heartbeat
 from .held import HeldLease, OnLost, send_lease_signal, send_robust
 from .lease_pool import InFlight, pool_for
 from .operations import Grant
+from .owners import default_owner
 from .signals import lease_acquired, lease_released, lease_skipped
 from .validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
 
@@ -45,11 +44,6 @@ OnBusy = Literal["skip", "raise"]
 
 # The holds active in this thread / task, outermost first.
 _active: ContextVar[tuple[HeldLease, ...]] = ContextVar("pg_lease_active_holds", default=())
-
-
-def _default_owner() -> str:
-    """``host:pid:random``: unique per hold, so two holds in one process never share an identity."""
-    return f"{socket.gethostname()[:200]}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 def _skipped(func: Callable[..., Any], holding: Holding, error: Exception) -> None:
@@ -133,7 +127,7 @@ class _Session:
 
         options = self.options
         alias = options.using or router.db_for_write(Lease)
-        owner = options.owner or _default_owner()
+        owner = options.owner or default_owner()
         ttl = options.ttl.total_seconds()
         trust_span = ttl * (1 - conf.safety_margin())
         interval = options.renew_every.total_seconds() if options.renew_every is not None else ttl / 3
