@@ -252,21 +252,27 @@ def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epo
     try:
         _abandon_statement(connection)
         connection.close()
-        # A transaction on this very connection (not `transaction.atomic`, which takes the alias's
-        # connection of this thread: for a lease connection of hold() that is another one).
-        connection.set_autocommit(False)
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
-        with suppress(LeaseLostError):  # released by the interrupted call, or lapsed: not ours any more
-            operations.release(connection, key, owner, epoch)
-        connection.commit()
-        connection.set_autocommit(True)
+        _release_within(connection, key, owner, epoch)  # released by the interrupted call, or lapsed: fine
     except Exception:
         logger.warning("completing an interrupted release of %r failed; it lapses at its TTL", key, exc_info=True)
         _drop(connection)
     except BaseException:
         _drop(connection)  # interrupted again: no transaction left open (Django reconnects in autocommit)
         raise
+
+
+def _release_within(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+    """Release ``(owner, epoch)`` in a transaction of its own on ``connection`` that waits
+    `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``); a lease no longer held is no error.
+    A transaction on this very connection (not `transaction.atomic`, which takes the alias's
+    connection of this thread: for a lease connection of hold() that is another one)."""
+    connection.set_autocommit(False)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
+    with suppress(LeaseLostError):
+        operations.release(connection, key, owner, epoch)
+    connection.commit()
+    connection.set_autocommit(True)
 
 
 def _drop(connection: BaseDatabaseWrapper) -> None:
@@ -328,6 +334,7 @@ def _settle_on_fresh_session(connection: BaseDatabaseWrapper, key: str, owner: s
         _settle(connection, key, owner, backend_pid)
     except Exception:
         logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
+        _drop(connection)  # no transaction left open (Django reconnects in autocommit)
     except BaseException:
         _drop(connection)  # interrupted again: no statement left running on it
         raise
@@ -347,8 +354,7 @@ def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: 
             logger.warning("cancelling an interrupted acquire of %r on the server failed", key, exc_info=True)
     state = operations.inspect(connection, key)
     if _granted_unseen(state.status, state.owner, owner):
-        with suppress(LeaseLostError):  # lapsed or taken meanwhile: nothing left to give back
-            operations.release(connection, key, owner, state.epoch)
+        _release_within(connection, key, owner, state.epoch)  # lapsed or taken meanwhile: nothing to give back
         logger.warning("an interrupted acquire of %r had been granted (epoch %s): released it", key, state.epoch)
 
 
