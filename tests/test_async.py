@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar, assert_type
 
 import psycopg
+import psycopg.sql
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection, transaction
@@ -42,6 +43,7 @@ from pg_lease_django import (
     LeaseTimeoutError,
     NotOwnerError,
 )
+from pg_lease_django.managers import NOTIFY_CHANNEL
 from tests import asgi_app
 from tests.helpers import Background, free_port, needs_session, row_snapshot, url_of_test_database, wait_until
 
@@ -511,19 +513,26 @@ def test_wakes_at_the_holders_expiry_not_at_the_poll_interval(key: str, raw_conn
 
 @needs_session  # LISTEN: transaction pooling breaks it
 def test_notifications_for_other_keys_neither_grant_nor_stretch_the_timeout(key: str, raw_connect: Connect) -> None:
-    holder, noisy, observer = raw_connect(), raw_connect(), raw_connect()
+    holder, noisy, registrant, observer, listener = (raw_connect() for _ in range(5))
+    listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(NOTIFY_CHANNEL)))
     hold(holder, key)
+    other = f"{key}/other"
 
     async def scenario() -> tuple[int, float]:
         started = time.monotonic()
         waiter = asyncio.create_task(Lease.objects.aacquire(key, "waiter", ttl=30, blocking=True, timeout=1.0))
         await until(lambda: is_waiting(observer, "waiter"), "the waiter to wait", waiter)
         # Noise for as long as the waiter waits (HANG at most): a wait stretched by each
-        # notification would last until the noise stops, past the guard.
+        # notification would last until the noise stops, past the guard. A release notifies only
+        # when someone registered for its key: someone does, each time.
         noise, noise_until = 0, time.monotonic() + HANG
         while not waiter.done() and time.monotonic() < noise_until:
-            epoch, _ = hold(noisy, f"{key}/other", ttl="60 s")
-            noisy.execute("SELECT outcome FROM pg_lease_release(%s, 'holder', %s)", [f"{key}/other", epoch])
+            epoch, _ = hold(noisy, other, ttl="60 s")
+            registered = registrant.execute(
+                "SELECT granted FROM pg_lease_acquire_or_register(%s, 'noisy', '60 s', '1 minute')", [other]
+            ).fetchone()
+            assert registered == (False,)
+            noisy.execute("SELECT outcome FROM pg_lease_release(%s, 'holder', %s)", [other, epoch])
             noise += 1
             await asyncio.sleep(0.005)  # let the waiter read (and skip) the notification
         with pytest.raises(LeaseTimeoutError):
@@ -533,6 +542,8 @@ def test_notifications_for_other_keys_neither_grant_nor_stretch_the_timeout(key:
     with override_settings(PG_LEASE_LISTEN=True, PG_LEASE_POLL_INTERVAL=NEVER):
         noise, elapsed = run(scenario)
     assert noise > 10
+    heard = [n.payload for n in listener.notifies(timeout=HANG, stop_after=noise)]
+    assert heard == [other] * noise, "every release of the other key notified the channel the waiter listens on"
     assert 1.0 <= elapsed < HANG, elapsed
     assert Lease.objects.inspect(key).owner == "holder"
 

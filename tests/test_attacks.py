@@ -9,7 +9,6 @@ Roles and lookalike functions are in tests/test_security.py.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from asgiref.sync import async_to_sync
 from django.db import DatabaseError, connection, connections, transaction
 
 from pg_lease_django import (
@@ -412,7 +412,10 @@ def test_async_save_and_delete_take_a_fence(key: str) -> None:
         await invoice.adelete(fence=g)
         return epoch, await Invoice.objects.filter(account=key).aexists()
 
-    assert asyncio.run(scenario()) == (g.epoch, False)
+    # async_to_sync, not asyncio.run: the ORM's sync_to_async calls then run in this thread, on the
+    # test's connection; under asyncio.run they would run in asgiref's executor thread, whose
+    # connection nobody closes (a session left on the test database).
+    assert async_to_sync(scenario)() == (g.epoch, False)
 
 
 # ---- every other writer: raw SQL, psql, forged fences ------------------------------------------

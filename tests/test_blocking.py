@@ -314,22 +314,31 @@ def test_polling_mode_sends_no_listen_and_wakes_within_the_poll_interval(key: st
 
 
 def test_notifications_for_other_keys_neither_grant_nor_stretch_the_timeout(key: str, raw_connect: Connect) -> None:
-    holder, observer = raw_connect(), raw_connect()
+    holder, observer, noisy, listener = raw_connect(), raw_connect(), raw_connect(), raw_connect()
+    listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(NOTIFY_CHANNEL)))
     hold(holder, key)
+    other = f"{key}/other"
     with override_settings(PG_LEASE_POLL_INTERVAL=NEVER):
         waiter = Waiter(key, "waiter", timeout=1.0)
         waiter.start()
         wait_until_waiting(observer, waiter)
         # Noise for as long as the waiter waits (HANG at most): a wait stretched by each
-        # notification would last until the noise stops, past the guard.
+        # notification would last until the noise stops, past the guard. A release notifies only
+        # when someone registered for its key: someone does, each time.
         noise, noise_until = 0, time.monotonic() + HANG
         while waiter.is_alive() and time.monotonic() < noise_until:
-            epoch, _ = hold(holder, f"{key}/other", ttl="60 s")
-            holder.execute("SELECT outcome FROM pg_lease_release(%s, 'holder', %s)", [f"{key}/other", epoch])
+            epoch, _ = hold(holder, other, ttl="60 s")
+            registered = noisy.execute(
+                "SELECT granted FROM pg_lease_acquire_or_register(%s, 'noisy', '60 s', '1 minute')", [other]
+            ).fetchone()
+            assert registered == (False,)
+            holder.execute("SELECT outcome FROM pg_lease_release(%s, 'holder', %s)", [other, epoch])
             noise += 1
         with pytest.raises(LeaseTimeoutError):
             waiter.outcome()
     assert noise > 10
+    heard = [n.payload for n in listener.notifies(timeout=HANG, stop_after=noise)]
+    assert heard == [other] * noise, "every release of the other key notified the channel the waiter listens on"
     assert 1.0 <= waiter.ended_at - waiter.started_at < HANG
     assert waiter.attempts() <= 2, "another key's release must not cause a retry"
 
