@@ -279,6 +279,9 @@ def test_eight_waiters_on_a_lapsing_key_never_slow_the_winners_renewals(key: str
     wait_until(lambda: any(isinstance(r, tuple) and r[0] for r in results.values()), timeout=10, what="a winner")
     [(winner, (_, epoch))] = [(n, r) for n, r in results.items() if isinstance(r, tuple) and r[0]]
     renewer = raw_connect()
+    # Blocked behind a loser, a renewal would wait out the loser's statement (seconds) for its lock:
+    # lock_timeout counts only time spent waiting for a lock, never a stall of this machine's CPUs.
+    renewer.execute("SET lock_timeout = '1s'")
     latencies: list[float] = []
     while len(latencies) < 100:
         started = time.monotonic()
@@ -293,8 +296,7 @@ def test_eight_waiters_on_a_lapsing_key_never_slow_the_winners_renewals(key: str
     losers = {n: r for n, r in results.items() if n != winner}
     assert set(losers.values()) <= {"timeout", "LeaseTimeoutError"}, losers
     latencies.sort()
-    # Blocked behind a loser, a renewal would wait out the loser's statement (seconds).
-    assert latencies[-1] < 1.0, f"worst renewal {latencies[-1]:.3f}s; p50 {latencies[len(latencies) // 2]:.4f}s"
+    print(f"\nworst renewal {latencies[-1]:.3f}s; p50 {latencies[len(latencies) // 2]:.4f}s")
 
 
 # ---- 6. a long fenced transaction keeps its own lease ------------------------------------------
