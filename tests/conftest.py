@@ -8,15 +8,70 @@ as in any project that uses it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
-from tests.helpers import conninfo, free, held, lapsed
+from tests.helpers import conninfo, free, held, lapsed, sessions_left
 
 _counter = itertools.count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A plugin, not a hook of this conftest: pytest calls a conftest's hooks only for the fixtures of
+    # its directory, and django_db_setup is pytest-django's, set up at the session's level.
+    config.pluginmanager.register(NoSessionLeft(), "tests-no-session-left")
+
+
+class NoSessionLeft:
+    """Fails the run if a session is left on a test database at the end.
+
+    Such a session (a thread's Django connection, a psycopg connection never closed, a child process)
+    makes the test databases impossible to drop: pytest-django only warns then, and the database
+    stays. The check runs just before the databases are dropped (a finalizer of ``django_db_setup``
+    added after its own teardown: finalizers run last-in, first-out) and raises, naming the
+    sessions: an error at the teardown of the last test, and a failed run. Behind PgBouncer the
+    pooler keeps server sessions by design: not checked there.
+    """
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(
+        self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
+    ) -> Generator[None, Any, Any]:
+        result = yield
+        if fixturedef.argname == "django_db_setup" and not os.environ.get("PG_LEASE_TEST_PGBOUNCER"):
+            fixturedef.addfinalizer(_no_session_left)
+        return result
+
+
+def _no_session_left() -> None:
+    from django.db import connections
+    from django.db.backends.base.creation import TEST_DATABASE_PREFIX
+
+    # The PostgreSQL aliases whose test database was created (the others keep their own NAME).
+    databases = {
+        settings["NAME"]: alias
+        for alias in connections
+        if connections[alias].vendor == "postgresql"
+        and (
+            (settings := connections[alias].settings_dict)["NAME"] == settings["TEST"]["NAME"]
+            or settings["NAME"].startswith(TEST_DATABASE_PREFIX)
+        )
+    }
+    left = {name: rows for name, alias in databases.items() if (rows := sessions_left(alias))}
+    if left:
+        described = "; ".join(
+            f"{name}: "
+            + ", ".join(
+                f"pid {pid} {app!r} {state} since {since:%H:%M:%S} ({query!r})"
+                for pid, app, state, since, query in rows
+            )
+            for name, rows in left.items()
+        )
+        pytest.fail(f"sessions left open on the test databases (they cannot be dropped): {described}", pytrace=False)
 
 
 @pytest.fixture

@@ -52,6 +52,31 @@ def row_snapshot(conn: psycopg.Connection[Any], key: str) -> tuple[Any, ...] | N
     ).fetchone()
 
 
+def sessions_left(alias: str = "default", within: float = 10.0) -> list[tuple[Any, ...]]:
+    """Client sessions on ``alias``'s database other than this thread's Django connections.
+
+    ``(pid, application_name, state, backend_start, query)`` of each. Sessions that are closing
+    (a client that hung up: its server process exits a moment later) get ``within`` seconds to go.
+    """
+    own = {
+        c.connection.info.backend_pid
+        for c in connections.all(initialized_only=True)
+        if c.vendor == "postgresql" and c.connection is not None and not c.connection.closed
+    }
+    deadline = time.monotonic() + within
+    with psycopg.connect(conninfo(alias), autocommit=True) as conn:
+        while True:
+            rows = conn.execute(
+                "SELECT pid, application_name, state, backend_start, left(query, 200) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND backend_type = 'client backend'"
+                " AND pid <> pg_backend_pid() AND NOT pid = ANY(%s) ORDER BY backend_start",
+                [sorted(own)],
+            ).fetchall()
+            if not rows or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.05)
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
     """Poll ``predicate`` until true; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -9,7 +9,6 @@ Roles and lookalike functions are in tests/test_security.py.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from asgiref.sync import async_to_sync
 from django.db import DatabaseError, connection, connections, transaction
 
 from pg_lease_django import (
@@ -279,6 +279,9 @@ def test_eight_waiters_on_a_lapsing_key_never_slow_the_winners_renewals(key: str
     wait_until(lambda: any(isinstance(r, tuple) and r[0] for r in results.values()), timeout=10, what="a winner")
     [(winner, (_, epoch))] = [(n, r) for n, r in results.items() if isinstance(r, tuple) and r[0]]
     renewer = raw_connect()
+    # Blocked behind a loser, a renewal would wait out the loser's statement (seconds) for its lock:
+    # lock_timeout counts only time spent waiting for a lock, never a stall of this machine's CPUs.
+    renewer.execute("SET lock_timeout = '1s'")
     latencies: list[float] = []
     while len(latencies) < 100:
         started = time.monotonic()
@@ -293,8 +296,7 @@ def test_eight_waiters_on_a_lapsing_key_never_slow_the_winners_renewals(key: str
     losers = {n: r for n, r in results.items() if n != winner}
     assert set(losers.values()) <= {"timeout", "LeaseTimeoutError"}, losers
     latencies.sort()
-    # Blocked behind a loser, a renewal would wait out the loser's statement (seconds).
-    assert latencies[-1] < 1.0, f"worst renewal {latencies[-1]:.3f}s; p50 {latencies[len(latencies) // 2]:.4f}s"
+    print(f"\nworst renewal {latencies[-1]:.3f}s; p50 {latencies[len(latencies) // 2]:.4f}s")
 
 
 # ---- 6. a long fenced transaction keeps its own lease ------------------------------------------
@@ -412,7 +414,10 @@ def test_async_save_and_delete_take_a_fence(key: str) -> None:
         await invoice.adelete(fence=g)
         return epoch, await Invoice.objects.filter(account=key).aexists()
 
-    assert asyncio.run(scenario()) == (g.epoch, False)
+    # async_to_sync, not asyncio.run: the ORM's sync_to_async calls then run in this thread, on the
+    # test's connection; under asyncio.run they would run in asgiref's executor thread, whose
+    # connection nobody closes (a session left on the test database).
+    assert async_to_sync(scenario)() == (g.epoch, False)
 
 
 # ---- every other writer: raw SQL, psql, forged fences ------------------------------------------

@@ -34,6 +34,8 @@ pytestmark = [
 ]
 
 TTL = 4.0  # trust window 3.6 s, renewals every 1.33 s
+#: A hang guard: far beyond any stall of a loaded shared machine, far below the call's 60 s bound.
+HANG = 20.0
 
 
 @pytest.fixture
@@ -82,8 +84,9 @@ def test_exit_is_bounded_when_commits_wait_for_a_standby_that_is_gone(cluster: C
     reply, took = leave(holder)
     print(f"\nexit with a renewal stuck in its commit: {took:.2f}s (ttl {TTL}s)")
     assert reply["exited"] and reply["exit_error"] is None, reply
-    # Within the trust window, plus the release's bound (max(renew interval, 1 s)) and the interrupt's margins.
-    assert took < TTL * 0.9 + max(TTL / 3, 1.0) + 3.0, took
+    # Within the trust window, plus the release's bound (max(renew interval, 1 s)) and the interrupt's
+    # margins, and HANG for a loaded machine: the unbounded exit this guards against never ends.
+    assert took < TTL * 0.9 + max(TTL / 3, 1.0) + HANG, took
     # Nothing of the hold's is left waiting on the primary: the stuck calls were cancelled.
     poll(
         lambda: not waiting_in(cluster, "SyncRep", "pg_lease_")(),
@@ -110,8 +113,8 @@ def test_exit_is_bounded_when_the_server_stops_answering(cluster: Cluster, holde
     print(f"\nexit with the server stopped: {took:.2f}s (ttl {TTL}s)")
     assert reply["exited"] and reply["exit_error"] is None, reply
     # The trust window, one interrupted renewal, and a release that cannot connect (connect_timeout 3 s,
-    # tried twice on each of the two hosts) at most.
-    assert took < TTL * 0.9 + 2 * 2 * 3.0 + 4.0, took
+    # tried twice on each of the two hosts) at most, and HANG for a loaded machine (unbounded: never).
+    assert took < TTL * 0.9 + 2 * 2 * 3.0 + HANG, took
 
 
 # ---- a lease call inside the caller's atomic(): the caller's COMMIT is the one checked -------------------

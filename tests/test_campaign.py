@@ -33,11 +33,6 @@ from tests.testapp.models import Entry
 pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 
 TTL = 3.0
-RENEW = TTL / 3
-#: A hand-off: the leader learns of it at its next renewal (one renew interval at most), COMMAND
-#: exits on SIGTERM, the lease is released, the next attempt of another campaigner (one poll
-#: interval at most) wins and starts COMMAND (a Python process: a few hundred ms).
-HANDOFF_BOUND = RENEW + 0.5 + 1.0
 COMMAND = [sys.executable, "-m", "tests.election_child", "command"]
 
 
@@ -130,7 +125,8 @@ def test_the_command_runs_on_one_machine_at_a_time_through_a_kill_an_exit_and_a_
     os.kill(by_name[first["supervisor"]].proc.pid, signal.SIGKILL)
     second = nth_run(campaigns, 2)
     after_kill = second["at"] - killed_at
-    assert second["supervisor"] != first["supervisor"] and after_kill < TTL + RENEW, after_kill
+    assert second["supervisor"] != first["supervisor"]
+    assert second["epoch"] == first["epoch"] + 1, "taken over once the lease lapsed: nobody released it"
     orphan_refused = by_name[first["supervisor"]]
     deadline = time.monotonic() + 10
     while not [e for e in orphan_refused.of("refused") if e["epoch"] == first["epoch"]]:
@@ -145,13 +141,15 @@ def test_the_command_runs_on_one_machine_at_a_time_through_a_kill_an_exit_and_a_
     leader.expect_stderr("exited with status 0; stepping down")
     assert third["epoch"] > second["epoch"]
 
-    # A hand-off: COMMAND gets SIGTERM, another machine runs it well within one TTL (HANDOFF_BOUND).
+    # A hand-off: COMMAND gets SIGTERM, the lease is released (epoch + 1: a lapse would take the
+    # lease at + 1), another machine runs COMMAND (+ 2). Times are printed; latencies are `make bench`'s.
     handing = by_name[third["supervisor"]]
     asked_at = time.monotonic()
     Lease.objects.request_handoff(key)
     fourth = nth_run(campaigns, 4)
     after_handoff = fourth["at"] - asked_at
-    assert fourth["supervisor"] != third["supervisor"] and after_handoff < HANDOFF_BOUND, after_handoff
+    assert fourth["supervisor"] != third["supervisor"]
+    assert fourth["epoch"] == third["epoch"] + 2, "released for the hand-off, not left to lapse"
     assert [e["epoch"] for e in handing.of("terminated")][-1] == third["epoch"]
     handing.expect_stderr("for a hand-off")
 

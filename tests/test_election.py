@@ -6,9 +6,11 @@ In several processes (tests/election_child.py): leaders killed (SIGKILL) and fro
 the TTL) and a hand-off, with the whole history checked: every leader writes fenced rows stamped
 with the server clock, and the terms must be disjoint with strictly increasing epochs.
 
-Waits are for events (a line from a child, a callback having run) with deadlines; the bounds on
-time are the ones the feature promises (failover within TTL + one renew interval, a hand-off well
-within one TTL, a stop at once).
+Waits are for events (a line from a child, a callback having run) with deadlines that only catch a
+hang (HANG). How a term ended is read from the epochs, not from a stopwatch: a leader that released
+(a stop, a hand-off) is followed at epoch + 2, a lease that lapsed (a kill, a freeze) at epoch + 1.
+Where a slow path would fit within the hang guard (a stop noticed at a poll or a renewal), the test
+sets intervals far beyond it. The failover and hand-off times are printed, and measured in `make bench`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync
+from django.test import override_settings
 
 from pg_lease_django import Election, HeldLease, InvalidInputError, Lease, aelect, conf, current_election, elect
 from tests.election_child import Campaigner
@@ -33,12 +36,11 @@ from tests.testapp.models import Entry
 pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 
 TTL = 3.0
-RENEW = TTL / 3  # hold()'s default renew interval
-#: What a failover may take: the TTL (the dead leader's lease lapses) plus one renew interval.
-FAILOVER_BOUND = TTL + RENEW
-#: What a hand-off may take: the leader learns of it at its next renewal (one renew interval at
-#: most), releases, and another campaigner's next attempt (one poll interval at most) wins.
-HANDOFF_BOUND = RENEW + 0.5 + 0.5
+#: A hang guard, not a latency bound: far beyond any stall of a loaded shared machine.
+HANG = 30.0
+#: A poll interval and a TTL whose renew interval (TTL / 3) are far beyond HANG: what is woken by
+#: an event must not wait for them.
+NEVER = 120.0
 
 
 def leader_until_stopped(lease: HeldLease) -> None:
@@ -58,13 +60,16 @@ def test_a_term_starts_with_the_grant_and_ends_with_stop_and_the_release(key: st
         calls.append(("started", lease.epoch, current_election(), Lease.objects.inspect(key).owner))
         leader_until_stopped(lease)
 
-    with elect(
-        key,
-        ttl=TTL,
-        on_started_leading=lead,
-        on_stopped_leading=lambda: calls.append(("stopped", Lease.objects.inspect(key).status)),
-        on_new_leader=lambda identity: calls.append(("leader", identity)),
-    ) as election:
+    with (
+        override_settings(PG_LEASE_POLL_INTERVAL=NEVER),
+        elect(
+            key,
+            ttl=NEVER,
+            on_started_leading=lead,
+            on_stopped_leading=lambda: calls.append(("stopped", Lease.objects.inspect(key).status)),
+            on_new_leader=lambda identity: calls.append(("leader", identity)),
+        ) as election,
+    ):
         wait_until(lambda: len(calls) == 2, what="the term to start")
         assert election.leading and election.leader == election.owner
         assert election.lease is not None and Lease.objects.inspect(key).epoch == election.lease.epoch
@@ -77,25 +82,26 @@ def test_a_term_starts_with_the_grant_and_ends_with_stop_and_the_release(key: st
         ("stopped", "free"),  # on_stopped_leading comes after the release
     ]
     assert not election.leading and election.lease is None and current_election() is None
-    assert stopped_in < 1.0, f"stop, release and join took {stopped_in:.3f}s"
+    # The stop wakes the leader's callback: no poll (NEVER) or renewal (NEVER / 3) is waited for.
+    assert stopped_in < HANG, f"stop, release and join took {stopped_in:.3f}s"
 
 
 def test_a_stop_while_campaigning_ends_the_campaign_at_once(key: str) -> None:
-    held(key, "incumbent", ttl=30)
+    held(key, "incumbent", ttl=300)
     seen: list[str] = []
-    election = elect(
-        key,
-        ttl=TTL,
-        on_started_leading=leader_until_stopped,
-        on_stopped_leading=lambda: None,
-        on_new_leader=seen.append,
-    )
-    wait_until(lambda: seen == ["incumbent"], what="the campaigner to see the incumbent")
-    assert election.leader == "incumbent" and not election.leading
-    stopping = time.monotonic()
-    election.stop()
-    assert election.join(timeout=5)
-    assert time.monotonic() - stopping < 0.2  # it sleeps on an event between attempts, not in time.sleep
+    with override_settings(PG_LEASE_POLL_INTERVAL=NEVER):  # its next attempt: in 120 s
+        election = elect(
+            key,
+            ttl=TTL,
+            on_started_leading=leader_until_stopped,
+            on_stopped_leading=lambda: None,
+            on_new_leader=seen.append,
+        )
+        wait_until(lambda: seen == ["incumbent"], what="the campaigner to see the incumbent")
+        assert election.leader == "incumbent" and not election.leading
+        election.stop()
+        # It sleeps on an event between attempts, not in time.sleep: it ends long before its next attempt.
+        assert election.join(timeout=HANG)
     assert Lease.objects.inspect(key).owner == "incumbent"
 
 
@@ -146,17 +152,23 @@ def test_a_handoff_passes_leadership_to_another_campaigner_which_the_old_leader_
         )
 
     with campaign("a") as a:
-        assert led["a"].wait(10)
+        assert led["a"].wait(HANG)
+        assert a.lease is not None
+        a_epoch = a.lease.epoch
         with campaign("b") as b:
             wait_until(lambda: leaders["b"] == ["a"], what="b to see a leading")
             asked = time.monotonic()
             Lease.objects.request_handoff(key)
-            assert led["b"].wait(10)
+            assert led["b"].wait(HANG)
             took = time.monotonic() - asked
             wait_until(lambda: leaders["a"] == ["a", "b"], what="a to see b leading")
             assert b.leading and not a.leading and a.leader == "b"
-    # the leader learns of it at its next renewal, then releases; b's next attempt wins
-    assert took < HANDOFF_BOUND, f"hand-off took {took:.2f}s"
+            assert b.lease is not None
+            b_epoch = b.lease.epoch
+    # The leader learned of it at a renewal and released (epoch + 1); b's next attempt won (+ 2). Had
+    # a let its lease lapse instead, b would hold epoch + 1.
+    assert b_epoch == a_epoch + 2, (a_epoch, b_epoch)
+    print(f"\nhand-off took {took:.2f}s")
 
 
 def test_invalid_arguments_are_refused_before_anything_starts(key: str) -> None:
@@ -236,7 +248,7 @@ def start(started: list[Campaigner], mode: str, key: str, *names: str) -> list[C
     return children
 
 
-def next_leader(children: list[Campaigner], terms: int, timeout: float = 30.0) -> dict[str, Any]:
+def next_leader(children: list[Campaigner], terms: int, timeout: float = HANG) -> dict[str, Any]:
     """The ``terms``-th ``leading`` event among ``children`` (by time), once that leader has written."""
     deadline = time.monotonic() + timeout
     while True:
@@ -288,7 +300,8 @@ def test_killed_and_frozen_leaders_are_replaced_within_ttl_plus_a_renew_interval
     by_name[first["name"]].signal(signal.SIGKILL)
     second = next_leader(children, 2)
     after_kill = second["at"] - killed_at
-    assert second["name"] != first["name"] and after_kill < FAILOVER_BOUND, after_kill
+    assert second["name"] != first["name"]
+    assert second["epoch"] == first["epoch"] + 1, "taken over once the lease lapsed: nobody released it"
 
     # Freeze the next one (between two fenced writes) past its TTL, then let it go on.
     frozen = by_name[second["name"]]
@@ -296,7 +309,8 @@ def test_killed_and_frozen_leaders_are_replaced_within_ttl_plus_a_renew_interval
     froze_at = frozen.expect("freezing")["at"]
     third = next_leader(children, 3)
     after_freeze = third["at"] - froze_at
-    assert third["name"] not in (first["name"], second["name"]) and after_freeze < FAILOVER_BOUND, after_freeze
+    assert third["name"] not in (first["name"], second["name"])
+    assert third["epoch"] == second["epoch"] + 1, "taken over once the frozen leader's lease lapsed"
     frozen.signal(signal.SIGCONT)
     stepping = frozen.expect("stepping")
     assert stepping["lost"] and stepping["epoch"] == second["epoch"]
@@ -311,7 +325,8 @@ def test_killed_and_frozen_leaders_are_replaced_within_ttl_plus_a_renew_interval
     Lease.objects.request_handoff(key)
     fourth = next_leader(children, 4)
     after_handoff = fourth["at"] - asked_at
-    assert fourth["name"] == second["name"] and after_handoff < HANDOFF_BOUND, after_handoff
+    assert fourth["name"] == second["name"]
+    assert fourth["epoch"] == third["epoch"] + 2, "the leader released for the hand-off (a lapse: + 1)"
     assert by_name[third["name"]].expect("stepping", count=1)["handoff"]
 
     close_leader_last(children, fourth["name"])
@@ -338,13 +353,15 @@ def test_async_campaigners_fail_over_and_hand_off(key: str, campaigners: list[Ca
     by_name[first["name"]].signal(signal.SIGKILL)
     second = next_leader(children, 2)
     after_kill = second["at"] - killed_at
-    assert second["name"] != first["name"] and after_kill < FAILOVER_BOUND, after_kill
+    assert second["name"] != first["name"]
+    assert second["epoch"] == first["epoch"] + 1, "taken over once the lease lapsed: nobody released it"
 
     asked_at = time.monotonic()
     Lease.objects.request_handoff(key)
     third = next_leader(children, 3)
     after_handoff = third["at"] - asked_at
-    assert third["name"] not in (first["name"], second["name"]) and after_handoff < HANDOFF_BOUND, after_handoff
+    assert third["name"] not in (first["name"], second["name"])
+    assert third["epoch"] == second["epoch"] + 2, "the leader released for the hand-off (a lapse: + 1)"
     assert by_name[second["name"]].expect("stepping")["handoff"]  # its task was cancelled
 
     close_leader_last(children, third["name"])

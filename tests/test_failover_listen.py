@@ -45,8 +45,9 @@ needs_cluster = pytest.mark.skipif(
 )
 
 #: How long a release on the promoted server may take to reach its waiter: far below the poll
-#: interval (an hour) and the holder's expiry (an hour), so only the notification can meet it.
-PROMPT = 5.0
+#: interval (an hour) and the holder's expiry (an hour), so only the notification can meet it. A hang
+#: guard, not a latency bound: far beyond any stall of a loaded shared machine.
+PROMPT = 30.0
 
 
 @pytest.fixture
@@ -280,7 +281,8 @@ def test_a_waiter_that_cannot_know_or_cannot_reconnect_raises_operational_error(
     for key, reply in replies.items():
         assert not reply["ok"] and reply["operational"], (key, reply)
         # It kept trying until its deadline (no server accepts a read-write session; nothing is promoted).
-        assert started + timeout - 0.05 <= reply["failed_at"] <= started + timeout + 3.5, (key, reply)
+        # (Not before its deadline; after it, only as long as the attempt in flight: a hang guard.)
+        assert started + timeout - 0.05 <= reply["failed_at"] <= started + timeout + PROMPT, (key, reply)
         assert "outcome is unknown" not in reply["message"], reply  # lost while waiting, not during an attempt
 
 

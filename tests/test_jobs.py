@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -57,6 +57,8 @@ from tests.testapp.models import Entry, Invoice, Report
 pytestmark = pytest.mark.django_db(transaction=True)
 
 Connect = Callable[..., psycopg.Connection[Any]]
+#: A hang guard, not a latency bound: far beyond any stall of a loaded shared machine.
+HANG = 30.0
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -68,6 +70,13 @@ def steal(conn: psycopg.Connection[Any], key: str, owner: str, ttl: float = 30) 
     granted, epoch = row.fetchone()  # type: ignore[misc]
     assert granted
     return int(epoch)
+
+
+def server_clock() -> datetime:
+    """The server's clock_timestamp(), read on Django's connection."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]  # type: ignore[no-any-return]
 
 
 def heartbeat_pids(conn: psycopg.Connection[Any]) -> list[int]:
@@ -177,17 +186,24 @@ def test_busy_key_raises_not_acquirable_and_leaves_the_holder_alone(key: str) ->
 
 
 def test_blocking_hold_waits_and_trusts_from_the_attempt_that_succeeded(key: str) -> None:
+    before_grant = time.monotonic()
     other = Lease.objects.acquire(key, "short-lived", ttl=0.6)
     assert other is not None
+    # The other lease lapses at this monotonic time or later: its server_time was read after before_grant.
+    lapses_at = before_grant + (other.expires_at - other.server_time).total_seconds()
     with pytest.raises(LeaseTimeoutError):
         hold(key, ttl=3, blocking=True, timeout=0.05).__enter__()
     started = time.monotonic()
-    with hold(key, ttl=3, blocking=True, timeout=10) as lease:
+    # Polls far apart: the waiter's next attempt is at the other's expiry, sent no sooner than lapses_at.
+    with override_settings(PG_LEASE_POLL_INTERVAL=120), hold(key, ttl=3, blocking=True, timeout=10) as lease:
         waited = time.monotonic() - started
         assert waited >= 0.3  # it did wait for the lapse...
         assert lease.epoch == other.epoch + 1
-        # ...but the trust window starts at the attempt that succeeded, not at the start of the wait.
-        assert lease.trust_remaining > 3 * 0.9 - 0.2
+        # ...but the trust window (0.9 x TTL) starts at the attempt that succeeded, sent at lapses_at or
+        # later, not at the start of the wait. Monotonic arithmetic only: a stall cannot fail it.
+        remaining = lease.trust_remaining
+        trusted_until = time.monotonic() + remaining  # an upper bound of the window's end, if still trusted
+        assert remaining > 0 and trusted_until >= lapses_at + 3 * 0.9 - 0.02, (trusted_until - lapses_at, remaining)
 
 
 def test_hold_is_also_a_decorator_making_a_fresh_hold_per_call(key: str) -> None:
@@ -461,12 +477,14 @@ def test_async_job_is_cancelled_when_the_lease_is_lost(key: str, raw_connect: Co
     events: list[str] = []
     started = asyncio.Event()
 
-    @leased(key, ttl=5, renew_every=0.1, owner=owner)
+    # A TTL whose trust window (108 s) and default renew interval (40 s) are beyond the hang guard:
+    # only a renewal every 0.1 s learns of the theft within it.
+    @leased(key, ttl=120, renew_every=0.1, owner=owner)
     async def job() -> str:
         events.append("started")
         started.set()
         try:
-            await asyncio.sleep(30)
+            await asyncio.sleep(600)
         except asyncio.CancelledError:
             events.append("cancelled")
             raise
@@ -477,14 +495,14 @@ def test_async_job_is_cancelled_when_the_lease_is_lost(key: str, raw_connect: Co
         await asyncio.wait_for(started.wait(), 10)
         await asyncio.to_thread(steal, intruder, key, owner)
         stolen_at = time.monotonic()
-        with pytest.raises(EpochMismatchError):
-            await asyncio.wait_for(task, 5)
+        with pytest.raises(EpochMismatchError):  # a renewal's verdict (a lapsed trust window: LapsedError)
+            await asyncio.wait_for(task, HANG)
         assert not task.cancelled()  # our cancellation became the precise error, as asyncio.timeout() does
         return time.monotonic() - stolen_at
 
     reaction = asyncio.run(main())
     assert events == ["started", "cancelled"]
-    assert reaction < 1.0  # the next renewal (every 0.1 s) saw the verdict
+    assert reaction < HANG  # a renewal (every 0.1 s) saw the verdict: the next one at 40 s would be too late
 
 
 def test_async_job_runs_and_skips_like_sync(key: str) -> None:
@@ -516,13 +534,27 @@ def test_async_hold_as_context_manager(key: str) -> None:
 
 
 def test_hold_at_least_keeps_the_lease_until_then_and_then_it_lapses(key: str, signals: Recorder) -> None:
-    with hold(key, ttl=1, hold_at_least=1.5) as lease:
-        pass
+    at_least = timedelta(seconds=1.5)
+    before_enter = server_clock()
+    with hold(key, ttl=1, hold_at_least=at_least.total_seconds()) as lease:
+        acquired_at = Lease.objects.get(key=key).acquired_at
+        assert acquired_at is not None
+        # Stay 0.5 s (server clock): keeping it until exit + hold_at_least would then show.
+        wait_until(lambda: server_clock() - acquired_at >= timedelta(seconds=0.5), what="0.5 s into the hold")
+        before_exit = server_clock()
+    after_exit = server_clock()
     row = Lease.objects.get(key=key)
     assert (row.owner, row.epoch) == (lease.owner, lease.epoch)  # still held, same epoch
-    assert row.acquired_at is not None and row.expires_at is not None
-    target = row.acquired_at + timedelta(seconds=1.5)
-    assert abs((row.expires_at - target).total_seconds()) < 0.05  # grant + hold_at_least, longer than ttl
+    assert row.acquired_at == acquired_at and row.expires_at is not None
+    # Kept until grant + hold_at_least (longer than the TTL), on the server clock: the hold counts from
+    # its attempt (sent after before_enter, granted at acquired_at) and renews at exit (between
+    # before_exit and after_exit) to the time left. Whatever stalls the machine makes, that puts it in:
+    slack = timedelta(milliseconds=10)  # two clocks of one machine, read by two processes
+    assert before_enter + at_least - slack <= row.expires_at, (row.expires_at - acquired_at).total_seconds()
+    assert row.expires_at <= acquired_at + at_least + (after_exit - before_exit) + slack, (
+        (row.expires_at - acquired_at).total_seconds(),
+        (after_exit - before_exit).total_seconds(),
+    )
     assert lease.expires_at == row.expires_at
     assert Lease.objects.acquire(key, "next-host", ttl=5) is None  # a second run right away is refused
     assert signals.of(key) == [("acquired", lease.epoch), ("released", False)]

@@ -69,14 +69,22 @@ def test_a_busy_key_raises_busy_without_running_the_child(key: str, tmp_path: Pa
 
 
 def test_a_lost_lease_terminates_the_child(key: str, capfd: pytest.CaptureFixture[str]) -> None:
-    def force_release_once_held() -> None:
+    out: list[str] = []  # the child's stdout, read while it runs
+
+    def child_ready() -> bool:
+        out.append(capfd.readouterr().out)
+        return '"event": "ready"' in "".join(out)
+
+    def force_release_once_ready() -> None:
+        # Once the child reports ready its SIGTERM handler is installed: released sooner, the child
+        # could die of the SIGTERM before it reports it (a loaded machine starts Python slowly).
         try:
-            wait_until(lambda: Lease.objects.inspect(key).status == "held", what="the supervisor's grant")
+            wait_until(child_ready, timeout=60, what="the child to be ready")
             Lease.objects.force_release(key)
         finally:
             connections.close_all()  # this thread's
 
-    breaker = threading.Thread(target=force_release_once_held)
+    breaker = threading.Thread(target=force_release_once_ready)
     breaker.start()
     stderr = StringIO()
     with pytest.raises(RunError) as caught:
@@ -88,7 +96,13 @@ def test_a_lost_lease_terminates_the_child(key: str, capfd: pytest.CaptureFixtur
         f"lease {key!r} (epoch {epoch}) was lost while {NAME} ran (not_owner): "
         f"sent {NAME} SIGTERM; it was killed by SIGTERM"
     )
-    assert [event["name"] for event in events(capfd, "signal")] == ["SIGTERM"]
+    out.append(capfd.readouterr().out)
+    signals = [
+        e["name"]
+        for line in "".join(out).splitlines()
+        if line.startswith("{") and (e := json.loads(line))["event"] == "signal"
+    ]
+    assert signals == ["SIGTERM"]
     assert f"leases run: lease {key!r} lost (not_owner): sending SIGTERM to {NAME}" in stderr.getvalue()
 
 
