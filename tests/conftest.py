@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -18,6 +19,13 @@ import pytest
 from tests.helpers import conninfo, free, held, lapsed, sessions_left
 
 _counter = itertools.count()
+
+# A suite started as a background job of a shell without job control (`make test &`, a CI script
+# run with `&`) inherits SIGINT ignored, and so would every process the tests start: the tests of
+# SIGINT (forwarded to COMMAND, a KeyboardInterrupt in a job) need it as a terminal gives it.
+# Ignored dispositions survive exec, handlers do not: Python's default handler here restores both.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config: pytest.Config) -> None:
