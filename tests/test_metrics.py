@@ -39,6 +39,10 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 _counter = itertools.count()
 
 
+#: Behind a transaction-pooling PgBouncer blocking waiters poll: nothing registers (docs/jobs.md).
+BEHIND_PGBOUNCER = bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER"))
+
+
 def scrape_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as response:
         assert response.status == 200
@@ -173,7 +177,8 @@ def test_the_database_view_counts_states_lapses_waiters_and_tenures(served: Call
 
             waiter = Background(wait)
             waiter.start()
-            wait_until(lambda: value(served(), "pg_lease_db_waiters", prefix=p) == 1, timeout=60, what="a waiter")
+            if not BEHIND_PGBOUNCER:  # a pooled session cannot LISTEN: there the waiter polls, registering nothing
+                wait_until(lambda: value(served(), "pg_lease_db_waiters", prefix=p) == 1, timeout=60, what="a waiter")
             samples = served()
             Lease.objects.release(f"{p}:held", "w1", Lease.objects.inspect(f"{p}:held").epoch)
             waiter.join(timeout=60)
