@@ -394,3 +394,24 @@ def run_meta(where: str, quick: bool, rounds: int, block: float) -> dict[str, An
         "rounds": rounds,
         "block_seconds": block,
     }
+
+
+def run_alone(name: str, run: Callable[[Report, int, float, str], Any], description: str) -> None:
+    """A stage run as a script of its own (``python benchmarks/<stage>.py [--rounds N] [--block S]``):
+    set-up as `bench.py` does, its rows printed, its figures in ``results/<name>.json``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--block", type=float, default=0.25)
+    args = parser.parse_args()
+    database, where = bench_database()
+    setup_django(database, installed_apps())
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    report = Report(run_meta(where, False, args.rounds, args.block))
+    print(HEADER)
+    report.details[name] = run(report, args.rounds, args.block, OWNER)
+    report.meta["total_seconds"] = 0
+    report.finish(DEFAULT_JSON.with_name(f"{name}.json"))

@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TTL, Report, Row, Timer, interleave
+from common import TTL, Report, Row, Timer, interleave, run_alone
 
 TARGET = 1.15
 
@@ -77,27 +77,5 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]
     return figures
 
 
-def main() -> None:
-    import argparse
-
-    from common import DEFAULT_JSON, HEADER, OWNER, bench_database, installed_apps, run_meta, setup_django
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--block", type=float, default=0.25)
-    args = parser.parse_args()
-    database, where = bench_database()
-    setup_django(database, installed_apps())
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
-    report = Report(run_meta(where, False, args.rounds, args.block))
-    print(HEADER)
-    figures = run(report, args.rounds, args.block, OWNER)
-    report.details["history"] = figures
-    report.meta["total_seconds"] = 0
-    report.finish(DEFAULT_JSON.with_name("history.json"))
-
-
 if __name__ == "__main__":
-    main()
+    run_alone("history", run, __doc__.split("\n\n")[0])

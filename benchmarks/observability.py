@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TTL, Report, Row, Timer, interleave, percentile
+from common import TTL, Report, Row, Timer, interleave, percentile, run_alone
 
 TARGET = 1.03
 ROWS = 100_000
@@ -230,26 +230,5 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]
     return figures
 
 
-def main() -> None:
-    import argparse
-
-    from common import DEFAULT_JSON, HEADER, OWNER, bench_database, installed_apps, run_meta, setup_django
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--block", type=float, default=0.25)
-    args = parser.parse_args()
-    database, where = bench_database()
-    setup_django(database, installed_apps())
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
-    report = Report(run_meta(where, False, args.rounds, args.block))
-    print(HEADER)
-    report.details["metrics"] = run(report, args.rounds, args.block, OWNER)
-    report.meta["total_seconds"] = 0
-    report.finish(DEFAULT_JSON.with_name("metrics.json"))
-
-
 if __name__ == "__main__":
-    main()
+    run_alone("metrics", run, __doc__.split("\n\n")[0])
