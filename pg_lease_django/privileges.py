@@ -108,15 +108,20 @@ _HELD = (
     "wanted AS (SELECT w.role AS tier, w.privilege, CASE w.kind WHEN 'FUNCTION' "
     "THEN w.object::pg_catalog.regprocedure::oid ELSE w.object::pg_catalog.regclass::oid END AS oid "
     "FROM {schema}.pg_lease_privileges() w), "
-    "grantees AS (SELECT r.rolname::text AS name, r.rolname AS checked FROM pg_catalog.pg_roles r, owner "
+    # A role is checked by its OID: by name, a role dropped after this statement's snapshot is
+    # looked up in the current catalog and fails the whole read ("role does not exist").
+    "grantees AS (SELECT r.rolname::text AS name, r.oid FROM pg_catalog.pg_roles r, owner "
     "WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE') "
-    "UNION ALL SELECT 'PUBLIC', 'public'::name), "
+    "UNION ALL SELECT 'PUBLIC', NULL), "
     f"privileges (kind, privilege) AS (VALUES {_PRIVILEGES}) "
     "SELECT g.name, o.kind, o.object, v.privilege, pg_catalog.array_agg(w.tier) FILTER (WHERE w.tier IS NOT NULL) "
     "FROM grantees g CROSS JOIN objects o JOIN privileges v ON v.kind = o.kind "
     "LEFT JOIN wanted w ON w.oid = o.oid AND w.privilege = v.privilege "
-    "WHERE CASE o.kind WHEN 'FUNCTION' THEN pg_catalog.has_function_privilege(g.checked, o.oid, v.privilege) "
-    "ELSE pg_catalog.has_table_privilege(g.checked, o.oid, v.privilege) END "
+    "WHERE CASE WHEN g.oid IS NULL AND o.kind = 'FUNCTION' "
+    "THEN pg_catalog.has_function_privilege('public', o.oid, v.privilege) "
+    "WHEN g.oid IS NULL THEN pg_catalog.has_table_privilege('public', o.oid, v.privilege) "
+    "WHEN o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege(g.oid, o.oid, v.privilege) "
+    "ELSE pg_catalog.has_table_privilege(g.oid, o.oid, v.privilege) END "
     "GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4"
 )
 

@@ -924,6 +924,41 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
         check_declared_roles_are_granted(databases=["default"])
 
 
+def test_a_role_dropped_while_the_grants_are_read_does_not_blind_the_check(roles: Roles) -> None:
+    """The catalog is read under one snapshot, but a privilege function given a role's *name* looks it
+    up in the current catalog: a role another session dropped after the snapshot made the whole read
+    fail ("role does not exist"), and check W008 then reported nothing at all, even a grant it must
+    report (CI's PgBouncer leg, another test's roles dropped beside it). Forced here: the snapshot is
+    taken, a role is dropped, then the grants are read in that snapshot."""
+    dropped = f"pgl_{roles.suffix}_dropped"
+    roles.admin.execute(pgsql.SQL("CREATE ROLE {}").format(pgsql.Identifier(dropped)))
+    roles.admin.execute(
+        pgsql.SQL("GRANT SELECT ON public.pg_lease_django_secret TO {}").format(pgsql.Identifier(roles.worker))
+    )
+    with override_settings(PG_LEASE_WORKER_ROLES=[roles.worker], PG_LEASE_OPERATOR_ROLES=[roles.operator]):
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            cursor.execute("SELECT count(*) FROM pg_catalog.pg_roles")  # the snapshot: the role is in it
+            roles.admin.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(dropped)))
+            extra = privileges.undeclared()
+        assert [(g.role, g.object, g.privilege) for g in extra] == [
+            (roles.worker, "pg_lease_django_secret", "SELECT")
+        ]
+
+
+def test_w008_says_when_it_could_not_read_the_grants(roles: Roles) -> None:
+    """A read the check could not make is a warning, never silence taken for an all-clear."""
+    from pg_lease_django.checks import check_declared_roles_are_granted
+
+    roles.admin.execute("REVOKE EXECUTE ON FUNCTION public.pg_lease_privileges() FROM PUBLIC")  # the fixture restores it
+    with override_settings(PG_LEASE_WORKER_ROLES=[roles.worker], PG_LEASE_OPERATOR_ROLES=[roles.operator]):
+        assert check_declared_roles_are_granted(databases=["default"]) == []  # as the owner: all read
+        with django_as(roles.worker):
+            found = check_declared_roles_are_granted(databases=["default"])
+    assert [w.id for w in found] == ["pg_lease_django.W008"]
+    assert "could not be read" in found[0].msg and "permission denied" in found[0].msg
+
+
 def test_tenants_separated_by_role_are_separated_in_leases(roles: Roles, key: str) -> None:
     """Finding 9: a second tenant's role, granted the same functions, read tenant A's holder, released
     A's lease and took it, and the history said the victim released it. With key scopes the database

@@ -200,6 +200,15 @@ def check_fence_triggers_are_current(
     return warnings
 
 
+def unread(alias: str, what: str, exc: DatabaseError) -> checks.Warning:
+    """W008 for a read that failed: never an all-clear the check did not establish."""
+    return checks.Warning(
+        f"database {alias!r}: {what} could not be read: {str(exc).strip()}",
+        hint=f"Run, as the lease functions' owner: manage.py leases grant --check --database {alias}",
+        id="pg_lease_django.W008",
+    )
+
+
 def check_declared_roles_are_granted(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[checks.CheckMessage]:
@@ -218,8 +227,10 @@ def check_declared_roles_are_granted(
         try:
             if not privileges.installed(alias):
                 continue  # W002/W004/W007 say why
-            absent, lacking = privileges.missing(alias)
-        except DatabaseError:
+            with transaction.atomic(using=alias):
+                absent, lacking = privileges.missing(alias)
+        except DatabaseError as exc:
+            warnings.append(unread(alias, "which privileges the declared lease roles hold", exc))
             continue
         wanted = conf.key_scopes()
         try:
@@ -254,9 +265,11 @@ def check_declared_roles_are_granted(
                 )
             )
         try:
-            extra = privileges.undeclared(alias)
-        except DatabaseError:
+            with transaction.atomic(using=alias):  # a refused read must not break the checks' connection
+                extra = privileges.undeclared(alias)
+        except DatabaseError as exc:
             extra = []
+            warnings.append(unread(alias, "which roles hold lease privileges", exc))
         for role in sorted({g.role for g in extra}):
             objects = [f"{g.privilege} on {g.object}" for g in extra if g.role == role]
             warnings.append(
