@@ -950,7 +950,8 @@ def test_w008_says_when_it_could_not_read_the_grants(roles: Roles) -> None:
     """A read the check could not make is a warning, never silence taken for an all-clear."""
     from pg_lease_django.checks import check_declared_roles_are_granted
 
-    roles.admin.execute("REVOKE EXECUTE ON FUNCTION public.pg_lease_privileges() FROM PUBLIC")  # the fixture restores it
+    # The fixture grants it back to PUBLIC afterwards.
+    roles.admin.execute("REVOKE EXECUTE ON FUNCTION public.pg_lease_privileges() FROM PUBLIC")
     with override_settings(PG_LEASE_WORKER_ROLES=[roles.worker], PG_LEASE_OPERATOR_ROLES=[roles.operator]):
         assert check_declared_roles_are_granted(databases=["default"]) == []  # as the owner: all read
         with django_as(roles.worker):
