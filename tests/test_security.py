@@ -941,9 +941,7 @@ def test_a_role_dropped_while_the_grants_are_read_does_not_blind_the_check(roles
             cursor.execute("SELECT count(*) FROM pg_catalog.pg_roles")  # the snapshot: the role is in it
             roles.admin.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(dropped)))
             extra = privileges.undeclared()
-        assert [(g.role, g.object, g.privilege) for g in extra] == [
-            (roles.worker, "pg_lease_django_secret", "SELECT")
-        ]
+        assert [(g.role, g.object, g.privilege) for g in extra] == [(roles.worker, "pg_lease_django_secret", "SELECT")]
 
 
 def test_w008_says_when_it_could_not_read_the_grants(roles: Roles) -> None:
