@@ -10,7 +10,7 @@ DJANGO6_PYTHON ?= python3.12
 DJANGO6_SPEC ?= Django>=6.1,<6.2
 DJANGO6_VENV ?= .venvs/django6
 
-.PHONY: venv test test-django6 test-fast lint type migrations-check check demo bench clean tox
+.PHONY: venv test test-soak test-django6 test-fast lint type migrations-check check demo bench clean tox
 
 venv: $(STAMP)
 
@@ -26,9 +26,16 @@ $(STAMP): pyproject.toml
 TEST_WORKERS ?= 4
 XDIST_ARGS := -n $(TEST_WORKERS) --dist loadgroup
 
-## make test: the whole suite on a real PostgreSQL, in TEST_WORKERS parallel workers (0: one process).
+# Which tests by marker (pyproject.toml): the long soak runs have their own target and CI leg.
+MARKERS ?= not soak
+
+## make test: the suite on a real PostgreSQL, in TEST_WORKERS parallel workers (0: one process), all but the soak runs.
 test: venv
-	$(BIN)/python -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST_ARGS) -m "$(MARKERS)" $(PYTEST_ARGS)
+
+## make test-soak: the long history-checked runs under faults (stress, faults, failovers under load).
+test-soak: venv
+	$(MAKE) test MARKERS=soak
 
 test-django6:
 	$(DJANGO6_PYTHON) -m venv $(DJANGO6_VENV)
@@ -37,7 +44,7 @@ test-django6:
 	$(DJANGO6_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 test-fast: venv
-	$(BIN)/python -m pytest $(XDIST_ARGS) -m "not slow" -x
+	$(BIN)/python -m pytest $(XDIST_ARGS) -m "not slow and not soak" -x
 
 lint: venv
 	$(BIN)/ruff check pg_lease_django tests demo benchmarks stress

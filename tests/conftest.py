@@ -28,6 +28,16 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+#: Tests that take long start first (in the random order among themselves): parallel workers then
+#: end together, rather than three waiting while the fourth runs a long test drawn last.
+LONG = ("slow", "soak", "acceptance")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle, which this keeps within each group
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in LONG))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # A plugin, not a hook of this conftest: pytest calls a conftest's hooks only for the fixtures of
     # its directory, and django_db_setup is pytest-django's, set up at the session's level.

@@ -78,6 +78,7 @@ def until_lapsed(key: str, agent: Agent | None = None) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_kill_minus_9_of_workers_at_random_points_never_breaks_the_history() -> None:
     """kill -9 at random points (mid-statement, mid-transaction, holding): leases lapse, others take
     over with higher epochs, in-flight operations count as unknown, and the server record has no
@@ -110,6 +111,7 @@ def test_kill_minus_9_of_workers_at_random_points_never_breaks_the_history() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_sigstop_for_twice_the_ttl_then_sigcont_never_breaks_the_history() -> None:
     """Workers stopped for 2 x TTL at random points (mid-statement, mid-transaction, holding), then
     resumed: their renewals and fenced writes after a takeover are refused; nothing else changes."""
@@ -400,6 +402,7 @@ def test_terminated_heartbeat_connection_is_replaced_and_the_lease_kept(key: str
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_random_backend_terminations_never_break_the_history() -> None:
     """pg_terminate_backend of random worker backends every ~0.3 s: unknown outcomes, never a second holder."""
     result = run(Config(test_db_url(), seed=13, workers=5, keys=2, seconds=12, terminate_every=0.3))
@@ -414,6 +417,7 @@ def test_random_backend_terminations_never_break_the_history() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_immediate_shutdown_and_restart_while_workers_run() -> None:
     """pg_ctl -m immediate (a crash) twice while workers run, on a server with synchronous_commit=off:
     every acknowledged grant is in the server record afterwards (the library forces synchronous
@@ -559,6 +563,7 @@ def _counter(url: str, key: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_server_clock_steps_while_workers_run(faketime_server: tuple[LocalServer, Path]) -> None:
     """Workers run while the server clock jumps forward by 2 x the longest TTL, then back by one TTL,
     twice. Safety holds throughout (epochs, real-time order, fencing, counters, server record);

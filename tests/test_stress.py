@@ -23,6 +23,7 @@ def server_url() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.django_db(transaction=True)
 def test_short_mode_has_no_violations() -> None:
     """``python -m stress --short``: three fixed seeds, one of them terminating backends as it runs."""

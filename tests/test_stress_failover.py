@@ -43,6 +43,8 @@ def _served_after_every_failover(result: FailoverResult) -> None:
         assert granted, f"no grant between the kill at {start} and the next one"
 
 
+@pytest.mark.slow
+@pytest.mark.soak
 @needs_binaries
 def test_synchronous_failovers_under_load_lose_nothing_and_never_double_grant() -> None:
     """5 workers on 3 keys; the primary SIGKILLed 3 times mid-load, the standby promoted each time and a
@@ -64,6 +66,7 @@ def test_synchronous_failovers_under_load_lose_nothing_and_never_double_grant() 
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @needs_binaries
 def test_asynchronous_failovers_lose_grants_and_advance_epochs_closes_the_gap() -> None:
     """The standby cut off the primary's WAL 1 s before each of 2 kills: acknowledged grants are lost.

@@ -70,6 +70,7 @@ def test_each_mismatch_is_caught(tenures: list[TenureRow], kind: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.django_db(transaction=True)
 def test_a_stress_runs_history_matches_its_grants_one_to_one() -> None:
     """A stress run (six workers, three keys, backends terminated as it runs) with every key's history
