@@ -202,7 +202,9 @@ def test_a_promoted_clock_ahead_lapses_leases_early_and_fencing_refuses_the_old_
     )
 
 
-@pytest.mark.parametrize("offset", [pytest.param(-10, id="10s"), pytest.param(-30, id="30s", marks=[pytest.mark.slow, pytest.mark.soak])])
+@pytest.mark.parametrize(
+    "offset", [pytest.param(-10, id="10s"), pytest.param(-30, id="30s", marks=[pytest.mark.slow, pytest.mark.soak])]
+)
 def test_a_promoted_clock_behind_keeps_renewed_holds_and_delays_takeovers_by_the_offset(
     skewed: Callable[[int], SkewedCluster], clients: Callable[..., Waiters], offset: int
 ) -> None:
