@@ -46,6 +46,11 @@ class Clients:
             self.events += [{**e, "role": role} for e in ok(child.call(op="events"))["events"]]
         return self.events
 
+    def rehold(self) -> bool:
+        """Enter the hold (again); False if the call failed (its connection is then closed)."""
+        owner = f"holder-{self.ttl:g}"
+        return bool(self.holder.call(op="hold", key=self.keys["hold"], ttl=self.ttl, owner=owner)["ok"])
+
     def leaders(self) -> list[tuple[int, dict[str, Any]]]:
         return [
             (i, s) for i, c in enumerate(self.campaigners) if (s := ok(c.call(op="elected", ttl=self.ttl)))["leading"]
@@ -76,7 +81,7 @@ def epochs(cluster: PatroniCluster, member: Member, keys: list[str]) -> dict[str
 def start_clients(cluster: PatroniCluster, ttl: float, via: str) -> Clients:
     database = cluster.django_database("postgres", via=via)
     clients = Clients(ttl, Child(database), [Child(database), Child(database)])
-    ok(clients.holder.call(op="hold", key=clients.keys["hold"], ttl=ttl, owner=f"holder-{ttl:g}"))
+    poll(clients.rehold, timeout=60, what="the hold")
     for index, child in enumerate(clients.campaigners):
         ok(child.call(op="elect", key=clients.keys["elect"], ttl=ttl, owner=f"campaigner{index}-{ttl:g}"))
         if index == 0:
@@ -192,11 +197,7 @@ def switchover(cluster: PatroniCluster, pairs: list[Clients]) -> list[dict[str, 
             )
         if ok(clients.holder.call(op="held"))["lost"]:  # hold again for the next switchover
             clients.holder.call(op="unhold")
-            ok(
-                clients.holder.call(
-                    op="hold", key=clients.keys["hold"], ttl=clients.ttl, owner=f"holder-{clients.ttl:g}"
-                )
-            )
+            poll(lambda: clients.rehold(), timeout=60, what="the hold again")  # noqa: B023
     return rows
 
 
