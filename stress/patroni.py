@@ -24,6 +24,10 @@ against the last leader's record; :func:`stress.checker.summarize` counts the vi
 run with lag without the hook, then with it (10 failovers each), then every fault in turn with
 ``synchronous_mode`` strict, not strict, and asynchronous with the hook; exit status 1 if a run
 with the hook or with synchronous replication has a violation.
+
+``python -m stress patroni --switchovers N [--ttls 30,5]`` (``make stress-switchover``): instead, a
+``hold()`` and an ``elect()`` leader per TTL through ``N`` planned switchovers, measured from the
+clients' own event logs (:mod:`stress.switchover`).
 """
 
 from __future__ import annotations
