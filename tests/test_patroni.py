@@ -26,6 +26,7 @@ from tests.patroni_cluster import (
     Member,
     PatroniCluster,
     Ports,
+    epochs,
     haproxy_config,
     leftovers,
     missing_programs,
@@ -102,11 +103,6 @@ def children() -> Iterator[Callable[[dict[str, Any]], Child]]:
 def ok(reply: dict[str, Any]) -> dict[str, Any]:
     assert reply["ok"], reply
     return reply
-
-
-def epochs(cluster: PatroniCluster, member: Member, keys: list[str]) -> dict[str, int]:
-    rows = cluster.query(member, "SELECT key, epoch FROM pg_lease_django_lease WHERE key = ANY(%s)", (keys,))
-    return {key: int(epoch) for key, epoch in rows}
 
 
 def fenced_write(url: str, key: str, owner: str, epoch: int) -> str:
