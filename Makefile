@@ -95,7 +95,7 @@ stress-failover: venv
 	$(BIN)/python -m stress failover --suite $(STRESS_FAILOVER_ARGS)
 
 ## make patroni-packages: Patroni, etcd and HAProxy from Debian (the Patroni cluster's tests and `make stress-patroni`).
-.PHONY: patroni-packages stress-patroni
+.PHONY: patroni-packages stress-patroni stress-switchover
 patroni-packages:
 	@command -v patroni >/dev/null && command -v etcd >/dev/null && command -v haproxy >/dev/null || { \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq patroni etcd-server haproxy >/dev/null; }
@@ -103,6 +103,10 @@ patroni-packages:
 ## make stress-patroni: the stress harness against a Patroni cluster (etcd, 2 nodes, HAProxy): asynchronous kill -9 of the leader's PostgreSQL, 10 failovers without then with the pg_lease_django.patroni hook; then every fault (kill postgres, kill Patroni, SIGSTOP, switchover, failover) per synchronous_mode strict / on / off, via the host list and via HAProxy; every history checked; about 50 minutes; exit status 1 on a violation or a cluster that did not recover (STUCK).
 stress-patroni: venv patroni-packages
 	$(BIN)/python -m stress patroni --suite $(STRESS_PATRONI_ARGS)
+
+## make stress-switchover: a hold() and an elect() leader (TTL 30 s and 5 s) through 5 planned `patronictl switchover`s on the Patroni cluster, via the host list; a table per switchover of failed renewals, renewal gaps against the trust window, losses, epochs and seconds until the new leader accepts writes; about 3 minutes.
+stress-switchover: venv patroni-packages
+	$(BIN)/python -m stress patroni --switchovers 5 --ttls 30,5 $(STRESS_SWITCHOVER_ARGS)
 
 clean:
 	rm -rf $(VENV) .pgdata .mypy_cache .ruff_cache .pytest_cache

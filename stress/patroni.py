@@ -24,6 +24,10 @@ against the last leader's record; :func:`stress.checker.summarize` counts the vi
 run with lag without the hook, then with it (10 failovers each), then every fault in turn with
 ``synchronous_mode`` strict, not strict, and asynchronous with the hook; exit status 1 if a run
 with the hook or with synchronous replication has a violation.
+
+``python -m stress patroni --switchovers N [--ttls 30,5]`` (``make stress-switchover``): instead, a
+``hold()`` and an ``elect()`` leader per TTL through ``N`` planned switchovers, measured from the
+clients' own event logs (:mod:`stress.switchover`).
 """
 
 from __future__ import annotations
@@ -361,10 +365,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--via", choices=("hosts", "haproxy"), default="hosts")
     parser.add_argument("--lag", type=float, default=1.0, help="asynchronous kill-postgres: WAL senders stalled first")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--switchovers", type=int, default=0, help="instead: a hold() and an elect() leader through N switchovers"
+    )
+    parser.add_argument("--ttls", default="30,5", help="--switchovers: the leases' TTLs, comma-separated")
     args = parser.parse_args(argv)
     missing = missing_programs()
     if missing:
         parser.error(f"not installed: {', '.join(missing)} (make patroni-packages)")
+    if args.switchovers:
+        from .switchover import run_switchovers, table
+
+        rows = run_switchovers(args.switchovers, tuple(float(t) for t in args.ttls.split(",")), args.via)
+        print(table(rows), flush=True)
+        return 0
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     start = time.monotonic()
     if args.suite:

@@ -11,7 +11,11 @@ per stdout line (:class:`Child` is the parent's side).
 Commands (``op``): ``migrate``; ``acquire`` (key, owner, ttl); ``inspect`` (key); ``hold`` (key,
 ttl, owner: enter ``hold()`` in a thread of its own, reply once it holds); ``held`` (how the hold
 sees itself now); ``unhold`` (leave the hold, reply how it ended); ``leases`` (args: run ``manage.py
-leases ARGS``, as an operator would, reply its output and exit code). A failed call replies
+leases ARGS``, as an operator would, reply its output and exit code); ``elect`` (key, ttl, owner: campaign
+with ``elect()`` in its thread, leading until told to stop); ``elected`` (whether it leads, the
+epoch); ``unelect`` (stop the election); ``events`` (reply and clear this process's event log:
+failed and recovered renewals from the heartbeat's log records, ``lease_lost``, the election's
+terms, each with its ``time.monotonic()``). A failed call replies
 ``{"ok": false, "error": ..., "operational": ...}`` (``operational``: a ``django.db.OperationalError``,
 an unknown outcome) and closes Django's connection, so the next call reconnects.
 """
@@ -19,6 +23,7 @@ an unknown outcome) and closes Django's connection, so the next call reconnects.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import subprocess
@@ -50,6 +55,60 @@ def configure() -> None:
     django.setup()
 
 
+EVENTS: list[dict[str, Any]] = []
+_EVENTS_LOCK = threading.Lock()
+
+
+def record(event: str, **fields: Any) -> None:
+    """Append to the event log, stamped with ``time.monotonic()`` (one clock for every process here)."""
+    with _EVENTS_LOCK:
+        EVENTS.append({"event": event, "at": time.monotonic(), **fields})
+
+
+class HeartbeatEvents(logging.Handler):
+    """The heartbeat's own account of its renewals: each failed attempt, the first success after them."""
+
+    def emit(self, log: logging.LogRecord) -> None:
+        text = str(log.msg)
+        if text.startswith("renewing lease %r failed"):
+            record("renew_failed", key=log.args[0] if isinstance(log.args, tuple) else None)
+        elif text.startswith("renewed lease %r after"):
+            record("renewed", key=log.args[0] if isinstance(log.args, tuple) else None)
+
+
+def watch_events() -> None:
+    from pg_lease_django.signals import lease_lost
+
+    heartbeat = logging.getLogger("pg_lease_django.heartbeat")
+    heartbeat.setLevel(logging.INFO)
+    heartbeat.propagate = False
+    heartbeat.addHandler(HeartbeatEvents())
+
+    def lost(sender: Any, lease: Any, error: BaseException, **kwargs: Any) -> None:
+        record("lost", key=lease.key, epoch=lease.epoch, error=type(error).__name__)
+
+    lease_lost.connect(lost, weak=False)
+
+
+def start_election(key: str, ttl: float, owner: str) -> Any:
+    """``elect()``; each term is recorded (``leading`` with its epoch, ``stopped_leading``)."""
+    from pg_lease_django import current_election, elect
+
+    def lead(lease: Any) -> None:
+        record("leading", key=key, epoch=lease.epoch)
+        election = current_election()
+        assert election is not None
+        election.wait_stop()
+
+    return elect(
+        key,
+        ttl=ttl,
+        owner=owner,
+        on_started_leading=lead,
+        on_stopped_leading=lambda: record("stopped_leading", key=key),
+    )
+
+
 class HoldThread(threading.Thread):
     """``with hold(key, ttl=..., owner=...) as lease`` until told to leave."""
 
@@ -76,22 +135,25 @@ class HoldThread(threading.Thread):
                 self.exit_error = f"{type(exc).__name__}: {str(exc)[:300]}"
 
     def state(self) -> dict[str, Any]:
-        """How the hold sees itself; ``renewal_sent_at``: ``time.monotonic()`` (one clock for every
-        process of this machine) when the last confirmed grant or renewal was sent."""
-        from pg_lease_django import conf
+        """How the hold sees itself (`lease_state`)."""
+        return {"ok": True, **lease_state(self.lease, self.ttl)}
 
-        lease = self.lease
-        trust_span = self.ttl * (1 - conf.safety_margin())
-        return {
-            "ok": True,
-            "epoch": lease.epoch,
-            "lost": lease.lost,
-            "error": None if lease.error is None else type(lease.error).__name__,
-            "expires_at": lease.expires_at.timestamp(),
-            "trust_remaining": lease.trust_remaining,
-            "trust_span": trust_span,
-            "renewal_sent_at": time.monotonic() + lease.trust_remaining - trust_span,
-        }
+
+def lease_state(lease: Any, ttl: float) -> dict[str, Any]:
+    """A held lease as its holder sees it; ``renewal_sent_at``: ``time.monotonic()`` (one clock for
+    every process of this machine) when the last confirmed grant or renewal was sent."""
+    from pg_lease_django import conf
+
+    trust_span = ttl * (1 - conf.safety_margin())
+    return {
+        "epoch": lease.epoch,
+        "lost": lease.lost,
+        "error": None if lease.error is None else type(lease.error).__name__,
+        "expires_at": lease.expires_at.timestamp(),
+        "trust_remaining": lease.trust_remaining,
+        "trust_span": trust_span,
+        "renewal_sent_at": time.monotonic() + lease.trust_remaining - trust_span,
+    }
 
 
 def serve() -> None:
@@ -104,6 +166,8 @@ def serve() -> None:
     from pg_lease_django import Lease
 
     holding: HoldThread | None = None
+    election: Any = None
+    watch_events()
 
     def reply(message: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(message) + "\n")
@@ -134,6 +198,21 @@ def serve() -> None:
                     reply({"ok": True, "exit_code": 0, "output": out.getvalue()})
                 except CommandError as exc:
                     reply({"ok": True, "exit_code": exc.returncode, "output": str(exc)})
+            elif op == "elect":
+                election = start_election(command["key"], command["ttl"], command["owner"])
+                reply({"ok": True})
+            elif op == "elected":
+                lease = election and election.lease
+                seen = lease_state(lease, command["ttl"]) if lease is not None else {"epoch": None}
+                reply({"ok": True, **seen, "leading": bool(election and election.leading)})
+            elif op == "unelect":
+                election.stop()
+                reply({"ok": True, "exited": election.join(60)})
+            elif op == "events":
+                with _EVENTS_LOCK:
+                    events = EVENTS[:]
+                    EVENTS.clear()
+                reply({"ok": True, "events": events})
             elif op == "held":
                 assert holding is not None
                 reply(holding.state())
@@ -203,7 +282,5 @@ if __name__ == "__main__":
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     configure()
-    import logging
-
     logging.getLogger("pg_lease_django").setLevel(logging.ERROR)
     serve()

@@ -497,6 +497,12 @@ class PatroniCluster:
         }
 
 
+def epochs(cluster: PatroniCluster, member: Member, keys: list[str]) -> dict[str, int]:
+    """The epochs of ``keys`` on ``member``'s server (keys never granted are absent)."""
+    rows = cluster.query(member, "SELECT key, epoch FROM pg_lease_django_lease WHERE key = ANY(%s)", (keys,))
+    return {key: int(epoch) for key, epoch in rows}
+
+
 def children_of(pid: int) -> list[int]:
     """The live child processes of ``pid``."""
     found = []

@@ -11,6 +11,7 @@ Skipped when patroni, patronictl, etcd or haproxy is not installed (``make patro
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from tests.patroni_cluster import (
     Member,
     PatroniCluster,
     Ports,
+    epochs,
     haproxy_config,
     leftovers,
     missing_programs,
@@ -101,11 +103,6 @@ def children() -> Iterator[Callable[[dict[str, Any]], Child]]:
 def ok(reply: dict[str, Any]) -> dict[str, Any]:
     assert reply["ok"], reply
     return reply
-
-
-def epochs(cluster: PatroniCluster, member: Member, keys: list[str]) -> dict[str, int]:
-    rows = cluster.query(member, "SELECT key, epoch FROM pg_lease_django_lease WHERE key = ANY(%s)", (keys,))
-    return {key: int(epoch) for key, epoch in rows}
 
 
 def fenced_write(url: str, key: str, owner: str, epoch: int) -> str:
@@ -230,3 +227,63 @@ def test_no_patroni_etcd_or_haproxy_process_outlives_the_cluster() -> None:
         cluster.destroy()
     assert leftovers(cluster.root, cluster.groups) == []
     assert not cluster.root.exists()
+
+
+@needs_patroni
+def test_an_elect_leader_keeps_its_term_or_a_single_successor_wins_above_its_epoch_across_a_switchover(
+    patroni: PatroniCluster, children: Callable[[dict[str, Any]], Child]
+) -> None:
+    """Two processes campaign with ``elect()`` on the host list; a ``patronictl switchover``. The
+    epoch is unchanged on the new leader (a clean hand-over: the hook did nothing); the leader's
+    term goes on at that epoch, or (if its renewals missed the trust window) ends before any other
+    term starts, and the next term's epoch is higher. Never two terms at once."""
+    cluster = patroni
+    campaigners = [children(cluster.django_database("postgres", via="hosts")) for _ in range(2)]
+    ok(campaigners[0].call(op="migrate"))
+    key, ttl = "pat-elect", 15
+    for index, child in enumerate(campaigners):
+        ok(child.call(op="elect", key=key, ttl=ttl, owner=f"campaigner{index}"))
+    leading = poll(
+        lambda: [i for i, c in enumerate(campaigners) if ok(c.call(op="elected", ttl=ttl))["leading"]],
+        timeout=60,
+        what="a leader",
+    )
+    assert len(leading) == 1, leading
+    term = ok(campaigners[leading[0]].call(op="elected", ttl=ttl))
+    first = cluster.wait_healthy()
+    other = next(m for m in cluster.members if m is not first)
+    poll(lambda: epochs(cluster, other, [key]) == {key: term["epoch"]}, timeout=60, what="the replica to replay it")
+    switched_at = time.monotonic()
+    done = cluster.patronictl("switchover", "--force", "--leader", first.name, "--candidate", other.name)
+    assert done.returncode == 0, done.stdout + done.stderr
+    second = new_leader(cluster, first)
+    assert "clean hand-over" in hook_log(cluster, second), hook_log(cluster, second)
+
+    def renewed_on_the_new_leader() -> dict[str, Any] | None:
+        states = [ok(c.call(op="elected", ttl=ttl)) for c in campaigners]
+        leaders = [s for s in states if s["leading"]]
+        return leaders[0] if len(leaders) == 1 and leaders[0]["renewal_sent_at"] > switched_at else None
+
+    after = poll(renewed_on_the_new_leader, timeout=90, what="a leader renewing on the new Patroni leader")
+    # Each process's terms: from ``leading`` to its first ``lost`` or ``stopped_leading``.
+    terms: list[tuple[float, float, int]] = []
+    for child in campaigners:
+        started: dict[str, Any] | None = None
+        for event in ok(child.call(op="events"))["events"]:
+            if event["event"] == "leading":
+                started = event
+            elif started is not None and event["event"] in ("lost", "stopped_leading"):
+                terms.append((started["at"], event["at"], started["epoch"]))
+                started = None
+        if started is not None:
+            terms.append((started["at"], float("inf"), started["epoch"]))
+    terms.sort()
+    for (_, end, epoch), (start, _, later) in itertools.pairwise(terms):
+        assert end <= start and later > epoch, terms  # one leader at a time, each term at a higher epoch
+    if after["epoch"] == term["epoch"]:
+        assert terms == [(terms[0][0], float("inf"), term["epoch"])], terms  # the first term goes on
+    else:
+        assert after["epoch"] > term["epoch"], (after, term)
+    assert epochs(cluster, second, [key]) == {key: after["epoch"]}
+    for child in campaigners:
+        assert ok(child.call(op="unelect"))["exited"]
