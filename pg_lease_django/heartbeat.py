@@ -133,7 +133,6 @@ class Heartbeat:
         finally:
             self.ended = True
             self._unregister()  # after the end: its watchdog runs on the scheduler
-            lease_pool.settle_for_tests()  # also when the end sent nothing (the lease was gone)
         return self.outcome
 
     def _unregister(self) -> None:
@@ -439,11 +438,6 @@ class _Scheduler:
         with self._cond:
             return [beat.lease for beat in self._beats]
 
-    def active(self) -> bool:
-        """True while a hold of this process is registered (entered and not yet left)."""
-        with self._cond:
-            return bool(self._beats)
-
     def threads(self) -> int:
         """The scheduler thread (if running) and the worker threads."""
         with self._cond:
@@ -521,11 +515,15 @@ def _worker_limit() -> int:
 
 _the_scheduler: _Scheduler | None = None
 _scheduler_lock = threading.Lock()
+_fork_hook_registered = False
 
 
 def _scheduler() -> _Scheduler:
-    global _the_scheduler
+    global _the_scheduler, _fork_hook_registered
     with _scheduler_lock:
+        if not _fork_hook_registered:  # with the first scheduler, not at import
+            _fork_hook_registered = True
+            os.register_at_fork(after_in_child=_at_fork_child)
         if _the_scheduler is None or _the_scheduler.pid != os.getpid():
             _the_scheduler = _Scheduler()
         return _the_scheduler
@@ -549,12 +547,3 @@ def active_holds() -> list[HeldLease]:
     if scheduler is None or scheduler.pid != os.getpid():
         return []
     return scheduler.leases()
-
-
-def _holds_active() -> bool:
-    scheduler = _the_scheduler
-    return scheduler is not None and scheduler.pid == os.getpid() and scheduler.active()
-
-
-lease_pool.holds_active = _holds_active
-os.register_at_fork(after_in_child=_at_fork_child)

@@ -31,6 +31,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.base.creation import TEST_DATABASE_PREFIX
 from django.test.runner import DiscoverRunner
 
+from . import lease_pool
 from .exceptions import NotOwnerError
 from .jobs import HeldLease
 from .managers import Grant, LeaseManager, LeaseState
@@ -145,6 +146,14 @@ class LeaseTestRunner(DiscoverRunner):
         old_config: list[tuple[BaseDatabaseWrapper, str, bool]] = super().setup_databases(**kwargs)
         allow_truncate_on_test_databases(old_config, parallel=self.parallel)
         return old_config
+
+    def teardown_databases(self, old_config: list[tuple[BaseDatabaseWrapper, str, bool]], **kwargs: Any) -> None:
+        """Close the idle lease connections of ``hold()``, then drop the test databases as ``DiscoverRunner`` does.
+
+        DROP DATABASE fails while any session is connected to the database.
+        """
+        lease_pool.close_connections()
+        super().teardown_databases(old_config, **kwargs)
 
 
 # ---- helpers for tests of lease code ----------------------------------------------------------

@@ -566,6 +566,7 @@ def _in_a_hold(
 ) -> None:
     """``before()``, then ``body(lease)`` inside ``hold(key, 60, owner=owner)``: a ``with`` or an ``async with``."""
     timeout = HANG_GUARD if blocking else None  # a hold that waited forever would fail, not hang
+    _fresh_lease_connections()
     before()
     if mode == "sync":
         with hold(key, 60, owner=owner, blocking=blocking, timeout=timeout) as lease:
@@ -577,6 +578,14 @@ def _in_a_hold(
             body(lease)
 
     async_to_sync(scenario)()
+
+
+def _fresh_lease_connections() -> None:
+    # Each hold opens a lease connection of its own, so that every run sends the same statements
+    # (a reused connection skips its session's setup): the pool keeps idle ones between holds.
+    from pg_lease_django import lease_pool
+
+    lease_pool.close_connections()
 
 
 def _no_hold_left(key: str) -> None:
@@ -976,6 +985,8 @@ def test_a_hold_at_least_exit_interrupted_at_every_statement_still_keeps_only_un
     grants: list[Any] = []
 
     def run(target: str, at: dict[int, str]) -> None:
+        _fresh_lease_connections()
+
         def body(lease: Any) -> None:
             grants.append(lease.expires_at)
             statements.arm(at)
