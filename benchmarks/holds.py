@@ -95,7 +95,7 @@ def many(count: int, seconds: float) -> dict[str, Any]:
             try:
                 for index in range(count):
                     lease = stack.enter_context(hold(f"bench:holds:many:{index}", ttl=TTL, renew_every=RENEW_EVERY))
-                    granted[lease.key] = lease._granted_at
+                    granted[lease.key] = lease._tenure.granted_at
                     entered += 1
             except Exception as exc:  # the old one-connection-per-hold design runs out of connections
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

@@ -1,8 +1,8 @@
 """The renewal side of ``hold()``: one scheduler per process that renews every hold.
 
-Nothing here is public API; `pg_lease_django.jobs` is. A `Heartbeat` reports to its `HeldLease`
-only through the few members that class sets apart for the heartbeat and the hold. Its statements
-go through connections lent by `lease_pool`.
+Nothing here is public API; `pg_lease_django.jobs` is. A `Heartbeat` owns its hold's `Tenure`
+(`pg_lease_django.held`) and changes it only through the tenure's named methods; the job's
+`HeldLease` reads it. Its statements go through connections lent by `lease_pool`.
 
 - **Renewals** (`_Scheduler`, one thread per process): it keeps the due time of every hold (its
   next renewal, and the end of its trust window) and hands each renewal to a bounded set of worker
@@ -40,7 +40,7 @@ from django.db import connections
 
 from . import conf, lease_pool, metrics
 from .exceptions import HeartbeatFailedError, LeaseLostError
-from .held import HeldLease
+from .held import HeldLease, Tenure
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +70,15 @@ class Heartbeat:
     (release, or keep until ``hold_at_least``) on a pooled connection.
     """
 
-    def __init__(self, lease: HeldLease, pool: lease_pool.LeasePool, *, ttl: timedelta, interval: float) -> None:
-        self.lease = lease
+    def __init__(self, tenure: Tenure, pool: lease_pool.LeasePool, *, ttl: timedelta, interval: float) -> None:
+        self.tenure = tenure  # the state this heartbeat drives
+        self.lease = tenure.lease
         self.pool = pool
         self.ttl = ttl
         self.interval = interval
         self.outcome: Outcome = "unknown"
         self._cond = threading.Condition()
-        self._next_at = lease._granted_at + interval
+        self._next_at = self.tenure.granted_at + interval
         self._failures = 0
         self._in_flight = False  # a renewal is in flight (or waiting for a worker)
         self._jobs = 0  # jobs of this hold handed to workers and not finished: `finish` waits for them
@@ -95,7 +96,7 @@ class Heartbeat:
         self._scheduler = _scheduler()
         self._scheduler.add(self)
         with self._cond:
-            self._schedule(min(self._next_at, self.lease._trusted_until))
+            self._schedule(min(self._next_at, self.tenure.trusted_until))
 
     def finish(self, *, keep_until: float | None = None) -> Outcome:
         """Stop renewing (waiting for a renewal in flight), then release, or keep until ``keep_until`` (monotonic).
@@ -146,7 +147,7 @@ class Heartbeat:
             # A renewal in flight ends within its statement_timeout, unless its commit waits for a
             # synchronous standby that is gone: wait no longer than the trust window, then interrupt it.
             while self._jobs:
-                remaining = self.lease._trusted_until - time.monotonic()
+                remaining = self.tenure.trusted_until - time.monotonic()
                 if self._in_flight and remaining <= 0:
                     break
                 self._cond.wait(remaining if self._in_flight else None)
@@ -166,12 +167,11 @@ class Heartbeat:
 
     def _due(self, generation: int) -> None:
         """The scheduler woke for this hold: lose trust, or hand a renewal to a worker, or wait on."""
-        lease = self.lease
         with self._cond:
             if generation != self._generation or self._stopped or not self._beating:
                 return
             now = time.monotonic()
-            trusted_until = lease._trusted_until
+            trusted_until = self.tenure.trusted_until
             if now >= trusted_until:
                 self._beating = False
                 job: Callable[[], None] = functools.partial(
@@ -204,7 +204,7 @@ class Heartbeat:
                 # A renewal hung past the trust window (a commit waiting for a gone standby): free its
                 # worker and connection (on a thread of its own: a cancel may block up to the grace).
                 _interrupt_soon(in_flight)
-            self.lease._lose_trust()  # log, on_lost, lease_lost, cancel an async job: before the exit goes on
+            self.tenure.lose_trust()  # log, on_lost, lease_lost, cancel an async job: before the exit goes on
         finally:
             with self._cond:
                 self._jobs -= 1
@@ -225,7 +225,7 @@ class Heartbeat:
             except LeaseLostError as exc:
                 self._stop_beating()
                 if not self._left_early:  # else the verdict answers our own release, not a loss
-                    lease._declare_lost(exc, definitive=True)
+                    self.tenure.declare_lost(exc, definitive=True)
                 return
             except Exception:
                 metrics.renewal_failed(lease.key)
@@ -244,9 +244,9 @@ class Heartbeat:
                 logger.info("renewed lease %r after %d failed attempts", lease.key, self._failures)
             self._failures = 0
             metrics.renewed(
-                lease.key, lease.epoch, sent_at, lease._trusted_until
+                lease.key, lease.epoch, sent_at, self.tenure.trusted_until
             )  # before _renewed moves the trust window
-            if not lease._renewed(renewal.expires_at, sent_at):
+            if not self.tenure.renewed(renewal.expires_at, sent_at):
                 self._stop_beating()  # the answer came after the trust window ended: lost all the same
                 return
             handoff = renewal.handoff_requested
@@ -261,7 +261,7 @@ class Heartbeat:
                 epoch=lease.epoch,
             )
             crashed.__cause__ = exc
-            lease._declare_lost(crashed, definitive=False)
+            self.tenure.declare_lost(crashed, definitive=False)
         finally:
             call.done.set()
             with self._cond:
@@ -270,12 +270,12 @@ class Heartbeat:
                 if next_at is not None:
                     self._next_at = next_at
                 if self._beating and not self._stopped:
-                    self._schedule(min(self._next_at, lease._trusted_until))
+                    self._schedule(min(self._next_at, self.tenure.trusted_until))
                 self._cond.notify_all()
         if handoff and not lease.handoff_requested:
             # On a thread of its own, once: a slow on_handoff or receiver delays no renewal of any hold.
             threading.Thread(
-                target=_run_job, args=(lease._handoff_requested_seen,), name="pg_lease hand-off", daemon=True
+                target=_run_job, args=(self.tenure.handoff_requested_seen,), name="pg_lease hand-off", daemon=True
             ).start()
 
     def _stop_beating(self) -> None:
@@ -287,7 +287,7 @@ class Heartbeat:
     def _finish(self, keep_until: float | None, *, again: bool = False) -> Outcome:
         """The last move. ``again``: a first one was interrupted; a verdict now means it took effect."""
         lease = self.lease
-        if lease._gone:
+        if self.tenure.gone:
             return "gone"  # the server said it is not ours: nothing to release
         if keep_until is not None and not lease.lost:
             remaining = keep_until - time.monotonic()
@@ -302,7 +302,7 @@ class Heartbeat:
             except LeaseLostError as exc:
                 if again:
                     return "freed"  # by the interrupted release (or its completion): not a loss
-                lease._declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
+                self.tenure.declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
                 return "gone"
             except Exception:
                 if attempt == 2 or call.interrupted:  # a release that hung would hang again: give up
@@ -344,7 +344,7 @@ class Heartbeat:
                     lease.key, lease.owner, lease.epoch, timedelta(seconds=remaining), timeout=bound, call=call
                 )
         except LeaseLostError as exc:
-            lease._declare_lost(exc, definitive=True)
+            self.tenure.declare_lost(exc, definitive=True)
             return "gone"
         except Exception:
             logger.warning(

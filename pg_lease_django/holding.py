@@ -27,7 +27,7 @@ from django.db import router
 from . import conf, metrics, sigterm
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
 from .heartbeat import Heartbeat
-from .held import HeldLease, OnLost, send_lease_signal, send_robust
+from .held import HeldLease, OnLost, Tenure, send_lease_signal, send_robust
 from .lease_pool import InFlight, pool_for
 from .operations import Grant
 from .owners import default_owner
@@ -50,7 +50,12 @@ def _skipped(func: Callable[..., Any], holding: Holding, error: Exception) -> No
     """``@leased(on_busy="skip")`` did not run ``func``: say so where a default Django project looks
     (WARNING reaches the console through Python's last-resort handler), and send `lease_skipped`."""
     logger.warning("skipped %s(): %s", func.__qualname__, error)
-    send_robust(lease_skipped, func, key=holding._key, error=error)
+    send_robust(lease_skipped, func, key=holding._key, error=error)  # noqa: SLF001 (Holding is of this module)
+
+
+def report_next_acquire_to(holding: Holding, call: InFlight) -> None:
+    """Let another thread interrupt the next acquire of ``holding`` through ``call`` (`pg_lease_django.election`)."""
+    holding._report_next_acquire_to(call)  # noqa: SLF001 (Holding is of this module; not a public method of it)
 
 
 def current_lease(key: str | None = None) -> HeldLease | None:
@@ -161,7 +166,7 @@ class _Session:
                     self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait, call=self.acquiring
                 )
                 measured.granted(grant.epoch)
-            lease = HeldLease(
+            tenure = Tenure(
                 grant,
                 ttl=options.ttl,
                 sent_at=sent_at,
@@ -170,7 +175,8 @@ class _Session:
                 on_handoff=options.on_handoff,
                 using=alias,
             )
-            heartbeat = Heartbeat(lease, pool, ttl=options.ttl, interval=interval)
+            lease = tenure.lease
+            heartbeat = Heartbeat(tenure, pool, ttl=options.ttl, interval=interval)
             heartbeat.start()
             self.lease, self.heartbeat = lease, heartbeat  # from here finish() stops it, whatever interrupts
             logger.debug("acquired lease %r as %r at epoch %s", lease.key, lease.owner, lease.epoch)
@@ -210,10 +216,10 @@ class _Session:
             # child's copy of the trust window was never renewed: no on_lost, lease_lost or log).
             heartbeat.finish()
             return
-        lease._end()
+        heartbeat.tenure.end()
         keep_until = None
         if self.options.hold_at_least is not None:
-            keep_until = lease._granted_at + self.options.hold_at_least.total_seconds()
+            keep_until = heartbeat.tenure.granted_at + self.options.hold_at_least.total_seconds()
         try:
             heartbeat.finish(keep_until=keep_until)
         finally:  # also when an interrupt goes on once the release is completed: the hold has ended
@@ -293,6 +299,9 @@ class Holding:
 
     def __repr__(self) -> str:
         return f"<Holding key={self._key!r} ttl={self._options.ttl}>"
+
+    def _report_next_acquire_to(self, call: InFlight) -> None:
+        self._acquiring = call
 
     def _new_session(self) -> _Session:
         if self._session is not None:
@@ -380,7 +389,7 @@ class Holding:
             raise
         task = asyncio.current_task()
         self._push(session, lease)
-        if task is not None:
+        if task is not None and session.heartbeat is not None:
             self._task, self._cancelling, self._cancelled_by_us = task, task.cancelling(), False
 
             def on_loss() -> None:  # a heartbeat worker thread
@@ -388,7 +397,7 @@ class Holding:
                     loop.call_soon_threadsafe(self._cancel_task)
 
             self._hook = on_loss
-            lease._add_cancel_hook(on_loss)
+            session.heartbeat.tenure.add_cancel_hook(on_loss)
         return lease
 
     def _cancel_task(self) -> None:  # event loop thread
@@ -402,8 +411,8 @@ class Holding:
     ) -> None:
         task, self._task = self._task, None  # from here on, a loss no longer cancels the task
         session = self._pop()
-        if self._hook is not None and session.lease is not None:
-            session.lease._remove_cancel_hook(self._hook)
+        if self._hook is not None and session.heartbeat is not None:
+            session.heartbeat.tenure.remove_cancel_hook(self._hook)
             self._hook = None
         await asyncio.shield(_in_own_thread(session.finish, f"pg_lease hold {self._key} exit"))
         if task is not None and self._cancelled_by_us:

@@ -448,6 +448,11 @@ class LeasePool:
         with self.connection(None) as conn:
             conn.settle(key, owner)
 
+    def open_count(self) -> int:
+        """Connections of this pool open now (lent or idle)."""
+        with self._lock:
+            return self._open
+
     def idle_count(self) -> int:
         with self._lock:
             return len(self._idle)
@@ -528,7 +533,7 @@ def open_connections() -> int:
     """How many lease connections this process has open (lent or idle)."""
     with _pools_lock:
         pools = list(_pools.values()) if _pools_pid == os.getpid() else []
-    return sum(pool._open for pool in pools)
+    return sum(pool.open_count() for pool in pools)
 
 
 def _after_fork_in_child() -> None:

@@ -39,14 +39,14 @@ def pytest_fixture_setup(
     from . import testing
 
     # The fixtures django_db_setup depends on (settings tweaks for xdist and tox) have run by now.
-    planned = testing._plan_test_databases()
+    planned = testing.plan_test_databases()
     result = yield
     # Finalizers run last in, first out: this one before django_db_setup drops the test databases,
     # which fails while a session (an idle lease connection of hold()) is connected.
     request.addfinalizer(_close_lease_connections)
     if planned:
         with request.getfixturevalue("django_db_blocker").unblock():
-            testing._allow_truncate_on_created(planned)
+            testing.allow_truncate_on_created(planned)
     return result
 
 

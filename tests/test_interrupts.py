@@ -819,7 +819,7 @@ def _codes(phase: str) -> set[Any]:
             holding.Holding.__exit__,
             holding.Holding._pop,
             holding._Session.finish,
-            held.HeldLease._end,
+            held.Tenure.end,
             heartbeat.Heartbeat.finish,
             heartbeat.Heartbeat._finish,
         ]

@@ -49,6 +49,7 @@ from pg_lease_django import (
     leased,
     unfenced_writes,
 )
+from pg_lease_django.held import Tenure
 from pg_lease_django.jobs import Holding
 from tests.dbserver import REPO
 from tests.helpers import needs_session, wait_until
@@ -427,11 +428,11 @@ def test_trust_window_ends_before_the_server_lets_anyone_else_in(
 def test_a_crashed_heartbeat_counts_as_lost_and_the_exit_still_releases(
     key: str, signals: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def crash(self: HeldLease, expires_at: Any, sent_at: float) -> bool:
+    def crash(self: Tenure, expires_at: Any, sent_at: float) -> bool:
         raise RuntimeError("a bug in the heartbeat")
 
     # A bug in the heartbeat thread: recording a renewal raises, which nothing there expects.
-    monkeypatch.setattr(HeldLease, "_renewed", crash)
+    monkeypatch.setattr(Tenure, "renewed", crash)
     # A long TTL: the crash comes with the first renewal, even after a slow commit of the acquire.
     with hold(key, ttl=30, renew_every=0.1) as lease:
         assert lease.wait_lost(timeout=10)
@@ -721,7 +722,8 @@ def test_no_leaked_connections_or_threads(
 
 def renewals(lease: HeldLease) -> int:
     """How many renewals moved the trust window of ``lease`` (0 until the first)."""
-    return int(lease._trusted_until > lease._granted_at + lease._trust_span)
+    tenure = lease._tenure
+    return int(tenure.trusted_until > tenure.granted_at + tenure.trust_span)
 
 
 def test_composes_with_django_tasks(key: str) -> None:
