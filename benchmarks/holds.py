@@ -60,8 +60,9 @@ def many(count: int, seconds: float) -> dict[str, Any]:
     import psycopg
     from django.db import connection
 
-    from pg_lease_django import hold, lease_pool
-    from pg_lease_django.holding import _active
+    from pg_lease_django import hold
+    from pg_lease_django.holds import lease_pool
+    from pg_lease_django.holds.context import active as _active
 
     sends: dict[str, list[float]] = defaultdict(list)
     original = lease_pool.LeaseConnection.renew

@@ -37,9 +37,9 @@ from django.db import connections
 
 from . import conf, metrics, sigterm
 from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
-from .held import HeldLease
-from .holding import Holding, hold, report_next_acquire_to
-from .lease_pool import InFlight
+from .holds.holding import Holding, hold, report_next_acquire_to
+from .holds.lease import HeldLease
+from .holds.lease_pool import InFlight
 from .owners import default_owner
 from .validation import Seconds, check_name, check_ttl
 

@@ -61,7 +61,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def _close_lease_connections() -> None:
     # Only if a hold opened one: a project that never imported the pool needs nothing imported for it.
-    lease_pool = sys.modules.get("pg_lease_django.lease_pool")
+    lease_pool = sys.modules.get("pg_lease_django.holds.lease_pool")
     if lease_pool is not None:
         lease_pool.close_connections()
 

@@ -31,9 +31,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.base.creation import TEST_DATABASE_PREFIX
 from django.test.runner import DiscoverRunner
 
-from . import lease_pool
 from .exceptions import NotOwnerError
-from .jobs import HeldLease
+from .holds import lease_pool
+from .holds.lease import HeldLease
 from .managers import Grant, LeaseManager, LeaseState
 
 __all__ = [

@@ -23,7 +23,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, OperationalError
 from django.test import override_settings
 
-from pg_lease_django import HeldLease, Lease, heartbeat, hold, lease_pool
+from pg_lease_django import HeldLease, Lease, hold
+from pg_lease_django.holds import lease_pool
+from pg_lease_django.holds import scheduler as heartbeat
 from tests.helpers import needs_session, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -542,7 +542,7 @@ def hold_statements(raw_connect: Connect) -> Iterator[_HoldStatements]:
     """Install a `_HoldStatements` on the lease connections ``hold()`` opens in the block (none idle before)."""
     from django.db.backends.signals import connection_created
 
-    from pg_lease_django import lease_pool
+    from pg_lease_django.holds import lease_pool
 
     statements = _HoldStatements(raw_connect())
 
@@ -583,13 +583,13 @@ def _in_a_hold(
 def _fresh_lease_connections() -> None:
     # Each hold opens a lease connection of its own, so that every run sends the same statements
     # (a reused connection skips its session's setup): the pool keeps idle ones between holds.
-    from pg_lease_django import lease_pool
+    from pg_lease_django.holds import lease_pool
 
     lease_pool.close_connections()
 
 
 def _no_hold_left(key: str) -> None:
-    from pg_lease_django.heartbeat import active_holds
+    from pg_lease_django.holds.scheduler import active_holds
 
     assert [lease for lease in active_holds() if lease.key.startswith(key)] == []  # no heartbeat renewing
 
@@ -805,7 +805,9 @@ def test_a_hold_interrupted_again_while_it_is_settled_holds_nothing(key: str, ra
 
 def _codes(phase: str) -> set[Any]:
     """The code of ``hold()``'s enter (after the statements: they are explored above) or its exit."""
-    from pg_lease_django import heartbeat, held, holding
+    from pg_lease_django.holds import holding
+    from pg_lease_django.holds import lease as held
+    from pg_lease_django.holds import scheduler as heartbeat
 
     if phase == "enter":
         functions: list[Any] = [
@@ -907,7 +909,7 @@ def test_a_sync_hold_interrupted_at_every_instruction_of_its_bookkeeping_leaves_
 
 
 def _active_holds() -> list[Any]:
-    from pg_lease_django.heartbeat import active_holds
+    from pg_lease_django.holds.scheduler import active_holds
 
     return active_holds()
 

@@ -30,6 +30,7 @@ from pg_lease_django import (
     EpochMismatchError,
     HeartbeatFailedError,
     HeldLease,
+    Holding,
     InvalidInputError,
     LapsedError,
     Lease,
@@ -39,18 +40,17 @@ from pg_lease_django import (
     NotOwnerError,
     UnfencedWriteError,
     current_lease,
-    heartbeat,
     hold,
     lease_acquired,
     lease_lost,
-    lease_pool,
     lease_released,
     lease_skipped,
     leased,
     unfenced_writes,
 )
-from pg_lease_django.held import Tenure
-from pg_lease_django.jobs import Holding
+from pg_lease_django.holds import lease_pool
+from pg_lease_django.holds import scheduler as heartbeat
+from pg_lease_django.holds.lease import Tenure
 from tests.dbserver import REPO
 from tests.helpers import needs_session, wait_until
 from tests.testapp.models import Entry, Invoice, Report

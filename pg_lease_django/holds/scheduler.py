@@ -1,7 +1,7 @@
 """The renewal side of ``hold()``: one scheduler per process that renews every hold.
 
-Nothing here is public API; `pg_lease_django.jobs` is. A `Heartbeat` owns its hold's `Tenure`
-(`pg_lease_django.held`) and changes it only through the tenure's named methods; the job's
+Nothing here is public API; `pg_lease_django` is. A `Heartbeat` owns its hold's `Tenure`
+(`pg_lease_django.holds.lease`) and changes it only through the tenure's named methods; the job's
 `HeldLease` reads it. Its statements go through connections lent by `lease_pool`.
 
 - **Renewals** (`_Scheduler`, one thread per process): it keeps the due time of every hold (its
@@ -38,9 +38,11 @@ from typing import Literal
 
 from django.db import connections
 
-from . import conf, lease_pool, metrics
-from .exceptions import HeartbeatFailedError, LeaseLostError
-from .held import HeldLease, Tenure
+from pg_lease_django import conf, metrics
+from pg_lease_django.exceptions import HeartbeatFailedError, LeaseLostError
+
+from . import lease_pool
+from .lease import HeldLease, Tenure
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """`HeldLease`, what a hold gives its job, and `Tenure`, the state its heartbeat and its hold drive.
 
 `HeldLease` is documented API (key, owner, epoch, ``lost``, ``check()``, ...), re-exported by
-`pg_lease_django` and `pg_lease_django.jobs`: a read-only view. `Tenure` is the internal contract
-of `pg_lease_django.heartbeat` and `pg_lease_django.holding`: the trust window, the verdicts and
+`pg_lease_django`: a read-only view. `Tenure` is the internal contract
+of `pg_lease_django.holds.scheduler` and `pg_lease_django.holds.holding`: the trust window, the verdicts and
 the events, changed only through its named methods. A tenure makes its lease (`Tenure.lease`);
 the lease reads the tenure and changes nothing.
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
 
-from .exceptions import LapsedError, LeaseLostError, NotOwnerError
-from .operations import Grant
-from .signals import lease_handoff_requested, lease_lost
+from pg_lease_django.exceptions import LapsedError, LeaseLostError, NotOwnerError
+from pg_lease_django.operations import Grant
+from pg_lease_django.signals import lease_handoff_requested, lease_lost
 
 # The documented logger of holds (docs/jobs.md), wherever their code lives.
 logger = logging.getLogger("pg_lease_django.jobs")

@@ -1,8 +1,8 @@
 """``hold()``: acquire on a lease connection (never the job's), renew from the process's scheduler, release on exit.
 
 `Holding` is what ``hold()`` returns (a context manager and a decorator); ``@leased`` builds on
-the same pieces (`pg_lease_django.jobs`). Public names are re-exported by `pg_lease_django.jobs`
-and `pg_lease_django`; import them from there. See docs/jobs.md.
+the same pieces (`pg_lease_django.holds.jobs`). Public names are re-exported by `pg_lease_django`;
+import them from there. See docs/jobs.md.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
-from contextvars import ContextVar, Token
+from contextvars import Token
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -24,15 +24,17 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 from asgiref.sync import iscoroutinefunction
 from django.db import router
 
-from . import conf, metrics, sigterm
-from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
-from .heartbeat import Heartbeat
-from .held import HeldLease, OnLost, Tenure, send_lease_signal, send_robust
+from pg_lease_django import conf, metrics, sigterm
+from pg_lease_django.exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
+from pg_lease_django.operations import Grant
+from pg_lease_django.owners import default_owner
+from pg_lease_django.signals import lease_acquired, lease_released, lease_skipped
+from pg_lease_django.validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
+
+from .context import active, current_lease
+from .lease import HeldLease, OnLost, Tenure, send_lease_signal, send_robust
 from .lease_pool import InFlight, pool_for
-from .operations import Grant
-from .owners import default_owner
-from .signals import lease_acquired, lease_released, lease_skipped
-from .validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
+from .scheduler import Heartbeat
 
 # The documented logger of holds (docs/jobs.md), wherever their code lives.
 logger = logging.getLogger("pg_lease_django.jobs")
@@ -41,9 +43,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 OnBusy = Literal["skip", "raise"]
-
-# The holds active in this thread / task, outermost first.
-_active: ContextVar[tuple[HeldLease, ...]] = ContextVar("pg_lease_active_holds", default=())
 
 
 def _skipped(func: Callable[..., Any], holding: Holding, error: Exception) -> None:
@@ -56,18 +55,6 @@ def _skipped(func: Callable[..., Any], holding: Holding, error: Exception) -> No
 def report_next_acquire_to(holding: Holding, call: InFlight) -> None:
     """Let another thread interrupt the next acquire of ``holding`` through ``call`` (`pg_lease_django.election`)."""
     holding._report_next_acquire_to(call)  # noqa: SLF001 (Holding is of this module; not a public method of it)
-
-
-def current_lease(key: str | None = None) -> HeldLease | None:
-    """The innermost active ``hold()``/``@leased`` lease in this thread or task, or None.
-
-    Args:
-        key: only a lease with this key (the innermost one, if holds of several keys are nested).
-    """
-    for lease in reversed(_active.get()):
-        if key is None or lease.key == key:
-            return lease
-    return None
 
 
 @dataclass(frozen=True)
@@ -128,7 +115,7 @@ class _Session:
         self.told = False  # lease_released sent (or the hold ended lost): finish() has nothing left to do
 
     def start(self) -> HeldLease:
-        from .models import Lease
+        from pg_lease_django.models import Lease
 
         options = self.options
         alias = options.using or router.db_for_write(Lease)
@@ -265,9 +252,9 @@ def _in_own_thread(fn: Callable[[], R], name: str) -> asyncio.Future[R]:
 
 def _forget(lease: HeldLease) -> None:
     """Take ``lease`` out of this context's active holds, pushed or not (an interrupted enter or exit)."""
-    stack = _active.get()
+    stack = active.get()
     if lease in stack:
-        _active.set(tuple(other for other in stack if other is not lease))
+        active.set(tuple(other for other in stack if other is not lease))
 
 
 def _abandoned_start(session: _Session, starting: asyncio.Future[HeldLease]) -> None:
@@ -312,14 +299,14 @@ class Holding:
 
     def _push(self, session: _Session, lease: HeldLease) -> None:
         self._session = session
-        self._token = _active.set((*_active.get(), lease))
+        self._token = active.set((*active.get(), lease))
 
     def _pop(self) -> _Session:
         session, self._session = self._session, None
         if session is None:
             raise RuntimeError("this hold() is not active")
         if self._token is not None:
-            _active.reset(self._token)
+            active.reset(self._token)
             self._token = None
         return session
 
@@ -351,7 +338,7 @@ class Holding:
             if session is None:
                 raise RuntimeError("this hold() is not active")
             if self._token is not None:
-                _active.reset(self._token)
+                active.reset(self._token)
                 self._token = None
             session.finish()
         except BaseException:

@@ -40,9 +40,9 @@ from django.db.utils import load_backend
 from psycopg import IsolationLevel
 from psycopg.pq import TransactionStatus
 
-from . import conf, operations, waiting
-from .exceptions import LeaseLostError, NotAcquirableError
-from .operations import Grant
+from pg_lease_django import conf, operations, waiting
+from pg_lease_django.exceptions import LeaseLostError, NotAcquirableError
+from pg_lease_django.operations import Grant
 
 logger = logging.getLogger(__name__)
 
