@@ -805,9 +805,8 @@ def test_a_hold_interrupted_again_while_it_is_settled_holds_nothing(key: str, ra
 
 def _codes(phase: str) -> set[Any]:
     """The code of ``hold()``'s enter (after the statements: they are explored above) or its exit."""
-    from pg_lease_django.holds import holding
+    from pg_lease_django.holds import heartbeat, holding
     from pg_lease_django.holds import lease as held
-    from pg_lease_django.holds import scheduler as heartbeat
 
     if phase == "enter":
         functions: list[Any] = [

@@ -48,8 +48,7 @@ from pg_lease_django import (
     leased,
     unfenced_writes,
 )
-from pg_lease_django.holds import lease_pool
-from pg_lease_django.holds import scheduler as heartbeat
+from pg_lease_django.holds import lease_pool, scheduler
 from pg_lease_django.holds.lease import Tenure
 from tests.dbserver import REPO
 from tests.helpers import needs_session, wait_until
@@ -686,10 +685,10 @@ def test_no_leaked_connections_or_threads(
     key: str, other_key: str, raw_connect: Connect, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Idle workers, the idle scheduler and its idle connections go after IDLE_EXIT: make it short.
-    monkeypatch.setattr(heartbeat, "IDLE_EXIT", 0.2)
+    monkeypatch.setattr(scheduler, "IDLE_EXIT", 0.2)
     admin = raw_connect()
     connection.ensure_connection()
-    wait_until(lambda: heartbeat.scheduler_threads() == 0, what="an idle scheduler from earlier tests to exit")
+    wait_until(lambda: scheduler.scheduler_threads() == 0, what="an idle scheduler from earlier tests to exit")
     wait_until(lambda: heartbeat_pids(admin) == [], what="idle lease connections from earlier tests to close")
     before = (backends(admin), threading.active_count())
 

@@ -7,7 +7,8 @@ Modules, lowest first (each imports only those before it, and the package's root
   hold change through named methods.
 - `lease_pool`: the process's lease connections (one lent per statement, never the job's) and the
   acquire / renew / release calls made on them.
-- `scheduler`: the process's one scheduler thread and its workers, renewing every hold (`Heartbeat`).
+- `scheduler`: the process's one scheduler thread and its workers, which run every hold's renewals.
+- `heartbeat`: one hold's renewals, retries and bounded exit (`Heartbeat`).
 - `holding`: ``hold()`` and `Holding`, the sync and async context managers.
 - `jobs`: ``@leased`` and ``exit_on_signals``.
 

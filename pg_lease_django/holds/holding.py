@@ -32,9 +32,9 @@ from pg_lease_django.signals import lease_acquired, lease_released, lease_skippe
 from pg_lease_django.validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
 
 from .context import active, current_lease
+from .heartbeat import Heartbeat
 from .lease import HeldLease, OnLost, Tenure, send_lease_signal, send_robust
 from .lease_pool import InFlight, pool_for
-from .scheduler import Heartbeat
 
 # The documented logger of holds (docs/jobs.md), wherever their code lives.
 logger = logging.getLogger("pg_lease_django.jobs")

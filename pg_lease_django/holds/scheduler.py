@@ -1,10 +1,8 @@
-"""The renewal side of ``hold()``: one scheduler per process that renews every hold.
+"""The renewal side of ``hold()``: one scheduler per process that runs every hold's `Heartbeat`.
 
-Nothing here is public API; `pg_lease_django` is. A `Heartbeat` owns its hold's `Tenure`
-(`pg_lease_django.holds.lease`) and changes it only through the tenure's named methods; the job's
-`HeldLease` reads it. Its statements go through connections lent by `lease_pool`.
+Nothing here is public API; `pg_lease_django` is.
 
-- **Renewals** (`_Scheduler`, one thread per process): it keeps the due time of every hold (its
+- **Renewals** (`Scheduler`, one thread per process): it keeps the due time of every hold (its
   next renewal, and the end of its trust window) and hands each renewal to a bounded set of worker
   threads (at most ``PG_LEASE_HOLD_CONNECTIONS``), each sending on a connection of its own. Workers
   rather than non-blocking I/O: the calls go through Django's backend (its error mapping, its
@@ -12,18 +10,11 @@ Nothing here is public API; `pg_lease_django` is. A `Heartbeat` owns its hold's 
   slow renewal (a locked row, a dying network) from delaying any other hold's renewal. Idle
   workers and the scheduler exit after ``IDLE_EXIT`` seconds without work, and the idle
   connections are closed then too.
-- **Bounded exits**: leaving a hold waits for a renewal in flight no longer than the end of the
-  trust window, and for the release no longer than ``max(renew interval, 1 s)`` plus
-  ``INTERRUPT_GRACE``; past that the call is interrupted (`LeaseConnection.interrupt`: a cancel,
-  which also ends a commit's wait for a synchronous standby that ``statement_timeout`` does not, then
-  the socket shut if the server cannot be reached) and the outcome is ``unknown``: the lease lapses
-  at its expiry. A renewal still in flight when the trust window ends is interrupted the same way.
 - **Fork**: a child never uses its parent's scheduler or workers; it gets its own.
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import logging
@@ -31,362 +22,28 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from datetime import timedelta
-from typing import Literal
+from collections.abc import Callable
+from contextlib import suppress
+from typing import TYPE_CHECKING
 
 from django.db import connections
 
-from pg_lease_django import conf, metrics
-from pg_lease_django.exceptions import HeartbeatFailedError, LeaseLostError
+from pg_lease_django import conf
 
 from . import lease_pool
-from .lease import HeldLease, Tenure
+from .lease import HeldLease
+
+if TYPE_CHECKING:
+    from .heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
-
-#: Longest pause between two attempts after a failed renewal (the first retry is after 50 ms).
-MAX_RETRY_DELAY = 2.0
 
 #: Seconds an idle worker thread, and the scheduler with no hold left, wait before they exit
 #: (the scheduler then closes the idle pooled connections).
 IDLE_EXIT = 2.0
 
-#: Seconds between the cancel request of an interrupted call and shutting its socket.
-INTERRUPT_GRACE = 1.0
 
-Outcome = Literal["freed", "kept", "gone", "unknown"]
-
-
-# ---- one hold's renewals -------------------------------------------------------------------------
-
-
-class Heartbeat:
-    """The renewals of one hold, driven by the process's scheduler; its release when the hold ends.
-
-    A transient failure (connection lost, server restarting, statement timeout, anything but a
-    verdict) is logged and retried on another connection; only a verdict (``not_owner``,
-    ``lapsed``, ``epoch_mismatch``) or the end of the trust window declares the lease lost. At most
-    one renewal of a hold is in flight at a time. `finish` waits for it, then makes the last move
-    (release, or keep until ``hold_at_least``) on a pooled connection.
-    """
-
-    def __init__(self, tenure: Tenure, pool: lease_pool.LeasePool, *, ttl: timedelta, interval: float) -> None:
-        self.tenure = tenure  # the state this heartbeat drives
-        self.lease = tenure.lease
-        self.pool = pool
-        self.ttl = ttl
-        self.interval = interval
-        self.outcome: Outcome = "unknown"
-        self._cond = threading.Condition()
-        self._next_at = self.tenure.granted_at + interval
-        self._failures = 0
-        self._in_flight = False  # a renewal is in flight (or waiting for a worker)
-        self._jobs = 0  # jobs of this hold handed to workers and not finished: `finish` waits for them
-        self._beating = True  # False once lost (no more renewals)
-        self._stopped = False
-        self._generation = 0  # only the latest due time scheduled counts
-        self._scheduler: _Scheduler | None = None
-        self._renewing: lease_pool.InFlight | None = None  # the renewal in flight, to interrupt
-        #: True once `finish` has ended (whatever its outcome): a second call does nothing.
-        self.ended = False
-        self._left_early = False  # an interrupted finish released with a renewal perhaps in flight
-
-    def start(self) -> None:
-        """Hand the renewals to the process's scheduler."""
-        self._scheduler = _scheduler()
-        self._scheduler.add(self)
-        with self._cond:
-            self._schedule(min(self._next_at, self.tenure.trusted_until))
-
-    def finish(self, *, keep_until: float | None = None) -> Outcome:
-        """Stop renewing (waiting for a renewal in flight), then release, or keep until ``keep_until`` (monotonic).
-
-        Interrupted in this thread (a signal, KeyboardInterrupt, SystemExit) anywhere before its last
-        move is made, it makes it then (a release cut short is completed on a fresh session:
-        `LeaseConnection.release`), and the interruption goes on. A second call does nothing.
-        """
-        if self.ended:
-            self._unregister()  # an interrupt may have cut the first call short just before
-            return self.outcome
-        if self.pool.pid != os.getpid():
-            # A hold entered before a fork, left in the child: the parent's scheduler and
-            # connections are not the child's to use (the parent still renews and releases it).
-            self._stopped = True
-            return "unknown"
-        try:
-            try:
-                self._stop_renewing()
-                self.outcome = self._finish(keep_until)
-            except Exception:
-                logger.exception("ending the hold of lease %r failed; it lapses at its expiry", self.lease.key)
-                self.outcome = "unknown"
-            except BaseException:
-                # Interrupted before the last move was made (or known to be): make it now, once. A
-                # verdict then is no loss: the interrupted release had committed, or was completed.
-                # (Without waiting for a renewal in flight again: what was interrupted may be that wait.)
-                self._stopped = self._left_early = True
-                try:
-                    self.outcome = self._finish(keep_until, again=True)
-                except Exception:
-                    logger.warning("ending the hold of lease %r failed; it lapses at its expiry", self.lease.key)
-                    self.outcome = "unknown"
-                raise
-        finally:
-            self.ended = True
-            self._unregister()  # after the end: its watchdog runs on the scheduler
-        return self.outcome
-
-    def _unregister(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.remove(self)
-
-    def _stop_renewing(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._generation += 1
-            # A renewal in flight ends within its statement_timeout, unless its commit waits for a
-            # synchronous standby that is gone: wait no longer than the trust window, then interrupt it.
-            while self._jobs:
-                remaining = self.tenure.trusted_until - time.monotonic()
-                if self._in_flight and remaining <= 0:
-                    break
-                self._cond.wait(remaining if self._in_flight else None)
-            stuck = self._renewing if self._in_flight else None
-        if stuck is not None:
-            logger.warning(
-                "a renewal of lease %r did not return within the trust window; interrupting it", self.lease.key
-            )
-            stuck.interrupt(grace=INTERRUPT_GRACE)
-
-    # ---- the scheduler thread --------------------------------------------------------------------
-
-    def _schedule(self, when: float) -> None:  # with self._cond held
-        self._generation += 1
-        if self._scheduler is not None:
-            self._scheduler.at(when, functools.partial(self._due, self._generation))
-
-    def _due(self, generation: int) -> None:
-        """The scheduler woke for this hold: lose trust, or hand a renewal to a worker, or wait on."""
-        with self._cond:
-            if generation != self._generation or self._stopped or not self._beating:
-                return
-            now = time.monotonic()
-            trusted_until = self.tenure.trusted_until
-            if now >= trusted_until:
-                self._beating = False
-                job: Callable[[], None] = functools.partial(
-                    self._lose_trust, self._renewing if self._in_flight else None
-                )
-                self._jobs += 1
-                # Even when every worker is stuck in a renewal: this is what frees them.
-                urgent = True
-            elif self._in_flight:
-                self._schedule(trusted_until)  # the renewal in flight may hang: still lose trust on time
-                return
-            elif now < self._next_at:
-                self._schedule(min(self._next_at, trusted_until))
-                return
-            else:
-                timeout = min(self.interval, trusted_until - now)
-                self._in_flight = True
-                self._jobs += 1
-                self._schedule(trusted_until)
-                job = functools.partial(self._renew, timeout)
-                urgent = False
-        assert self._scheduler is not None
-        self._scheduler.submit(job, beyond_limit=urgent)
-
-    # ---- worker threads --------------------------------------------------------------------------
-
-    def _lose_trust(self, in_flight: lease_pool.InFlight | None) -> None:
-        try:
-            if in_flight is not None:
-                # A renewal hung past the trust window (a commit waiting for a gone standby): free its
-                # worker and connection (on a thread of its own: a cancel may block up to the grace).
-                _interrupt_soon(in_flight)
-            self.tenure.lose_trust()  # log, on_lost, lease_lost, cancel an async job: before the exit goes on
-        finally:
-            with self._cond:
-                self._jobs -= 1
-                self._cond.notify_all()
-
-    def _renew(self, timeout: float) -> None:
-        lease = self.lease
-        next_at: float | None = None
-        handoff = False
-        call = self._renewing = lease_pool.InFlight()
-        try:
-            if self._stopped:
-                return  # the hold ended while this renewal waited for a worker: never renew after the end
-            try:
-                renewal, sent_at = self.pool.renew(
-                    lease.key, lease.owner, lease.epoch, self.ttl, timeout=timeout, call=call
-                )
-            except LeaseLostError as exc:
-                self._stop_beating()
-                if not self._left_early:  # else the verdict answers our own release, not a loss
-                    self.tenure.declare_lost(exc, definitive=True)
-                return
-            except Exception:
-                metrics.renewal_failed(lease.key)
-                self._failures += 1
-                delay = min(self.interval, MAX_RETRY_DELAY, 0.05 * 2 ** min(self._failures - 1, 10))
-                logger.warning(
-                    "renewing lease %r failed (attempt %d); retrying in %.2fs until the trust window ends",
-                    lease.key,
-                    self._failures,
-                    delay,
-                    exc_info=True,
-                )
-                next_at = time.monotonic() + delay
-                return
-            if self._failures:
-                logger.info("renewed lease %r after %d failed attempts", lease.key, self._failures)
-            self._failures = 0
-            metrics.renewed(
-                lease.key, lease.epoch, sent_at, self.tenure.trusted_until
-            )  # before _renewed moves the trust window
-            if not self.tenure.renewed(renewal.expires_at, sent_at):
-                self._stop_beating()  # the answer came after the trust window ended: lost all the same
-                return
-            handoff = renewal.handoff_requested
-            next_at = sent_at + self.interval
-        except BaseException as exc:
-            logger.exception("heartbeat of lease %r crashed; treating the lease as lost", lease.key)
-            self._stop_beating()
-            crashed = HeartbeatFailedError(
-                f"heartbeat of lease {lease.key!r} crashed ({exc!r}); no more renewals",
-                key=lease.key,
-                owner=lease.owner,
-                epoch=lease.epoch,
-            )
-            crashed.__cause__ = exc
-            self.tenure.declare_lost(crashed, definitive=False)
-        finally:
-            call.done.set()
-            with self._cond:
-                self._in_flight = False
-                self._jobs -= 1
-                if next_at is not None:
-                    self._next_at = next_at
-                if self._beating and not self._stopped:
-                    self._schedule(min(self._next_at, self.tenure.trusted_until))
-                self._cond.notify_all()
-        if handoff and not lease.handoff_requested:
-            # On a thread of its own, once: a slow on_handoff or receiver delays no renewal of any hold.
-            threading.Thread(
-                target=_run_job, args=(self.tenure.handoff_requested_seen,), name="pg_lease hand-off", daemon=True
-            ).start()
-
-    def _stop_beating(self) -> None:
-        with self._cond:
-            self._beating = False
-
-    # ---- the end of the hold (the thread that leaves it) -----------------------------------------
-
-    def _finish(self, keep_until: float | None, *, again: bool = False) -> Outcome:
-        """The last move. ``again``: a first one was interrupted; a verdict now means it took effect."""
-        lease = self.lease
-        if self.tenure.gone:
-            return "gone"  # the server said it is not ours: nothing to release
-        if keep_until is not None and not lease.lost:
-            remaining = keep_until - time.monotonic()
-            if remaining >= 0.001:
-                return self._keep(remaining)
-        bound = max(self.interval, 1.0)
-        for attempt in (1, 2):
-            call = lease_pool.InFlight()
-            try:
-                with self._watchdog(call, bound):
-                    self.pool.release(lease.key, lease.owner, lease.epoch, timeout=bound, call=call)
-            except LeaseLostError as exc:
-                if again:
-                    return "freed"  # by the interrupted release (or its completion): not a loss
-                self.tenure.declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
-                return "gone"
-            except Exception:
-                if attempt == 2 or call.interrupted:  # a release that hung would hang again: give up
-                    logger.warning(
-                        "releasing lease %r failed; it lapses at its expiry (%s)%s",
-                        lease.key,
-                        lease.expires_at,
-                        self._own_transaction_hint(),
-                        exc_info=True,
-                    )
-                    return "unknown"
-                continue
-            return "freed"
-        return "unknown"  # pragma: no cover
-
-    def _own_transaction_hint(self) -> str:
-        # The likeliest cause of a release that waited until its bound: the leaving thread's own
-        # transaction, still open, made a fenced write, and its fence locks the lease row until it
-        # commits (a hold ended inside atomic(), or in a TestCase, whose transaction ends with the test).
-        alias = self.lease.using
-        if alias not in connections or not connections[alias].in_atomic_block:
-            return ""
-        return (
-            f": the hold ended inside a transaction on database {alias!r} (atomic(), or a TestCase) that has not "
-            "committed; if it made fenced writes, their fence locks the lease row until it commits, and the "
-            "release waits for that. End the hold after the transaction (in tests: TransactionTestCase, or "
-            "pytest's transaction=True)"
-        )
-
-    def _keep(self, remaining: float) -> Outcome:
-        # Renew to exactly the time left, under our (owner, epoch): the lease then lapses on its own
-        # at grant + hold_at_least. A renewal can shorten a lease as well as extend it.
-        lease = self.lease
-        bound = max(self.interval, 1.0)
-        call = lease_pool.InFlight()
-        try:
-            with self._watchdog(call, bound):
-                renewal, _sent_at = self.pool.renew(
-                    lease.key, lease.owner, lease.epoch, timedelta(seconds=remaining), timeout=bound, call=call
-                )
-        except LeaseLostError as exc:
-            self.tenure.declare_lost(exc, definitive=True)
-            return "gone"
-        except Exception:
-            logger.warning(
-                "keeping lease %r until hold_at_least failed; it lapses at its expiry (%s)",
-                lease.key,
-                lease.expires_at,
-                exc_info=True,
-            )
-            return "unknown"
-        lease.expires_at = renewal.expires_at
-        return "kept"
-
-    @contextmanager
-    def _watchdog(self, call: lease_pool.InFlight, bound: float) -> Iterator[None]:
-        """Interrupt ``call`` if it has not returned ``bound`` seconds (plus a margin) from now.
-
-        The margin lets the server's own statement_timeout (``bound``) answer first when it can. The
-        interrupt runs on a thread of its own: the workers may all be stuck in what it is to end.
-        """
-        scheduler = self._scheduler if self._scheduler is not None and self._scheduler.pid == os.getpid() else None
-        if scheduler is not None:
-            scheduler.at(time.monotonic() + bound + INTERRUPT_GRACE, functools.partial(_interrupt_soon, call))
-        try:
-            yield
-        finally:
-            call.done.set()
-
-
-def _interrupt_soon(call: lease_pool.InFlight) -> None:
-    """Interrupt ``call`` on a thread of its own: the caller (the scheduler, a worker) must not block."""
-    if not call.done.is_set():
-        threading.Thread(
-            target=call.interrupt, kwargs={"grace": INTERRUPT_GRACE}, name="pg_lease interrupt", daemon=True
-        ).start()
-
-
-# ---- the scheduler -------------------------------------------------------------------------------
-
-
-class _Scheduler:
+class Scheduler:
     """One thread per process that wakes at each hold's due time, and a bounded set of workers."""
 
     def __init__(self) -> None:
@@ -425,7 +82,7 @@ class _Scheduler:
         at once, past the bound and the queue (declaring a loss must not wait for hung renewals)."""
         with self._cond:
             if beyond_limit and self._idle_workers <= len(self._jobs):
-                threading.Thread(target=_run_job, args=(job,), name="pg_lease heartbeat job", daemon=True).start()
+                threading.Thread(target=run_job, args=(job,), name="pg_lease heartbeat job", daemon=True).start()
                 return
             self._jobs.append(job)
             # A worker per job waiting, up to the bound: a renewal that hangs never holds up another.
@@ -491,10 +148,11 @@ class _Scheduler:
                     self._cond.wait(remaining)
                 self._idle_workers -= 1
                 job = self._jobs.popleft()
-            _run_job(job)
+            run_job(job)
 
 
-def _run_job(job: Callable[[], None]) -> None:
+def run_job(job: Callable[[], None]) -> None:
+    """Run ``job`` on this thread: log what it raises, close the Django connections it opened."""
     try:
         job()
     except BaseException:
@@ -515,19 +173,20 @@ def _worker_limit() -> int:
         return 1
 
 
-_the_scheduler: _Scheduler | None = None
+_the_scheduler: Scheduler | None = None
 _scheduler_lock = threading.Lock()
 _fork_hook_registered = False
 
 
-def _scheduler() -> _Scheduler:
+def process_scheduler() -> Scheduler:
+    """The scheduler of this process (a new one after a fork); registers the at-fork hook the first time."""
     global _the_scheduler, _fork_hook_registered
     with _scheduler_lock:
         if not _fork_hook_registered:  # with the first scheduler, not at import
             _fork_hook_registered = True
             os.register_at_fork(after_in_child=_at_fork_child)
         if _the_scheduler is None or _the_scheduler.pid != os.getpid():
-            _the_scheduler = _Scheduler()
+            _the_scheduler = Scheduler()
         return _the_scheduler
 
 
