@@ -60,8 +60,9 @@ def many(count: int, seconds: float) -> dict[str, Any]:
     import psycopg
     from django.db import connection
 
-    from pg_lease_django import hold, lease_pool
-    from pg_lease_django.holding import _active
+    from pg_lease_django import hold
+    from pg_lease_django.holds import lease_pool
+    from pg_lease_django.holds.context import active as _active
 
     sends: dict[str, list[float]] = defaultdict(list)
     original = lease_pool.LeaseConnection.renew
@@ -95,7 +96,7 @@ def many(count: int, seconds: float) -> dict[str, Any]:
             try:
                 for index in range(count):
                     lease = stack.enter_context(hold(f"bench:holds:many:{index}", ttl=TTL, renew_every=RENEW_EVERY))
-                    granted[lease.key] = lease._granted_at
+                    granted[lease.key] = lease._tenure.granted_at
                     entered += 1
             except Exception as exc:  # the old one-connection-per-hold design runs out of connections
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

@@ -81,7 +81,7 @@ def _fill_batch(cursor: Any, schema: str, first: int, end: int) -> None:
 
 def _hooks_us(metrics: Any, cycles: int = 5_000) -> float:
     """Microseconds the metrics add to one hold's grant, acquired and released (installed minus not)."""
-    from pg_lease_django.held import send_lease_signal
+    from pg_lease_django.holds.lease import send_lease_signal
     from pg_lease_django.signals import lease_acquired, lease_released
 
     class Lease:  # what the receivers read of a HeldLease

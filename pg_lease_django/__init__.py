@@ -25,7 +25,10 @@ from .exceptions import (
     UnconfirmedCommitError,
     UnfencedWriteError,
 )
-from .jobs import HeldLease, Holding, current_lease, exit_on_signals, hold, leased
+from .holds.context import current_lease
+from .holds.holding import Holding, hold
+from .holds.jobs import exit_on_signals, leased
+from .holds.lease import HeldLease
 from .managers import Grant, LeaseManager, LeaseState
 from .operations import HandoffRequest
 from .signals import lease_acquired, lease_handoff_requested, lease_lost, lease_released, lease_skipped

@@ -37,9 +37,9 @@ from django.db import connections
 
 from . import conf, metrics, sigterm
 from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
-from .held import HeldLease
-from .holding import Holding, hold
-from .lease_pool import InFlight
+from .holds.holding import Holding, hold, report_next_acquire_to
+from .holds.lease import HeldLease
+from .holds.lease_pool import InFlight
 from .owners import default_owner
 from .validation import Seconds, check_name, check_ttl
 
@@ -294,7 +294,8 @@ class Election:
             self._end_term(ends)
 
         holding = self._hold(end_term, end_term)
-        holding._acquiring = self._acquiring = InFlight()
+        self._acquiring = InFlight()
+        report_next_acquire_to(holding, self._acquiring)
         if self._stop.is_set():  # stop() may have read the previous attempt's handle
             self._acquiring.interrupt(grace=_INTERRUPT_GRACE)
         try:
@@ -506,7 +507,7 @@ def elect(
     Raises:
         InvalidInputError: a bad argument; nothing was started.
     """
-    return Election(
+    return Election(  # noqa: SLF001 (_start: Election is of this module; elect() is its public start)
         key,
         ttl=ttl,
         on_started_leading=on_started_leading,
@@ -549,4 +550,4 @@ async def aelect(
         owner=owner,
         using=using,
     )
-    await election._acampaign()  # aelect is the event loop's driver of an Election, elect() its thread's
+    await election._acampaign()  # noqa: SLF001 (Election is of this module); aelect is the event loop's driver of an Election, elect() its thread's

@@ -15,6 +15,7 @@ from typing import Protocol
 from django.db import models
 
 from .exceptions import InvalidInputError, UnfencedWriteError
+from .holds.context import current_lease
 from .validation import check_epoch, check_name
 
 _unfenced_writes: ContextVar[bool] = ContextVar("pg_lease_unfenced_writes", default=False)
@@ -97,8 +98,6 @@ def resolve_fence(
         if unfenced or _unfenced_writes.get():
             return None
         # Inside hold()/@leased, the active lease of the write's key is the fence (innermost first).
-        from .jobs import current_lease
-
         if current_lease() is not None and (lease_key := key() if callable(key) else key):
             held = current_lease(lease_key)
             if held is not None and using is not None and held.using != using:

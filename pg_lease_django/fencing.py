@@ -117,15 +117,15 @@ class FencedQuerySet(models.QuerySet[_M]):
         if not lease_key:
             raise InvalidInputError(f"{self.model.__name__} has no class-level lease_key: pass key=...")
         clone = self.all()
-        clone._pg_lease_token = resolve_fence(fence, lease_key)
-        clone._pg_lease_unfenced = False
+        clone._pg_lease_token = resolve_fence(fence, lease_key)  # noqa: SLF001 (a clone of this class)
+        clone._pg_lease_unfenced = False  # noqa: SLF001 (a clone of this class)
         return clone
 
     def unfenced(self) -> Self:
         """Opt this queryset's writes out of fencing, explicitly (admin actions, data repair)."""
         clone = self.all()
-        clone._pg_lease_token = None
-        clone._pg_lease_unfenced = True
+        clone._pg_lease_token = None  # noqa: SLF001 (a clone of this class)
+        clone._pg_lease_unfenced = True  # noqa: SLF001 (a clone of this class)
         return clone
 
     def _token(self) -> FenceToken | None:
@@ -227,7 +227,7 @@ class FencedQuerySet(models.QuerySet[_M]):
         if _key_fields(self.model, fields):
             objs = list(objs)
             for obj in objs:
-                obj.lease_id = obj._pg_lease_own_key()
+                obj.lease_id = obj._pg_lease_own_key()  # noqa: SLF001 (FencedModel is of this module)
             fields.append(KEY_FIELD)
         token = _recomputing_keys.set(True)
         try:
@@ -248,7 +248,7 @@ class FencedQuerySet(models.QuerySet[_M]):
         token = self._token()
         objs = list(objs)
         for obj in objs:
-            obj.lease_id = obj._pg_lease_own_key()
+            obj.lease_id = obj._pg_lease_own_key()  # noqa: SLF001 (FencedModel is of this module)
             if token is not None:
                 obj.lease_epoch = token.epoch
         if kwargs.get("update_conflicts") and kwargs.get("update_fields"):
@@ -411,7 +411,7 @@ class FencedModel(models.Model):
         if self.__dict__.get("_pg_lease_presenting"):
             return super()._save_table(*args, **kwargs)  # type: ignore[misc]
         token = resolve_fence(None, self.get_lease_key)
-        signature = inspect.signature(models.Model._save_table)  # type: ignore[attr-defined]
+        signature = inspect.signature(models.Model._save_table)  # type: ignore[attr-defined]  # noqa: SLF001 (Django's hook this overrides)
         using = signature.bind(self, *args, **kwargs).arguments.get("using")
         using = using or router.db_for_write(type(self), instance=self)
         self.lease_id = self._pg_lease_own_key()

@@ -31,7 +31,7 @@ from .signals import lease_acquired, lease_handoff_requested, lease_lost, lease_
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from .held import HeldLease
+    from .holds.lease import HeldLease
 
 __all__ = [
     "METRICS",

@@ -144,7 +144,7 @@ class _Notices:
         raw = connection.connection
         kept: _Notices | None = connection.__dict__.get("_pg_lease_notices")
         if kept is None or kept.raw() is not raw:
-            kept = connection._pg_lease_notices = cls(raw)  # type: ignore[attr-defined]
+            kept = connection._pg_lease_notices = cls(raw)  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute on Django's connection)
         return kept
 
     def on_notice(self, diagnostic: Any) -> None:
@@ -212,7 +212,7 @@ class _CallerCommit:
         with suppress(ValueError):
             self.connection.execute_wrappers.remove(self.forget_statement_notices)
         if getattr(self.connection, "_pg_lease_caller_commit", None) is self:
-            del self.connection._pg_lease_caller_commit
+            del self.connection._pg_lease_caller_commit  # noqa: SLF001 (our own attribute on Django's connection)
 
     def check(self) -> None:
         self.end()
@@ -229,7 +229,7 @@ class _CallerCommit:
         if raw is None:
             return
         watch = cls(connection, raw)
-        connection._pg_lease_caller_commit = watch  # type: ignore[attr-defined]
+        connection._pg_lease_caller_commit = watch  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute)
         connection.on_commit(watch.check)
 
 

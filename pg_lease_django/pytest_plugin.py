@@ -7,6 +7,8 @@ nothing for projects that do not use pytest-django with ``pg_lease_django`` inst
 - When pytest-django's ``django_db_setup`` (or a ``conftest.py`` override of it) has created the
   test databases, each PostgreSQL one gets ``pg_lease.allow_truncate = on``, so that
   ``transaction=True`` tests and ``live_server`` can flush it (see `pg_lease_django.testing`).
+- The idle lease connections of ``hold()`` are closed after each test and before the test
+  databases are dropped (the library itself knows nothing of test runs).
 - Fixtures: ``lease_key`` (no database); ``assert_lease_held``, ``assert_lease_free``,
   ``take_over_lease``, ``run_as_other_owner``, which request ``transactional_db``: a test that
   uses one of them is transactional (holds work on connections of their own, which only see
@@ -17,6 +19,7 @@ See docs/testing.md.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -36,12 +39,31 @@ def pytest_fixture_setup(
     from . import testing
 
     # The fixtures django_db_setup depends on (settings tweaks for xdist and tox) have run by now.
-    planned = testing._plan_test_databases()
+    planned = testing.plan_test_databases()
     result = yield
+    # Finalizers run last in, first out: this one before django_db_setup drops the test databases,
+    # which fails while a session (an idle lease connection of hold()) is connected.
+    request.addfinalizer(_close_lease_connections)
     if planned:
         with request.getfixturevalue("django_db_blocker").unblock():
-            testing._allow_truncate_on_created(planned)
+            testing.allow_truncate_on_created(planned)
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """After each test's teardown: close the idle lease connections of ``hold()`` it left."""
+    try:
+        return (yield)
+    finally:
+        _close_lease_connections()
+
+
+def _close_lease_connections() -> None:
+    # Only if a hold opened one: a project that never imported the pool needs nothing imported for it.
+    lease_pool = sys.modules.get("pg_lease_django.holds.lease_pool")
+    if lease_pool is not None:
+        lease_pool.close_connections()
 
 
 @pytest.fixture

@@ -170,7 +170,7 @@ class LeaseQuerySet(QuerySet["Lease"]):
             queryset = queryset.filter(_Like(F("key"), Value(like)))
             index_prefix = max(index_prefix, literal, key=len)  # both must hold: the longer narrows more
         if index_prefix:
-            queryset = queryset._index_range(index_prefix)
+            queryset = queryset._index_range(index_prefix)  # noqa: SLF001 (a queryset of this class)
         if owner is not None:
             queryset = queryset.filter(owner=owner)
         if states is not None:
@@ -206,7 +206,7 @@ class LeaseQuerySet(QuerySet["Lease"]):
 
     def row(self, key: str) -> LeaseRow | None:
         """The lease ``key`` as `listing` shows it, or None when it has no row (never acquired)."""
-        rows, _count = self.filter(key=key)._read()
+        rows, _count = self.filter(key=key)._read()  # noqa: SLF001 (a queryset of this class)
         return rows[0] if rows else None
 
     def _read(self, limit: int | None = None) -> tuple[list[LeaseRow], int]:

@@ -40,7 +40,8 @@ from django.db import connections, router
 from .display import LeaseRow, format_duration
 from .election import Election
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
-from .jobs import HeldLease, hold
+from .holds.holding import hold
+from .holds.lease import HeldLease
 from .models import Lease
 from .status import LeaseStatus
 

@@ -32,7 +32,8 @@ from django.db.backends.base.creation import TEST_DATABASE_PREFIX
 from django.test.runner import DiscoverRunner
 
 from .exceptions import NotOwnerError
-from .jobs import HeldLease
+from .holds import lease_pool
+from .holds.lease import HeldLease
 from .managers import Grant, LeaseManager, LeaseState
 
 __all__ = [
@@ -145,6 +146,14 @@ class LeaseTestRunner(DiscoverRunner):
         old_config: list[tuple[BaseDatabaseWrapper, str, bool]] = super().setup_databases(**kwargs)
         allow_truncate_on_test_databases(old_config, parallel=self.parallel)
         return old_config
+
+    def teardown_databases(self, old_config: list[tuple[BaseDatabaseWrapper, str, bool]], **kwargs: Any) -> None:
+        """Close the idle lease connections of ``hold()``, then drop the test databases as ``DiscoverRunner`` does.
+
+        DROP DATABASE fails while any session is connected to the database.
+        """
+        lease_pool.close_connections()
+        super().teardown_databases(old_config, **kwargs)
 
 
 # ---- helpers for tests of lease code ----------------------------------------------------------
@@ -335,13 +344,13 @@ def run_as_other_owner(fn: Callable[[], R], *, timeout: float | None = 30.0) -> 
     return start_as_other_owner(fn).result(timeout)
 
 
-# ---- for the pytest plugin ----------------------------------------------------------------------
+# ---- for the pytest plugin (internal: not in __all__, not documented API) ---------------------
 
 #: Per PostgreSQL alias: its NAME before the test databases are set up, and the test NAME it will get.
 PlannedNames = dict[str, tuple[str, str]]
 
 
-def _plan_test_databases() -> PlannedNames:
+def plan_test_databases() -> PlannedNames:
     """Before pytest-django's ``django_db_setup``: each alias's NAME and the name of its test database.
 
     Empty when ``pg_lease_django`` is not an installed app: then nothing is set.
@@ -361,7 +370,7 @@ def _plan_test_databases() -> PlannedNames:
     return planned
 
 
-def _allow_truncate_on_created(planned: PlannedNames) -> list[str]:
+def allow_truncate_on_created(planned: PlannedNames) -> list[str]:
     """After ``django_db_setup``: set the databases whose alias moved from its NAME to its planned test name.
 
     That move is what ``create_test_db()`` does, and only it: an override of ``django_db_setup``

@@ -21,7 +21,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from .heartbeat import active_holds
+from .holds.scheduler import active_holds
 
 #: The key the check inspects: never acquired by anyone, so the answer costs one index lookup.
 PROBE_KEY = "pg_lease_django:health"

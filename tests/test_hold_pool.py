@@ -23,7 +23,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, OperationalError
 from django.test import override_settings
 
-from pg_lease_django import HeldLease, Lease, heartbeat, hold, lease_pool
+from pg_lease_django import HeldLease, Lease, hold
+from pg_lease_django.holds import lease_pool, scheduler
 from tests.helpers import needs_session, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -67,7 +68,7 @@ def renewed_after(lease: HeldLease, count: int) -> Callable[[], bool]:
 @pytest.fixture
 def fresh_machinery(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Start from no idle lease connection; make idle threads exit fast."""
-    monkeypatch.setattr(heartbeat, "IDLE_EXIT", 0.3)
+    monkeypatch.setattr(scheduler, "IDLE_EXIT", 0.3)
     lease_pool.close_connections()
     yield
     lease_pool.close_connections()
@@ -79,7 +80,7 @@ def test_many_holds_share_a_bounded_set_of_connections_and_threads(
     key: str, raw_connect: Connect, fresh_machinery: None
 ) -> None:
     admin = raw_connect()
-    wait_until(lambda: heartbeat.scheduler_threads() == 0, what="an idle scheduler from earlier tests to exit")
+    wait_until(lambda: scheduler.scheduler_threads() == 0, what="an idle scheduler from earlier tests to exit")
     threads_before = threading.active_count()
     peak = {"connections": 0, "threads": 0}
     with ExitStack() as stack:
@@ -95,12 +96,12 @@ def test_many_holds_share_a_bounded_set_of_connections_and_threads(
         assert not any(lease.lost for lease in leases)
         # One scheduler and at most 3 workers; at most 3 idle connections, plus one per renewal in
         # flight (one per worker) and the one this thread last entered a hold with.
-        assert 1 <= heartbeat.scheduler_threads() <= 4
+        assert 1 <= scheduler.scheduler_threads() <= 4
         assert peak["threads"] <= 4
         assert peak["connections"] <= 3 + 3 + 1
         assert lease_pool.open_connections() <= 7
     assert all(Lease.objects.inspect(f"{key}:{i}").status == "free" for i in range(40))
-    wait_until(lambda: heartbeat.scheduler_threads() == 0, what="the scheduler and its workers to exit when idle")
+    wait_until(lambda: scheduler.scheduler_threads() == 0, what="the scheduler and its workers to exit when idle")
     wait_until(lambda: lease_pids(admin) == set(), what="the idle connections to close with the scheduler")
 
 

@@ -542,7 +542,7 @@ def hold_statements(raw_connect: Connect) -> Iterator[_HoldStatements]:
     """Install a `_HoldStatements` on the lease connections ``hold()`` opens in the block (none idle before)."""
     from django.db.backends.signals import connection_created
 
-    from pg_lease_django import lease_pool
+    from pg_lease_django.holds import lease_pool
 
     statements = _HoldStatements(raw_connect())
 
@@ -566,6 +566,7 @@ def _in_a_hold(
 ) -> None:
     """``before()``, then ``body(lease)`` inside ``hold(key, 60, owner=owner)``: a ``with`` or an ``async with``."""
     timeout = HANG_GUARD if blocking else None  # a hold that waited forever would fail, not hang
+    _fresh_lease_connections()
     before()
     if mode == "sync":
         with hold(key, 60, owner=owner, blocking=blocking, timeout=timeout) as lease:
@@ -579,8 +580,16 @@ def _in_a_hold(
     async_to_sync(scenario)()
 
 
+def _fresh_lease_connections() -> None:
+    # Each hold opens a lease connection of its own, so that every run sends the same statements
+    # (a reused connection skips its session's setup): the pool keeps idle ones between holds.
+    from pg_lease_django.holds import lease_pool
+
+    lease_pool.close_connections()
+
+
 def _no_hold_left(key: str) -> None:
-    from pg_lease_django.heartbeat import active_holds
+    from pg_lease_django.holds.scheduler import active_holds
 
     assert [lease for lease in active_holds() if lease.key.startswith(key)] == []  # no heartbeat renewing
 
@@ -796,7 +805,8 @@ def test_a_hold_interrupted_again_while_it_is_settled_holds_nothing(key: str, ra
 
 def _codes(phase: str) -> set[Any]:
     """The code of ``hold()``'s enter (after the statements: they are explored above) or its exit."""
-    from pg_lease_django import heartbeat, held, holding
+    from pg_lease_django.holds import heartbeat, holding
+    from pg_lease_django.holds import lease as held
 
     if phase == "enter":
         functions: list[Any] = [
@@ -810,7 +820,7 @@ def _codes(phase: str) -> set[Any]:
             holding.Holding.__exit__,
             holding.Holding._pop,
             holding._Session.finish,
-            held.HeldLease._end,
+            held.Tenure.end,
             heartbeat.Heartbeat.finish,
             heartbeat.Heartbeat._finish,
         ]
@@ -898,7 +908,7 @@ def test_a_sync_hold_interrupted_at_every_instruction_of_its_bookkeeping_leaves_
 
 
 def _active_holds() -> list[Any]:
-    from pg_lease_django.heartbeat import active_holds
+    from pg_lease_django.holds.scheduler import active_holds
 
     return active_holds()
 
@@ -976,6 +986,8 @@ def test_a_hold_at_least_exit_interrupted_at_every_statement_still_keeps_only_un
     grants: list[Any] = []
 
     def run(target: str, at: dict[int, str]) -> None:
+        _fresh_lease_connections()
+
         def body(lease: Any) -> None:
             grants.append(lease.expires_at)
             statements.arm(at)

@@ -30,6 +30,7 @@ from pg_lease_django import (
     EpochMismatchError,
     HeartbeatFailedError,
     HeldLease,
+    Holding,
     InvalidInputError,
     LapsedError,
     Lease,
@@ -39,17 +40,16 @@ from pg_lease_django import (
     NotOwnerError,
     UnfencedWriteError,
     current_lease,
-    heartbeat,
     hold,
     lease_acquired,
     lease_lost,
-    lease_pool,
     lease_released,
     lease_skipped,
     leased,
     unfenced_writes,
 )
-from pg_lease_django.jobs import Holding
+from pg_lease_django.holds import lease_pool, scheduler
+from pg_lease_django.holds.lease import Tenure
 from tests.dbserver import REPO
 from tests.helpers import needs_session, wait_until
 from tests.testapp.models import Entry, Invoice, Report
@@ -427,11 +427,11 @@ def test_trust_window_ends_before_the_server_lets_anyone_else_in(
 def test_a_crashed_heartbeat_counts_as_lost_and_the_exit_still_releases(
     key: str, signals: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def crash(self: HeldLease, expires_at: Any, sent_at: float) -> bool:
+    def crash(self: Tenure, expires_at: Any, sent_at: float) -> bool:
         raise RuntimeError("a bug in the heartbeat")
 
     # A bug in the heartbeat thread: recording a renewal raises, which nothing there expects.
-    monkeypatch.setattr(HeldLease, "_renewed", crash)
+    monkeypatch.setattr(Tenure, "renewed", crash)
     # A long TTL: the crash comes with the first renewal, even after a slow commit of the acquire.
     with hold(key, ttl=30, renew_every=0.1) as lease:
         assert lease.wait_lost(timeout=10)
@@ -685,10 +685,10 @@ def test_no_leaked_connections_or_threads(
     key: str, other_key: str, raw_connect: Connect, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Idle workers, the idle scheduler and its idle connections go after IDLE_EXIT: make it short.
-    monkeypatch.setattr(heartbeat, "IDLE_EXIT", 0.2)
+    monkeypatch.setattr(scheduler, "IDLE_EXIT", 0.2)
     admin = raw_connect()
     connection.ensure_connection()
-    wait_until(lambda: heartbeat.scheduler_threads() == 0, what="an idle scheduler from earlier tests to exit")
+    wait_until(lambda: scheduler.scheduler_threads() == 0, what="an idle scheduler from earlier tests to exit")
     wait_until(lambda: heartbeat_pids(admin) == [], what="idle lease connections from earlier tests to close")
     before = (backends(admin), threading.active_count())
 
@@ -721,7 +721,8 @@ def test_no_leaked_connections_or_threads(
 
 def renewals(lease: HeldLease) -> int:
     """How many renewals moved the trust window of ``lease`` (0 until the first)."""
-    return int(lease._trusted_until > lease._granted_at + lease._trust_span)
+    tenure = lease._tenure
+    return int(tenure.trusted_until > tenure.granted_at + tenure.trust_span)
 
 
 def test_composes_with_django_tasks(key: str) -> None:

@@ -27,9 +27,9 @@ from pg_lease_django import EpochMismatchError, Grant, Lease, LeaseState, NotOwn
 from pg_lease_django.testing import (
     TAKEOVER_OWNER,
     LeaseTestRunner,
-    _allow_truncate_on_created,
-    _plan_test_databases,
+    allow_truncate_on_created,
     allow_truncate_on_test_databases,
+    plan_test_databases,
     start_as_other_owner,
     unique_lease_key,
 )
@@ -358,11 +358,11 @@ def test_a_test_database_is_set_for_sessions_opened_afterwards() -> None:
 
 
 def test_the_plugin_sets_only_aliases_moved_to_their_test_name() -> None:
-    planned = _plan_test_databases()
+    planned = plan_test_databases()
     assert set(planned) == {"default", "other"}  # PostgreSQL aliases only
     current = connections["default"].settings_dict["NAME"]
-    assert _allow_truncate_on_created({"default": ("real", "test_real")}) == []  # pointed elsewhere
-    assert _allow_truncate_on_created({"default": (current, current)}) == []  # never moved
+    assert allow_truncate_on_created({"default": ("real", "test_real")}) == []  # pointed elsewhere
+    assert allow_truncate_on_created({"default": (current, current)}) == []  # never moved
 
 
 # ---- the helpers ----------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def check_fenced_models_have_a_fenced_admin(app_configs: Any = None, **kwargs: A
             obj=model,
             id="pg_lease_django.W001",
         )
-        for model, model_admin in admin.site._registry.items()
+        for model, model_admin in admin.site._registry.items()  # noqa: SLF001 (AdminSite lists its registrations nowhere else)
         if issubclass(model, FencedModel) and not isinstance(model_admin, FencedModelAdmin)
     ]
 

@@ -1,55 +1,42 @@
-"""The renewal side of ``hold()``: one scheduler per process that renews every hold.
+"""One hold's renewals (`Heartbeat`), run by the process's scheduler (`pg_lease_django.holds.scheduler`).
 
-Nothing here is public API; `pg_lease_django.jobs` is. A `Heartbeat` reports to its `HeldLease`
-only through the few members that class sets apart for the heartbeat and the hold. Its statements
-go through connections lent by `lease_pool`.
+Nothing here is public API; `pg_lease_django` is. A `Heartbeat` owns its hold's `Tenure`
+(`pg_lease_django.holds.lease`) and changes it only through the tenure's named methods; the job's
+`HeldLease` reads it. Its statements go through connections lent by `lease_pool`.
 
-- **Renewals** (`_Scheduler`, one thread per process): it keeps the due time of every hold (its
-  next renewal, and the end of its trust window) and hands each renewal to a bounded set of worker
-  threads (at most ``PG_LEASE_HOLD_CONNECTIONS``), each sending on a connection of its own. Workers
-  rather than non-blocking I/O: the calls go through Django's backend (its error mapping, its
-  ``OPTIONS`` and ``assume_role``), which is blocking, and a thread per renewal in flight keeps one
-  slow renewal (a locked row, a dying network) from delaying any other hold's renewal. Idle
-  workers and the scheduler exit after ``IDLE_EXIT`` seconds without work, and the idle
-  connections are closed then too.
 - **Bounded exits**: leaving a hold waits for a renewal in flight no longer than the end of the
   trust window, and for the release no longer than ``max(renew interval, 1 s)`` plus
   ``INTERRUPT_GRACE``; past that the call is interrupted (`LeaseConnection.interrupt`: a cancel,
   which also ends a commit's wait for a synchronous standby that ``statement_timeout`` does not, then
   the socket shut if the server cannot be reached) and the outcome is ``unknown``: the lease lapses
   at its expiry. A renewal still in flight when the trust window ends is interrupted the same way.
-- **Fork**: a child never uses its parent's scheduler or workers; it gets its own.
 """
 
 from __future__ import annotations
 
 import functools
-import heapq
-import itertools
 import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Literal
 
 from django.db import connections
 
-from . import conf, lease_pool, metrics
-from .exceptions import HeartbeatFailedError, LeaseLostError
-from .held import HeldLease
+from pg_lease_django import metrics
+from pg_lease_django.exceptions import HeartbeatFailedError, LeaseLostError
+
+from . import lease_pool
+from .lease import Tenure
+from .scheduler import Scheduler, process_scheduler, run_job
 
 logger = logging.getLogger(__name__)
 
 #: Longest pause between two attempts after a failed renewal (the first retry is after 50 ms).
 MAX_RETRY_DELAY = 2.0
-
-#: Seconds an idle worker thread, and the scheduler with no hold left, wait before they exit
-#: (the scheduler then closes the idle pooled connections).
-IDLE_EXIT = 2.0
 
 #: Seconds between the cancel request of an interrupted call and shutting its socket.
 INTERRUPT_GRACE = 1.0
@@ -70,21 +57,22 @@ class Heartbeat:
     (release, or keep until ``hold_at_least``) on a pooled connection.
     """
 
-    def __init__(self, lease: HeldLease, pool: lease_pool.LeasePool, *, ttl: timedelta, interval: float) -> None:
-        self.lease = lease
+    def __init__(self, tenure: Tenure, pool: lease_pool.LeasePool, *, ttl: timedelta, interval: float) -> None:
+        self.tenure = tenure  # the state this heartbeat drives
+        self.lease = tenure.lease
         self.pool = pool
         self.ttl = ttl
         self.interval = interval
         self.outcome: Outcome = "unknown"
         self._cond = threading.Condition()
-        self._next_at = lease._granted_at + interval
+        self._next_at = self.tenure.granted_at + interval
         self._failures = 0
         self._in_flight = False  # a renewal is in flight (or waiting for a worker)
         self._jobs = 0  # jobs of this hold handed to workers and not finished: `finish` waits for them
         self._beating = True  # False once lost (no more renewals)
         self._stopped = False
         self._generation = 0  # only the latest due time scheduled counts
-        self._scheduler: _Scheduler | None = None
+        self._scheduler: Scheduler | None = None
         self._renewing: lease_pool.InFlight | None = None  # the renewal in flight, to interrupt
         #: True once `finish` has ended (whatever its outcome): a second call does nothing.
         self.ended = False
@@ -92,10 +80,10 @@ class Heartbeat:
 
     def start(self) -> None:
         """Hand the renewals to the process's scheduler."""
-        self._scheduler = _scheduler()
+        self._scheduler = process_scheduler()
         self._scheduler.add(self)
         with self._cond:
-            self._schedule(min(self._next_at, self.lease._trusted_until))
+            self._schedule(min(self._next_at, self.tenure.trusted_until))
 
     def finish(self, *, keep_until: float | None = None) -> Outcome:
         """Stop renewing (waiting for a renewal in flight), then release, or keep until ``keep_until`` (monotonic).
@@ -133,7 +121,6 @@ class Heartbeat:
         finally:
             self.ended = True
             self._unregister()  # after the end: its watchdog runs on the scheduler
-            lease_pool.settle_for_tests()  # also when the end sent nothing (the lease was gone)
         return self.outcome
 
     def _unregister(self) -> None:
@@ -147,7 +134,7 @@ class Heartbeat:
             # A renewal in flight ends within its statement_timeout, unless its commit waits for a
             # synchronous standby that is gone: wait no longer than the trust window, then interrupt it.
             while self._jobs:
-                remaining = self.lease._trusted_until - time.monotonic()
+                remaining = self.tenure.trusted_until - time.monotonic()
                 if self._in_flight and remaining <= 0:
                     break
                 self._cond.wait(remaining if self._in_flight else None)
@@ -167,12 +154,11 @@ class Heartbeat:
 
     def _due(self, generation: int) -> None:
         """The scheduler woke for this hold: lose trust, or hand a renewal to a worker, or wait on."""
-        lease = self.lease
         with self._cond:
             if generation != self._generation or self._stopped or not self._beating:
                 return
             now = time.monotonic()
-            trusted_until = lease._trusted_until
+            trusted_until = self.tenure.trusted_until
             if now >= trusted_until:
                 self._beating = False
                 job: Callable[[], None] = functools.partial(
@@ -205,7 +191,7 @@ class Heartbeat:
                 # A renewal hung past the trust window (a commit waiting for a gone standby): free its
                 # worker and connection (on a thread of its own: a cancel may block up to the grace).
                 _interrupt_soon(in_flight)
-            self.lease._lose_trust()  # log, on_lost, lease_lost, cancel an async job: before the exit goes on
+            self.tenure.lose_trust()  # log, on_lost, lease_lost, cancel an async job: before the exit goes on
         finally:
             with self._cond:
                 self._jobs -= 1
@@ -226,7 +212,7 @@ class Heartbeat:
             except LeaseLostError as exc:
                 self._stop_beating()
                 if not self._left_early:  # else the verdict answers our own release, not a loss
-                    lease._declare_lost(exc, definitive=True)
+                    self.tenure.declare_lost(exc, definitive=True)
                 return
             except Exception:
                 metrics.renewal_failed(lease.key)
@@ -245,9 +231,9 @@ class Heartbeat:
                 logger.info("renewed lease %r after %d failed attempts", lease.key, self._failures)
             self._failures = 0
             metrics.renewed(
-                lease.key, lease.epoch, sent_at, lease._trusted_until
+                lease.key, lease.epoch, sent_at, self.tenure.trusted_until
             )  # before _renewed moves the trust window
-            if not lease._renewed(renewal.expires_at, sent_at):
+            if not self.tenure.renewed(renewal.expires_at, sent_at):
                 self._stop_beating()  # the answer came after the trust window ended: lost all the same
                 return
             handoff = renewal.handoff_requested
@@ -262,7 +248,7 @@ class Heartbeat:
                 epoch=lease.epoch,
             )
             crashed.__cause__ = exc
-            lease._declare_lost(crashed, definitive=False)
+            self.tenure.declare_lost(crashed, definitive=False)
         finally:
             call.done.set()
             with self._cond:
@@ -271,12 +257,12 @@ class Heartbeat:
                 if next_at is not None:
                     self._next_at = next_at
                 if self._beating and not self._stopped:
-                    self._schedule(min(self._next_at, lease._trusted_until))
+                    self._schedule(min(self._next_at, self.tenure.trusted_until))
                 self._cond.notify_all()
         if handoff and not lease.handoff_requested:
             # On a thread of its own, once: a slow on_handoff or receiver delays no renewal of any hold.
             threading.Thread(
-                target=_run_job, args=(lease._handoff_requested_seen,), name="pg_lease hand-off", daemon=True
+                target=run_job, args=(self.tenure.handoff_requested_seen,), name="pg_lease hand-off", daemon=True
             ).start()
 
     def _stop_beating(self) -> None:
@@ -288,7 +274,7 @@ class Heartbeat:
     def _finish(self, keep_until: float | None, *, again: bool = False) -> Outcome:
         """The last move. ``again``: a first one was interrupted; a verdict now means it took effect."""
         lease = self.lease
-        if lease._gone:
+        if self.tenure.gone:
             return "gone"  # the server said it is not ours: nothing to release
         if keep_until is not None and not lease.lost:
             remaining = keep_until - time.monotonic()
@@ -303,7 +289,7 @@ class Heartbeat:
             except LeaseLostError as exc:
                 if again:
                     return "freed"  # by the interrupted release (or its completion): not a loss
-                lease._declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
+                self.tenure.declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
                 return "gone"
             except Exception:
                 if attempt == 2 or call.interrupted:  # a release that hung would hang again: give up
@@ -345,7 +331,7 @@ class Heartbeat:
                     lease.key, lease.owner, lease.epoch, timedelta(seconds=remaining), timeout=bound, call=call
                 )
         except LeaseLostError as exc:
-            lease._declare_lost(exc, definitive=True)
+            self.tenure.declare_lost(exc, definitive=True)
             return "gone"
         except Exception:
             logger.warning(
@@ -380,181 +366,3 @@ def _interrupt_soon(call: lease_pool.InFlight) -> None:
         threading.Thread(
             target=call.interrupt, kwargs={"grace": INTERRUPT_GRACE}, name="pg_lease interrupt", daemon=True
         ).start()
-
-
-# ---- the scheduler -------------------------------------------------------------------------------
-
-
-class _Scheduler:
-    """One thread per process that wakes at each hold's due time, and a bounded set of workers."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
-        self._beats: set[Heartbeat] = set()
-        self._thread: threading.Thread | None = None
-        self._jobs: deque[Callable[[], None]] = deque()
-        self._workers = 0
-        self._idle_workers = 0
-
-    def add(self, beat: Heartbeat) -> None:
-        with self._cond:
-            self._beats.add(beat)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="pg_lease heartbeat scheduler", daemon=True)
-                self._thread.start()
-
-    def remove(self, beat: Heartbeat) -> None:
-        with self._cond:
-            self._beats.discard(beat)
-            self._cond.notify_all()
-
-    def at(self, when: float, callback: Callable[[], None]) -> None:
-        """Call ``callback`` on the scheduler thread at ``when`` (monotonic): it must not block."""
-        with self._cond:
-            first = not self._heap or when < self._heap[0][0]
-            heapq.heappush(self._heap, (when, next(self._seq), callback))
-            if first:
-                self._cond.notify_all()
-
-    def submit(self, job: Callable[[], None], *, beyond_limit: bool = False) -> None:
-        """Hand ``job`` to a worker. ``beyond_limit``: when no worker is idle, on a thread of its own
-        at once, past the bound and the queue (declaring a loss must not wait for hung renewals)."""
-        with self._cond:
-            if beyond_limit and self._idle_workers <= len(self._jobs):
-                threading.Thread(target=_run_job, args=(job,), name="pg_lease heartbeat job", daemon=True).start()
-                return
-            self._jobs.append(job)
-            # A worker per job waiting, up to the bound: a renewal that hangs never holds up another.
-            if len(self._jobs) > self._idle_workers and self._workers < _worker_limit():
-                self._workers += 1
-                threading.Thread(target=self._work, name="pg_lease heartbeat worker", daemon=True).start()
-            else:
-                self._cond.notify_all()
-
-    def leases(self) -> list[HeldLease]:
-        """The leases of the holds registered now."""
-        with self._cond:
-            return [beat.lease for beat in self._beats]
-
-    def active(self) -> bool:
-        """True while a hold of this process is registered (entered and not yet left)."""
-        with self._cond:
-            return bool(self._beats)
-
-    def threads(self) -> int:
-        """The scheduler thread (if running) and the worker threads."""
-        with self._cond:
-            return self._workers + (self._thread is not None)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                due = self._next_due()
-                if due is None:
-                    self._thread = None
-            if due is None:
-                lease_pool.close_connections()  # no hold left for a while: no idle connection kept either
-                return
-            try:
-                due()
-            except BaseException:
-                logger.exception("the heartbeat scheduler failed")
-
-    def _next_due(self) -> Callable[[], None] | None:  # with self._cond held; None: time to exit
-        idle_since: float | None = None
-        while True:
-            now = time.monotonic()
-            if self._heap and self._heap[0][0] <= now:
-                _when, _seq, callback = heapq.heappop(self._heap)
-                return callback
-            if self._beats:
-                idle_since = None
-                self._cond.wait(self._heap[0][0] - now if self._heap else None)
-                continue
-            self._heap.clear()  # stale due times of ended holds
-            if idle_since is None:
-                idle_since = now
-            elif now - idle_since >= IDLE_EXIT:
-                return None
-            self._cond.wait(max(0.0, IDLE_EXIT - (now - idle_since)))
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                self._idle_workers += 1
-                deadline = time.monotonic() + IDLE_EXIT
-                while not self._jobs:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        self._idle_workers -= 1
-                        self._workers -= 1
-                        return
-                    self._cond.wait(remaining)
-                self._idle_workers -= 1
-                job = self._jobs.popleft()
-            _run_job(job)
-
-
-def _run_job(job: Callable[[], None]) -> None:
-    try:
-        job()
-    except BaseException:
-        logger.exception("a heartbeat job failed")
-    finally:
-        # Django connections a job opened (an on_lost callback or a lease_lost receiver that queried
-        # the database) are this thread's to close.
-        for conn in connections.all(initialized_only=True):
-            with suppress(Exception):
-                conn.close()
-
-
-def _worker_limit() -> int:
-    try:
-        return conf.hold_connections()
-    except Exception:  # a setting broken while holds run: their renewals still go on
-        logger.exception("PG_LEASE_HOLD_CONNECTIONS is invalid; renewing on one worker thread")
-        return 1
-
-
-_the_scheduler: _Scheduler | None = None
-_scheduler_lock = threading.Lock()
-
-
-def _scheduler() -> _Scheduler:
-    global _the_scheduler
-    with _scheduler_lock:
-        if _the_scheduler is None or _the_scheduler.pid != os.getpid():
-            _the_scheduler = _Scheduler()
-        return _the_scheduler
-
-
-def scheduler_threads() -> int:
-    """Threads the scheduler of this process runs now (itself and its workers)."""
-    scheduler = _the_scheduler
-    return 0 if scheduler is None or scheduler.pid != os.getpid() else scheduler.threads()
-
-
-def _at_fork_child() -> None:
-    global _the_scheduler, _scheduler_lock
-    _scheduler_lock = threading.Lock()  # a lock held by another thread at fork time stays held in the child
-    _the_scheduler = None  # the child's holds get a scheduler of their own
-
-
-def active_holds() -> list[HeldLease]:
-    """The leases this process holds now through ``hold()`` / ``@leased`` / ``elect()``, in no order."""
-    scheduler = _the_scheduler
-    if scheduler is None or scheduler.pid != os.getpid():
-        return []
-    return scheduler.leases()
-
-
-def _holds_active() -> bool:
-    scheduler = _the_scheduler
-    return scheduler is not None and scheduler.pid == os.getpid() and scheduler.active()
-
-
-lease_pool.holds_active = _holds_active
-os.register_at_fork(after_in_child=_at_fork_child)

@@ -1,13 +1,10 @@
-"""Holding a lease for a job: ``hold()``, ``@leased``, ``current_lease()`` and the ``HeldLease`` they give.
+"""``@leased`` and ``exit_on_signals``: a job run inside a hold, and a process that unwinds its holds on SIGTERM.
 
 A hold acquires the lease on a lease connection (never the job's; the holds of a process share a
 small pool of them), is renewed by the process's heartbeat scheduler, trusts itself only for a
 window measured on its own monotonic clock, and on exit releases exactly its own
-``(owner, epoch)``. See docs/jobs.md.
-
-Here are ``@leased`` and `exit_on_signals`, and the public names of the modules behind a hold:
-`pg_lease_django.holding` (``hold()``), `pg_lease_django.held` (the `HeldLease`) and
-`pg_lease_django.heartbeat` (its renewals). Import them from here or from `pg_lease_django`.
+``(owner, epoch)``. See docs/jobs.md. ``hold()`` is `pg_lease_django.holds.holding`, the
+`HeldLease` `pg_lease_django.holds.lease`; import every public name from `pg_lease_django`.
 """
 
 from __future__ import annotations
@@ -20,12 +17,13 @@ from collections.abc import Callable, Coroutine, Iterable
 from types import FrameType
 from typing import Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
-from .exceptions import InvalidInputError
-from .held import HeldLease, OnLost
-from .holding import Holding, HoldOptions, OnBusy, current_lease, hold, wrap
-from .validation import Seconds, check_name
+from pg_lease_django.exceptions import InvalidInputError
+from pg_lease_django.validation import Seconds, check_name
 
-__all__ = ["HeldLease", "Holding", "current_lease", "exit_on_signals", "hold", "leased"]
+from .holding import Holding, HoldOptions, OnBusy, wrap
+from .lease import OnLost
+
+__all__ = ["exit_on_signals", "leased"]
 
 P = ParamSpec("P")
 R = TypeVar("R")

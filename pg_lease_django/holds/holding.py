@@ -1,8 +1,8 @@
 """``hold()``: acquire on a lease connection (never the job's), renew from the process's scheduler, release on exit.
 
 `Holding` is what ``hold()`` returns (a context manager and a decorator); ``@leased`` builds on
-the same pieces (`pg_lease_django.jobs`). Public names are re-exported by `pg_lease_django.jobs`
-and `pg_lease_django`; import them from there. See docs/jobs.md.
+the same pieces (`pg_lease_django.holds.jobs`). Public names are re-exported by `pg_lease_django`;
+import them from there. See docs/jobs.md.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
-from contextvars import ContextVar, Token
+from contextvars import Token
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -24,15 +24,17 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 from asgiref.sync import iscoroutinefunction
 from django.db import router
 
-from . import conf, metrics, sigterm
-from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
+from pg_lease_django import conf, metrics, sigterm
+from pg_lease_django.exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
+from pg_lease_django.operations import Grant
+from pg_lease_django.owners import default_owner
+from pg_lease_django.signals import lease_acquired, lease_released, lease_skipped
+from pg_lease_django.validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
+
+from .context import active, current_lease
 from .heartbeat import Heartbeat
-from .held import HeldLease, OnLost, send_lease_signal, send_robust
+from .lease import HeldLease, OnLost, Tenure, send_lease_signal, send_robust
 from .lease_pool import InFlight, pool_for
-from .operations import Grant
-from .owners import default_owner
-from .signals import lease_acquired, lease_released, lease_skipped
-from .validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
 
 # The documented logger of holds (docs/jobs.md), wherever their code lives.
 logger = logging.getLogger("pg_lease_django.jobs")
@@ -42,27 +44,17 @@ R = TypeVar("R")
 
 OnBusy = Literal["skip", "raise"]
 
-# The holds active in this thread / task, outermost first.
-_active: ContextVar[tuple[HeldLease, ...]] = ContextVar("pg_lease_active_holds", default=())
-
 
 def _skipped(func: Callable[..., Any], holding: Holding, error: Exception) -> None:
     """``@leased(on_busy="skip")`` did not run ``func``: say so where a default Django project looks
     (WARNING reaches the console through Python's last-resort handler), and send `lease_skipped`."""
     logger.warning("skipped %s(): %s", func.__qualname__, error)
-    send_robust(lease_skipped, func, key=holding._key, error=error)
+    send_robust(lease_skipped, func, key=holding._key, error=error)  # noqa: SLF001 (Holding is of this module)
 
 
-def current_lease(key: str | None = None) -> HeldLease | None:
-    """The innermost active ``hold()``/``@leased`` lease in this thread or task, or None.
-
-    Args:
-        key: only a lease with this key (the innermost one, if holds of several keys are nested).
-    """
-    for lease in reversed(_active.get()):
-        if key is None or lease.key == key:
-            return lease
-    return None
+def report_next_acquire_to(holding: Holding, call: InFlight) -> None:
+    """Let another thread interrupt the next acquire of ``holding`` through ``call`` (`pg_lease_django.election`)."""
+    holding._report_next_acquire_to(call)  # noqa: SLF001 (Holding is of this module; not a public method of it)
 
 
 @dataclass(frozen=True)
@@ -123,7 +115,7 @@ class _Session:
         self.told = False  # lease_released sent (or the hold ended lost): finish() has nothing left to do
 
     def start(self) -> HeldLease:
-        from .models import Lease
+        from pg_lease_django.models import Lease
 
         options = self.options
         alias = options.using or router.db_for_write(Lease)
@@ -161,7 +153,7 @@ class _Session:
                     self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait, call=self.acquiring
                 )
                 measured.granted(grant.epoch)
-            lease = HeldLease(
+            tenure = Tenure(
                 grant,
                 ttl=options.ttl,
                 sent_at=sent_at,
@@ -170,7 +162,8 @@ class _Session:
                 on_handoff=options.on_handoff,
                 using=alias,
             )
-            heartbeat = Heartbeat(lease, pool, ttl=options.ttl, interval=interval)
+            lease = tenure.lease
+            heartbeat = Heartbeat(tenure, pool, ttl=options.ttl, interval=interval)
             heartbeat.start()
             self.lease, self.heartbeat = lease, heartbeat  # from here finish() stops it, whatever interrupts
             logger.debug("acquired lease %r as %r at epoch %s", lease.key, lease.owner, lease.epoch)
@@ -210,10 +203,10 @@ class _Session:
             # child's copy of the trust window was never renewed: no on_lost, lease_lost or log).
             heartbeat.finish()
             return
-        lease._end()
+        heartbeat.tenure.end()
         keep_until = None
         if self.options.hold_at_least is not None:
-            keep_until = lease._granted_at + self.options.hold_at_least.total_seconds()
+            keep_until = heartbeat.tenure.granted_at + self.options.hold_at_least.total_seconds()
         try:
             heartbeat.finish(keep_until=keep_until)
         finally:  # also when an interrupt goes on once the release is completed: the hold has ended
@@ -259,9 +252,9 @@ def _in_own_thread(fn: Callable[[], R], name: str) -> asyncio.Future[R]:
 
 def _forget(lease: HeldLease) -> None:
     """Take ``lease`` out of this context's active holds, pushed or not (an interrupted enter or exit)."""
-    stack = _active.get()
+    stack = active.get()
     if lease in stack:
-        _active.set(tuple(other for other in stack if other is not lease))
+        active.set(tuple(other for other in stack if other is not lease))
 
 
 def _abandoned_start(session: _Session, starting: asyncio.Future[HeldLease]) -> None:
@@ -294,6 +287,9 @@ class Holding:
     def __repr__(self) -> str:
         return f"<Holding key={self._key!r} ttl={self._options.ttl}>"
 
+    def _report_next_acquire_to(self, call: InFlight) -> None:
+        self._acquiring = call
+
     def _new_session(self) -> _Session:
         if self._session is not None:
             raise RuntimeError("this hold() is already active: create one hold() per use")
@@ -303,14 +299,14 @@ class Holding:
 
     def _push(self, session: _Session, lease: HeldLease) -> None:
         self._session = session
-        self._token = _active.set((*_active.get(), lease))
+        self._token = active.set((*active.get(), lease))
 
     def _pop(self) -> _Session:
         session, self._session = self._session, None
         if session is None:
             raise RuntimeError("this hold() is not active")
         if self._token is not None:
-            _active.reset(self._token)
+            active.reset(self._token)
             self._token = None
         return session
 
@@ -342,7 +338,7 @@ class Holding:
             if session is None:
                 raise RuntimeError("this hold() is not active")
             if self._token is not None:
-                _active.reset(self._token)
+                active.reset(self._token)
                 self._token = None
             session.finish()
         except BaseException:
@@ -380,7 +376,7 @@ class Holding:
             raise
         task = asyncio.current_task()
         self._push(session, lease)
-        if task is not None:
+        if task is not None and session.heartbeat is not None:
             self._task, self._cancelling, self._cancelled_by_us = task, task.cancelling(), False
 
             def on_loss() -> None:  # a heartbeat worker thread
@@ -388,7 +384,7 @@ class Holding:
                     loop.call_soon_threadsafe(self._cancel_task)
 
             self._hook = on_loss
-            lease._add_cancel_hook(on_loss)
+            session.heartbeat.tenure.add_cancel_hook(on_loss)
         return lease
 
     def _cancel_task(self) -> None:  # event loop thread
@@ -402,8 +398,8 @@ class Holding:
     ) -> None:
         task, self._task = self._task, None  # from here on, a loss no longer cancels the task
         session = self._pop()
-        if self._hook is not None and session.lease is not None:
-            session.lease._remove_cancel_hook(self._hook)
+        if self._hook is not None and session.heartbeat is not None:
+            session.heartbeat.tenure.remove_cancel_hook(self._hook)
             self._hook = None
         await asyncio.shield(_in_own_thread(session.finish, f"pg_lease hold {self._key} exit"))
         if task is not None and self._cancelled_by_us:

@@ -4,8 +4,9 @@ A hold borrows a `LeaseConnection` for each statement it sends (acquire, each re
 and gives it back at once. Only a clean connection goes back (autocommit, no transaction, no
 statement in flight, no LISTEN left); one that failed or timed out is closed. At most
 ``PG_LEASE_HOLD_CONNECTIONS`` idle connections are kept per pool; the heartbeat's scheduler closes
-them when no hold is left, and they are closed at exit. Under Django's test environment they are
-closed as soon as no hold is active, so that the test runner can drop the test databases.
+them when no hold is left, and they are closed at exit. Test runs close them explicitly
+(`pg_lease_django.testing.LeaseTestRunner` and the pytest plugin call `close_connections`) so
+that the test databases can be dropped; this module knows nothing of tests.
 
 A child process never uses its parent's connections: everything is per process (``os.getpid()``)
 and reset in the child; the inherited connections are kept referenced, never closed, so the child
@@ -28,21 +29,20 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any
 
-from django.core import mail
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import load_backend
 from psycopg import IsolationLevel
 from psycopg.pq import TransactionStatus
 
-from . import conf, operations, waiting
-from .exceptions import LeaseLostError, NotAcquirableError
-from .operations import Grant
+from pg_lease_django import conf, operations, waiting
+from pg_lease_django.exceptions import LeaseLostError, NotAcquirableError
+from pg_lease_django.operations import Grant
 
 logger = logging.getLogger(__name__)
 
@@ -448,6 +448,11 @@ class LeasePool:
         with self.connection(None) as conn:
             conn.settle(key, owner)
 
+    def open_count(self) -> int:
+        """Connections of this pool open now (lent or idle)."""
+        with self._lock:
+            return self._open
+
     def idle_count(self) -> int:
         with self._lock:
             return len(self._idle)
@@ -491,12 +496,12 @@ class LeasePool:
             with self._lock:
                 self._open -= 1
             conn.close()
-        settle_for_tests()
 
 
 _pools: dict[tuple[str, int], LeasePool] = {}
 _pools_lock = threading.Lock()
 _pools_pid = os.getpid()
+_hooks_registered = False
 
 
 def pool_for(alias: str, *, io_timeout: float) -> LeasePool:
@@ -505,36 +510,19 @@ def pool_for(alias: str, *, io_timeout: float) -> LeasePool:
     with _pools_lock:
         if _pools_pid != os.getpid():
             _after_fork_in_child()
+        _register_process_hooks()
         pool = _pools.get((alias, bound))
         if pool is None:
             pool = _pools[(alias, bound)] = LeasePool(alias, float(bound))
         return pool
 
 
-def _testing() -> bool:
-    # Django's test runners (and pytest-django) call setup_test_environment(), which sets mail.outbox.
-    return hasattr(mail, "outbox")
-
-
-#: Whether a hold of this process is active now; the heartbeat's scheduler sets it. Under Django's
-#: test environment, idle connections are closed as soon as it says no.
-def _no_hold_known() -> bool:
-    return False
-
-
-holds_active: Callable[[], bool] = _no_hold_known
-
-
-def settle_for_tests() -> None:
-    # Under Django's test environment, keep no idle session once no hold is active: the test
-    # runner drops the test databases right after the last test, and DROP DATABASE fails while
-    # any session is connected.
-    if _testing() and not holds_active():
-        close_connections()
-
-
 def close_connections() -> None:
-    """Close the idle lease connections of every pool of this process (at exit, when idle, in tests)."""
+    """Close the idle lease connections of every pool of this process.
+
+    Called at exit, by the heartbeat's scheduler once no hold is left, and by test runs before they
+    drop the test databases (DROP DATABASE fails while any session is connected).
+    """
     with _pools_lock:
         pools = list(_pools.values()) if _pools_pid == os.getpid() else []
     for pool in pools:
@@ -545,7 +533,7 @@ def open_connections() -> int:
     """How many lease connections this process has open (lent or idle)."""
     with _pools_lock:
         pools = list(_pools.values()) if _pools_pid == os.getpid() else []
-    return sum(pool._open for pool in pools)
+    return sum(pool.open_count() for pool in pools)
 
 
 def _after_fork_in_child() -> None:
@@ -563,5 +551,11 @@ def _at_fork_child() -> None:
     _after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_at_fork_child)
-atexit.register(close_connections)
+def _register_process_hooks() -> None:
+    # With the first pool, not at import: a process that never holds a lease gets no hook.
+    # Called under _pools_lock.
+    global _hooks_registered
+    if not _hooks_registered:
+        _hooks_registered = True
+        os.register_at_fork(after_in_child=_at_fork_child)
+        atexit.register(close_connections)

@@ -1,0 +1,16 @@
+"""The lease a job holds: ``hold()``, ``@leased`` and what runs them. Nothing here is imported eagerly.
+
+Modules, lowest first (each imports only those before it, and the package's root modules):
+
+- `context`: the holds active in this thread or task, and ``current_lease()`` (a leaf).
+- `lease`: `HeldLease`, the job's read-only view, and `Tenure`, the state its heartbeat and its
+  hold change through named methods.
+- `lease_pool`: the process's lease connections (one lent per statement, never the job's) and the
+  acquire / renew / release calls made on them.
+- `scheduler`: the process's one scheduler thread and its workers, which run every hold's renewals.
+- `heartbeat`: one hold's renewals, retries and bounded exit (`Heartbeat`).
+- `holding`: ``hold()`` and `Holding`, the sync and async context managers.
+- `jobs`: ``@leased`` and ``exit_on_signals``.
+
+Users import these names from `pg_lease_django`.
+"""
