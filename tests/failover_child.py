@@ -79,7 +79,7 @@ class HeartbeatEvents(logging.Handler):
 def watch_events() -> None:
     from pg_lease_django.signals import lease_lost
 
-    heartbeat = logging.getLogger("pg_lease_django.heartbeat")
+    heartbeat = logging.getLogger("pg_lease_django.holds.heartbeat")
     heartbeat.setLevel(logging.INFO)
     heartbeat.propagate = False
     heartbeat.addHandler(HeartbeatEvents())
