@@ -47,11 +47,11 @@ test-fast: venv
 	$(BIN)/python -m pytest $(XDIST_ARGS) -m "not slow and not soak" -x
 
 lint: venv
-	$(BIN)/ruff check pg_lease_django tests demo benchmarks stress
-	$(BIN)/ruff format --check pg_lease_django tests demo benchmarks stress
+	$(BIN)/ruff check pg_lease_django devkit tests demo benchmarks stress
+	$(BIN)/ruff format --check pg_lease_django devkit tests demo benchmarks stress
 
 type: venv
-	$(BIN)/mypy pg_lease_django tests demo benchmarks stress
+	$(BIN)/mypy pg_lease_django devkit tests demo benchmarks stress
 
 migrations-check: venv
 	DJANGO_SETTINGS_MODULE=tests.settings $(BIN)/python -m django makemigrations --check --dry-run

@@ -6,7 +6,7 @@ Run ``make bench`` (a virtualenv of its own in ``.venvs/bench`` with the project
     python benchmarks/bench.py [--quick] [--json PATH] [--no-peers]
 
 One server, one run: ``DATABASE_URL`` when set (that database), else the embedded server of
-``tests/dbserver.py`` with a database ``pg_lease_bench`` of its own, migrated here. It measures
+``devkit/dbserver.py`` with a database ``pg_lease_bench`` of its own, migrated here. It measures
 
 * the floor: a raw psycopg ``SELECT 1`` and hand-written single-statement acquire/renew/release/
   inspect on Django's own psycopg connection (same server, same connection settings), and the SQL

@@ -32,7 +32,7 @@ for _path in (str(REPO), str(HERE)):
 
 import psycopg  # noqa: E402
 
-from tests.dbserver import conninfo as conninfo  # noqa: E402  (re-exported for the stages)
+from devkit.dbserver import conninfo as conninfo  # noqa: E402  (re-exported for the stages)
 
 BENCH_DATABASE = "pg_lease_bench"
 TABLE = "pg_lease_django_lease"
@@ -57,7 +57,7 @@ def available(module: str) -> bool:
 
 def installed_apps() -> list[str]:
     """Our app, the test app (its FencedModel ``Invoice``), and django-db-mutex's app when installed."""
-    apps = ["pg_lease_django", "tests.testapp"]
+    apps = ["pg_lease_django", "devkit.testapp"]
     if available("db_mutex"):
         apps.append("db_mutex")
     return apps
@@ -87,7 +87,7 @@ def setup_django(database: dict[str, Any], apps: list[str]) -> None:
 
 def bench_database() -> tuple[dict[str, Any], str]:
     """The DATABASES entry to run on (created if missing) and a description of where it is."""
-    from tests.dbserver import database_settings, database_url
+    from devkit.dbserver import database_settings, database_url
 
     explicit = os.environ.get("DATABASE_URL")
     database = database_settings(database_url())
@@ -96,7 +96,7 @@ def bench_database() -> tuple[dict[str, Any], str]:
     with psycopg.connect(conninfo(database, "postgres"), autocommit=True) as conn:
         if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [database["NAME"]]).fetchone() is None:
             conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(database["NAME"])))
-    where = "DATABASE_URL" if explicit else "embedded server (tests/dbserver.py)"
+    where = "DATABASE_URL" if explicit else "embedded server (devkit/dbserver.py)"
     return database, f"{where}: {database['HOST']}:{database['PORT']}/{database['NAME']}"
 
 

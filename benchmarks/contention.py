@@ -66,7 +66,7 @@ def pgbench_path() -> str | None:
     import shutil
 
     with contextlib.suppress(Exception):
-        from tests.dbserver import embedded_bindir
+        from devkit.dbserver import embedded_bindir
 
         candidate = embedded_bindir() / "pgbench"
         if candidate.exists():

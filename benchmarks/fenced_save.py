@@ -96,8 +96,8 @@ def fenced_and_plain_cycles(owner: str) -> tuple[dict[str, Cycle], dict[str, int
 
     The fenced row's lease is held by ``owner`` (600 s TTL) for the rest of the process.
     """
+    from devkit.testapp.models import Invoice
     from pg_lease_django import Lease
-    from tests.testapp.models import Invoice
 
     plain_invoice = plain_model()
     fenced_key = "bench:fenced-save"
@@ -146,8 +146,8 @@ def update_cycles(owner: str, rows: int = UPDATE_ROWS) -> tuple[dict[str, Cycle]
     """
     from django.db import connection
 
+    from devkit.testapp.models import Invoice
     from pg_lease_django import Lease
-    from tests.testapp.models import Invoice
 
     plain_invoice = plain_model()
     key = "bench:fenced-update"

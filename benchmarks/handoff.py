@@ -5,7 +5,7 @@ Run from the repository root::
     python benchmarks/handoff.py [--handoffs 200] [--poll-interval 0.1] [--waiters 8]
 
 Uses ``DATABASE_URL`` when set (that database, created if missing), else the embedded server of
-``tests/dbserver.py`` with a database ``pg_lease_bench`` of its own; migrates it, then measures:
+``devkit/dbserver.py`` with a database ``pg_lease_bench`` of its own; migrates it, then measures:
 
 * handoff at release: from the holder's release (server clock at the release's row lock, just
   before its commit) to the waiter's grant (server clock at the grant), for blocking acquire with

@@ -1,6 +1,6 @@
 """Minimal settings for the demo: DATABASE_URL, else the embedded PostgreSQL."""
 
-from tests.dbserver import database_settings
+from devkit.dbserver import database_settings
 
 SECRET_KEY = "demo-only"
 USE_TZ = True

@@ -5,7 +5,7 @@ SIGKILLed and the standby promoted, again and again (:mod:`stress.failover`).
 ``python -m stress patroni ...``: against a Patroni cluster (etcd, HAProxy) whose leader keeps
 failing (:mod:`stress.patroni`).
 
-The database server is ``--url`` or ``DATABASE_URL`` (else the embedded server of the test suite);
+The database server is ``--url`` or ``DATABASE_URL`` (else the embedded server, ``devkit.dbserver``);
 each run creates its own database there and drops it afterwards. Exit status 1 on any violation,
 after printing the seed and the offending slice of history.
 """
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.url is None:
-        from tests.dbserver import database_url
+        from devkit.dbserver import database_url
 
         args.url = database_url()
     start = time.monotonic()

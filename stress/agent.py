@@ -1,6 +1,6 @@
 """A remote-controlled lease client in its own process, for fault tests (kill, SIGSTOP, restarts, clock steps).
 
-``python -m stress.agent URL OWNER`` sets Django up on ``URL`` (tests.settings) and answers one JSON
+``python -m stress.agent URL OWNER`` sets Django up on ``URL`` (devkit.settings) and answers one JSON
 command per stdin line with one JSON reply per stdout line. :class:`Agent` is the parent's side.
 
 Commands (``op``): ``pid``; ``acquire`` (key, ttl, blocking, timeout); ``renew`` (key, epoch, ttl);
@@ -46,8 +46,8 @@ def serve(owner: str) -> None:
     """Answer commands from stdin until it closes."""
     from django.db import connection, transaction
 
+    from devkit.testapp.models import Invoice
     from pg_lease_django import Grant, Lease, unfenced_writes
-    from tests.testapp.models import Invoice
 
     def reply(message: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(message) + "\n")
@@ -127,7 +127,7 @@ def main() -> None:
     """``python -m stress.agent URL OWNER``."""
     url, owner = sys.argv[1], sys.argv[2]
     os.environ["DATABASE_URL"] = url
-    os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+    os.environ["DJANGO_SETTINGS_MODULE"] = "devkit.settings"
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     import django

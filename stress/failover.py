@@ -1,6 +1,6 @@
 """``python -m stress failover``: the stress harness against a replicated PostgreSQL whose primary keeps dying.
 
-A primary and a streaming standby on this machine (tests/pgcluster.py: ``initdb``, ``pg_basebackup
+A primary and a streaming standby on this machine (devkit/pgcluster.py: ``initdb``, ``pg_basebackup
 -R``, loopback ports). The workers of :mod:`stress.harness` reach it the way a project on a
 replicated PostgreSQL does: Django with a multi-host ``HOST``/``PORT`` and
 ``target_session_attrs=read-write``. While they run, the nemesis, ``promotions`` times:
@@ -19,7 +19,7 @@ replicated PostgreSQL does: Django with a multi-host ``HOST``/``PORT`` and
    it off for its session, and the setting is reset once the advance has committed;
 6. makes a new standby from the new primary (``pg_basebackup -R``, on the dead primary's port);
    for a synchronous cluster names it in ``synchronous_standby_names`` again once it streams, and
-   waits until it has flushed everything (:meth:`tests.pgcluster.Cluster.rebuild_standby`).
+   waits until it has flushed everything (:meth:`devkit.pgcluster.Cluster.rebuild_standby`).
 
 Then the workers stop, and :func:`stress.checker.check` checks the whole history against the
 last primary's record (the audit trigger's table, replicated with the lease rows).
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.pgcluster import Cluster, Node, find_bindir, poll
+from devkit.pgcluster import Cluster, Node, find_bindir, poll
 
 from .checker import Op, summarize
 from .harness import Config, Result, Run, _run_django, elapsed
@@ -69,7 +69,7 @@ class FailoverConfig:
         lag: asynchronous only: seconds the standby is cut off the primary's WAL before each kill.
         advance_by: asynchronous remedy: ``leases advance-epochs --by N`` on each promoted server
             before clients get in (None: no remedy).
-        bindir: the PostgreSQL server binaries (default: :func:`tests.pgcluster.find_bindir`).
+        bindir: the PostgreSQL server binaries (default: :func:`devkit.pgcluster.find_bindir`).
         keep_database: leave the cluster's directory in place (to inspect it after a failure).
     """
 
@@ -301,7 +301,7 @@ def run_failover(config: FailoverConfig) -> FailoverResult:
     """Start a cluster, run the workers and the nemesis, check the history; always clean up."""
     bindir = config.bindir or find_bindir()
     if bindir is None:
-        raise RuntimeError("no PostgreSQL server binaries with pg_basebackup (see tests/pgcluster.py)")
+        raise RuntimeError("no PostgreSQL server binaries with pg_basebackup (see devkit/pgcluster.py)")
     start = time.monotonic()
     cluster = Cluster(synchronous=config.synchronous, bindir=bindir)
     promotions: list[Promotion] = []

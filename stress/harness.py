@@ -140,7 +140,7 @@ def with_dbname(url: str, dbname: str) -> str:
 
 def django_database(url: str) -> dict[str, Any] | None:
     """The fields of a Django ``DATABASES`` entry for a multi-host URL (``HOST`` and ``PORT`` lists,
-    the URL's other parameters as ``OPTIONS``); None for a single-host URL, which ``tests.settings``
+    the URL's other parameters as ``OPTIONS``); None for a single-host URL, which ``devkit.settings``
     parses itself."""
     params = psycopg.conninfo.conninfo_to_dict(url)
     host = str(params.pop("host", "") or "")
@@ -157,7 +157,7 @@ def django_database(url: str) -> dict[str, Any] | None:
 
 
 def _settings_url(url: str) -> str:
-    """A URL ``tests.settings`` can parse standing in for ``url`` (its first host) until the
+    """A URL ``devkit.settings`` can parse standing in for ``url`` (its first host) until the
     multi-host entry replaces it."""
     database = django_database(url)
     if database is None:
@@ -187,7 +187,7 @@ def worker_main(spec: dict[str, Any], stopping: Any = None) -> None:
     """Entry point of a worker process: set up Django on ``spec["url"]``, then run the schedule
     (until its deadline or until ``stopping``, a multiprocessing Event, is set)."""
     os.environ["DATABASE_URL"] = _settings_url(spec["url"])
-    os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+    os.environ["DJANGO_SETTINGS_MODULE"] = "devkit.settings"
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from django.conf import settings
@@ -389,7 +389,7 @@ class _Worker:
         """Read the counter, pause (maybe past the TTL), write it back + 1 under the fence, log the row."""
         from django.db import transaction
 
-        from tests.testapp.models import Entry, Invoice
+        from devkit.testapp.models import Entry, Invoice
 
         tag = f"{self.me}-{self.n + 1}"
         ttl = grant.expires_at.timestamp() - grant.server_time.timestamp()
@@ -423,7 +423,7 @@ class _Worker:
 
 
 def _run_django(url: str, code: str, *, options: dict[str, str] | None = None) -> str:
-    """Run ``code`` in a Django process on ``url`` (tests.settings; a multi-host URL, and
+    """Run ``code`` in a Django process on ``url`` (devkit.settings; a multi-host URL, and
     ``options`` added to OPTIONS, applied before setup); its standard output."""
     import subprocess
 
@@ -433,7 +433,7 @@ def _run_django(url: str, code: str, *, options: dict[str, str] | None = None) -
     env = {
         **os.environ,
         "DATABASE_URL": _settings_url(url),
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DJANGO_SETTINGS_MODULE": "devkit.settings",
         "PG_LEASE_STRESS_DATABASE": json.dumps(database),
     }
     prelude = (

@@ -1,6 +1,6 @@
 """``python -m stress patroni``: the history-checked stress harness against a Patroni cluster.
 
-etcd, two PostgreSQL nodes under Patroni and HAProxy (tests/patroni_cluster.py). The workers of
+etcd, two PostgreSQL nodes under Patroni and HAProxy (devkit/patroni_cluster.py). The workers of
 :mod:`stress.harness` connect either with the multi-host URL and ``target_session_attrs=read-write``
 (``--via hosts``) or through HAProxy (``--via haproxy``). The nemesis, ``failovers`` times, lets the
 load run, then applies one fault to the leader, in turn from ``faults``:
@@ -44,8 +44,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from tests.patroni_cluster import Member, PatroniCluster, children_of, leftovers, missing_programs
-from tests.pgcluster import poll
+from devkit.patroni_cluster import Member, PatroniCluster, children_of, leftovers, missing_programs
+from devkit.pgcluster import poll
 
 from .checker import Op, summarize
 from .harness import Config, Result, Run, elapsed

@@ -1,7 +1,7 @@
 """``python -m stress patroni --switchovers N``: leases held through planned ``patronictl switchover``\\ s.
 
-A Patroni cluster of two asynchronous nodes with the hook (tests/patroni_cluster.py). Per TTL, three
-Django processes (tests/failover_child.py) on the host list with ``target_session_attrs=read-write``
+A Patroni cluster of two asynchronous nodes with the hook (devkit/patroni_cluster.py). Per TTL, three
+Django processes (devkit/failover_child.py) on the host list with ``target_session_attrs=read-write``
 (or HAProxy: ``--via haproxy``): one in ``hold()``, two campaigning with ``elect()`` for one key (the
 first leads, the other waits). Then ``N`` switchovers to the other node, each once the cluster is
 healthy. Per switchover and per lease, from the clients' own event logs (``time.monotonic()``, one
@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.failover_child import Child
-from tests.patroni_cluster import PatroniCluster, epochs, leftovers
-from tests.pgcluster import poll
+from devkit.failover_child import Child
+from devkit.patroni_cluster import PatroniCluster, epochs, leftovers
+from devkit.pgcluster import poll
 
 
 @dataclass

@@ -7,7 +7,7 @@ Served by a real ASGI server in a child process::
 
 The URLs are this module's own ``urlpatterns``: in-process tests set them with
 ``override_settings(ROOT_URLCONF="tests.asgi_app")``, and the child process's factory does the same
-(with ``ALLOWED_HOSTS`` for its loopback address), so ``tests/settings.py`` and ``tests/urls.py``
+(with ``ALLOWED_HOSTS`` for its loopback address), so ``tests/settings.py`` and ``devkit/urls.py``
 stay as they are. Routes:
 
 - ``hold?key=K&owner=O&hold=SECONDS``: ``await aacquire(K, O, blocking=True)``, hold for SECONDS,

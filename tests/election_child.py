@@ -43,7 +43,7 @@ def record(lease: Any, name: str) -> None:
     from django.db import transaction
     from django.db.models.expressions import RawSQL
 
-    from tests.testapp.models import Entry
+    from devkit.testapp.models import Entry
 
     with transaction.atomic():
         entry = Entry(account=lease.key, writer=name)

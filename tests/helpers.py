@@ -7,7 +7,6 @@ importing from ``conftest``).
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,8 +18,8 @@ import psycopg
 import pytest
 from django.db import connections, transaction
 
+from devkit import dbserver
 from pg_lease_django import Lease
-from tests import dbserver
 
 
 def conninfo(alias: str = "default") -> str:
@@ -126,13 +125,6 @@ def url_of_test_database(alias: str = "default") -> str:
     if host.startswith("/"):  # a unix socket directory
         return f"postgresql://{auth}@:{port}/{name}?host={quote(host, safe='')}"
     return f"postgresql://{auth}@{host}:{port}/{name}"
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now, for a server a test starts."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # ---- leases in a given state ---------------------------------------------------------------------

@@ -34,8 +34,8 @@ def main() -> None:
     ttl = float(ttl_text)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
+    from devkit.testapp.models import Entry
     from pg_lease_django import LeaseLostError, exit_on_signals, hold, lease_lost, lease_released
-    from tests.testapp.models import Entry
 
     def on_released(sender: Any, lease: Any, freed: bool, **kwargs: Any) -> None:
         emit("released", epoch=lease.epoch, freed=freed)

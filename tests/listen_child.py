@@ -2,7 +2,7 @@
 
     python -m tests.listen_child      (PG_LEASE_FAILOVER_DATABASE: a DATABASES entry, JSON)
 
-For tests/test_failover_listen.py. Its Django settings are its own, as in tests/failover_child.py: one
+For tests/test_failover_listen.py. Its Django settings are its own, as in devkit/failover_child.py: one
 ``default`` database with a multi-host ``HOST``/``PORT`` and ``target_session_attrs=read-write``, so
 every connection it opens (Django's own, the lease connections of ``hold()``, the connection of an
 async wait) lands on whichever server accepts writes. ``PG_LEASE_POLL_INTERVAL`` comes from
@@ -13,7 +13,7 @@ One JSON command per stdin line, each with an ``id``; one JSON reply per command
 its ``id``. A ``wait`` runs in a thread of its own and replies when the wait ends, so several waits
 run at once and replies come in any order (:class:`Waiters` is the parent's side).
 
-Commands (``op``): ``migrate`` (the lease app and tests.testapp); ``wait`` (how: ``acquire`` for
+Commands (``op``): ``migrate`` (the lease app and devkit.testapp); ``wait`` (how: ``acquire`` for
 ``Lease.objects.acquire(blocking=True)``, ``hold`` for ``hold(blocking=True)`` (``blocking: false``:
 ``hold()`` as it is mostly used, no wait), ``aacquire`` for ``Lease.objects.aacquire(blocking=True)``;
 key, owner, ttl, timeout): replies ``{"ok": true, "epoch", "port", "granted_at", "granted_wall",
@@ -51,8 +51,8 @@ def configure() -> None:
         USE_TZ=True,
         TIME_ZONE="UTC",
         DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-        # tests.testapp: its FencedModel Invoice, for fenced writes (``write``).
-        INSTALLED_APPS=["django.contrib.contenttypes", "pg_lease_django", "tests.testapp"],
+        # devkit.testapp: its FencedModel Invoice, for fenced writes (``write``).
+        INSTALLED_APPS=["django.contrib.contenttypes", "pg_lease_django", "devkit.testapp"],
         DATABASES={"default": json.loads(os.environ["PG_LEASE_FAILOVER_DATABASE"])},
         LOGGING_CONFIG=None,
         PG_LEASE_LISTEN=os.environ.get("PG_LEASE_LISTEN_CHILD_LISTEN", "1") == "1",
@@ -177,8 +177,8 @@ def fenced_write(key: str, owner: str, epoch: int) -> dict[str, Any]:
     """``Invoice(account=key).save(fence=...)`` with ``(key, owner, epoch)`` as the fence."""
     from django.db import connection
 
+    from devkit.testapp.models import Invoice
     from pg_lease_django import LeaseLostError
-    from tests.testapp.models import Invoice
 
     fence = SimpleNamespace(key=key, owner=owner, epoch=epoch)
     try:

@@ -1,7 +1,10 @@
-"""Settings for the test suite: a real PostgreSQL (DATABASE_URL, else the embedded server, started here)."""
+"""Settings for the test suite: the development settings (devkit.settings_common) and the suite's
+own app, on a real PostgreSQL (DATABASE_URL, else the embedded server, started here)."""
 
-from tests.dbserver import database_settings
-from tests.settings_common import *  # noqa: F403
-from tests.settings_common import databases
+from devkit.dbserver import database_settings
+from devkit.settings_common import *  # noqa: F403
+from devkit.settings_common import INSTALLED_APPS, databases
 
+# The app whose migrations are an old release's (test_compat.py, test_fencing_paths.py).
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.compatapp"]
 DATABASES = databases(database_settings())

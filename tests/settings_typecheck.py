@@ -6,9 +6,12 @@ without running ``atexit`` hooks: ``tests.settings`` would start the embedded se
 it running after every type check. A type check needs the apps and models, never a connection.
 """
 
-from tests.dbserver import database_settings
-from tests.settings_common import *  # noqa: F403
-from tests.settings_common import databases
+from devkit.dbserver import database_settings
+from devkit.settings_common import *  # noqa: F403
+from devkit.settings_common import INSTALLED_APPS, databases
+
+# As in tests.settings (importing that would start the server).
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.compatapp"]
 
 # The discard port on loopback, where no server listens: a connection made by mistake fails at once
 # rather than reaching a real server.

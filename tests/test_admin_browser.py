@@ -122,8 +122,8 @@ def test_a_fenced_model_in_a_real_browser(server: Any, tmp_path: Path) -> None:
     """Add, change and delete an Invoice (a FencedModel under FencedModelAdmin) through Chromium."""
     from playwright.sync_api import expect, sync_playwright
 
+    from devkit.testapp.models import Invoice
     from pg_lease_django.admin import UNFENCED_NOTE
-    from tests.testapp.models import Invoice
 
     User.objects.create_superuser("ops", password="correct horse battery staple")
     shot = tmp_path / "admin-fenced-invoice.png"

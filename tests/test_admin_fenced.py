@@ -11,9 +11,9 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
+from devkit.testapp.models import Invoice, Report
 from pg_lease_django.admin import UNFENCED_NOTE
 from pg_lease_django.checks import check_fenced_models_have_a_fenced_admin
-from tests.testapp.models import Invoice, Report
 
 pytestmark = pytest.mark.django_db
 

@@ -19,11 +19,11 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection, transaction
 
+from devkit.testapp.models import Invoice
 from pg_lease_django import EpochMismatchError, Grant, InvalidInputError, Lease, hold
 from pg_lease_django.supervisor import ExitCode
 from pg_lease_django.validation import MAX_ADVANCE
 from tests.helpers import free, held, lapsed, refused, wait_until
-from tests.testapp.models import Invoice
 
 
 def floor() -> int:
@@ -219,7 +219,7 @@ def _pg_tool(name: str, server_version: int) -> str | None:
     import shutil
     import subprocess
 
-    from tests.pgcluster import find_bindir
+    from devkit.pgcluster import find_bindir
 
     bindir = find_bindir()
     candidates = [str(bindir / name)] if bindir is not None else []

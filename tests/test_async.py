@@ -32,6 +32,7 @@ from asgiref.sync import async_to_sync
 from django.db import connection, transaction
 from django.test import AsyncClient, override_settings
 
+from devkit.dbserver import free_port
 from pg_lease_django import (
     EpochMismatchError,
     Grant,
@@ -45,7 +46,7 @@ from pg_lease_django import (
 )
 from pg_lease_django.managers import NOTIFY_CHANNEL
 from tests import asgi_app
-from tests.helpers import Background, free_port, needs_session, row_snapshot, url_of_test_database, wait_until
+from tests.helpers import Background, needs_session, row_snapshot, url_of_test_database, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

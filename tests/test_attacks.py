@@ -19,6 +19,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.db import DatabaseError, connection, connections, transaction
 
+from devkit.testapp.models import ArchivedReport, CreditNote, Entry, Invoice, Report
 from pg_lease_django import (
     EpochMismatchError,
     Grant,
@@ -31,7 +32,6 @@ from pg_lease_django import (
     unfenced_writes,
 )
 from tests.helpers import Background, in_thread, refused, wait_until, wait_until_blocked
-from tests.testapp.models import ArchivedReport, CreditNote, Entry, Invoice, Report
 
 
 def grant(key: str, owner: str = "w1", ttl: float = 30) -> Grant:

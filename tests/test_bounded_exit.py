@@ -7,8 +7,8 @@ connections stay up (SIGSTOP). Before the bound, the exit joined the renewal in 
 returned in the first case, and in the second only once the TCP keepalives gave up (about four renew
 intervals later: 8.7 s against 5.0 s here with a 4 s TTL).
 
-A hold in a child process (tests/failover_child.py, Django over the cluster's multi-host settings)
-on a primary with a synchronous standby (tests/pgcluster.py).
+A hold in a child process (devkit/failover_child.py, Django over the cluster's multi-host settings)
+on a primary with a synchronous standby (devkit/pgcluster.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from tests.failover_child import REPO, Child
-from tests.pgcluster import Cluster, find_bindir, poll
+from devkit.failover_child import REPO, Child
+from devkit.pgcluster import Cluster, find_bindir, poll
 
 BINDIR = find_bindir()
 pytestmark = [
@@ -121,7 +121,7 @@ def test_exit_is_bounded_when_the_server_stops_answering(cluster: Cluster, holde
 
 ATOMIC_CLIENT = """
 import json, sys
-from tests.failover_child import configure
+from devkit.failover_child import configure
 configure()
 from django.core.management import call_command
 from django.db import transaction

@@ -24,11 +24,11 @@ from typing import IO, Any
 import pytest
 from django.core.management import CommandError, call_command
 
+from devkit.dbserver import REPO
+from devkit.testapp.models import Entry
 from pg_lease_django import Lease
 from pg_lease_django.supervisor import ExitCode
-from tests.dbserver import REPO
 from tests.helpers import url_of_test_database
-from tests.testapp.models import Entry
 
 pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 

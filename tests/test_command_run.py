@@ -25,9 +25,9 @@ from typing import IO, Any
 import pytest
 from django.core.management import CommandError, call_command
 
+from devkit.dbserver import REPO
 from pg_lease_django import Lease
 from pg_lease_django.supervisor import ExitCode
-from tests.dbserver import REPO
 from tests.helpers import held, url_of_test_database
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -3,7 +3,7 @@
 One test per page. A page's blocks run in order in one shared namespace, so a page can build on
 its earlier blocks. Every page starts from a fresh namespace holding exactly what a reader's
 ``python manage.py shell`` holds (Django 5.2+ imports every installed model there, so the
-quickstart's ``Invoice`` is the test app's, ``tests/testapp/models.py``, checked below to be the
+quickstart's ``Invoice`` is the test app's, ``devkit/testapp/models.py``, checked below to be the
 class the docs show); nothing else is preloaded. ``loaddata`` finds the docs' ``invoices.json`` in
 the test app's ``fixtures/`` directory, where an app keeps its fixtures.
 
@@ -36,7 +36,7 @@ import pytest
 from django.core.management.commands.shell import Command as ShellCommand
 from django.db import models
 
-from tests.testapp.models import Invoice
+from devkit.testapp.models import Invoice
 
 pytestmark = pytest.mark.acceptance
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from devkit.dbserver import REPO, LocalServer, throwaway_datadir
 from pg_lease_django import Lease
-from tests.dbserver import REPO, LocalServer, throwaway_datadir
 from tests.helpers import row_snapshot
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -28,10 +28,10 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.test import override_settings
 
+from devkit.testapp.models import Entry
 from pg_lease_django import Election, HeldLease, InvalidInputError, Lease, aelect, conf, current_election, elect
 from tests.election_child import Campaigner
 from tests.helpers import held, url_of_test_database, wait_until
-from tests.testapp.models import Entry
 
 pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 

@@ -1,7 +1,7 @@
 """Failover: a primary and a streaming standby on this machine, the primary SIGKILLed, the standby promoted.
 
-Real servers (tests/pgcluster.py: ``initdb``, ``pg_basebackup -R``, ``pg_ctl promote``), real
-client processes (tests/failover_child.py: Django with a multi-host ``HOST``/``PORT`` and
+Real servers (devkit/pgcluster.py: ``initdb``, ``pg_basebackup -R``, ``pg_ctl promote``), real
+client processes (devkit/failover_child.py: Django with a multi-host ``HOST``/``PORT`` and
 ``target_session_attrs=read-write``, as a user's project connects). No mocks; every wait polls a
 condition with a deadline. docs/high-availability.md and docs/FAILURE-MODEL.md quote what these
 tests show.
@@ -29,8 +29,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.failover_child import Child
-from tests.pgcluster import Cluster, find_bindir, poll
+from devkit.failover_child import Child
+from devkit.pgcluster import Cluster, find_bindir, poll
 
 BINDIR = find_bindir()
 pytestmark = [

@@ -4,7 +4,7 @@ The promoted server's clock becomes the authority for every expiry (spec section
 standby's postgres runs under libfaketime (``FAKETIME=+30s`` or ``-10s``/``-30s``, with
 ``FAKETIME_DONT_FAKE_MONOTONIC=1``: only the wall clock is shifted), the primary's does not; the
 test checks that ``clock_timestamp()`` on the standby really is shifted. Then the primary is
-SIGKILLed and the standby promoted (tests/pgcluster.py, synchronous replication), with holders and
+SIGKILLed and the standby promoted (devkit/pgcluster.py, synchronous replication), with holders and
 waiters in client processes (tests/listen_child.py: Django over a multi-host ``HOST``/``PORT`` with
 ``target_session_attrs=read-write``).
 
@@ -33,8 +33,8 @@ from typing import Any
 
 import pytest
 
+from devkit.pgcluster import Cluster, Node, find_bindir, poll
 from tests.listen_child import Waiters
-from tests.pgcluster import Cluster, Node, find_bindir, poll
 
 BINDIR = find_bindir()
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")

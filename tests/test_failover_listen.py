@@ -10,7 +10,7 @@ A waiter that polls (``PG_LEASE_LISTEN = False``) carries on polling the promote
 waiters of one key exactly one is granted per release. With no server to reconnect to, a waiter
 raises ``django.db.OperationalError`` at its deadline: it never hangs. A waiter whose connection was
 lost during an attempt that was granted unseen raises ``OperationalError`` (outcome unknown) instead
-of being granted again. Real servers (tests/pgcluster.py), real processes; every wait polls a
+of being granted again. Real servers (devkit/pgcluster.py), real processes; every wait polls a
 condition with a deadline.
 
 The same reconnection on one server: a waiter whose backend is terminated (``pg_terminate_backend``)
@@ -30,10 +30,10 @@ from asgiref.sync import async_to_sync
 from django.db import connection
 from django.test import override_settings
 
+from devkit.pgcluster import Cluster, Node, find_bindir, poll
 from pg_lease_django import Lease, hold
 from tests.helpers import Background, needs_session
 from tests.listen_child import Waiters
-from tests.pgcluster import Cluster, Node, find_bindir, poll
 
 pytestmark = pytest.mark.cluster
 

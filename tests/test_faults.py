@@ -24,14 +24,14 @@ from django.db import connection, transaction
 
 import pg_lease_django
 import pg_lease_django.holds.lease_pool
+from devkit.dbserver import LocalServer, throwaway_datadir
+from devkit.testapp.models import Invoice
 from pg_lease_django import Grant, Lease, unfenced_writes
 from stress.agent import Agent
 from stress.checker import Op, check
 from stress.harness import Config, Run, migrate, run
-from tests.dbserver import LocalServer, throwaway_datadir
 from tests.helpers import Background, wait_until, wait_until_blocked
 from tests.test_stress import server_url
-from tests.testapp.models import Invoice
 
 pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 

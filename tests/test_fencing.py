@@ -17,6 +17,7 @@ from django.db import connection, models, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext, isolate_apps
 
+from devkit.testapp.models import ArchivedReport, CommitTicket, CreditNote, Entry, Invoice, Report
 from pg_lease_django import (
     EpochMismatchError,
     Grant,
@@ -36,7 +37,6 @@ from pg_lease_django.checks import (
 )
 from pg_lease_django.fencing import FencedModel
 from tests.helpers import Background, in_thread, refused, wait_until, wait_until_blocked
-from tests.testapp.models import ArchivedReport, CommitTicket, CreditNote, Entry, Invoice, Report
 
 pytestmark = pytest.mark.django_db
 
@@ -554,7 +554,7 @@ def test_system_check_refuses_a_fenced_model_outside_the_lease_database() -> Non
     assert all(error.hint for error in errors)
 
 
-@isolate_apps("tests.testapp")
+@isolate_apps("devkit.testapp")
 def test_system_check_refuses_a_fenced_child_of_an_unfenced_model() -> None:
     class Plain(models.Model):  # noqa: DJ008
         name = models.CharField(max_length=10)
@@ -593,7 +593,7 @@ def test_a_lease_held_in_another_database_is_named_as_such(key: str) -> None:
     assert not Invoice.objects.filter(account=key).exists()
 
 
-@isolate_apps("tests.testapp")
+@isolate_apps("devkit.testapp")
 def test_system_check_warns_about_unfenced_many_to_many_rows() -> None:
     class Tag(models.Model):  # noqa: DJ008
         name = models.CharField(max_length=10)

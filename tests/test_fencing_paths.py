@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 from django.db.migrations.writer import MigrationWriter
 
+from devkit.testapp.models import Invoice
 from pg_lease_django import fencing
 from pg_lease_django.fence_schema import FENCE_TRIGGER_VERSION
 from tests.compatapp.models import Ledger
-from tests.testapp.models import Invoice
 
 
 @pytest.mark.parametrize("model", [Invoice, Ledger])

@@ -27,11 +27,11 @@ from django.core.management.base import CommandError
 from django.db import connection, transaction
 from django.test import override_settings
 
+from devkit.testapp.models import Invoice
 from pg_lease_django import InvalidInputError, Lease, NotAcquirableError, UnfencedWriteError, history, hold
 from pg_lease_django.checks import check_lease_database_without_database_option
 from pg_lease_django.management.commands.flush import truncate_refusal
 from tests.helpers import conninfo
-from tests.testapp.models import Invoice
 
 # ---- 1 and 5: plain `check` runs the lease database's checks -----------------------------------------
 

@@ -26,6 +26,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.test import override_settings
 
+from devkit.dbserver import REPO
+from devkit.testapp.models import Entry, Invoice, Report
 from pg_lease_django import (
     EpochMismatchError,
     HeartbeatFailedError,
@@ -50,9 +52,7 @@ from pg_lease_django import (
 )
 from pg_lease_django.holds import lease_pool, scheduler
 from pg_lease_django.holds.lease import Tenure
-from tests.dbserver import REPO
 from tests.helpers import needs_session, wait_until
-from tests.testapp.models import Entry, Invoice, Report
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -26,11 +26,11 @@ from django.test import override_settings
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from devkit.testapp.models import Entry
 from pg_lease_django import Lease, LeaseError, LeaseTimeoutError, NotAcquirableError, hold, metrics, metrics_db
 from pg_lease_django.checks import check_metrics_settings
 from pg_lease_django.history import sync_scope
 from tests.helpers import Background, held, lapsed, url_of_test_database, wait_until
-from tests.testapp.models import Entry
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

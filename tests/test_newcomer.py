@@ -40,8 +40,8 @@ from urllib.request import urlopen
 import psycopg
 import pytest
 
-from tests import dbserver
-from tests.helpers import free_port
+from devkit import dbserver
+from devkit.dbserver import free_port
 from tests.test_docs import python_blocks
 
 pytestmark = pytest.mark.acceptance

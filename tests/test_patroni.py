@@ -1,9 +1,9 @@
 """Under Patroni (etcd, two nodes, HAProxy): a switchover keeps the epochs, a crash failover advances them.
 
-Real processes (tests/patroni_cluster.py), asynchronous replication, the package's hook
+Real processes (devkit/patroni_cluster.py), asynchronous replication, the package's hook
 (:mod:`pg_lease_django.patroni`) configured as ``pre_promote``, ``on_role_change`` and
 ``on_start``. Clients as users connect: one Django process with the multi-host ``HOST``/``PORT``
-and ``target_session_attrs=read-write`` (tests/failover_child.py), one through HAProxy; a fenced
+and ``target_session_attrs=read-write`` (devkit/failover_child.py), one through HAProxy; a fenced
 writer (``pg_lease_check_fence`` then its write, in one transaction) on the multi-host URL.
 
 Skipped when patroni, patronictl, etcd or haproxy is not installed (``make patroni-packages``).
@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 
-from tests.failover_child import Child
-from tests.patroni_cluster import (
+from devkit.failover_child import Child
+from devkit.patroni_cluster import (
     Member,
     PatroniCluster,
     Ports,
@@ -32,7 +32,7 @@ from tests.patroni_cluster import (
     missing_programs,
     patroni_config,
 )
-from tests.pgcluster import find_bindir, poll
+from devkit.pgcluster import find_bindir, poll
 
 MISSING = missing_programs()
 NEEDS_PATRONI = [

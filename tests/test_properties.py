@@ -21,10 +21,10 @@ from django.test.utils import CaptureQueriesContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from devkit.testapp.models import Invoice
 from pg_lease_django import EpochMismatchError, Grant, InvalidInputError, Lease, LeaseLostError, NotOwnerError
 from pg_lease_django.fencing import unfenced_writes
 from tests.test_stress import server_url
-from tests.testapp.models import Invoice
 
 pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 

@@ -25,10 +25,10 @@ from django.db import DatabaseError, connection, transaction
 from django.test import override_settings
 from psycopg import sql as pgsql
 
+from devkit.testapp.models import Invoice
 from pg_lease_django import Grant, Lease, NotOwnerError, history, privileges, unfenced_writes
 from pg_lease_django import sql as lease_sql
 from tests.helpers import conninfo, refused, row_snapshot
-from tests.testapp.models import Invoice
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,7 +8,7 @@ standby promoted, again and again (stress/failover.py; ``make stress-failover`` 
   violation;
 - the checker's failover additions, shown to catch what they look for on hand-made histories.
 
-Real servers and client processes (tests/pgcluster.py, stress/harness.py); skipped where no
+Real servers and client processes (devkit/pgcluster.py, stress/harness.py); skipped where no
 PostgreSQL server binaries with ``pg_basebackup`` are found.
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 
+from devkit.pgcluster import find_bindir
 from stress.checker import AuditRow, Op, WriteRow, check, summarize
 from stress.failover import FailoverConfig, FailoverResult, run_failover
 from stress.harness import django_database
-from tests.pgcluster import find_bindir
 
 pytestmark = pytest.mark.cluster
 

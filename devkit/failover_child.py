@@ -1,9 +1,9 @@
 """A lease client in its own process, connected to a replicated cluster the way a user's project is.
 
-    python -m tests.failover_child            (PG_LEASE_FAILOVER_DATABASE: a DATABASES entry, JSON)
+    python -m devkit.failover_child            (PG_LEASE_FAILOVER_DATABASE: a DATABASES entry, JSON)
 
 Its Django settings are its own (below): one ``default`` database with a multi-host ``HOST``/``PORT``
-and ``target_session_attrs=read-write`` (tests/pgcluster.py, ``Cluster.django_database()``), so
+and ``target_session_attrs=read-write`` (devkit/pgcluster.py, ``Cluster.django_database()``), so
 every connection it opens, Django's own and ``hold()``'s heartbeat connections, lands on
 whichever server accepts writes. It answers one JSON command per stdin line with one JSON reply
 per stdout line (:class:`Child` is the parent's side).
@@ -235,7 +235,7 @@ class Child:
     def __init__(self, database: dict[str, Any], *, listen: bool = True) -> None:
         environ = {**os.environ, "PG_LEASE_FAILOVER_DATABASE": json.dumps(database), "PYTHONPATH": str(REPO)}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.failover_child"],
+            [sys.executable, "-m", "devkit.failover_child"],
             cwd=REPO,
             env={**environ, "PG_LEASE_FAILOVER_LISTEN": "1" if listen else "0"},
             stdin=subprocess.PIPE,

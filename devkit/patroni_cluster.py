@@ -42,8 +42,8 @@ from typing import Any
 
 import psycopg
 
-from tests.dbserver import _free_port, _service_user, throwaway_datadir
-from tests.pgcluster import find_bindir, poll
+from devkit.dbserver import free_port, service_user, throwaway_datadir
+from devkit.pgcluster import find_bindir, poll
 
 PROGRAMS = ("patroni", "patronictl", "etcd", "haproxy")
 REPO = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def hook_python() -> str:
     ``.pgdata/hook-site`` (same versions; wheels for the same Python minor version), and the
     repository on ``PYTHONPATH``.
     """
-    user = _service_user()
+    user = service_user()
     probe = ["runuser", "-u", user or "", "--", sys.executable, "-c", "import psycopg, django"]
     if user is None or subprocess.run(probe, capture_output=True).returncode == 0:
         return sys.executable
@@ -266,17 +266,17 @@ class PatroniCluster:
     def __post_init__(self) -> None:
         self.bindir = self.bindir or find_bindir()
         if self.bindir is None:
-            raise RuntimeError("no PostgreSQL server binaries (see tests/pgcluster.py)")
+            raise RuntimeError("no PostgreSQL server binaries (see devkit/pgcluster.py)")
         self.root = throwaway_datadir(f"patroni-{self.synchronous}")
         self.root.mkdir(parents=True)
-        self.user = _service_user()
+        self.user = service_user()
         if self.user:
             shutil.chown(self.root, self.user)
-        self.etcd_port = _free_port()
-        self.haproxy_port = _free_port()
+        self.etcd_port = free_port()
+        self.haproxy_port = free_port()
         for index in range(self.nodes):
             name = f"node{index + 1}"
-            ports = Ports(postgres=_free_port(), rest=_free_port())
+            ports = Ports(postgres=free_port(), rest=free_port())
             config = self.root / f"{name}.yml"
             (self.root / name).mkdir()
             if self.user:
@@ -320,7 +320,7 @@ class PatroniCluster:
     def start(self, *, timeout: float = 120) -> None:
         """Start etcd, every Patroni node (the first bootstraps, the others clone it) and HAProxy;
         return once there is a leader and every replica streams from it."""
-        peer = _free_port()
+        peer = free_port()
         self.etcd = self._spawn(
             [
                 "etcd",

@@ -1,5 +1,6 @@
-"""The test suite's settings, all but the database: shared by ``tests.settings`` (a real server) and
-``tests.settings_typecheck`` (none)."""
+"""The development settings, all but the database: the admin, pgtrigger/pghistory, the lease app and
+the test app. ``devkit.settings`` adds a real server (the stress tool's processes run on it);
+``tests.settings`` and ``tests.settings_typecheck`` add the suite's own app and their database."""
 
 import os
 from typing import Any
@@ -19,8 +20,7 @@ INSTALLED_APPS = [
     "pgtrigger",
     "pghistory",
     "pg_lease_django",
-    "tests.testapp",
-    "tests.compatapp",
+    "devkit.testapp",
 ]
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -42,7 +42,7 @@ TEMPLATES = [
         },
     }
 ]
-ROOT_URLCONF = "tests.urls"
+ROOT_URLCONF = "devkit.urls"
 STATIC_URL = "static/"
 
 # Behind PgBouncer in transaction pooling mode (.ci/with-pgbouncer) LISTEN does not work: poll.
