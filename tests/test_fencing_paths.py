@@ -10,7 +10,7 @@ import pytest
 from django.db.migrations.writer import MigrationWriter
 
 from pg_lease_django import fencing
-from pg_lease_django.fence_schema import FENCE_TRIGGER_VERSION
+from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION
 from tests.compatapp.models import Ledger
 from tests.testapp.models import Invoice
 
