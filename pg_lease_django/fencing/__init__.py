@@ -16,7 +16,8 @@ The rooms, each importing only those before it:
   of this thread from `pg_lease_django.holds.context`, nothing else of ``holds/``;
 - `schema`: what a fenced table carries, `LeaseKeyField` and `FenceTrigger`;
 - `statements`: the fence inside Django's own statement, and the database's refusal as an error;
-- `model`: `FencedModel`, `FencedQuerySet`, `FencedManager`, the public face.
+- `model`: `FencedModel`, `FencedQuerySet`, `FencedManager`, the public face;
+- `admin`: `FencedModelAdmin` (re-exported by `pg_lease_django.admin`; not imported here).
 
 Users' code and migrations import every public name from this package: migrations record
 ``pg_lease_django.fencing.LeaseKeyField`` and ``pg_lease_django.fencing.FenceTrigger``.
