@@ -5,7 +5,9 @@ The writes go through the manager: "Force release" (`LeaseManager.force_release`
 up and the holder is fenced; the user is recorded as the operator) and "Request hand-off"
 (`LeaseManager.request_handoff`: advice the holder reads at its next renewal). States are read with
 `LeaseQuerySet.with_state`; a lease's page also draws its recorded tenures
-(`pg_lease_django.timeline`). `LeaseTenureAdmin` lists the tenures, read-only.
+(`pg_lease_django.timeline`). `LeaseTenureAdmin` lists the tenures, read-only. What the two writes
+do is `pg_lease_django.admin_writes`; `FencedModelAdmin`, for users' fenced models, is
+`pg_lease_django.fencing.admin`, re-exported here (the path the documentation names).
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
-from django.contrib import admin, messages
+from django.contrib import admin
 from django.contrib.admin import helpers
-from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.admin.utils import quote, unquote
 from django.contrib.auth import get_permission_codename
 from django.core.exceptions import BadRequest, PermissionDenied
@@ -31,16 +32,15 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 from django.views.decorators.http import require_POST
 
+from .admin_writes import force_release_confirmed, posted_epoch, request_handoffs
 from .display import describe_expiry, format_duration
-from .exceptions import AlreadyFreeError, EpochMismatchError, InvalidInputError, LapsedError, NeverAcquiredError
-from .fencing import unfenced_writes
+from .fencing.admin import UNFENCED_NOTE, FencedModelAdmin
 from .models import Lease, LeaseTenure
 from .querysets import LeaseQuerySet
 from .status import LeaseStatus
 from .timeline import read_history, render_timeline
-from .validation import check_epoch
 
-__all__ = ["FencedModelAdmin", "LeaseAdmin", "LeaseTenureAdmin", "StateFilter"]
+__all__ = ["UNFENCED_NOTE", "FencedModelAdmin", "LeaseAdmin", "LeaseTenureAdmin", "StateFilter"]
 
 #: How many of a lease's tenures its page draws and lists (the newest; the tenure list has all).
 HISTORY_LIMIT = 20
@@ -287,17 +287,11 @@ class LeaseAdmin(_LeaseModelAdmin):
         if not self.has_force_release_permission(request):
             raise PermissionDenied
         key = unquote(object_id)
-        epoch_text = request.POST.get("epoch", "")
-        if not epoch_text.isdecimal() or not epoch_text.isascii():
-            raise BadRequest("malformed hand-off request: no epoch")
-        try:
-            epoch = check_epoch(int(epoch_text))
-        except InvalidInputError:
-            raise BadRequest("malformed hand-off request: no such epoch") from None
+        epoch = posted_epoch(request.POST.get("epoch", ""), "malformed hand-off request")
         lease = self.get_object(request, key)
         if lease is None:
             raise BadRequest("no such lease")
-        self._request_handoffs(request, [lease], {key: epoch})
+        request_handoffs(self, request, [lease], {key: epoch})
         return HttpResponseRedirect(
             reverse(
                 f"{self.admin_site.name}:pg_lease_django_lease_change",
@@ -316,31 +310,7 @@ class LeaseAdmin(_LeaseModelAdmin):
         if not self.has_force_release_permission(request):
             raise PermissionDenied
         leases = list(queryset)
-        self._request_handoffs(request, leases, {lease.key: lease.epoch for lease in leases})
-
-    def _request_handoffs(self, request: HttpRequest, leases: list[Lease], epochs: dict[str, int]) -> None:
-        manager = Lease.objects.db_manager(router.db_for_write(Lease))
-        asked: list[str] = []
-        skipped: list[str] = []
-        for lease in leases:
-            try:
-                done = manager.request_handoff(lease.key, epoch=epochs[lease.key])
-            except EpochMismatchError as exc:
-                skipped.append(f"{lease.key!r} changed hands since it was shown (now held by {exc.owner!r})")
-                continue
-            except (AlreadyFreeError, LapsedError, NeverAcquiredError):
-                skipped.append(f"{lease.key!r} is not held: nobody to ask")
-                continue
-            self.log_change(request, lease, f"Requested a hand-off from {done.owner!r} at epoch {done.epoch}.")
-            asked.append(f"{done.key!r} ({done.owner!r}, epoch {done.epoch})")
-        if asked:
-            self.message_user(
-                request,
-                f"Hand-off requested from {', '.join(asked)}: each holder learns it at its next renewal.",
-                messages.SUCCESS,
-            )
-        if skipped:
-            self.message_user(request, f"No hand-off requested: {'; '.join(skipped)}.", messages.WARNING)
+        request_handoffs(self, request, leases, {lease.key: lease.epoch for lease in leases})
 
     # -- force release -------------------------------------------------------------------------------
 
@@ -356,8 +326,7 @@ class LeaseAdmin(_LeaseModelAdmin):
             raise PermissionDenied
         leases = list(queryset)
         if request.POST.get("post") == "yes":
-            # The write goes where the router sends writes of leases (queryset.db is the read alias).
-            self._force_release_confirmed(request, leases, router.db_for_write(Lease))
+            force_release_confirmed(self, request, leases)
             return None
         return TemplateResponse(
             request,
@@ -381,47 +350,6 @@ class LeaseAdmin(_LeaseModelAdmin):
                 "media": self.media,
             },
         )
-
-    def _force_release_confirmed(self, request: HttpRequest, leases: list[Lease], using: str) -> None:
-        confirmed: dict[str, int] = {}
-        for value in request.POST.getlist("confirmed"):
-            epoch_text, sep, key = value.partition(":")
-            if not sep or not epoch_text.isdecimal() or not epoch_text.isascii():
-                raise BadRequest("malformed force-release confirmation")
-            try:
-                confirmed[key] = check_epoch(int(epoch_text))
-            except InvalidInputError:
-                raise BadRequest("malformed force-release confirmation: no such epoch") from None
-        manager = Lease.objects.db_manager(using)
-        released: list[str] = []
-        skipped: list[str] = []
-        for lease in leases:
-            epoch = confirmed.get(lease.key)
-            if epoch is None:  # free when the page was shown, or not on it
-                continue
-            try:
-                new_epoch = manager.force_release(lease.key, epoch=epoch, operator=request.user.get_username())
-            except EpochMismatchError as exc:
-                skipped.append(f"{lease.key!r} changed hands after you confirmed (now held by {exc.owner!r})")
-                continue
-            except (AlreadyFreeError, NeverAcquiredError):  # no row: pruned since, and only free leases are pruned
-                skipped.append(f"{lease.key!r} was already free")
-                continue
-            self.log_change(
-                request,
-                lease,
-                f"Force-released: was held by {lease.owner!r} at epoch {epoch}; new epoch {new_epoch}.",
-            )
-            released.append(f"{lease.key!r} (epoch {epoch} \N{RIGHTWARDS ARROW} {new_epoch})")
-        if released:
-            noun = "lease" if len(released) == 1 else "leases"
-            self.message_user(
-                request, f"Force-released {len(released)} {noun}: {', '.join(released)}.", messages.SUCCESS
-            )
-        if skipped:
-            self.message_user(request, f"Not released: {'; '.join(skipped)}.", messages.WARNING)
-        if not released and not skipped:
-            self.message_user(request, "Nothing to release: the selected leases are free.", messages.INFO)
 
 
 def _utc(moment: datetime | None) -> str:
@@ -491,53 +419,3 @@ class LeaseTenureAdmin(_TenureModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: LeaseTenure | None = None) -> bool:
         """Never here: ``manage.py leases prune-history`` deletes by age."""
         return False
-
-
-# ---- fenced models ---------------------------------------------------------------------------
-
-#: What the admin records in each LogEntry of a fenced row it wrote.
-UNFENCED_NOTE = "Unfenced write from the admin (no lease held)."
-
-
-class FencedModelAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """ModelAdmin for a `FencedModel`: adding, changing and deleting rows works, as explicit opt-outs.
-
-    An admin user is no lease holder, so every write the admin makes (add, change, delete, "Delete
-    selected", inlines) runs under `unfenced_writes`: a transaction that calls
-    ``pg_lease_allow_unfenced()`` first, which the database lets only granted roles do
-    (docs/security.md). Each LogEntry says so (``UNFENCED_NOTE``), so the history shows which
-    writes bypassed the fence. A plain ``ModelAdmin`` on a fenced model fails on every write
-    (system check ``pg_lease_django.W001`` says so).
-    """
-
-    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
-        """Save as a recorded opt-out."""
-        with unfenced_writes():
-            super().save_model(request, obj, form, change)
-
-    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
-        """Inline rows (fenced models too) as recorded opt-outs."""
-        with unfenced_writes():
-            super().save_formset(request, form, formset, change)
-
-    def delete_model(self, request: HttpRequest, obj: Any) -> None:
-        """Delete as a recorded opt-out."""
-        with unfenced_writes():
-            super().delete_model(request, obj)
-
-    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        """ "Delete selected" as a recorded opt-out."""
-        with unfenced_writes():
-            super().delete_queryset(request, queryset)
-
-    def construct_change_message(self, request: HttpRequest, form: Any, formsets: Any, add: bool = False) -> Any:
-        """Django's description of the change, then ``UNFENCED_NOTE``."""
-        described = LogEntry(change_message=json.dumps(super().construct_change_message(request, form, formsets, add)))
-        return f"{described.get_change_message()} {UNFENCED_NOTE}".strip()
-
-    def log_deletions(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
-        """Django's deletion entries, each carrying ``UNFENCED_NOTE``."""
-        assert request.user.pk is not None  # the admin has a logged-in user
-        return LogEntry.objects.log_actions(
-            user_id=request.user.pk, queryset=queryset, action_flag=DELETION, change_message=UNFENCED_NOTE
-        )

@@ -3,16 +3,15 @@
 `LeaseManager` (on the caller's connection) and the heartbeat of ``hold()`` (on a connection of its
 own) both call these. They check no argument: their callers have done so, once. Each sends its one
 statement and turns the row into the result or the typed error; a commit the server could not
-confirm on its synchronous standby becomes `UnconfirmedCommitError` (`confirmed_commit`). Nothing
-here is public API except `Grant` and `LeaseState`, which `pg_lease_django` and
-`pg_lease_django.managers` re-export, and `EpochAdvance` (re-exported by `pg_lease_django.managers`).
+confirm on its synchronous standby becomes `UnconfirmedCommitError` (`commit_confirmation`, which
+`call` uses inline). Nothing here is public API except `Grant` and `LeaseState`, which
+`pg_lease_django` and `pg_lease_django.managers` re-export, and `EpochAdvance` (re-exported by
+`pg_lease_django.managers`).
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, NoReturn
@@ -25,6 +24,11 @@ from django.db.backends.postgresql.base import DatabaseWrapper as PostgreSQLData
 from django.db.backends.utils import CursorWrapper
 
 from . import sql
+from .commit_confirmation import UnconfirmedCommitNotices, watch_caller_commit
+
+# Re-exported for holds/lease_pool.py, which checks its own COMMIT with it as operations.confirmed_commit
+# (another helper of issue 25 is rewriting that module: it may import it from commit_confirmation).
+from .commit_confirmation import confirmed_commit as confirmed_commit
 from .exceptions import (
     LOST_ERRORS,
     AlreadyFreeError,
@@ -33,7 +37,6 @@ from .exceptions import (
     LapsedError,
     NeverAcquiredError,
     NotAcquirableError,
-    UnconfirmedCommitError,
 )
 from .status import LeaseStatus
 
@@ -121,118 +124,6 @@ class EpochAdvance:
     dry_run: bool
 
 
-#: The server's answer to a commit whose wait for a synchronous standby was cancelled: a WARNING with
-#: this SQLSTATE (and "canceling wait for synchronous replication" as its, possibly translated, message).
-UNCONFIRMED_COMMIT_SQLSTATE = "01000"
-
-
-class _Notices:
-    """A notice handler on a psycopg connection keeping the WARNINGs of SQLSTATE ``01000`` it sees."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = weakref.ref(raw)  # the connection holds its handler: no cycle through it
-        self.seen: list[tuple[str | None, str | None, str | None]] = []
-        raw.add_notice_handler(self.on_notice)
-
-    @classmethod
-    def kept_on(cls, connection: BaseDatabaseWrapper) -> _Notices:
-        """The handler kept on ``connection``'s psycopg connection for its life, connecting first if
-        need be (so a new connection's first statement is watched too). Added on first use: adding
-        and removing one around every call costs more than the call's own Python."""
-        connection.close_if_health_check_failed()  # reconnects now, not between here and the statement
-        connection.ensure_connection()
-        raw = connection.connection
-        kept: _Notices | None = connection.__dict__.get("_pg_lease_notices")
-        if kept is None or kept.raw() is not raw:
-            kept = connection._pg_lease_notices = cls(raw)  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute on Django's connection)
-        return kept
-
-    def on_notice(self, diagnostic: Any) -> None:
-        # A Diagnostic is valid only inside the handler: keep its fields.
-        if diagnostic.sqlstate == UNCONFIRMED_COMMIT_SQLSTATE and diagnostic.severity_nonlocalized == "WARNING":
-            self.seen.append((diagnostic.severity, diagnostic.message_primary, diagnostic.message_detail))
-
-    def remove(self) -> None:
-        raw = self.raw()
-        if raw is not None:
-            with suppress(ValueError):
-                raw.remove_notice_handler(self.on_notice)
-
-    def raise_if_unconfirmed(self) -> None:
-        if self.seen:
-            severity, notice, detail = self.seen[0]
-            raise UnconfirmedCommitError(
-                "the commit was not confirmed by the synchronous standby (its outcome after a failover is "
-                f"unknown): {notice}" + (f" ({detail})" if detail else ""),
-                severity=severity,
-                notice=notice,
-                detail=detail,
-            )
-
-
-@contextmanager
-def confirmed_commit(connection: BaseDatabaseWrapper) -> Iterator[None]:
-    """Raise `UnconfirmedCommitError` after the block if the server sent a WARNING of SQLSTATE ``01000``
-    meanwhile: a commit it could not confirm on the synchronous standby (the block ran; its result is lost).
-
-    Any generic WARNING counts (the message may be translated); none of the lease functions sends one,
-    and taking a confirmed write for an unconfirmed one only costs a retry. Python only: a handler
-    kept on the open psycopg connection (`_Notices.kept_on`) is read, no round trip.
-    """
-    notices = _Notices.kept_on(connection)
-    notices.seen.clear()
-    yield
-    notices.raise_if_unconfirmed()
-
-
-class _CallerCommit:
-    """Inside the caller's ``atomic()``, the caller's COMMIT is what waits for the synchronous standby.
-
-    From the first lease call of a transaction to its end, a notice handler keeps the WARNINGs of
-    SQLSTATE ``01000`` and an execute wrapper forgets them after each statement, so that only those
-    of the COMMIT count (a trigger's ``RAISE WARNING`` in a statement does not); an ``on_commit`` hook
-    raises `UnconfirmedCommitError` out of the caller's ``atomic()`` when there is one. Like any
-    failing hook, it keeps the hooks registered after it from running: the transaction may be lost.
-    One watch per transaction; a rolled-back transaction's is dropped by the next call.
-    """
-
-    def __init__(self, connection: BaseDatabaseWrapper, raw: Any) -> None:
-        self.connection = connection
-        self.notices = _Notices(raw)
-        connection.execute_wrappers.append(self.forget_statement_notices)
-
-    def forget_statement_notices(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
-        try:
-            return execute(sql, params, many, context)
-        finally:
-            self.notices.seen.clear()
-
-    def end(self) -> None:
-        self.notices.remove()
-        with suppress(ValueError):
-            self.connection.execute_wrappers.remove(self.forget_statement_notices)
-        if getattr(self.connection, "_pg_lease_caller_commit", None) is self:
-            del self.connection._pg_lease_caller_commit  # noqa: SLF001 (our own attribute on Django's connection)
-
-    def check(self) -> None:
-        self.end()
-        self.notices.raise_if_unconfirmed()
-
-    @classmethod
-    def watch(cls, connection: BaseDatabaseWrapper) -> None:
-        current: _CallerCommit | None = getattr(connection, "_pg_lease_caller_commit", None)
-        if current is not None:
-            if any(entry[1] == current.check for entry in connection.run_on_commit):
-                return  # this transaction is watched already
-            current.end()  # a transaction that rolled back (its hooks were dropped)
-        raw = connection.connection
-        if raw is None:
-            return
-        watch = cls(connection, raw)
-        connection._pg_lease_caller_commit = watch  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute)
-        connection.on_commit(watch.check)
-
-
 def require_postgresql(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
     """``connection``, if it is PostgreSQL's; the lease functions exist nowhere else.
 
@@ -256,21 +147,18 @@ def call(connection: BaseDatabaseWrapper, template: str, params: Sequence[Any]) 
     """Send one statement of `sql` on ``connection`` and return its one row.
 
     Inside the caller's ``atomic()`` the statement does not commit: the caller's COMMIT is checked
-    instead, after it returns, by an ``on_commit`` hook (`_CallerCommit`) that raises out of ``atomic()``.
+    instead, after it returns, by an ``on_commit`` hook (`CallerCommitWatch`) that raises out of ``atomic()``.
 
     Raises:
         UnconfirmedCommitError: the statement committed on its own, but the server could not confirm
             the commit reached its synchronous standby (`confirmed_commit`).
     """
     statement = sql.render(connection, template)
-    notices = _Notices.kept_on(connection)  # confirmed_commit, inline on this hot path
+    notices = UnconfirmedCommitNotices.kept_on(connection)  # confirmed_commit, inline on this hot path
     notices.seen.clear()
     row = _one_row(connection, statement, params)
     notices.raise_if_unconfirmed()
-    if connection.in_atomic_block:
-        _CallerCommit.watch(connection)
-    elif (stale := getattr(connection, "_pg_lease_caller_commit", None)) is not None:
-        stale.end()  # the watch of a transaction that rolled back
+    watch_caller_commit(connection)
     assert row is not None
     return tuple(row)
 
@@ -310,7 +198,7 @@ def _loads_in_django_time_zone(connection: BaseDatabaseWrapper) -> bool:
 def _unwatched(connection: BaseDatabaseWrapper) -> bool:
     """Whether nothing but Django's own code stands between a call and psycopg: Django's PostgreSQL
     backend itself (a subclass may set a search_path or instrument its cursors), no execute wrapper
-    (another app's, or `_CallerCommit`), no query log (``DEBUG``, ``assertNumQueries``), no patched
+    (another app's, or `CallerCommitWatch`), no query log (``DEBUG``, ``assertNumQueries``), no patched
     ``connection.cursor`` (django-debug-toolbar) and an unpatched ``CursorWrapper`` (APM agents)."""
     return (
         type(connection) is PostgreSQLDatabaseWrapper

@@ -16,9 +16,9 @@ from django.apps import apps
 from django.core.management import call_command
 from django.db import connection, models
 
-from pg_lease_django import fence_schema
 from pg_lease_django.checks import check_fence_triggers_are_current
-from pg_lease_django.fence_schema import FENCE_TRIGGER_VERSION, TRIGGERS_SQL, FenceTrigger
+from pg_lease_django.fencing import schema as fence_schema
+from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION, TRIGGERS_SQL, FenceTrigger
 
 pytestmark = pytest.mark.django_db
 

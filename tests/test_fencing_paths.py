@@ -11,7 +11,7 @@ from django.db.migrations.writer import MigrationWriter
 
 from devkit.testapp.models import Invoice
 from pg_lease_django import fencing
-from pg_lease_django.fence_schema import FENCE_TRIGGER_VERSION
+from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION
 from tests.compatapp.models import Ledger
 
 

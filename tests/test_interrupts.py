@@ -805,21 +805,21 @@ def test_a_hold_interrupted_again_while_it_is_settled_holds_nothing(key: str, ra
 
 def _codes(phase: str) -> set[Any]:
     """The code of ``hold()``'s enter (after the statements: they are explored above) or its exit."""
-    from pg_lease_django.holds import heartbeat, holding
+    from pg_lease_django.holds import heartbeat, holding, session
     from pg_lease_django.holds import lease as held
 
     if phase == "enter":
         functions: list[Any] = [
             holding.Holding.__enter__,
             holding.Holding._push,
-            holding._Session.start,
+            session.HoldSession.start,
             heartbeat.Heartbeat.start,
         ]
     else:
         functions = [
             holding.Holding.__exit__,
             holding.Holding._pop,
-            holding._Session.finish,
+            session.HoldSession.finish,
             held.Tenure.end,
             heartbeat.Heartbeat.finish,
             heartbeat.Heartbeat._finish,

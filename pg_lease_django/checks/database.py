@@ -148,7 +148,7 @@ def check_fence_triggers_are_current(
     and until it is applied the table keeps the old triggers. A table not created yet is Django's
     own unapplied-migrations notice.
     """
-    from pg_lease_django.fence_schema import FENCE_TRIGGER_VERSION, TRIGGER_NAMES, VERSION_COMMENT, FenceTrigger
+    from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION, TRIGGER_NAMES, VERSION_COMMENT, FenceTrigger
 
     warnings: list[checks.CheckMessage] = []
     fenced = [

@@ -1,6 +1,7 @@
 """The lease a job holds: ``hold()``, ``@leased`` and what runs them. Nothing here is imported eagerly.
 
-Modules, lowest first (each imports only those before it, and the package's root modules):
+Modules, lowest first (each imports only those before it, and the package's root modules below
+``holds/``; tests/test_import_graph.py checks it):
 
 - `context`: the holds active in this thread or task, and ``current_lease()`` (a leaf).
 - `lease`: `HeldLease`, the job's read-only view, and `Tenure`, the state its heartbeat and its
@@ -9,7 +10,9 @@ Modules, lowest first (each imports only those before it, and the package's root
   acquire / renew / release calls made on them.
 - `scheduler`: the process's one scheduler thread and its workers, which run every hold's renewals.
 - `heartbeat`: one hold's renewals, retries and bounded exit (`Heartbeat`).
-- `holding`: ``hold()`` and `Holding`, the sync and async context managers.
+- `session`: one hold from enter to exit: its options, checked once (`HoldOptions`), the acquire
+  that starts its heartbeat and the release that ends it (`HoldSession`).
+- `holding`: ``hold()`` and `Holding`, the sync and async context managers around a session.
 - `jobs`: ``@leased`` and ``exit_on_signals``.
 
 Users import these names from `pg_lease_django`.

@@ -1,7 +1,7 @@
 """The holds active in this thread or task, and `current_lease`: a leaf, importing nothing of the package.
 
 `pg_lease_django.holds.holding` pushes and pops the leases (`active`); FencedModel writes with no
-fence (`pg_lease_django.fence_resolution`) and ``current_lease()`` read them, without loading the
+fence (`pg_lease_django.fencing.resolution`) and ``current_lease()`` read them, without loading the
 machinery of a hold.
 """
 

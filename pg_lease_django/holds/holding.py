@@ -1,8 +1,10 @@
 """``hold()``: acquire on a lease connection (never the job's), renew from the process's scheduler, release on exit.
 
-`Holding` is what ``hold()`` returns (a context manager and a decorator); ``@leased`` builds on
-the same pieces (`pg_lease_django.holds.jobs`). Public names are re-exported by `pg_lease_django`;
-import them from there. See docs/jobs.md.
+`Holding` is what ``hold()`` returns (a context manager, sync and async, and a decorator): it
+runs one `HoldSession` (`pg_lease_django.holds.session`: the acquire and the release) per block,
+keeps its lease in this thread's or task's active holds, and copes with interrupts and
+cancellations around it. ``@leased`` builds on the same pieces (`pg_lease_django.holds.jobs`).
+Public names are re-exported by `pg_lease_django`; import them from there. See docs/jobs.md.
 """
 
 from __future__ import annotations
@@ -11,30 +13,24 @@ import asyncio
 import contextvars
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from contextvars import Token
-from dataclasses import dataclass
-from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 from asgiref.sync import iscoroutinefunction
-from django.db import router
 
-from pg_lease_django import conf, metrics, sigterm
-from pg_lease_django.exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
-from pg_lease_django.operations import Grant
-from pg_lease_django.owners import default_owner
-from pg_lease_django.signals import lease_acquired, lease_released, lease_skipped
-from pg_lease_django.validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
+from pg_lease_django import sigterm
+from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
+from pg_lease_django.signals import lease_skipped
+from pg_lease_django.validation import Seconds, check_name
 
-from .context import active, current_lease
-from .heartbeat import Heartbeat
-from .lease import HeldLease, OnLost, Tenure, send_lease_signal, send_robust
-from .lease_pool import InFlight, pool_for
+from .context import active
+from .lease import HeldLease, OnLost, send_robust
+from .lease_pool import InFlight
+from .session import HoldOptions, HoldSession
 
 # The documented logger of holds (docs/jobs.md), wherever their code lives.
 logger = logging.getLogger("pg_lease_django.jobs")
@@ -55,166 +51,6 @@ def _skipped(func: Callable[..., Any], holding: Holding, error: Exception) -> No
 def report_next_acquire_to(holding: Holding, call: InFlight) -> None:
     """Let another thread interrupt the next acquire of ``holding`` through ``call`` (`pg_lease_django.election`)."""
     holding._report_next_acquire_to(call)  # noqa: SLF001 (Holding is of this module; not a public method of it)
-
-
-@dataclass(frozen=True)
-class HoldOptions:
-    """The arguments of ``hold()`` / ``@leased`` but the key, checked once when the hold is made."""
-
-    ttl: timedelta
-    owner: str | None
-    blocking: bool
-    wait: timedelta | None  # the longest blocking wait; None: no bound
-    renew_every: timedelta | None
-    hold_at_least: timedelta | None
-    on_lost: OnLost | None
-    using: str | None
-    on_handoff: OnLost | None = None
-
-    @classmethod
-    def build(
-        cls,
-        ttl: Seconds,
-        owner: str | None,
-        blocking: bool,
-        timeout: Seconds | None,
-        renew_every: Seconds | None,
-        hold_at_least: Seconds | None,
-        on_lost: OnLost | None,
-        using: str | None,
-        on_handoff: OnLost | None = None,
-    ) -> HoldOptions:
-        ttl_delta = check_ttl(ttl)
-        if owner is not None:
-            check_name("owner", owner)
-        wait = check_wait(blocking, timeout)
-        every = None
-        if renew_every is not None:
-            every = to_timedelta("renew_every", renew_every, minimum=MIN_TTL, maximum=MAX_TTL)
-        at_least = None
-        if hold_at_least is not None:
-            at_least = to_timedelta("hold_at_least", hold_at_least, minimum=timedelta(0), maximum=MAX_TTL)
-        for name, callback in (("on_lost", on_lost), ("on_handoff", on_handoff)):
-            if callback is not None and not callable(callback):
-                raise InvalidInputError(f"{name} must be callable, not {type(callback).__name__}")
-        if using is not None and not isinstance(using, str):
-            raise InvalidInputError(f"using must be a database alias, not {type(using).__name__}")
-        return cls(ttl_delta, owner, blocking, wait, every, at_least, on_lost, using, on_handoff)
-
-
-class _Session:
-    """One acquisition: its heartbeat (renewals by the process's scheduler) and its HeldLease."""
-
-    def __init__(self, options: HoldOptions, key: str, acquiring: InFlight | None = None) -> None:
-        self.options = options
-        self.key = check_name("key", key)
-        self.lease: HeldLease | None = None
-        self.heartbeat: Heartbeat | None = None
-        #: The acquire, which another thread may interrupt (a cancelled task, ``Election.stop``).
-        self.acquiring = acquiring or InFlight()
-        self.told = False  # lease_released sent (or the hold ended lost): finish() has nothing left to do
-
-    def start(self) -> HeldLease:
-        from pg_lease_django.models import Lease
-
-        options = self.options
-        alias = options.using or router.db_for_write(Lease)
-        owner = options.owner or default_owner()
-        ttl = options.ttl.total_seconds()
-        trust_span = ttl * (1 - conf.safety_margin())
-        interval = options.renew_every.total_seconds() if options.renew_every is not None else ttl / 3
-        if interval >= trust_span:
-            raise InvalidInputError(
-                f"renew_every ({interval}s) must be shorter than the trust window ({trust_span:.3g}s: the ttl minus "
-                "PG_LEASE_SAFETY_MARGIN), or the holder would stop trusting itself before its first renewal",
-                key=self.key,
-                owner=owner,
-            )
-        if options.owner is None:
-            check_name("owner", owner)  # the generated identity (a given one was checked with the options)
-        enclosing = current_lease(self.key)
-        if enclosing is not None and enclosing.using == alias and not enclosing.lost:
-            # Not reentrant: the acquire would be refused by our own hold (or wait on it, blocking).
-            raise NotAcquirableError(
-                f"lease {self.key!r} is already held by an enclosing hold() in this thread or task (owner "
-                f"{enclosing.owner!r}, epoch {enclosing.epoch}): a hold is not reentrant; use that hold, "
-                f"e.g. current_lease({self.key!r})",
-                key=self.key,
-                owner=owner,
-                holder=enclosing.owner,
-                holder_epoch=enclosing.epoch,
-            )
-        pool = pool_for(alias, io_timeout=interval)
-        grant: Grant | None = None
-        heartbeat: Heartbeat | None = None
-        try:
-            with metrics.acquiring(self.key, options.blocking) as measured:
-                grant, sent_at = pool.acquire(
-                    self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait, call=self.acquiring
-                )
-                measured.granted(grant.epoch)
-            tenure = Tenure(
-                grant,
-                ttl=options.ttl,
-                sent_at=sent_at,
-                trust_span=trust_span,
-                on_lost=options.on_lost,
-                on_handoff=options.on_handoff,
-                using=alias,
-            )
-            lease = tenure.lease
-            heartbeat = Heartbeat(tenure, pool, ttl=options.ttl, interval=interval)
-            heartbeat.start()
-            self.lease, self.heartbeat = lease, heartbeat  # from here finish() stops it, whatever interrupts
-            logger.debug("acquired lease %r as %r at epoch %s", lease.key, lease.owner, lease.epoch)
-            # Inside the try: an interrupt here must stop the heartbeat, not leave it renewing.
-            send_lease_signal(lease_acquired, lease)
-            return lease  # also inside: an interrupt at any instruction before it is handled below
-        except BaseException as exc:
-            # Busy, timed out, or interrupted (a signal, a cancellation) before the hold was set up.
-            self.lease = self.heartbeat = None
-            if heartbeat is not None:
-                heartbeat.finish()
-            elif grant is not None:
-                try:
-                    pool.release(grant.key, grant.owner, grant.epoch, timeout=max(interval, 1.0))
-                except Exception:
-                    logger.warning("releasing lease %r after a failed start failed", self.key, exc_info=True)
-            elif not isinstance(exc, Exception):
-                # Interrupted (a signal) in or after the acquire, before its grant reached this frame
-                # (an attempt cut short is settled by the acquire itself): settle here too.
-                pool.settle(self.key, owner)
-            raise
-
-    def finish(self) -> None:
-        """Stop renewing; release (or keep until ``hold_at_least``) on a pooled lease connection.
-
-        Called again after an interrupt cut it short (`Holding.__exit__`), it completes what is left.
-        """
-        lease, heartbeat = self.lease, self.heartbeat
-        if lease is None or heartbeat is None:
-            return
-        if self.told:
-            heartbeat.finish()  # ended: only makes sure it is no longer registered with the scheduler
-            return
-        if heartbeat.pool.pid != os.getpid():
-            # A hold entered before a fork, left in the child: the lease is the parent's, which
-            # still renews and will release it. Nothing to release here, and nothing lost (the
-            # child's copy of the trust window was never renewed: no on_lost, lease_lost or log).
-            heartbeat.finish()
-            return
-        heartbeat.tenure.end()
-        keep_until = None
-        if self.options.hold_at_least is not None:
-            keep_until = heartbeat.tenure.granted_at + self.options.hold_at_least.total_seconds()
-        try:
-            heartbeat.finish(keep_until=keep_until)
-        finally:  # also when an interrupt goes on once the release is completed: the hold has ended
-            if heartbeat.ended and not self.told:
-                self.told = True
-                if not lease.lost:
-                    logger.debug("ended the hold of lease %r (%s)", lease.key, heartbeat.outcome)
-                    send_lease_signal(lease_released, lease, freed=heartbeat.outcome == "freed")
 
 
 #: Seconds between the cancel request of an acquire abandoned by a cancelled task and shutting its socket.
@@ -257,7 +93,7 @@ def _forget(lease: HeldLease) -> None:
         active.set(tuple(other for other in stack if other is not lease))
 
 
-def _abandoned_start(session: _Session, starting: asyncio.Future[HeldLease]) -> None:
+def _abandoned_start(session: HoldSession, starting: asyncio.Future[HeldLease]) -> None:
     # The awaiting task was cancelled while the lease was being acquired, and the interrupt came
     # too late: the hold was set up. Leave it (release) at once.
     if starting.cancelled() or starting.exception() is not None:
@@ -274,7 +110,7 @@ class Holding:
     def __init__(self, key: str, options: HoldOptions) -> None:
         self._key = key
         self._options = options
-        self._session: _Session | None = None
+        self._session: HoldSession | None = None
         self._token: Token[tuple[HeldLease, ...]] | None = None
         self._task: asyncio.Task[Any] | None = None
         self._cancelling = 0
@@ -290,18 +126,18 @@ class Holding:
     def _report_next_acquire_to(self, call: InFlight) -> None:
         self._acquiring = call
 
-    def _new_session(self) -> _Session:
+    def _new_session(self) -> HoldSession:
         if self._session is not None:
             raise RuntimeError("this hold() is already active: create one hold() per use")
-        self._session = _Session(self._options, self._key, self._acquiring)
+        self._session = HoldSession(self._options, self._key, self._acquiring)
         self._acquiring = None
         return self._session
 
-    def _push(self, session: _Session, lease: HeldLease) -> None:
+    def _push(self, session: HoldSession, lease: HeldLease) -> None:
         self._session = session
         self._token = active.set((*active.get(), lease))
 
-    def _pop(self) -> _Session:
+    def _pop(self) -> HoldSession:
         session, self._session = self._session, None
         if session is None:
             raise RuntimeError("this hold() is not active")

@@ -20,8 +20,9 @@ from typing import Any, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 from pg_lease_django.exceptions import InvalidInputError
 from pg_lease_django.validation import Seconds, check_name
 
-from .holding import Holding, HoldOptions, OnBusy, wrap
+from .holding import Holding, OnBusy, wrap
 from .lease import OnLost
+from .session import HoldOptions
 
 __all__ = ["exit_on_signals", "leased"]
 

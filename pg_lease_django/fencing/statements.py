@@ -17,9 +17,10 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Expression
 from django.db.models.sql.compiler import SQLCompiler
 
-from . import metrics, sql
-from .exceptions import REFUSED_WRITE_ERRORS, LeaseError
-from .fence_resolution import FenceToken
+from pg_lease_django import metrics, sql
+from pg_lease_django.exceptions import REFUSED_WRITE_ERRORS, LeaseError
+
+from .resolution import FenceToken
 
 
 class PresentFence(Expression):

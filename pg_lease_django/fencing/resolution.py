@@ -1,7 +1,9 @@
 """Which lease guards a write: the caller's fence, a queryset's, the lease held by ``hold()``, or an opt-out.
 
 Decided in Python, before any SQL is sent, by `resolve_fence` alone; the database checks the
-outcome again. Public names are re-exported by `pg_lease_django.fencing`.
+outcome again. Its public names are re-exported by `pg_lease_django.fencing`. It reads the holds of
+this thread or task from `pg_lease_django.holds.context` only, a leaf: fencing loads none of the
+machinery that holds leases.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from typing import Protocol
 
 from django.db import models
 
-from .exceptions import InvalidInputError, UnfencedWriteError
-from .holds.context import current_lease
-from .validation import check_epoch, check_name
+from pg_lease_django.exceptions import InvalidInputError, UnfencedWriteError
+from pg_lease_django.holds.context import current_lease
+from pg_lease_django.validation import check_epoch, check_name
 
 _unfenced_writes: ContextVar[bool] = ContextVar("pg_lease_unfenced_writes", default=False)
 

@@ -1,26 +1,12 @@
-"""FencedModel: rows the database refuses to write for a holder that lost its lease.
+"""FencedModel, its queryset and manager: every write presents the fence that guards it.
 
-The refusal happens in PostgreSQL, for every writer. Each fenced table carries triggers
-(`FenceTrigger`, installed by the migration ``makemigrations`` writes) that check, once per
-statement, every lease key the statement writes or removes against the fence its transaction
-presented with ``pg_lease_check_fence`` (see ``sql/schema.sql``). This module only presents
-the right fence in the right statement:
-
-- ``save()`` puts ``lease_epoch = (SELECT pg_lease_check_fence(key, owner, epoch))`` in its own
-  UPDATE or INSERT: one statement presents, checks and writes;
-- queryset ``update()``/``delete()`` put the same call in their WHERE clause (evaluated once,
-  before any row is read), so a stale fence is refused even when no row matches;
-- writes Django spreads over several statements (multi-table inheritance, cascades, bulk writes)
-  run in one transaction whose first statement presents the fence.
-
-A fence presented in a transaction locks its lease row FOR KEY SHARE until the transaction ends:
-the holder's renewals go on, a takeover or a release waits. Deliberately unfenced writes opt the
-transaction out with ``pg_lease_allow_unfenced()`` (which the database lets only granted roles do).
-
-This module is the public face (the model, its queryset and manager); the parts live beside it:
-``fence_resolution`` decides which fence guards a write, ``fence_statements`` carries it in SQL and
-turns refusals into exceptions, ``fence_schema`` holds the lease key column and the triggers.
-Users' code and migrations import every public name from here.
+The public face of `pg_lease_django.fencing` (which re-exports it): ``save()`` puts
+``lease_epoch = (SELECT pg_lease_check_fence(key, owner, epoch))`` in its own UPDATE or INSERT;
+queryset ``update()``/``delete()`` put the same call in their WHERE clause (evaluated once, before
+any row is read); writes Django spreads over several statements (multi-table inheritance,
+cascades, bulk writes) run in one transaction whose first statement presents the fence. Which
+fence that is, `resolution` decides; how it reaches SQL, `statements`; the tables' triggers that
+check it, `schema`.
 """
 
 from __future__ import annotations
@@ -36,24 +22,16 @@ from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
 from django.db import models, router
 from django.db.models.signals import class_prepared
 
-from .exceptions import InvalidInputError
-from .fence_resolution import Fence, FenceToken, QuerysetScope, queryset_fence, resolve_fence, unfenced_writes
-from .fence_schema import EPOCH_FIELD, KEY_FIELD, FenceTrigger, LeaseKeyField, add_fence_trigger
-from .fence_statements import FencePresented, PresentFence, in_one_transaction, refusals_raised
+from pg_lease_django.exceptions import InvalidInputError
+
+from .resolution import Fence, FenceToken, QuerysetScope, queryset_fence, resolve_fence
+from .schema import EPOCH_FIELD, KEY_FIELD, LeaseKeyField, add_fence_trigger
+from .statements import FencePresented, PresentFence, in_one_transaction, refusals_raised
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = [
-    "Fence",
-    "FenceTrigger",
-    "FencedManager",
-    "FencedModel",
-    "FencedQuerySet",
-    "LeaseKeyField",
-    "resolve_fence",
-    "unfenced_writes",
-]
+__all__ = ["FencedManager", "FencedModel", "FencedQuerySet"]
 
 _M = TypeVar("_M", bound=models.Model)
 

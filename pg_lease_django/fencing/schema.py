@@ -1,8 +1,8 @@
 """What a fenced table carries: its lease key column and the triggers that refuse stale writes.
 
 Both classes are written into users' migrations as ``pg_lease_django.fencing.LeaseKeyField`` and
-``pg_lease_django.fencing.FenceTrigger``; their ``deconstruct()`` keeps that path, so moving them
-here changes no migration.
+``pg_lease_django.fencing.FenceTrigger`` (the package re-exports them); their ``deconstruct()``
+keeps that path, so where they live changes no migration.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import models
 from django.db.models.constraints import BaseConstraint
 
-from . import sql
+from pg_lease_django import sql
 
 if TYPE_CHECKING:
     from django.db.backends.base.schema import BaseDatabaseSchemaEditor

@@ -1,0 +1,41 @@
+"""Fencing: rows the database refuses to write for a holder that lost its lease.
+
+The refusal happens in PostgreSQL, for every writer. Each fenced table carries triggers
+(`FenceTrigger`, installed by the migration ``makemigrations`` writes) that check, once per
+statement, every lease key the statement writes or removes against the fence its transaction
+presented with ``pg_lease_check_fence`` (see ``sql/schema.sql``). Python only presents the right
+fence in the right statement.
+
+A fence presented in a transaction locks its lease row FOR KEY SHARE until the transaction ends:
+the holder's renewals go on, a takeover or a release waits. Deliberately unfenced writes opt the
+transaction out with ``pg_lease_allow_unfenced()`` (which the database lets only granted roles do).
+
+The rooms, each importing only those before it:
+
+- `resolution`: which lease guards a write (`resolve_fence`, `unfenced_writes`); reads the holds
+  of this thread from `pg_lease_django.holds.context`, nothing else of ``holds/``;
+- `schema`: what a fenced table carries, `LeaseKeyField` and `FenceTrigger`;
+- `statements`: the fence inside Django's own statement, and the database's refusal as an error;
+- `model`: `FencedModel`, `FencedQuerySet`, `FencedManager`, the public face;
+- `admin`: `FencedModelAdmin` (re-exported by `pg_lease_django.admin`; not imported here).
+
+Users' code and migrations import every public name from this package: migrations record
+``pg_lease_django.fencing.LeaseKeyField`` and ``pg_lease_django.fencing.FenceTrigger``.
+"""
+
+from __future__ import annotations
+
+from .model import FencedManager, FencedModel, FencedQuerySet
+from .resolution import Fence, resolve_fence, unfenced_writes
+from .schema import FenceTrigger, LeaseKeyField
+
+__all__ = [
+    "Fence",
+    "FenceTrigger",
+    "FencedManager",
+    "FencedModel",
+    "FencedQuerySet",
+    "LeaseKeyField",
+    "resolve_fence",
+    "unfenced_writes",
+]

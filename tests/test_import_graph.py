@@ -1,0 +1,305 @@
+"""The package's import graph, read from the source: acyclic, and nothing low imports something high.
+
+Every module of pg_lease_django is parsed with `ast`; an import anywhere in it counts, the lazy ones
+inside functions included, and so does ``import_module("pg_lease_django....")``. Excepted: imports
+under ``if TYPE_CHECKING:`` (types only, never run) and model-registry lookups
+(``apps.get_model``), which import nothing. Importing ``a.b.c`` also runs ``a/__init__`` and
+``a/b/__init__``; those edges are not counted (``holds/__init__`` is kept empty for that reason,
+see `test_holds_package_module_imports_nothing`). The layers are docs/architecture.md's; a new module gets a place
+in `LAYERS` (and a row there). No database: these tests read the code only.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import pg_lease_django
+
+PACKAGE = Path(pg_lease_django.__file__).parent
+ROOT = "pg_lease_django"
+
+#: Cycles known when this test was written, to be removed by the issue named: none.
+KNOWN_CYCLES: list[set[str]] = []
+
+#: The rooms, lowest first: a module imports only modules of its own layer or of the layers below
+#: (within a layer, the graph being acyclic is the rule). Names are relative to pg_lease_django;
+#: an entry covers its submodules (``holds`` is every module of ``holds/``); ``__init__`` is the
+#: package's root module, which re-exports the public API and so sits on top.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("leaves", {"conf", "exceptions", "status", "owners", "signals", "tracing"}),
+    ("input rules, statements, SQL files", {"validation", "sql", "migrations", "sigterm", "metrics"}),
+    ("one call", {"commit_confirmation", "operations", "display"}),
+    ("the blocking wait", {"waiting"}),
+    ("the manager and the model", {"managers", "querysets", "models"}),
+    ("holding for a job", {"holds"}),
+    ("fencing", {"fencing"}),
+    ("leader election", {"election"}),
+    (
+        "operators",
+        {
+            "admin",
+            "admin_writes",
+            "history",
+            "timeline",
+            "watch",
+            "supervisor",
+            "management",
+            "views",
+            "metrics_db",
+            "privileges",
+            "patroni",
+        },
+    ),
+    ("set-up and users' tests", {"apps", "checks", "testing", "pytest_plugin", "__init__"}),
+]
+
+#: holds/, lowest first: each imports only those before it.
+HOLDS_ORDER = ["context", "lease", "lease_pool", "scheduler", "heartbeat", "session", "holding", "jobs"]
+
+#: fencing/, lowest first; the package's ``__init__`` re-exports the public face and not the admin.
+FENCING_ORDER = ["resolution", "schema", "statements", "model", "__init__", "admin"]
+
+#: What a module of the foundation may import: nothing above it (sql/, status, exceptions, validation).
+FOUNDATION = {"conf", "exceptions", "status", "validation", "sql", "sql.files"}
+
+#: The package's tools for users' own tests (the test runner, the pytest plugin): they may know of test runs.
+TEST_TOOLS = {"testing", "pytest_plugin"}
+
+
+def _name(path: Path) -> str:
+    """``path``'s module name relative to pg_lease_django (``holds.lease``; ``__init__`` for the root)."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def _modules() -> dict[str, Path]:
+    return {_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _absolute(name: str) -> str:
+    return ROOT if name == "__init__" else f"{ROOT}.{name}"
+
+
+def _relative(absolute: str) -> str | None:
+    """The package module ``absolute`` names (relative), or None when it is not one of ours."""
+    if absolute == ROOT:
+        return "__init__"
+    if absolute.startswith(f"{ROOT}."):
+        name = absolute.removeprefix(f"{ROOT}.")
+        return name if name in _modules() else None
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of ``tree`` but those only type checkers run (``if TYPE_CHECKING:`` bodies)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for other in node.orelse:
+                yield other
+                yield from _nodes(other)
+            continue
+        yield node
+        yield from _nodes(node)
+
+
+def _imported(name: str) -> set[str]:
+    """The absolute module names module ``name`` imports (``from m import x``: ``m.x`` when a module)."""
+    path = _modules()[name]
+    package = _absolute(name) if path.name == "__init__.py" else _absolute(name).rpartition(".")[0]
+    found: set[str] = set()
+    for node in _nodes(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                found.add(f"{module}.{alias.name}" if _relative(f"{module}.{alias.name}") else module)
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
+    return found
+
+
+@cache
+def _graph() -> dict[str, frozenset[str]]:
+    """Module → the package modules it imports (relative names), itself left out."""
+    graph = {}
+    for name in _modules():
+        targets = {_relative(module) for module in _imported(name)}
+        graph[name] = frozenset(target for target in targets if target is not None and target != name)
+    return graph
+
+
+def _cycles(graph: dict[str, frozenset[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def _layer(name: str) -> int | None:
+    """The index in `LAYERS` of module ``name``: its own entry, or its nearest package's."""
+    parts = name.split(".")
+    for size in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:size])
+        for number, (_, members) in enumerate(LAYERS):
+            if prefix in members:
+                return number
+    return None
+
+
+def test_the_graph_is_read_from_the_source() -> None:
+    """The reader sees what it must: lazy imports, relative ones, and not TYPE_CHECKING's."""
+    graph = _graph()
+    assert "fencing.resolution" in graph["fencing.statements"]  # from .resolution import ...
+    assert "models" in graph["holds.session"]  # lazy, inside HoldSession.start
+    assert "fencing" in graph["checks.models"]  # lazy, inside the checks
+    assert "migrations.0001_baseline" in graph["checks.database"]  # import_module("...")
+    assert "holds.lease" not in graph["holds.context"]  # only under TYPE_CHECKING there
+
+
+def test_the_import_graph_is_acyclic() -> None:
+    cycles = [cycle for cycle in _cycles(_graph()) if cycle not in KNOWN_CYCLES]
+    assert not cycles, f"import cycles (lazy imports count): {cycles}"
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(name for name in _modules() if _layer(name) is None)
+    assert not unplaced, f"place these modules in LAYERS (and in docs/architecture.md's map): {unplaced}"
+
+
+def test_nothing_low_imports_something_high() -> None:
+    upward = []
+    for name, targets in sorted(_graph().items()):
+        layer = _layer(name)
+        for target in sorted(targets):
+            target_layer = _layer(target)
+            if layer is not None and target_layer is not None and target_layer > layer:
+                upward.append(f"{name} ({LAYERS[layer][0]}) imports {target} ({LAYERS[target_layer][0]})")
+    assert not upward, "\n".join(upward)
+
+
+@pytest.mark.parametrize(("package", "order"), [("holds", HOLDS_ORDER), ("fencing", FENCING_ORDER)])
+def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
+    """holds/: context → lease → lease_pool → scheduler → heartbeat → session → holding → jobs;
+    fencing/: resolution → schema → statements → model → the package → its admin."""
+    members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
+    position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}
+    if package == "holds":
+        position[package] = -1  # holds/__init__ imports nothing: below everything it holds
+    assert members == set(position), f"list every module of {package}/ in its order"
+    backward = [
+        f"{name} imports {target}"
+        for name in sorted(members)
+        for target in sorted(_graph()[name] & members)
+        if position[target] >= position[name]
+    ]
+    assert not backward, backward
+
+
+def test_holds_package_module_imports_nothing() -> None:
+    """``holds/__init__`` imports nothing, so that importing ``holds.context`` loads no more of it."""
+    assert _graph()["holds"] == frozenset()
+
+
+def test_fencing_reads_only_the_context_of_holds() -> None:
+    """Resolving a fence needs the holds of this thread, never the machinery that holds leases."""
+    reads = {target for name in _graph() if name.startswith("fencing") for target in _graph()[name]}
+    assert {target for target in reads if target.startswith("holds")} == {"holds.context"}
+    assert _graph()["fencing.resolution"] <= {"exceptions", "validation", "holds.context"}
+
+
+@pytest.mark.parametrize("name", sorted(FOUNDATION))
+def test_the_foundation_imports_nothing_above_it(name: str) -> None:
+    """sql/, status, exceptions and validation (and the settings they read) import only each other."""
+    assert _graph()[name] <= FOUNDATION - {name}, sorted(_graph()[name] - FOUNDATION)
+
+
+def test_no_module_imports_the_tests() -> None:
+    importing = {
+        name: sorted(module for module in _imported(name) if module == "tests" or module.startswith("tests."))
+        for name in _modules()
+    }
+    assert not {name: modules for name, modules in importing.items() if modules}
+
+
+#: Ways production code could tell a test run: Django's test mail outbox, pytest's variables and modules.
+_TEST_RUN_TELLS = {"outbox", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "pytest", "_pytest", "unittest"}
+
+
+def test_no_module_detects_a_test_run() -> None:
+    """Only the tools for users' tests (`TEST_TOOLS`) may know of test runs; the rest behaves the same
+    in a test as in production (the test runner and the pytest plugin close lease connections)."""
+    detecting = {}
+    for name, path in _modules().items():
+        if name in TEST_TOOLS:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tells = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in _TEST_RUN_TELLS:
+                tells.add(f"attribute {node.attr}")
+            elif isinstance(node, ast.Constant) and node.value in _TEST_RUN_TELLS:
+                tells.add(f"string {node.value!r}")
+        tells.update(f"import {module}" for module in _imported(name) if module.partition(".")[0] in _TEST_RUN_TELLS)
+        if tells:
+            detecting[name] = sorted(tells)
+    assert not detecting, detecting
