@@ -92,7 +92,7 @@ class CallerCommitWatch:
     of the COMMIT count (a trigger's ``RAISE WARNING`` in a statement does not); an ``on_commit`` hook
     raises `UnconfirmedCommitError` out of the caller's ``atomic()`` when there is one. Like any
     failing hook, it keeps the hooks registered after it from running: the transaction may be lost.
-    One watch per transaction; a rolled-back transaction's is dropped by the next call.
+    One watch per transaction; a rolled-back transaction's is dropped by the next statement.
     """
 
     def __init__(self, connection: BaseDatabaseWrapper, raw: Any) -> None:
@@ -101,10 +101,17 @@ class CallerCommitWatch:
         connection.execute_wrappers.append(self.forget_statement_notices)
 
     def forget_statement_notices(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
+        if not self.watching():  # rolled back: its hook was dropped, nothing would remove this wrapper
+            self.end()
+            return execute(sql, params, many, context)
         try:
             return execute(sql, params, many, context)
         finally:
             self.notices.seen.clear()
+
+    def watching(self) -> bool:
+        """Whether the transaction may still commit: it is open, or its hooks, ours among them, are running."""
+        return self.connection.in_atomic_block or any(entry[1] == self.check for entry in self.connection.run_on_commit)
 
     def end(self) -> None:
         self.notices.remove()

@@ -23,9 +23,24 @@ connection = connections[DEFAULT_DB_ALIAS]
 
 
 def test_nothing_watching_takes_the_direct_path() -> None:
-    connection.ensure_connection()
+    with connection.cursor() as cursor:  # a statement: it drops the watch a rolled-back test left
+        cursor.execute("SELECT 1")
     assert operations._unwatched(connection)
     assert operations._loads_in_django_time_zone(connection)
+
+
+def test_a_rolled_back_transaction_leaves_no_watch_on_the_connection(key: str) -> None:
+    """Inside atomic() a lease call watches the caller's COMMIT with an execute wrapper; a rollback
+    drops the hook that would remove it, so the wrapper removes itself at the next statement instead
+    of slowing every statement of the connection until the next lease call."""
+    with pytest.raises(RuntimeError), transaction.atomic():
+        Lease.objects.acquire(key, "w1", 30)
+        assert not operations._unwatched(connection), "the caller's COMMIT is watched"
+        raise RuntimeError
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    assert connection.execute_wrappers == []
+    assert operations._unwatched(connection)
 
 
 def test_an_execute_wrapper_sees_every_lease_call(key: str) -> None:
