@@ -48,7 +48,7 @@ __all__ = ["Election", "aelect", "current_election", "elect"]
 logger = logging.getLogger(__name__)
 
 #: Seconds between the cancel request of a campaign attempt interrupted by `Election.stop` and
-#: shutting its socket (the attempt is settled on the server either way: `waiting.settle`).
+#: shutting its socket (the attempt is settled on the server either way: `settling.settle`).
 _INTERRUPT_GRACE = 1.0
 
 _current: ContextVar[Election | None] = ContextVar("pg_lease_current_election", default=None)

@@ -13,7 +13,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import operations, waiting
+from . import operations, settling, waiting
 from .exceptions import InvalidInputError
 from .operations import EpochAdvance, Grant, HandoffRequest, LeaseState
 from .sql import NOTIFY_CHANNEL
@@ -92,7 +92,7 @@ class LeaseManager(models.Manager["Lease"]):
         """
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         if not blocking:
-            return waiting.acquire_once(self._connection(), key, owner, ttl_delta)
+            return settling.acquire_once(self._connection(), key, owner, ttl_delta)
         return waiting.wait_and_acquire(self._connection(), key, owner, ttl_delta, wait)
 
     @staticmethod
@@ -133,7 +133,7 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("key", key)
         check_name("owner", owner)
         check_epoch(epoch)
-        waiting.release_once(self._connection(), key, owner, epoch)
+        settling.release_once(self._connection(), key, owner, epoch)
 
     def inspect(self, key: str) -> LeaseState:
         """Return the state of ``key`` at the server clock (lazy expiry). Never raises for an unknown key.
@@ -263,7 +263,7 @@ class LeaseManager(models.Manager["Lease"]):
         """
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         if not blocking:
-            return await waiting.aacquire_once(self._connection, key, owner, ttl_delta)
+            return await settling.aacquire_once(self._connection, key, owner, ttl_delta)
         return await waiting.await_and_acquire(self._connection, key, owner, ttl_delta, wait)
 
     async def arenew(self, key: str, owner: str, epoch: int, ttl: Seconds) -> datetime:

@@ -1,27 +1,21 @@
-"""The wait of a blocking acquire: attempt, and after a refusal wait for a release, the holder's expiry or a poll.
+"""The blocking acquire's two drivers: `wait_plan` run on the caller's Django connection, and on the event loop.
 
 Nothing here is public API: ``acquire(blocking=True)``, ``aacquire(blocking=True)`` and
-``hold(blocking=True)`` are (see docs/blocking.md). Between attempts no transaction or snapshot is
-held (outside ``atomic()``), and a refused attempt takes no lock.
-
-A waiter outside a transaction that loses its connection (the server crashed, a failover) reconnects
-and goes on waiting: through a multi-host ``HOST`` with ``target_session_attrs=read-write`` that is
-the promoted server, where it LISTENs and registers again with its next attempt. It keeps trying for
-`REJOIN_WITHIN` seconds of lost connection at most, never past its deadline, then raises the
-connection error (``django.db.OperationalError``). When the connection was lost during an attempt,
-that attempt may have been granted unseen: the waiter first reads the key on its new connection
-(`_nothing_granted`), goes on only if the key's epoch is still the one its last refused attempt
-saw (no grant since, its own included), and otherwise raises ``OperationalError``: outcome unknown,
-as for any lost call. So a call returns at most one grant, the one it was told of.
+``hold(blocking=True)`` are (see docs/blocking.md). What to do next and when to give up is
+`wait_plan`'s, written once; here is only how each step is done. An attempt is one statement
+(``pg_lease_acquire``, or ``pg_lease_acquire_or_register`` when the waiter LISTENs for releases);
+a pause waits for a notification or the time; a lost connection is dropped and opened again.
+Between attempts no transaction or snapshot is held (outside ``atomic()``), and a refused attempt
+takes no lock. An attempt interrupted in flight is settled (`settling.settle`) before the
+interruption goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import aclosing, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,374 +29,11 @@ from django.db.utils import DatabaseErrorWrapper
 from psycopg.sql import SQL, Identifier
 
 from . import conf, operations, sql
-from .exceptions import LeaseLostError, LeaseTimeoutError
 from .operations import Attempt, Grant
-from .validation import MAX_WAIT, describe_seconds
+from .settling import abandon_statement, attempt_backend, commits_on_its_own, granted_unseen, settle
+from .wait_plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
 
-# The logger these warnings were always logged under: the manager's, whose calls they are part of.
-logger = logging.getLogger("pg_lease_django.managers")
-
-#: Seconds a waiter whose connection was lost keeps trying to get one back (never past its own
-#: deadline) before it raises the connection error: time for a failover manager to promote a standby.
-REJOIN_WITHIN = 60.0
-#: Pauses before the successive reconnection attempts of a waiter: the first at once, then backing off.
-REJOIN_PAUSES = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0)
-
-
-class _Rejoin:
-    """How a waiter outside a transaction gets back a lost connection: when it tries, when it gives up."""
-
-    def __init__(self, key: str, deadline: float | None) -> None:
-        self.key = key
-        self.deadline = deadline
-        self.since: float | None = None  # time.monotonic() when the connection was lost; None: not lost
-        self.tries = 0
-        self.answered_once = False
-
-    def pause(self, error: BaseException) -> float | None:
-        """Seconds to wait before reconnecting after ``error``; None: give up (raise it).
-
-        Only a connection that answered an attempt of this wait is rejoined: one that never could
-        (a server down, wrong settings) fails the call at once, as any other call.
-        """
-        if not self.answered_once:
-            return None
-        now = time.monotonic()
-        if self.since is None:
-            self.since = now
-            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            logger.warning("blocking acquire of %r lost its connection (%s): reconnecting", self.key, cause)
-        limit = self.since + REJOIN_WITHIN
-        if self.deadline is not None:
-            limit = min(limit, self.deadline)
-        if now >= limit:
-            return None
-        pause = REJOIN_PAUSES[min(self.tries, len(REJOIN_PAUSES) - 1)]
-        self.tries += 1
-        return min(pause, limit - now)
-
-    def answered(self) -> None:
-        """An attempt got its answer: the connection is back (or was never lost)."""
-        self.answered_once = True
-        if self.since is not None:
-            logger.info(
-                "blocking acquire of %r reconnected after %.1f s: waiting on", self.key, time.monotonic() - self.since
-            )
-            self.since, self.tries = None, 0
-
-
-@dataclass
-class _Session:
-    """One connection's stretch of a wait; ``lost``: it ended because the connection was lost;
-    ``attempting``: an attempt was in flight then (its outcome unknown)."""
-
-    lost: bool = False
-    attempting: bool = False
-
-
-def _nothing_granted(key: str, refused: Attempt, epoch: int, lost: BaseException) -> None:
-    """Go on after losing the connection during an attempt only if ``key`` is still at the epoch of
-    the last refused attempt: every grant raises the epoch, so the lost attempt granted nothing.
-    Otherwise raise OperationalError: the lost attempt's outcome is unknown."""
-    if epoch == refused.epoch:
-        return
-    raise OperationalError(
-        f"blocking acquire of {key!r}: the connection was lost during an attempt, and the lease has changed "
-        f"since (epoch {refused.epoch} -> {epoch}): the attempt's outcome is unknown ({lost})"
-    ) from lost
-
-
-# ---- an attempt interrupted in flight: its outcome is unknown until settled ------------------------
-
-#: Seconds `settle` waits for an interrupted attempt's statement to end on the server.
-SETTLE_WITHIN = 5.0
-# Cancels the interrupted attempt from another session while it still runs (its own client may no
-# longer be able to: a shut socket, a cancel request that arrived before the statement did), and
-# says whether it still does. Only a lease statement: behind PgBouncer the pid is not a server's.
-_CANCEL_ATTEMPT = (
-    "SELECT pg_catalog.pg_cancel_backend(pid) FROM pg_catalog.pg_stat_activity"
-    " WHERE pid = %s AND state = 'active' AND query LIKE '%%pg_lease_acquire%%'"
-)
-
-
-def attempt_backend(connection: BaseDatabaseWrapper) -> int:
-    """The server process the next attempt on ``connection`` runs in (connecting it if need be)."""
-    connection.ensure_connection()
-    return int(connection.connection.info.backend_pid)
-
-
-def _autocommit(connection: BaseDatabaseWrapper) -> bool:
-    """Whether a call's statements commit on their own: then an interrupted one is settled here;
-    inside the caller's transaction, that transaction owns it."""
-    return connection.get_autocommit() and not connection.in_atomic_block
-
-
-def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
-    """One non-blocking attempt (`Lease.objects.acquire`); interrupted in flight, it is settled.
-
-    A signal, ``SystemExit`` or any other interruption that is not an error of the call leaves a
-    statement that may still run on the server (psycopg cancels only on its own interrupts):
-    outside a transaction it is cancelled and a grant it made is released, as for every attempt
-    (`settle`). Inside one, the caller's transaction owns the attempt.
-    """
-    own = _autocommit(connection)
-    backend = attempt_backend(connection) if own else None
-    try:
-        return operations.acquire(connection, key, owner, ttl)
-    except Exception:
-        raise  # the server answered (a refusal, a bad argument) or the connection is lost: reported
-    except BaseException:
-        if backend is not None:
-            settle(connection, key, owner, backend)
-        raise
-
-
-async def aacquire_once(
-    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta
-) -> Grant | None:
-    """`acquire_once` for the event loop (`Lease.objects.aacquire` without ``blocking``).
-
-    The statement runs in Django's thread for sync code (``sync_to_async``), on the caller's
-    connection, as Django's async ORM runs its own. A thread cannot be cancelled: when the task is
-    cancelled (``asyncio.timeout`` too) while the statement runs outside a transaction, the statement
-    is cancelled on the server (psycopg's ``cancel_safe``, again until its thread has returned), and
-    a grant it had committed is released, before the cancellation goes on. A second cancellation
-    cuts that short. Inside a transaction the attempt is the transaction's: it finishes in its thread.
-    """
-    started: list[Any] = []  # the psycopg connection the attempt runs on; None: in a transaction
-    abandoned = False
-
-    def attempt() -> Grant | None:
-        if abandoned:
-            return None  # cancelled before it was sent
-        connection = connection_of()
-        if not _autocommit(connection):
-            started.append(None)
-            return operations.acquire(connection, key, owner, ttl)
-        attempt_backend(connection)
-        started.append(connection.connection)
-        return acquire_once(connection, key, owner, ttl)
-
-    running = asyncio.ensure_future(sync_to_async(attempt)())
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        abandoned = True
-        loop = asyncio.get_running_loop()
-        while not running.done() and None not in started:
-            if started:
-                await loop.run_in_executor(None, _cancel_statement, started[0])
-            await asyncio.wait({running}, timeout=0.05)
-        if running.done() and not running.cancelled() and running.exception() is None:
-            grant = running.result()
-            if grant is not None:
-                await sync_to_async(_give_back)(connection_of, grant)
-        raise
-
-
-def _cancel_statement(raw: Any) -> None:
-    # A cancel request that arrives while the session is idle is ignored by the server.
-    with suppress(Exception):
-        raw.cancel_safe(timeout=SETTLE_WITHIN)
-
-
-def _give_back(connection_of: Callable[[], BaseDatabaseWrapper], grant: Grant) -> None:
-    try:
-        release_once(connection_of(), grant.key, grant.owner, grant.epoch)
-    except Exception:
-        logger.warning("releasing the grant of a cancelled acquire of %r failed", grant.key, exc_info=True)
-    else:
-        logger.warning("a cancelled acquire of %r had been granted (epoch %s): released it", grant.key, grant.epoch)
-
-
-def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
-    """A release (`Lease.objects.release`); interrupted before it took effect, it is completed.
-
-    An interruption landing before the release commits would leave the lease held, for up to its
-    TTL, by an owner that is leaving. Outside a transaction it is completed (`complete_release`)
-    before the interruption goes on. Inside one, the caller's transaction owns it.
-    """
-    own = _autocommit(connection)
-    try:
-        operations.release(connection, key, owner, epoch)
-    except Exception:
-        raise  # the server answered (a refusal) or the connection is lost: reported
-    except BaseException:
-        if own:
-            complete_release(connection, key, owner, epoch)
-        raise
-
-
-def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
-    """After a release of ``(owner, epoch)`` was interrupted (a signal, KeyboardInterrupt, SystemExit):
-    send it again on a fresh session of ``connection``, before the interruption goes on.
-
-    The rule for every interrupted release (`Lease.objects.release`, the exit of ``hold()``): the
-    owner is leaving, its lease must not wait for its TTL. A statement still running is cancelled
-    and the connection closed; the release is sent on a new session (Django reconnects) in a
-    transaction of its own that waits `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``).
-    A release that had committed answers not_owner, which is fine. ``connection`` is left closed
-    or in autocommit, outside a transaction. Never raises an Exception: a failure is logged (the
-    lease then lapses at its TTL). A second interruption starts it over (`to_the_end`).
-    """
-    to_the_end(functools.partial(_complete_release, connection, key, owner, epoch))
-
-
-def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
-    try:
-        _abandon_statement(connection)
-        connection.close()
-        _release_within(connection, key, owner, epoch)  # released by the interrupted call, or lapsed: fine
-    except Exception:
-        logger.warning("completing an interrupted release of %r failed; it lapses at its TTL", key, exc_info=True)
-        _drop(connection)
-    except BaseException:
-        _drop(connection)  # interrupted again: no transaction left open (Django reconnects in autocommit)
-        raise
-
-
-def _release_within(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
-    """Release ``(owner, epoch)`` in a transaction of its own on ``connection`` that waits
-    `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``); a lease no longer held is no error.
-    A transaction on this very connection (not `transaction.atomic`, which takes the alias's
-    connection of this thread: for a lease connection of hold() that is another one)."""
-    connection.set_autocommit(False)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
-    with suppress(LeaseLostError):
-        operations.release(connection, key, owner, epoch)
-    connection.commit()
-    connection.set_autocommit(True)
-
-
-def _drop(connection: BaseDatabaseWrapper) -> None:
-    with suppress(Exception):
-        connection.close()
-
-
-def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
-    """After an attempt of ``owner`` was interrupted in flight: make sure it granted nothing that stays.
-
-    The one rule for every interruption (a signal, KeyboardInterrupt, SystemExit, a cancelled task,
-    ``Election.stop``): the attempt's statement is cancelled on the server and waited out (up to
-    `SETTLE_WITHIN` s), then, if it committed a grant nobody received, that grant is released. (A
-    lost connection is not settled: a waiter reports it, see `_nothing_granted`.)
-    ``backend_pid``: the server process the attempt ran in (None: nothing to wait out).
-    ``connection`` must be in autocommit; it is closed first, so the settling runs in a fresh
-    session (Django reconnects). Never raises an Exception: a failure is logged (the grant, if
-    any, then lapses after its TTL), and the interruption goes on. A second interruption starts it
-    over (`to_the_end`).
-    """
-    to_the_end(functools.partial(_settle_on_fresh_session, connection, key, owner, backend_pid))
-
-
-#: How many times a second interruption (and a third, ...) starts the settling over before it goes on.
-SETTLE_RESTARTS = 3
-
-
-def to_the_end(settling: Callable[[], None]) -> None:
-    """Run ``settling`` (`settle`, `complete_release`: each starts by abandoning what runs, so it can
-    start over) to its end although interrupted again: a second signal whose handler raises, a
-    second KeyboardInterrupt (psycopg cancels the statement it cuts short).
-
-    Each interruption of the settling starts it over, up to `SETTLE_RESTARTS` times; the last one is
-    raised once the settling has ended (its context is the first interruption, which the caller
-    would have raised), or at once after `SETTLE_RESTARTS` restarts (what was settling is then left
-    to lapse at its TTL).
-    """
-    again: BaseException | None = None
-    for restart in range(SETTLE_RESTARTS + 1):
-        try:
-            settling()
-        except Exception:
-            raise  # pragma: no cover - the settlings catch and log their errors
-        except BaseException as exc:
-            again = exc
-            if restart == SETTLE_RESTARTS:
-                break
-            logger.warning("interrupted again while settling an interrupted lease call: starting over")
-            continue
-        break
-    if again is not None:
-        raise again
-
-
-def _settle_on_fresh_session(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
-    try:
-        _abandon_statement(connection)
-        connection.close()
-        _settle(connection, key, owner, backend_pid)
-    except Exception:
-        logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
-        _drop(connection)  # no transaction left open (Django reconnects in autocommit)
-    except BaseException:
-        _drop(connection)  # interrupted again: no statement left running on it
-        raise
-
-
-def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
-    if backend_pid is not None:
-        deadline = time.monotonic() + SETTLE_WITHIN
-        try:
-            with connection.cursor() as cursor:
-                while time.monotonic() < deadline:
-                    cursor.execute(_CANCEL_ATTEMPT, [backend_pid])
-                    if cursor.fetchone() is None:
-                        break
-                    time.sleep(0.01)
-        except Exception:  # not allowed to signal it (another role): read the key all the same
-            logger.warning("cancelling an interrupted acquire of %r on the server failed", key, exc_info=True)
-    state = operations.inspect(connection, key)
-    if _granted_unseen(state.status, state.owner, owner):
-        _release_within(connection, key, owner, state.epoch)  # lapsed or taken meanwhile: nothing to give back
-        logger.warning("an interrupted acquire of %r had been granted (epoch %s): released it", key, state.epoch)
-
-
-def _granted_unseen(status: str, holder: str | None, owner: str) -> bool:
-    # Owners are unique among concurrent clients (hold()'s default is unique per hold): a lease
-    # held by this owner after an interrupted attempt is that attempt's grant.
-    return status == "held" and holder == owner
-
-
-async def asettle(conn: psycopg.AsyncConnection[Any], own: _OwnWait, key: str, owner: str) -> None:
-    """`settle` on an async waiter's own connection, after psycopg has cancelled and read out the attempt."""
-    row = await (await conn.execute(own.inspect, [key])).fetchone()
-    assert row is not None
-    _key, status, holder, epoch, _expires_at, _server_time = row
-    if _granted_unseen(status, holder, owner):
-        outcome = (await (await conn.execute(own.release, [key, owner, epoch])).fetchone() or ("?",))[0]
-        logger.warning("an interrupted acquire of %r had been granted (epoch %s): release %s", key, epoch, outcome)
-
-
-def pause_after_refusal(
-    key: str, owner: str, refused: Attempt, wait: timedelta | None, deadline: float | None
-) -> float:
-    """Seconds a waiter sleeps after the refused attempt; LeaseTimeoutError once past ``deadline``.
-
-    Until the holder's expiry (server clock), a poll interval, or the deadline (``time.monotonic()``).
-    """
-    now = time.monotonic()
-    if deadline is not None and now >= deadline:
-        waited = describe_seconds(wait) if wait is not None else "the wait"
-        raise LeaseTimeoutError(
-            f"lease {key!r} still held by {refused.owner!r} after waiting {waited}", key=key, owner=owner
-        )
-    pause: float = min(max((refused.expires_at - refused.server_time).total_seconds(), 0.0), conf.poll_interval())
-    if deadline is not None:
-        pause = min(pause, deadline - now)
-    return pause
-
-
-def retry_within(deadline: float | None) -> timedelta:
-    """The longest a waiter sleeps before its next attempt (unless woken): what it registers for.
-
-    The poll interval, or less when the deadline (``time.monotonic()``) comes sooner; the holder's
-    expiry, the other bound, the server knows from the attempt itself.
-    """
-    seconds = conf.poll_interval()
-    if deadline is not None:
-        seconds = min(seconds, deadline - time.monotonic())
-    return min(timedelta(seconds=max(seconds, 0.0)), MAX_WAIT)
+logger = logging.getLogger(__name__)
 
 
 def wait_and_acquire(
@@ -422,97 +53,110 @@ def wait_and_acquire(
     cut off by a shut socket is settled too, not reported as lost). Inside ``atomic()`` LISTEN would
     only start at commit, so it polls. A waiter that LISTENs registers with each refused attempt
     (``ACQUIRE_OR_REGISTER``): releases notify only then. Outside a transaction a lost connection is
-    reopened (`_Rejoin`), LISTEN included.
+    reopened, LISTEN included.
     """
-    deadline = None if wait is None else time.monotonic() + wait.total_seconds()
     # LISTEN inside a transaction takes effect only at its commit: inside atomic() (or with
-    # autocommit off) a waiter could never hear a release, so it polls.
-    autocommit = _autocommit(connection)
-    listen = conf.listen_enabled() and autocommit
-    # Outside a transaction a lost connection loses nothing but the attempt in flight: reconnect
-    # (Django's next cursor does) and go on, once sure that attempt granted nothing. Inside one,
-    # the transaction is gone: raise.
-    rejoin = _Rejoin(key, deadline) if autocommit else None
-    pending: list[int] = []  # the server process of the attempt in flight, until it is answered
-    granted: list[Grant] = []  # a grant answered but not yet returned (UNLISTEN still to send)
+    # autocommit off) a waiter could never hear a release, so it polls. Outside a transaction a
+    # lost connection loses nothing but the attempt in flight: reconnect (Django's next cursor
+    # does) and go on, once sure that attempt granted nothing. Inside one, the transaction is gone.
+    own_commit = commits_on_its_own(connection)
+    waiter = _Waiter(connection, key, owner, ttl, listen=conf.listen_enabled() and own_commit, interrupted=interrupted)
     try:
-        return _wait_and_acquire(
-            connection, key, owner, ttl, wait, deadline, listen, rejoin, before_attempt, interrupted, pending, granted
-        )
+        return waiter.run(wait_plan(key, owner, wait, rejoin=own_commit), before_attempt)
     except BaseException:
         # An attempt whose answer never came (interrupted, cancelled) may have committed a grant,
         # and a grant answered but not returned (interrupted while leaving LISTEN) is nobody's:
         # settle either before the exception goes on. Inside a transaction the attempt went with
-        # it; a lost connection is the rejoin's to report (`_nothing_granted`): nothing to settle.
-        if autocommit and (pending or granted):
-            settle(connection, key, owner, pending[-1] if pending else None)
+        # it; a lost connection is the plan's to report: nothing to settle.
+        if own_commit and (waiter.in_flight is not None or waiter.granted is not None):
+            settle(connection, key, owner, waiter.in_flight)
         raise
 
 
-def _wait_and_acquire(
-    connection: BaseDatabaseWrapper,
-    key: str,
-    owner: str,
-    ttl: timedelta,
-    wait: timedelta | None,
-    deadline: float | None,
-    listen: bool,
-    rejoin: _Rejoin | None,
-    before_attempt: Callable[[], object] | None,
-    interrupted: Callable[[], bool] | None,
-    pending: list[int],
-    granted: list[Grant],
-) -> Grant:
-    refused: Attempt | None = None  # the last refused attempt
-    unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
-    while True:
-        session = _Session()
+class _Waiter:
+    """Runs a `wait_plan` on a Django connection, one session (a LISTEN) per connection."""
+
+    def __init__(
+        self,
+        connection: BaseDatabaseWrapper,
+        key: str,
+        owner: str,
+        ttl: timedelta,
+        *,
+        listen: bool,
+        interrupted: Callable[[], bool] | None,
+    ) -> None:
+        self.connection, self.key, self.owner, self.ttl = connection, key, owner, ttl
+        self.listen = listen
+        self.interrupted = interrupted
+        self.in_flight: int | None = None  # the server process of the attempt sent, until answered
+        self.sent = False  # the current step's statement was sent
+        self.granted: Grant | None = None  # answered, not yet returned (UNLISTEN still to send)
+
+    def run(self, plan: Generator[Step, Any, Grant], before_attempt: Callable[[], object] | None) -> Grant:
+        step = self._next(plan, None)
+        while True:
+            session = _Session()
+            try:
+                with _listening(self.connection, self.listen, session):
+                    while not isinstance(step, Granted | Reconnect):
+                        step = self._next(plan, self._do(step, before_attempt))
+            except (OperationalError, InterfaceError) as exc:
+                if not session.lost:
+                    raise
+                step = self._next(plan, Lost(exc, sent=self.sent))
+            if isinstance(step, Granted):
+                return step.grant
+            if isinstance(step, Reconnect):
+                with suppress(Exception):
+                    self.connection.close()  # already closed by _listening; the next cursor reconnects
+                time.sleep(step.seconds)
+                step = self._next(plan, None)
+
+    def _next(self, plan: Generator[Step, Any, Grant], answer: Any) -> Step | Granted:
         try:
-            with _listening(connection, listen, session):
-                if unsure is not None and refused is not None:
-                    epoch = operations.inspect(connection, key).epoch
-                    if epoch != refused.epoch:
-                        pending.clear()  # the lost attempt's outcome is reported (raised), not settled
-                    _nothing_granted(key, refused, epoch, unsure)
-                    unsure = None
-                while True:
-                    if before_attempt is not None:
-                        before_attempt()
-                    pending[:] = [attempt_backend(connection)]
-                    session.attempting = True
-                    if listen:
-                        tried = operations.attempt_or_register(connection, key, owner, ttl, retry_within(deadline))
-                    else:
-                        tried = operations.attempt(connection, key, owner, ttl)
-                    session.attempting = False
-                    pending.clear()
-                    if rejoin is not None:
-                        rejoin.answered()
-                    grant = tried.grant(key)
-                    if grant is not None:
-                        granted.append(grant)
-                        return grant
-                    refused = tried
-                    pause = pause_after_refusal(key, owner, tried, wait, deadline)
-                    if listen:
-                        _wait_for_release(connection, key, pause)
-                    else:
-                        time.sleep(pause)
-        except (OperationalError, InterfaceError) as exc:
-            if rejoin is None or not session.lost:
-                raise
-            rejoining = rejoin.pause(exc)
-            if rejoining is None:
-                # A connection that stays lost: no server to settle on; its last attempt's outcome
-                # is unknown, as for any lost call (OperationalError). Unless an interrupt shut it.
-                if interrupted is None or not interrupted():
-                    pending.clear()
-                raise
-            if session.attempting:
-                unsure = exc
-        with suppress(Exception):
-            connection.close()  # already closed by _listening; makes sure the next cursor reconnects
-        time.sleep(rejoining)
+            step = advance(plan, answer)
+        except BaseException:
+            # The plan raised (timeout, or a lost connection given up, or a lost attempt whose outcome
+            # is unknown): a lost attempt is reported, not settled; unless an interrupt shut its socket.
+            if not (isinstance(answer, Lost) and self.interrupted is not None and self.interrupted()):
+                self.in_flight = None
+            raise
+        if isinstance(step, Granted):
+            self.granted = step.grant
+        return step
+
+    def _do(self, step: Step, before_attempt: Callable[[], object] | None) -> Any:
+        self.sent = False
+        if isinstance(step, TryOnce):
+            if before_attempt is not None:
+                before_attempt()
+            self.in_flight = attempt_backend(self.connection)
+            self.sent = True
+            if self.listen:
+                tried = operations.attempt_or_register(
+                    self.connection, self.key, self.owner, self.ttl, step.register_for
+                )
+            else:
+                tried = operations.attempt(self.connection, self.key, self.owner, self.ttl)
+            self.in_flight = None
+            return tried
+        if isinstance(step, ReadEpoch):
+            self.sent = True
+            return operations.inspect(self.connection, self.key).epoch
+        assert isinstance(step, PauseFor)
+        if self.listen:
+            _wait_for_release(self.connection, self.key, step.seconds)
+        else:
+            time.sleep(step.seconds)
+        return None
+
+
+@dataclass
+class _Session:
+    """One connection's stretch of a wait; ``lost``: it ended because the connection was lost."""
+
+    lost: bool = False
 
 
 @contextmanager
@@ -531,29 +175,12 @@ def _listening(connection: BaseDatabaseWrapper, listen: bool, session: _Session)
     except BaseException:
         raw = connection.connection
         session.lost = raw is None or raw.closed
-        _abandon_statement(connection)
+        abandon_statement(connection)
         if listen:
             _unlisten(connection)
         raise
     if listen:
         _unlisten(connection)
-
-
-def _abandon_statement(connection: BaseDatabaseWrapper) -> None:
-    # psycopg cancels the running statement on KeyboardInterrupt only (3.3: SystemExit too). Any
-    # other exception raised while an attempt runs (say from a signal handler, while the attempt
-    # waits for a row lock) leaves the attempt running on the server: it could still commit a
-    # grant that nobody receives, and the connection cannot send anything else. Cancel it and
-    # drop the connection (Django reconnects on next use; inside atomic() the transaction is
-    # lost); `settle` then makes sure nothing it granted stays.
-    raw = connection.connection
-    if raw is None or raw.info.transaction_status != psycopg.pq.TransactionStatus.ACTIVE:
-        return
-    logger.warning("an acquire interrupted mid-statement: cancelling it and closing the connection")
-    with suppress(Exception):
-        raw.cancel_safe(timeout=5.0)
-    with suppress(Exception):
-        connection.close()
 
 
 def _unlisten(connection: BaseDatabaseWrapper) -> None:
@@ -588,7 +215,7 @@ def _wait_for_release(connection: BaseDatabaseWrapper, key: str, seconds: float)
                     return
 
 
-# ---- the same wait for the event loop: LeaseManager.aacquire(blocking=True) ----------------------
+# ---- the same plan on the event loop: LeaseManager.aacquire(blocking=True) ----------------------
 
 
 @dataclass(frozen=True)
@@ -607,82 +234,64 @@ class _OwnWait:
 async def await_and_acquire(
     connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, wait: timedelta | None
 ) -> Grant:
-    """`wait_and_acquire` for the event loop: the same attempts and pauses, and no thread held while waiting.
+    """`wait_and_acquire` for the event loop: the same plan, and no thread held while waiting.
 
     ``connection_of`` returns the caller's connection; it is called in Django's thread for sync code
     (``sync_to_async``), where that is the connection the caller's other ORM calls use.
     """
-    deadline = None if wait is None else time.monotonic() + wait.total_seconds()
     own = await sync_to_async(_own_wait)(connection_of, owner)
     if own is None:
-        # The caller's connection is in a transaction: the grant must belong to it, so the
-        # attempts run there (in its thread) and the waiter polls, as acquire() does there. An
-        # attempt in flight when the task is cancelled finishes in that thread.
-        while True:
-            tried = await sync_to_async(_attempt_on)(connection_of, key, owner, ttl)
-            grant = tried.grant(key)
-            if grant is not None:
-                return grant
-            await asyncio.sleep(pause_after_refusal(key, owner, tried, wait, deadline))
+        return await _poll_in_transaction(connection_of, key, owner, ttl, wait)
     # Each attempt is one statement (ACQUIRE, or ACQUIRE_OR_REGISTER when it listens) on the
     # waiter's own connection rather than an attempt in a thread: a thread cannot be interrupted,
     # so an attempt stuck behind a row lock when the task is cancelled would run on and could
     # commit a grant nobody receives, while psycopg cancels a statement in flight on cancellation
     # and waits for it to end. No thread is taken even for the attempts, and, as in acquire(),
     # LISTEN and attempts share one session: a release committed while an attempt is in flight
-    # is queued there, not missed.
-    # A lost connection (the server crashed, a failover) is reconnected, as in wait_and_acquire.
-    rejoin = _Rejoin(key, deadline)
-    refused: Attempt | None = None  # the last refused attempt
-    unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
-    attempting = False
+    # is queued there, not missed. A lost connection (the server crashed, a failover) is opened again.
+    plan = wait_plan(key, owner, wait, rejoin=True)
+    attempting = False  # an attempt's statement is in flight: its outcome unknown if interrupted
     with own.errors:
         conn: psycopg.AsyncConnection[Any] | None = None
         try:
-            while True:
-                attempting = False
-                try:
-                    if conn is None:
-                        conn = await psycopg.AsyncConnection.connect(**own.connect)
-                        if own.role:
-                            await conn.execute(SQL("SET ROLE {}").format(Identifier(own.role)))
-                        if own.listen:
-                            await conn.execute(sql.LISTEN)
-                    if unsure is not None and refused is not None:
-                        seen = await (await conn.execute(own.inspect, [key])).fetchone()
-                        assert seen is not None
-                        _nothing_granted(key, refused, seen[3], unsure)
-                        unsure = None
-                    params: list[Any] = [key, owner, ttl]
-                    if own.listen:
-                        params.append(retry_within(deadline))
-                    attempting = True
-                    row = await (await conn.execute(own.statement, params)).fetchone()
-                    attempting = False
-                    assert row is not None
-                    rejoin.answered()
-                    tried = Attempt(*row)
-                    grant = tried.grant(key)
-                    if grant is not None:
-                        return grant
-                    refused = tried
-                    pause = pause_after_refusal(key, owner, tried, wait, deadline)
-                    if own.listen:
-                        await _await_release(conn, key, pause)
-                    else:
-                        await asyncio.sleep(pause)
-                except psycopg.Error as exc:
-                    if not (conn is None or conn.closed):
-                        raise  # an error of the statement, the connection is fine
-                    rejoining = rejoin.pause(exc)
-                    if rejoining is None:
-                        raise
-                    if attempting:
-                        unsure = exc
+            step = advance(plan, None)
+            while not isinstance(step, Granted):
+                if isinstance(step, Reconnect):
                     if conn is not None:
                         await conn.close()
                         conn = None
-                    await asyncio.sleep(rejoining)
+                    await asyncio.sleep(step.seconds)
+                    step = advance(plan, None)
+                    continue
+                attempting = False
+                answer: Any
+                try:
+                    if conn is None:
+                        conn = await psycopg.AsyncConnection.connect(**own.connect)
+                        await _start_session(conn, own)
+                    if isinstance(step, TryOnce):
+                        params: list[Any] = [key, owner, ttl, step.register_for][: 4 if own.listen else 3]
+                        attempting = True
+                        row = await (await conn.execute(own.statement, params)).fetchone()
+                        attempting = False
+                        assert row is not None
+                        answer = Attempt(*row)
+                    elif isinstance(step, ReadEpoch):
+                        seen = await (await conn.execute(own.inspect, [key])).fetchone()
+                        assert seen is not None
+                        answer = seen[3]
+                    else:
+                        if own.listen:
+                            await _await_release(conn, key, step.seconds)
+                        else:
+                            await asyncio.sleep(step.seconds)
+                        answer = None
+                except psycopg.Error as exc:
+                    if not (conn is None or conn.closed):
+                        raise  # an error of the statement, the connection is fine
+                    answer = Lost(exc, sent=attempting)
+                step = advance(plan, answer)
+            return step.grant
         except BaseException:
             # Cancelled (or timed out by asyncio.timeout) during an attempt: psycopg cancelled the
             # statement and read out its result, which may have been a committed grant: settle it
@@ -698,6 +307,41 @@ async def await_and_acquire(
             # cancelled and waited out one interrupted by a cancellation).
             if conn is not None:
                 await conn.close()
+
+
+async def _poll_in_transaction(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, wait: timedelta | None
+) -> Grant:
+    """The caller's connection is in a transaction: the grant must belong to it, so the attempts run
+    there (in its thread) and the waiter polls, as acquire() does there. An attempt in flight when
+    the task is cancelled finishes in that thread. A lost connection took the transaction: raised."""
+    plan = wait_plan(key, owner, wait, rejoin=False)
+    step = advance(plan, None)
+    while not isinstance(step, Granted):
+        if isinstance(step, TryOnce):
+            step = advance(plan, await sync_to_async(_attempt_on)(connection_of, key, owner, ttl))
+        else:
+            assert isinstance(step, PauseFor)
+            await asyncio.sleep(step.seconds)
+            step = advance(plan, None)
+    return step.grant
+
+
+async def _start_session(conn: psycopg.AsyncConnection[Any], own: _OwnWait) -> None:
+    if own.role:
+        await conn.execute(SQL("SET ROLE {}").format(Identifier(own.role)))
+    if own.listen:
+        await conn.execute(sql.LISTEN)
+
+
+async def asettle(conn: psycopg.AsyncConnection[Any], own: _OwnWait, key: str, owner: str) -> None:
+    """`settle` on an async waiter's own connection, after psycopg has cancelled and read out the attempt."""
+    row = await (await conn.execute(own.inspect, [key])).fetchone()
+    assert row is not None
+    _key, status, holder, epoch, _expires_at, _server_time = row
+    if granted_unseen(status, holder, owner):
+        outcome = (await (await conn.execute(own.release, [key, owner, epoch])).fetchone() or ("?",))[0]
+        logger.warning("an interrupted acquire of %r had been granted (epoch %s): release %s", key, epoch, outcome)
 
 
 def _attempt_on(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta) -> Attempt:

@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("leaves", {"conf", "exceptions", "status", "owners", "signals", "tracing"}),
     ("input rules, statements, SQL files", {"validation", "sql", "migrations", "sigterm", "metrics"}),
     ("one call", {"commit_confirmation", "operations", "display"}),
-    ("the blocking wait", {"waiting"}),
+    ("the blocking wait", {"wait_plan", "settling", "waiting"}),
     ("the manager and the model", {"managers", "querysets", "models"}),
     ("holding for a job", {"holds"}),
     ("fencing", {"fencing"}),

@@ -40,7 +40,7 @@ from django.db.utils import load_backend
 from psycopg import IsolationLevel
 from psycopg.pq import TransactionStatus
 
-from pg_lease_django import conf, operations, waiting
+from pg_lease_django import conf, operations, settling, waiting
 from pg_lease_django.exceptions import LeaseLostError, NotAcquirableError
 from pg_lease_django.operations import Grant
 
@@ -161,7 +161,7 @@ class LeaseConnection:
         Runs under the session's default statement_timeout, as Django's own connections do. An
         interruption (any exception but a refusal, including one raised in this thread by a
         signal handler, and ``call.interrupt()`` from another thread) cancels the attempt in
-        flight on the server and settles it (`waiting.settle`: a grant it committed is released)
+        flight on the server and settles it (`settling.settle`: a grant it committed is released)
         before it goes on.
 
         Raises:
@@ -191,10 +191,10 @@ class LeaseConnection:
                         self._check_not_listening()  # waiting UNLISTENs on every way out: make sure
                     except BaseException:
                         # The grant will not be returned (an interrupt, a LISTEN left): it is nobody's.
-                        waiting.settle(self.wrapper, key, owner, None)
+                        settling.settle(self.wrapper, key, owner, None)
                         raise
                 return grant
-            backend = waiting.attempt_backend(self.wrapper)
+            backend = settling.attempt_backend(self.wrapper)
             sending()
             try:
                 return operations.acquire_or_raise(self.wrapper, key, owner, ttl)
@@ -205,7 +205,7 @@ class LeaseConnection:
                 # settle on; the outcome is unknown, as for any lost call) unless an interrupt shut it.
                 raw = self.wrapper.connection
                 if interrupted() or not (raw is None or raw.closed):
-                    waiting.settle(self.wrapper, key, owner, backend)
+                    settling.settle(self.wrapper, key, owner, backend)
                 raise
         except NotAcquirableError:
             raise  # a refusal: the connection is fine
@@ -224,7 +224,7 @@ class LeaseConnection:
 
         Interrupted in this thread (a signal, KeyboardInterrupt, SystemExit: not an error of the
         call) at any of its statements, the release is completed on a fresh session
-        (`waiting.complete_release`, as ``Lease.objects.release`` does) before the interruption goes on.
+        (`settling.complete_release`, as ``Lease.objects.release`` does) before the interruption goes on.
         """
         try:
             with self._bounded(timeout):
@@ -233,13 +233,13 @@ class LeaseConnection:
         except Exception:
             raise  # a verdict, a timeout, a lost connection, an interrupt from another thread: reported
         except BaseException:
-            waiting.complete_release(self.wrapper, key, owner, epoch)
+            settling.complete_release(self.wrapper, key, owner, epoch)
             self._discard()  # the fresh session is not what the pool lent (its statement_timeout)
             raise
 
     def settle(self, key: str, owner: str) -> None:
-        """Release a grant of ``key`` found in ``owner``'s name (`waiting.settle`), then drop the session."""
-        waiting.settle(self.wrapper, key, owner, None)
+        """Release a grant of ``key`` found in ``owner``'s name (`settling.settle`), then drop the session."""
+        settling.settle(self.wrapper, key, owner, None)
         self._discard()  # a fresh session: not the statement_timeout this connection says it has
 
     def lend(self) -> int:
@@ -275,7 +275,7 @@ class LeaseConnection:
             return
         with self._guard:
             raw = self._in_call(lend, done)
-            if raw is None or raw is not cancelled:  # reconnected meanwhile: to settle (waiting.settle)
+            if raw is None or raw is not cancelled:  # reconnected meanwhile: to settle (settling.settle)
                 return
             _shut(raw)
 

@@ -1,0 +1,298 @@
+"""Calls interrupted in flight (a signal, KeyboardInterrupt, SystemExit, a cancelled task): settled.
+
+An acquire whose answer never came may have committed a grant nobody received; a release cut
+short may not have committed, leaving the lease held by an owner that is leaving. Outside a
+transaction both are settled here before the interruption goes on: the statement still running is
+cancelled on the server and waited out, a grant found in the owner's name is released, a release is
+sent again (`settle`, `complete_release`, both run `to_the_end` although interrupted again). Inside
+the caller's transaction, that transaction owns them. The one-attempt and one-release calls of
+`Lease.objects` (`acquire_once`, `aacquire_once`, `release_once`) are here, as the blocking wait
+(`waiting`) and the hold's connection (`holds.lease_pool`) use these rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from asgiref.sync import sync_to_async
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from . import operations
+from .exceptions import LeaseLostError
+from .operations import Grant
+
+logger = logging.getLogger(__name__)
+
+#: Seconds `settle` waits for an interrupted attempt's statement to end on the server.
+SETTLE_WITHIN = 5.0
+# Cancels the interrupted attempt from another session while it still runs (its own client may no
+# longer be able to: a shut socket, a cancel request that arrived before the statement did), and
+# says whether it still does. Only a lease statement: behind PgBouncer the pid is not a server's.
+_CANCEL_ATTEMPT = (
+    "SELECT pg_catalog.pg_cancel_backend(pid) FROM pg_catalog.pg_stat_activity"
+    " WHERE pid = %s AND state = 'active' AND query LIKE '%%pg_lease_acquire%%'"
+)
+
+
+def attempt_backend(connection: BaseDatabaseWrapper) -> int:
+    """The server process the next attempt on ``connection`` runs in (connecting it if need be)."""
+    connection.ensure_connection()
+    return int(connection.connection.info.backend_pid)
+
+
+def commits_on_its_own(connection: BaseDatabaseWrapper) -> bool:
+    """Whether a call's statements commit on their own: then an interrupted one is settled here;
+    inside the caller's transaction, that transaction owns it."""
+    return connection.get_autocommit() and not connection.in_atomic_block
+
+
+def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
+    """One non-blocking attempt (`Lease.objects.acquire`); interrupted in flight, it is settled.
+
+    A signal, ``SystemExit`` or any other interruption that is not an error of the call leaves a
+    statement that may still run on the server (psycopg cancels only on its own interrupts):
+    outside a transaction it is cancelled and a grant it made is released, as for every attempt
+    (`settle`). Inside one, the caller's transaction owns the attempt.
+    """
+    own = commits_on_its_own(connection)
+    backend = attempt_backend(connection) if own else None
+    try:
+        return operations.acquire(connection, key, owner, ttl)
+    except Exception:
+        raise  # the server answered (a refusal, a bad argument) or the connection is lost: reported
+    except BaseException:
+        if backend is not None:
+            settle(connection, key, owner, backend)
+        raise
+
+
+async def aacquire_once(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta
+) -> Grant | None:
+    """`acquire_once` for the event loop (`Lease.objects.aacquire` without ``blocking``).
+
+    The statement runs in Django's thread for sync code (``sync_to_async``), on the caller's
+    connection, as Django's async ORM runs its own. A thread cannot be cancelled: when the task is
+    cancelled (``asyncio.timeout`` too) while the statement runs outside a transaction, the statement
+    is cancelled on the server (psycopg's ``cancel_safe``, again until its thread has returned), and
+    a grant it had committed is released, before the cancellation goes on. A second cancellation
+    cuts that short. Inside a transaction the attempt is the transaction's: it finishes in its thread.
+    """
+    started: list[Any] = []  # the psycopg connection the attempt runs on; None: in a transaction
+    abandoned = False
+
+    def attempt() -> Grant | None:
+        if abandoned:
+            return None  # cancelled before it was sent
+        connection = connection_of()
+        if not commits_on_its_own(connection):
+            started.append(None)
+            return operations.acquire(connection, key, owner, ttl)
+        attempt_backend(connection)
+        started.append(connection.connection)
+        return acquire_once(connection, key, owner, ttl)
+
+    running = asyncio.ensure_future(sync_to_async(attempt)())
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        abandoned = True
+        loop = asyncio.get_running_loop()
+        while not running.done() and None not in started:
+            if started:
+                await loop.run_in_executor(None, _cancel_statement, started[0])
+            await asyncio.wait({running}, timeout=0.05)
+        if running.done() and not running.cancelled() and running.exception() is None:
+            grant = running.result()
+            if grant is not None:
+                await sync_to_async(_give_back)(connection_of, grant)
+        raise
+
+
+def _cancel_statement(raw: Any) -> None:
+    # A cancel request that arrives while the session is idle is ignored by the server.
+    with suppress(Exception):
+        raw.cancel_safe(timeout=SETTLE_WITHIN)
+
+
+def _give_back(connection_of: Callable[[], BaseDatabaseWrapper], grant: Grant) -> None:
+    try:
+        release_once(connection_of(), grant.key, grant.owner, grant.epoch)
+    except Exception:
+        logger.warning("releasing the grant of a cancelled acquire of %r failed", grant.key, exc_info=True)
+    else:
+        logger.warning("a cancelled acquire of %r had been granted (epoch %s): released it", grant.key, grant.epoch)
+
+
+def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+    """A release (`Lease.objects.release`); interrupted before it took effect, it is completed.
+
+    An interruption landing before the release commits would leave the lease held, for up to its
+    TTL, by an owner that is leaving. Outside a transaction it is completed (`complete_release`)
+    before the interruption goes on. Inside one, the caller's transaction owns it.
+    """
+    own = commits_on_its_own(connection)
+    try:
+        operations.release(connection, key, owner, epoch)
+    except Exception:
+        raise  # the server answered (a refusal) or the connection is lost: reported
+    except BaseException:
+        if own:
+            complete_release(connection, key, owner, epoch)
+        raise
+
+
+def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+    """After a release of ``(owner, epoch)`` was interrupted (a signal, KeyboardInterrupt, SystemExit):
+    send it again on a fresh session of ``connection``, before the interruption goes on.
+
+    The rule for every interrupted release (`Lease.objects.release`, the exit of ``hold()``): the
+    owner is leaving, its lease must not wait for its TTL. A statement still running is cancelled
+    and the connection closed; the release is sent on a new session (Django reconnects) in a
+    transaction of its own that waits `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``).
+    A release that had committed answers not_owner, which is fine. ``connection`` is left closed
+    or in autocommit, outside a transaction. Never raises an Exception: a failure is logged (the
+    lease then lapses at its TTL). A second interruption starts it over (`to_the_end`).
+    """
+    to_the_end(functools.partial(_complete_release, connection, key, owner, epoch))
+
+
+def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+    try:
+        abandon_statement(connection)
+        connection.close()
+        _release_within(connection, key, owner, epoch)  # released by the interrupted call, or lapsed: fine
+    except Exception:
+        logger.warning("completing an interrupted release of %r failed; it lapses at its TTL", key, exc_info=True)
+        _drop(connection)
+    except BaseException:
+        _drop(connection)  # interrupted again: no transaction left open (Django reconnects in autocommit)
+        raise
+
+
+def _release_within(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+    """Release ``(owner, epoch)`` in a transaction of its own on ``connection`` that waits
+    `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``); a lease no longer held is no error.
+    A transaction on this very connection (not `transaction.atomic`, which takes the alias's
+    connection of this thread: for a lease connection of hold() that is another one)."""
+    connection.set_autocommit(False)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
+    with suppress(LeaseLostError):
+        operations.release(connection, key, owner, epoch)
+    connection.commit()
+    connection.set_autocommit(True)
+
+
+def _drop(connection: BaseDatabaseWrapper) -> None:
+    with suppress(Exception):
+        connection.close()
+
+
+def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
+    """After an attempt of ``owner`` was interrupted in flight: make sure it granted nothing that stays.
+
+    The one rule for every interruption (a signal, KeyboardInterrupt, SystemExit, a cancelled task,
+    ``Election.stop``): the attempt's statement is cancelled on the server and waited out (up to
+    `SETTLE_WITHIN` s), then, if it committed a grant nobody received, that grant is released. (A
+    lost connection is not settled: a waiter reports it, see `_nothing_granted`.)
+    ``backend_pid``: the server process the attempt ran in (None: nothing to wait out).
+    ``connection`` must be in autocommit; it is closed first, so the settling runs in a fresh
+    session (Django reconnects). Never raises an Exception: a failure is logged (the grant, if
+    any, then lapses after its TTL), and the interruption goes on. A second interruption starts it
+    over (`to_the_end`).
+    """
+    to_the_end(functools.partial(_settle_on_fresh_session, connection, key, owner, backend_pid))
+
+
+#: How many times a second interruption (and a third, ...) starts the settling over before it goes on.
+SETTLE_RESTARTS = 3
+
+
+def to_the_end(settling: Callable[[], None]) -> None:
+    """Run ``settling`` (`settle`, `complete_release`: each starts by abandoning what runs, so it can
+    start over) to its end although interrupted again: a second signal whose handler raises, a
+    second KeyboardInterrupt (psycopg cancels the statement it cuts short).
+
+    Each interruption of the settling starts it over, up to `SETTLE_RESTARTS` times; the last one is
+    raised once the settling has ended (its context is the first interruption, which the caller
+    would have raised), or at once after `SETTLE_RESTARTS` restarts (what was settling is then left
+    to lapse at its TTL).
+    """
+    again: BaseException | None = None
+    for restart in range(SETTLE_RESTARTS + 1):
+        try:
+            settling()
+        except Exception:
+            raise  # pragma: no cover - the settlings catch and log their errors
+        except BaseException as exc:
+            again = exc
+            if restart == SETTLE_RESTARTS:
+                break
+            logger.warning("interrupted again while settling an interrupted lease call: starting over")
+            continue
+        break
+    if again is not None:
+        raise again
+
+
+def _settle_on_fresh_session(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
+    try:
+        abandon_statement(connection)
+        connection.close()
+        _settle(connection, key, owner, backend_pid)
+    except Exception:
+        logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
+        _drop(connection)  # no transaction left open (Django reconnects in autocommit)
+    except BaseException:
+        _drop(connection)  # interrupted again: no statement left running on it
+        raise
+
+
+def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
+    if backend_pid is not None:
+        deadline = time.monotonic() + SETTLE_WITHIN
+        try:
+            with connection.cursor() as cursor:
+                while time.monotonic() < deadline:
+                    cursor.execute(_CANCEL_ATTEMPT, [backend_pid])
+                    if cursor.fetchone() is None:
+                        break
+                    time.sleep(0.01)
+        except Exception:  # not allowed to signal it (another role): read the key all the same
+            logger.warning("cancelling an interrupted acquire of %r on the server failed", key, exc_info=True)
+    state = operations.inspect(connection, key)
+    if granted_unseen(state.status, state.owner, owner):
+        _release_within(connection, key, owner, state.epoch)  # lapsed or taken meanwhile: nothing to give back
+        logger.warning("an interrupted acquire of %r had been granted (epoch %s): released it", key, state.epoch)
+
+
+def granted_unseen(status: str, holder: str | None, owner: str) -> bool:
+    # Owners are unique among concurrent clients (hold()'s default is unique per hold): a lease
+    # held by this owner after an interrupted attempt is that attempt's grant.
+    return status == "held" and holder == owner
+
+
+def abandon_statement(connection: BaseDatabaseWrapper) -> None:
+    # psycopg cancels the running statement on KeyboardInterrupt only (3.3: SystemExit too). Any
+    # other exception raised while an attempt runs (say from a signal handler, while the attempt
+    # waits for a row lock) leaves the attempt running on the server: it could still commit a
+    # grant that nobody receives, and the connection cannot send anything else. Cancel it and
+    # drop the connection (Django reconnects on next use; inside atomic() the transaction is
+    # lost); `settle` then makes sure nothing it granted stays.
+    raw = connection.connection
+    if raw is None or raw.info.transaction_status != psycopg.pq.TransactionStatus.ACTIVE:
+        return
+    logger.warning("an acquire interrupted mid-statement: cancelling it and closing the connection")
+    with suppress(Exception):
+        raw.cancel_safe(timeout=5.0)
+    with suppress(Exception):
+        connection.close()

@@ -1,0 +1,236 @@
+"""The blocking acquire's wait, written once: what to do next, as a generator that does no I/O.
+
+`wait_plan` decides; a driver does. It yields the next step (`TryOnce`, `ReadEpoch`, `PauseFor`,
+`Reconnect`) and is sent the step's answer: the attempt's row, the key's epoch, None, or `Lost`
+when the connection was lost while the step ran. It returns the grant or raises: the timeout
+(`LeaseTimeoutError`), a lost connection it gives up on, or ``OperationalError`` when a lost attempt
+may have been granted unseen. Two drivers run it: `waiting.wait_and_acquire` on the caller's Django
+connection (blocking) and `waiting.await_and_acquire` on a psycopg async connection (the event
+loop); what they share (the deadline, the pause after a refusal, the rejoin after a lost connection,
+the check of an attempt whose answer was lost) lives here only, and is tested with a fake clock
+(tests/test_wait_plan.py). This is psycopg's habit for its protocol (generators that yield what to
+wait for, run by a blocking and an async waiter), one level up: the steps are statements and pauses.
+
+A waiter outside a transaction that loses its connection (the server crashed, a failover) reconnects
+and goes on waiting: through a multi-host ``HOST`` with ``target_session_attrs=read-write`` that is
+the promoted server. It keeps trying for `REJOIN_WITHIN` seconds of lost connection at most, never
+past its deadline, then raises the connection error. When the connection was lost during an
+attempt, that attempt may have been granted unseen: the plan first reads the key on the new
+connection, goes on only if its epoch is still the one the last refused attempt saw (no grant
+since, its own included), and otherwise raises ``OperationalError``: outcome unknown, as for any lost
+call. So a call returns at most one grant, the one it was told of.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.db import OperationalError
+
+from . import conf
+from .exceptions import LeaseTimeoutError
+from .operations import Attempt, Grant
+from .validation import MAX_WAIT, describe_seconds
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a waiter whose connection was lost keeps trying to get one back (never past its own
+#: deadline) before it raises the connection error: time for a failover manager to promote a standby.
+REJOIN_WITHIN = 60.0
+#: Pauses before the successive reconnection attempts of a waiter: the first at once, then backing off.
+REJOIN_PAUSES = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class TryOnce:
+    """Send one attempt; answer: its `Attempt` row. A driver that LISTENs registers as a waiter
+    until ``register_for`` from now (``pg_lease_acquire_or_register``): the longest it will pause."""
+
+    register_for: timedelta
+
+
+@dataclass(frozen=True)
+class ReadEpoch:
+    """Read the key's epoch (``pg_lease_inspect``); answer: the epoch."""
+
+
+@dataclass(frozen=True)
+class PauseFor:
+    """Wait ``seconds`` for a release (a notification when LISTENing) or the time; answer: None."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """Drop the lost connection and open a new one after ``seconds``; answer: None."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Granted:
+    """Not a step: the plan's end, the grant to return (see `advance`)."""
+
+    grant: Grant
+
+
+Step = TryOnce | ReadEpoch | PauseFor | Reconnect
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The answer when the connection was lost while the step ran (``error``: the driver's error);
+    ``sent``: the step's statement had been sent (lost before that, an attempt granted nothing)."""
+
+    error: BaseException
+    sent: bool = True
+
+
+def wait_plan(
+    key: str, owner: str, wait: timedelta | None, *, rejoin: bool, clock: Clock = time.monotonic
+) -> Generator[Step, Any, Grant]:
+    """Attempt until granted, pausing after each refusal; None ``wait``: no deadline.
+
+    ``rejoin``: a lost connection is reconnected (outside a transaction; inside one the transaction
+    is gone, and so is the wait). Only a connection that answered an attempt of this wait is rejoined:
+    one that never could (a server down, wrong settings) fails the call at once, as any other call.
+    """
+    deadline = None if wait is None else clock() + wait.total_seconds()
+    rejoining = _Rejoin(key, deadline, clock) if rejoin else None
+    refused: Attempt | None = None  # the last refused attempt
+    unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
+    while True:
+        if unsure is not None and refused is not None:
+            answer = yield ReadEpoch()
+            if isinstance(answer, Lost):
+                yield Reconnect(_rejoin_after(rejoining, answer.error))
+                continue
+            _nothing_granted(key, refused, answer, unsure)
+            unsure = None
+        answer = yield TryOnce(retry_within(deadline, clock))
+        if isinstance(answer, Lost):
+            if answer.sent:
+                unsure = answer.error
+            yield Reconnect(_rejoin_after(rejoining, answer.error))
+            continue
+        if rejoining is not None:
+            rejoining.answered()
+        tried: Attempt = answer
+        grant = tried.grant(key)
+        if grant is not None:
+            return grant
+        refused = tried
+        answer = yield PauseFor(pause_after_refusal(key, owner, refused, wait, deadline, clock))
+        if isinstance(answer, Lost):
+            yield Reconnect(_rejoin_after(rejoining, answer.error))
+
+
+def advance(plan: Generator[Step, Any, Grant], answer: Any) -> Step | Granted:
+    """Send ``answer`` to ``plan`` (None to start it): its next step, or `Granted` when it is done."""
+    try:
+        return plan.send(answer)
+    except StopIteration as done:
+        return Granted(done.value)
+
+
+def _rejoin_after(rejoining: _Rejoin | None, error: BaseException) -> float:
+    """Seconds before reconnecting after ``error``; raise ``error`` when the wait gives up."""
+    pause = None if rejoining is None else rejoining.pause(error)
+    if pause is None:
+        raise error
+    return pause
+
+
+def pause_after_refusal(
+    key: str,
+    owner: str,
+    refused: Attempt,
+    wait: timedelta | None,
+    deadline: float | None,
+    clock: Clock = time.monotonic,
+) -> float:
+    """Seconds a waiter pauses after the refused attempt; LeaseTimeoutError once past ``deadline``.
+
+    Until the holder's expiry (server clock), a poll interval, or the deadline (``clock``).
+    """
+    now = clock()
+    if deadline is not None and now >= deadline:
+        waited = describe_seconds(wait) if wait is not None else "the wait"
+        raise LeaseTimeoutError(
+            f"lease {key!r} still held by {refused.owner!r} after waiting {waited}", key=key, owner=owner
+        )
+    pause: float = min(max((refused.expires_at - refused.server_time).total_seconds(), 0.0), conf.poll_interval())
+    if deadline is not None:
+        pause = min(pause, deadline - now)
+    return pause
+
+
+def retry_within(deadline: float | None, clock: Clock = time.monotonic) -> timedelta:
+    """The longest a waiter pauses before its next attempt (unless woken): what it registers for.
+
+    The poll interval, or less when the deadline (``clock``) comes sooner; the holder's expiry, the
+    other bound, the server knows from the attempt itself.
+    """
+    seconds = conf.poll_interval()
+    if deadline is not None:
+        seconds = min(seconds, deadline - clock())
+    return min(timedelta(seconds=max(seconds, 0.0)), MAX_WAIT)
+
+
+class _Rejoin:
+    """How a waiter gets back a lost connection: when it tries, when it gives up."""
+
+    def __init__(self, key: str, deadline: float | None, clock: Clock) -> None:
+        self.key = key
+        self.deadline = deadline
+        self.clock = clock
+        self.since: float | None = None  # clock() when the connection was lost; None: not lost
+        self.tries = 0
+        self.answered_once = False
+
+    def pause(self, error: BaseException) -> float | None:
+        """Seconds to wait before reconnecting after ``error``; None: give up."""
+        if not self.answered_once:
+            return None
+        now = self.clock()
+        if self.since is None:
+            self.since = now
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            logger.warning("blocking acquire of %r lost its connection (%s): reconnecting", self.key, cause)
+        limit = self.since + REJOIN_WITHIN
+        if self.deadline is not None:
+            limit = min(limit, self.deadline)
+        if now >= limit:
+            return None
+        pause = REJOIN_PAUSES[min(self.tries, len(REJOIN_PAUSES) - 1)]
+        self.tries += 1
+        return min(pause, limit - now)
+
+    def answered(self) -> None:
+        """An attempt got its answer: the connection is back (or was never lost)."""
+        self.answered_once = True
+        if self.since is not None:
+            logger.info(
+                "blocking acquire of %r reconnected after %.1f s: waiting on", self.key, self.clock() - self.since
+            )
+            self.since, self.tries = None, 0
+
+
+def _nothing_granted(key: str, refused: Attempt, epoch: int, lost: BaseException) -> None:
+    """Go on after losing the connection during an attempt only if ``key`` is still at the epoch of
+    the last refused attempt: every grant raises the epoch, so the lost attempt granted nothing.
+    Otherwise raise OperationalError: the lost attempt's outcome is unknown."""
+    if epoch == refused.epoch:
+        return
+    raise OperationalError(
+        f"blocking acquire of {key!r}: the connection was lost during an attempt, and the lease has changed "
+        f"since (epoch {refused.epoch} -> {epoch}): the attempt's outcome is unknown ({lost})"
+    ) from lost
