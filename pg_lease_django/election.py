@@ -39,7 +39,7 @@ from . import conf, metrics, sigterm
 from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
 from .holds.holding import Holding, hold, report_next_acquire_to
 from .holds.lease import HeldLease
-from .holds.lease_pool import InFlight
+from .holds.lease_connection import InFlight
 from .owners import default_owner
 from .validation import Seconds, check_name, check_ttl
 

@@ -24,11 +24,7 @@ from django.db.backends.postgresql.base import DatabaseWrapper as PostgreSQLData
 from django.db.backends.utils import CursorWrapper
 
 from . import sql
-from .commit_confirmation import UnconfirmedCommitNotices, watch_caller_commit
-
-# Re-exported for holds/lease_pool.py, which checks its own COMMIT with it as operations.confirmed_commit
-# (another helper of issue 25 is rewriting that module: it may import it from commit_confirmation).
-from .commit_confirmation import confirmed_commit as confirmed_commit
+from .commit_confirmation import UnconfirmedCommitNotices, confirmed_commit, watch_caller_commit
 from .exceptions import (
     LOST_ERRORS,
     AlreadyFreeError,

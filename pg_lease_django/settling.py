@@ -7,7 +7,7 @@ cancelled on the server and waited out, a grant found in the owner's name is rel
 sent again (`settle`, `complete_release`, both run `to_the_end` although interrupted again). Inside
 the caller's transaction, that transaction owns them. The one-attempt and one-release calls of
 `Lease.objects` (`acquire_once`, `aacquire_once`, `release_once`) are here, as the blocking wait
-(`waiting`) and the hold's connection (`holds.lease_pool`) use these rules.
+(`waiting`) and the hold's connection (`holds.lease_connection`) use these rules.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from django.db import DEFAULT_DB_ALIAS, OperationalError
 from django.test import override_settings
 
 from pg_lease_django import HeldLease, Lease, hold
-from pg_lease_django.holds import lease_pool, scheduler
+from pg_lease_django.holds import lease_connection, lease_pool, scheduler
 from tests.helpers import needs_session, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,7 +35,7 @@ Connect = Callable[..., psycopg.Connection[Any]]
 def lease_pids(conn: psycopg.Connection[Any]) -> set[int]:
     rows = conn.execute(
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s",
-        [lease_pool.APPLICATION_NAME],
+        [lease_connection.APPLICATION_NAME],
     ).fetchall()
     return {int(pid) for (pid,) in rows}
 
@@ -189,7 +189,7 @@ def test_a_forked_child_never_uses_its_parents_lease_connections(
 def test_a_renewal_is_one_statement_and_the_session_timeout_bounds_it(
     key: str, raw_connect: Connect, fresh_machinery: None
 ) -> None:
-    conn = lease_pool.LeaseConnection(DEFAULT_DB_ALIAS, io_timeout=1)
+    conn = lease_connection.LeaseConnection(DEFAULT_DB_ALIAS, io_timeout=1)
     try:
         grant = conn.acquire(key, "one-statement", timedelta(seconds=5), blocking=False, wait=None)
         conn.wrapper.force_debug_cursor = True
@@ -217,7 +217,7 @@ def test_a_renewal_is_one_statement_and_the_session_timeout_bounds_it(
 
 @override_settings(PG_LEASE_LISTEN=False)
 def test_behind_a_pooler_the_timeout_is_set_local_per_renewal(key: str, fresh_machinery: None) -> None:
-    conn = lease_pool.LeaseConnection(DEFAULT_DB_ALIAS, io_timeout=1)
+    conn = lease_connection.LeaseConnection(DEFAULT_DB_ALIAS, io_timeout=1)
     try:
         assert conn.per_transaction
         grant = conn.acquire(key, "set-local", timedelta(seconds=5), blocking=False, wait=None)

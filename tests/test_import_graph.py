@@ -59,7 +59,17 @@ LAYERS: list[tuple[str, set[str]]] = [
 ]
 
 #: holds/, lowest first: each imports only those before it.
-HOLDS_ORDER = ["context", "lease", "lease_pool", "scheduler", "heartbeat", "session", "holding", "jobs"]
+HOLDS_ORDER = [
+    "context",
+    "lease",
+    "lease_connection",
+    "lease_pool",
+    "scheduler",
+    "heartbeat",
+    "session",
+    "holding",
+    "jobs",
+]
 
 #: fencing/, lowest first; the package's ``__init__`` re-exports the public face and not the admin.
 FENCING_ORDER = ["resolution", "schema", "statements", "model", "__init__", "admin"]

@@ -542,13 +542,13 @@ def hold_statements(raw_connect: Connect) -> Iterator[_HoldStatements]:
     """Install a `_HoldStatements` on the lease connections ``hold()`` opens in the block (none idle before)."""
     from django.db.backends.signals import connection_created
 
-    from pg_lease_django.holds import lease_pool
+    from pg_lease_django.holds import lease_connection, lease_pool
 
     statements = _HoldStatements(raw_connect())
 
     def attach(sender: Any, connection: Any, **kwargs: Any) -> None:
         options = connection.settings_dict.get("OPTIONS") or {}
-        ours = options.get("application_name") == lease_pool.APPLICATION_NAME
+        ours = options.get("application_name") == lease_connection.APPLICATION_NAME
         if ours and statements not in connection.execute_wrappers:
             connection.execute_wrappers.append(statements)
 

@@ -29,7 +29,7 @@ from django.db import connections
 from pg_lease_django import metrics
 from pg_lease_django.exceptions import HeartbeatFailedError, LeaseLostError
 
-from . import lease_pool
+from . import lease_connection, lease_pool
 from .lease import Tenure
 from .scheduler import Scheduler, process_scheduler, run_job
 
@@ -73,7 +73,7 @@ class Heartbeat:
         self._stopped = False
         self._generation = 0  # only the latest due time scheduled counts
         self._scheduler: Scheduler | None = None
-        self._renewing: lease_pool.InFlight | None = None  # the renewal in flight, to interrupt
+        self._renewing: lease_connection.InFlight | None = None  # the renewal in flight, to interrupt
         #: True once `finish` has ended (whatever its outcome): a second call does nothing.
         self.ended = False
         self._left_early = False  # an interrupted finish released with a renewal perhaps in flight
@@ -185,7 +185,7 @@ class Heartbeat:
 
     # ---- worker threads --------------------------------------------------------------------------
 
-    def _lose_trust(self, in_flight: lease_pool.InFlight | None) -> None:
+    def _lose_trust(self, in_flight: lease_connection.InFlight | None) -> None:
         try:
             if in_flight is not None:
                 # A renewal hung past the trust window (a commit waiting for a gone standby): free its
@@ -201,7 +201,7 @@ class Heartbeat:
         lease = self.lease
         next_at: float | None = None
         handoff = False
-        call = self._renewing = lease_pool.InFlight()
+        call = self._renewing = lease_connection.InFlight()
         try:
             if self._stopped:
                 return  # the hold ended while this renewal waited for a worker: never renew after the end
@@ -282,7 +282,7 @@ class Heartbeat:
                 return self._keep(remaining)
         bound = max(self.interval, 1.0)
         for attempt in (1, 2):
-            call = lease_pool.InFlight()
+            call = lease_connection.InFlight()
             try:
                 with self._watchdog(call, bound):
                     self.pool.release(lease.key, lease.owner, lease.epoch, timeout=bound, call=call)
@@ -324,7 +324,7 @@ class Heartbeat:
         # at grant + hold_at_least. A renewal can shorten a lease as well as extend it.
         lease = self.lease
         bound = max(self.interval, 1.0)
-        call = lease_pool.InFlight()
+        call = lease_connection.InFlight()
         try:
             with self._watchdog(call, bound):
                 renewal, _sent_at = self.pool.renew(
@@ -345,7 +345,7 @@ class Heartbeat:
         return "kept"
 
     @contextmanager
-    def _watchdog(self, call: lease_pool.InFlight, bound: float) -> Iterator[None]:
+    def _watchdog(self, call: lease_connection.InFlight, bound: float) -> Iterator[None]:
         """Interrupt ``call`` if it has not returned ``bound`` seconds (plus a margin) from now.
 
         The margin lets the server's own statement_timeout (``bound``) answer first when it can. The
@@ -360,7 +360,7 @@ class Heartbeat:
             call.done.set()
 
 
-def _interrupt_soon(call: lease_pool.InFlight) -> None:
+def _interrupt_soon(call: lease_connection.InFlight) -> None:
     """Interrupt ``call`` on a thread of its own: the caller (the scheduler, a worker) must not block."""
     if not call.done.is_set():
         threading.Thread(

@@ -29,7 +29,7 @@ from pg_lease_django.validation import Seconds, check_name
 
 from .context import active
 from .lease import HeldLease, OnLost, send_robust
-from .lease_pool import InFlight
+from .lease_connection import InFlight
 from .session import HoldOptions, HoldSession
 
 # The documented logger of holds (docs/jobs.md), wherever their code lives.

@@ -27,7 +27,8 @@ from pg_lease_django.validation import MAX_TTL, MIN_TTL, Seconds, check_name, ch
 from .context import current_lease
 from .heartbeat import Heartbeat
 from .lease import HeldLease, OnLost, Tenure, send_lease_signal
-from .lease_pool import InFlight, pool_for
+from .lease_connection import InFlight
+from .lease_pool import pool_for
 
 # The documented logger of holds (docs/jobs.md), wherever their code lives.
 logger = logging.getLogger("pg_lease_django.jobs")
