@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 from common import TABLE, TTL, Report, Row, conninfo, percentile, raw_connection, sleep_until
+from psycopg import sql as pgsql
 
 # The upsert a lock row is often written as: one statement for new and existing keys. On a held key
 # its WHERE fails, but only after locking the row (and so writing WAL and committing an xid).
@@ -95,6 +96,60 @@ def pgbench_rate(database: dict[str, Any], sql: str, clients: int, seconds: floa
     if done.returncode != 0 or not found:
         raise RuntimeError(f"pgbench failed ({done.returncode}): {done.stdout[-500:]}{done.stderr[-500:]}")
     return float(found.group(1))
+
+
+#: The same body as pg_lease_acquire, run with the caller's rights and search path: what the security
+#: model (SECURITY DEFINER, SET search_path) costs a refused call. Created for the measurement, then dropped.
+INVOKER_COPY = "bench_acquire_invoker"
+
+
+def refused_call_cost(report: Report, key: str, calls: int = 20_000, rounds: int = 5) -> None:
+    """Server time per refused call, inside one DO loop (no round trip, no client): pg_lease_acquire
+    against its INVOKER copy and against the bare unlocked look it starts with. Rounds interleaved;
+    medians of the per-round ratios."""
+    raw = raw_connection()
+    definition = raw.execute(
+        "SELECT pg_catalog.pg_get_functiondef(%s::regprocedure)", ["pg_lease_acquire(text,text,interval)"]
+    )
+    row = definition.fetchone()
+    assert row is not None
+    copy = str(row[0]).replace(".pg_lease_acquire(", f".{INVOKER_COPY}(", 1)
+    copy = copy.replace(" SECURITY DEFINER\n", "\n", 1).replace(
+        " SET search_path TO 'pg_catalog', 'pg_temp'\n", "\n", 1
+    )
+    assert "SECURITY DEFINER" not in copy and "SET search_path" not in copy.split("AS $function$")[0]
+    raw.execute(copy)
+    schema = copy.split("FUNCTION ", 1)[1].split(".", 1)[0]
+    bodies = {
+        "definer": f"PERFORM * FROM {schema}.pg_lease_acquire(k, 'bench-refused', '30 s')",
+        "invoker": f"PERFORM * FROM {schema}.{INVOKER_COPY}(k, 'bench-refused', '30 s')",
+        "look": f"PERFORM l.owner, l.epoch, l.expires_at, clock_timestamp() FROM {schema}.{TABLE} l WHERE l.key = k",
+    }
+    per_call: dict[str, list[float]] = defaultdict(list)
+    try:
+        for round_ in range(rounds):
+            for name in list(bodies) if round_ % 2 == 0 else list(reversed(bodies)):
+                started = time.perf_counter()
+                raw.execute(
+                    f"DO $$ DECLARE k text := {pgsql.quote(key)}; BEGIN"
+                    f" FOR i IN 1..{calls} LOOP {bodies[name]}; END LOOP; END $$"
+                )
+                per_call[name].append((time.perf_counter() - started) / calls * 1e6)
+    finally:
+        raw.execute(f"DROP FUNCTION IF EXISTS {schema}.{INVOKER_COPY}(text, text, interval)")
+    for rival, label in (("invoker", "the same body as INVOKER"), ("look", "the bare unlocked look")):
+        ratios = sorted(d / r for d, r in zip(per_call["definer"], per_call[rival], strict=True))
+        report.add(
+            Row(
+                "contention",
+                f"refused call, server time: ÷ {label}",
+                None,
+                ratio=ratios[len(ratios) // 2],
+                vs="time per call, one DO loop",
+                note=f"µs per call, medians: pg_lease_acquire {sorted(per_call['definer'])[rounds // 2]:.1f},"
+                f" {rival} {sorted(per_call[rival])[rounds // 2]:.1f}",
+            )
+        )
 
 
 def attempt_footprint(conn: psycopg.Connection[Any], sql: str, params: list[Any]) -> tuple[int, bool]:
@@ -181,6 +236,7 @@ def run(report: Report, pool: Any, database: dict[str, Any], seconds: float, own
         "function": attempt_footprint(observer, "SELECT * FROM pg_lease_acquire(%s, %s, %s)", [key, "x", TTL]),
         "upsert": attempt_footprint(observer, UPSERT_ACQUIRE, [key, "x", TTL]),
     }
+    refused_call_cost(report, key)
     Lease.objects.release(key, holder, grant.epoch)
     observer.close()
 
