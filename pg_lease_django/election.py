@@ -1,7 +1,7 @@
 """Leader election on ``hold()``: campaign for a key, lead while the hold lasts, step down, campaign again.
 
-``elect()`` runs the loop in a thread of its own and returns an `Election` handle; ``aelect()`` is
-the same loop as a coroutine. See docs/leader-election.md.
+``elect()`` runs the loop in a thread of its own and returns an `Election` handle; ``aelect()``
+(`pg_lease_django.async_election`) is the same loop as a coroutine. See docs/leader-election.md.
 
 - **Campaigning** is a non-blocking ``hold()`` attempt every ``PG_LEASE_POLL_INTERVAL`` (0.5 s),
   sleeping on an event in between: a refused attempt is one cheap statement (no write, no lock)
@@ -11,39 +11,48 @@ the same loop as a coroutine. See docs/leader-election.md.
 - **Leading** is the callback running inside the hold. A term ends when the callback returns or
   raises, the lease is lost, a hand-off is requested, or the election is stopped; then the hold
   is left (released, unless lost) and ``on_stopped_leading()`` is called.
-- **Resting** before the next campaign keeps a leader from taking its lease straight back: after
-  a hand-off, until another leader is seen or one TTL has passed; after the callback raised, a
-  back-off doubling from the poll interval up to one TTL; after the callback returned, one poll
-  interval (the others try in the meantime). After a loss there is no rest: the lease is
-  someone else's, or nobody's.
+- **Resting** before the next campaign, and everything else decided between terms, is
+  `pg_lease_django.election_plan`: written once, run by the thread of ``elect()`` and the
+  coroutine of ``aelect()`` (`Election._run`, `AsyncElection._acampaign`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import enum
 import functools
-import inspect
 import logging
 import threading
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction
 from django.db import connections
 
-from . import conf, metrics, sigterm
-from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
+from . import metrics, sigterm
+from .election_plan import (
+    Announce,
+    Campaign,
+    CampaignFailed,
+    ReadLeader,
+    Refused,
+    Rest,
+    RunTerm,
+    Served,
+    Step,
+    StepDown,
+    TermEnd,
+    TermOutcome,
+    term_end,
+)
+from .exceptions import InvalidInputError, NotAcquirableError
 from .holds.holding import Holding, hold, report_next_acquire_to
 from .holds.lease import HeldLease
 from .holds.lease_connection import InFlight
+from .operations import LeaseState
 from .owners import default_owner
 from .validation import Seconds, check_name, check_ttl
 
-__all__ = ["Election", "aelect", "current_election", "elect"]
+__all__ = ["Election", "current_election", "elect"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +63,8 @@ _INTERRUPT_GRACE = 1.0
 _current: ContextVar[Election | None] = ContextVar("pg_lease_current_election", default=None)
 
 
-class _End(enum.Enum):
-    """Why a term ended: it decides the rest before the next campaign."""
-
-    RETURNED = "returned"
-    FAILED = "failed"
-    HANDOFF = "hand-off"
-    LOST = "lost"
-    STOPPED = "stopped"
+#: Steps a stopped campaign does not take (``stop()`` ends it there); an announcement and a step-down still run.
+_ENDED_BY_STOP = (RunTerm, Rest, ReadLeader)
 
 
 def current_election() -> Election | None:
@@ -116,14 +119,12 @@ class Election:
         self._term_ends = threading.Event()  # set when the current term must end: lost, hand-off, stop
         self._lease: HeldLease | None = None
         self._leader: str | None = None
-        self._failures = 0  # terms in a row whose callback raised: the back-off
-        #: Set by a callback of this package (`pg_lease_django.supervisor`) to end its term as failed
-        #: (back off) without raising: a COMMAND that exited with an error is no traceback.
-        self._term_failed = False
+        self._campaign = Campaign(self.owner, self._ttl.total_seconds())
+        self._term_failed = False  # `fail_term`: the term ends as failed (backs off) without raising
         self._thread: threading.Thread | None = None
         self._sigterm = False  # `with` in the main thread counted in sigterm.enter()
         self._done = threading.Event()  # set when the election's thread ends (`join` waits on it)
-        #: Called (from any thread) when a term must end; `pg_lease_django.supervisor` wakes its select with it.
+        #: Called (from any thread) when a term must end (`start`: ``leases run --campaign`` wakes its select).
         self._wakers: list[Callable[[], None]] = []
         self._acquiring: InFlight | None = None  # the campaign attempt of the election's thread, for stop()
 
@@ -209,7 +210,7 @@ class Election:
         finally:
             sigterm.leave(counted)
 
-    # ---- shared by both loops --------------------------------------------------------------------
+    # ---- shared by both drivers ------------------------------------------------------------------
 
     def _end_term(self, ends: threading.Event | None = None) -> None:
         # on_lost / on_handoff of a term's hold (a heartbeat worker thread; ``ends``: that term's
@@ -221,13 +222,6 @@ class Election:
             except Exception:
                 logger.exception("waking the leader of election %r failed", self.key)
 
-    def _seen(self, identity: str) -> bool:
-        """Record ``identity`` as the leader; True when it is a change (then on_new_leader is due)."""
-        if identity == self._leader:
-            return False
-        self._leader = identity
-        return True
-
     def _start_term(self, lease: HeldLease) -> None:
         self._term_failed = False
         self._lease = lease
@@ -235,27 +229,35 @@ class Election:
         if self._stop.is_set():  # stop() came while acquiring: the callback must see it at once
             self._term_ends.set()
 
-    def _end_of(self, lease: HeldLease, ended: _End) -> _End:
-        """What ends the term once the callback is done: a loss or a hand-off outrank a return."""
-        if lease.lost:
-            return _End.LOST
-        if ended == _End.RETURNED and lease.handoff_requested:
-            return _End.HANDOFF
-        return ended
+    def _served(self, lease: HeldLease, ended: TermEnd) -> Served:
+        return Served(term_end(ended, lost=lease.lost, handoff_requested=lease.handoff_requested))
 
-    def _rest(self, ended: _End) -> float:
-        """Seconds to wait before campaigning again after a term that ended so (module docstring)."""
-        ttl, poll = self._ttl.total_seconds(), conf.poll_interval()
-        if ended == _End.FAILED:
-            self._failures += 1
-            return float(min(ttl, poll * 2 ** min(self._failures - 1, 16)))
-        self._failures = 0
-        if ended == _End.HANDOFF:
-            return ttl
-        return poll if ended == _End.RETURNED else 0.0
+    def _call(self, callback: Callable[..., Any] | None, *args: Any) -> Any:
+        """Call one of the user's callbacks; an exception from it is logged, never raised. Returns its result
+        (an awaitable for the async driver to `_finish`)."""
+        if callback is None:
+            return None
+        try:
+            return callback(*args)
+        except Exception as exc:
+            self._log_failure(getattr(callback, "__name__", "a callback"), exc)
+            return None
+
+    def _announce(self, identity: str) -> Any:
+        """Record ``identity`` as the leader; on a change, call on_new_leader (`_call`'s result)."""
+        if identity == self._leader:
+            return None
+        self._leader = identity
+        return self._call(self._on_new_leader, identity)
+
+    def _holder(self, state: LeaseState) -> str | None:
+        return state.owner if state.held and state.owner else None
 
     def _log_failure(self, what: str, exc: BaseException) -> None:
         logger.error("election %r (%s): %s failed: %r", self.key, self.owner, what, exc, exc_info=exc)
+
+    def _log_campaign_failure(self, exc: BaseException) -> None:
+        logger.warning("election %r (%s): campaigning failed: %r", self.key, self.owner, exc)
 
     def _hold(self, on_lost: Callable[[HeldLease], Any] | None, on_handoff: Callable[[HeldLease], Any]) -> Holding:
         return hold(self.key, self._ttl, owner=self.owner, on_lost=on_lost, on_handoff=on_handoff, using=self._using)
@@ -268,17 +270,14 @@ class Election:
         return self
 
     def _run(self) -> None:
+        """The blocking driver of the campaign's plan, until stopped."""
         _current.set(self)
         metrics.campaigning(self.key, 1)
         try:
-            while not self._stop.is_set():
-                ended = self._term()
-                if ended is None:
-                    continue
-                if ended == _End.HANDOFF:
-                    self._watch_for(self._rest(ended))
-                else:
-                    self._stop.wait(self._rest(ended))
+            plan = self._campaign.plan()
+            step = next(plan)
+            while not (self._stop.is_set() and isinstance(step, _ENDED_BY_STOP)):
+                step = plan.send(self._do(step))
         except BaseException:
             logger.exception("election %r (%s) crashed; it no longer campaigns", self.key, self.owner)
         finally:
@@ -286,8 +285,27 @@ class Election:
             connections.close_all()  # this thread's own (callbacks', and the watch after a hand-off)
             self._done.set()
 
-    def _term(self) -> _End | None:
-        """One campaign attempt, and the term it wins; None when refused (after the pause)."""
+    def _do(self, step: Step) -> Any:
+        from .models import Lease
+
+        match step:
+            case RunTerm():
+                return self._term()
+            case Rest(seconds):
+                self._stop.wait(seconds)
+            case ReadLeader():
+                try:
+                    return self._holder(Lease.objects.db_manager(self._using).inspect(self.key))
+                except Exception as exc:
+                    logger.warning("election %r: reading the lease failed: %r", self.key, exc)
+            case Announce(identity):
+                self._announce(identity)
+            case StepDown():
+                self._call(self._on_stopped_leading)
+        return None
+
+    def _term(self) -> TermOutcome:
+        """One campaign attempt, and the term it wins, in this thread."""
         ends = self._term_ends = threading.Event()  # this term's: set by its hold's callbacks and by stop()
 
         def end_term(lease: HeldLease) -> None:
@@ -298,168 +316,47 @@ class Election:
         report_next_acquire_to(holding, self._acquiring)
         if self._stop.is_set():  # stop() may have read the previous attempt's handle
             self._acquiring.interrupt(grace=_INTERRUPT_GRACE)
+        led = False
         try:
             with holding as lease:
                 self._start_term(lease)
-                self._call(self._on_new_leader, self.owner, seen=self._seen(self.owner))
+                self._announce(self.owner)
+                led = True
                 try:
                     self._on_started_leading(lease)
-                    ended = _End.STOPPED if self._stop.is_set() else _End.RETURNED
-                    if self._term_failed and ended == _End.RETURNED:
-                        ended = _End.FAILED
+                    ended = TermEnd.STOPPED if self._stop.is_set() else TermEnd.RETURNED
+                    if self._term_failed and ended == TermEnd.RETURNED:
+                        ended = TermEnd.FAILED
                 except Exception as exc:
                     self._log_failure("on_started_leading", exc)
-                    ended = _End.FAILED
+                    ended = TermEnd.FAILED
                 finally:
                     self._lease = None
         except NotAcquirableError as busy:
-            if busy.holder is not None:
-                self._call(self._on_new_leader, busy.holder, seen=self._seen(busy.holder))
-            self._stop.wait(conf.poll_interval())
-            return None
-        except Exception as exc:  # the database, while acquiring: keep campaigning, backing off
+            return Refused(busy.holder)
+        except Exception as exc:  # the database, while acquiring or leaving: keep campaigning, backing off
             if not self._stop.is_set():  # else: the attempt was interrupted by stop(), and settled
-                logger.warning("election %r (%s): campaigning failed: %r", self.key, self.owner, exc)
-            self._stop.wait(self._rest(_End.FAILED))
-            return None
+                self._log_campaign_failure(exc)
+            return CampaignFailed(led=led)
         finally:
             self._acquiring = None
-        ended = self._end_of(lease, ended)
-        self._call(self._on_stopped_leading)
-        return ended
+        return self._served(lease, ended)
 
-    def _call(self, callback: Callable[..., Any] | None, *args: Any, seen: bool = True) -> None:
-        if callback is None or not seen:
-            return
-        try:
-            callback(*args)
-        except Exception as exc:
-            self._log_failure(getattr(callback, "__name__", "a callback"), exc)
 
-    def _watch_for(self, seconds: float) -> None:
-        """After a hand-off: rest until another leader is seen (on_new_leader) or ``seconds`` pass."""
-        from .models import Lease
+# ---- for pg_lease_django.supervisor (``leases run --campaign``): hooks, not public API ------------
 
-        deadline = time.monotonic() + seconds
-        while not self._stop.wait(min(conf.poll_interval(), max(deadline - time.monotonic(), 0.0))):
-            if time.monotonic() >= deadline:
-                return
-            try:
-                state = Lease.objects.db_manager(self._using).inspect(self.key)
-            except Exception as exc:
-                logger.warning("election %r: reading the lease failed: %r", self.key, exc)
-                continue
-            if state.held and state.owner and state.owner != self.owner:
-                self._call(self._on_new_leader, state.owner, seen=self._seen(state.owner))
-                return
 
-    # ---- the coroutine of aelect() ---------------------------------------------------------------
+def start(election: Election, *, wake: Callable[[], None]) -> Election:
+    """Start ``election`` in its thread as `elect` does, calling ``wake()`` (from any thread) whenever
+    a term must end: lost, hand-off requested, or stopped."""
+    election._wakers.append(wake)  # noqa: SLF001 (Election is of this module)
+    return election._start()  # noqa: SLF001 (Election is of this module)
 
-    async def _acampaign(self) -> None:
-        """`_run` for the event loop: campaign until cancelled."""
-        metrics.campaigning(self.key, 1)
-        try:
-            while True:
-                ended = await self._aterm()
-                if ended is None:
-                    continue
-                if ended == _End.HANDOFF:
-                    await self._awatch_for(self._rest(ended))
-                else:
-                    await asyncio.sleep(self._rest(ended))
-        finally:
-            metrics.campaigning(self.key, -1)
 
-    async def _aterm(self) -> _End | None:
-        """`_term` for the event loop; None when refused (after the pause)."""
-        loop = asyncio.get_running_loop()
-        step_down = asyncio.Event()
-
-        def handoff(lease: HeldLease) -> None:  # a heartbeat worker thread; a loss cancels this task through the hold
-            loop.call_soon_threadsafe(step_down.set)
-
-        started = False
-        held: HeldLease | None = None
-        task = asyncio.current_task()
-        cancelling = task.cancelling() if task is not None else 0
-        try:
-            async with self._hold(None, handoff) as lease:
-                held = lease
-                self._start_term(lease)
-                await self._acall(self._on_new_leader, self.owner, seen=self._seen(self.owner))
-                started = True
-                leader: asyncio.Future[Any] = asyncio.ensure_future(self._on_started_leading(lease))
-                stepping = asyncio.ensure_future(step_down.wait())
-                try:
-                    await asyncio.wait({leader, stepping}, return_when=asyncio.FIRST_COMPLETED)
-                finally:  # also when this task is cancelled: by the hold on a loss, or from outside
-                    self._lease = None
-                    stepping.cancel()
-                    if not leader.done():
-                        leader.cancel()
-                        await asyncio.wait({leader})
-                if leader.cancelled():
-                    ended = _End.RETURNED  # by the hand-off (see _end_of)
-                elif (exc := leader.exception()) is not None:
-                    self._log_failure("on_started_leading", exc)
-                    ended = _End.FAILED
-                else:
-                    ended = _End.RETURNED
-        except NotAcquirableError as busy:
-            if busy.holder is not None:
-                await self._acall(self._on_new_leader, busy.holder, seen=self._seen(busy.holder))
-            await asyncio.sleep(conf.poll_interval())
-            return None
-        except LeaseLostError:
-            if not started:
-                return _End.LOST
-            ended = _End.LOST  # the hold cancelled this task on the loss, and turned that into this error
-        except asyncio.CancelledError:
-            # The hold's own cancellation on a loss normally comes back as LeaseLostError; one that lands
-            # as the hold is being left escapes unconverted. It is ours if it is the only one pending.
-            if task is not None and held is not None and held.lost and task.cancelling() == cancelling + 1:
-                task.uncancel()
-                ended = _End.LOST
-            else:
-                if started:  # cancelled from outside while leading: the hold has released; step down, then go
-                    await self._acall(self._on_stopped_leading)
-                raise
-        except Exception as exc:  # the database, while acquiring: keep campaigning, backing off
-            logger.warning("election %r (%s): campaigning failed: %r", self.key, self.owner, exc)
-            if started:
-                await self._acall(self._on_stopped_leading)
-            await asyncio.sleep(self._rest(_End.FAILED))
-            return None
-        if ended != _End.LOST:
-            ended = self._end_of(lease, ended)
-        await self._acall(self._on_stopped_leading)
-        return ended
-
-    async def _acall(self, callback: Callable[..., Any] | None, *args: Any, seen: bool = True) -> None:
-        if callback is None or not seen:
-            return
-        try:
-            result = callback(*args)
-            if inspect.isawaitable(result):
-                await result
-        except Exception as exc:
-            self._log_failure(getattr(callback, "__name__", "a callback"), exc)
-
-    async def _awatch_for(self, seconds: float) -> None:
-        """`_watch_for` for the event loop."""
-        from .models import Lease
-
-        deadline = time.monotonic() + seconds
-        while (remaining := deadline - time.monotonic()) > 0:
-            await asyncio.sleep(min(conf.poll_interval(), remaining))
-            try:
-                state = await Lease.objects.db_manager(self._using).ainspect(self.key)
-            except Exception as exc:
-                logger.warning("election %r: reading the lease failed: %r", self.key, exc)
-                continue
-            if state.held and state.owner and state.owner != self.owner:
-                await self._acall(self._on_new_leader, state.owner, seen=self._seen(state.owner))
-                return
+def fail_term(election: Election) -> None:
+    """End ``election``'s current term as failed once its callback returns: the next campaign backs
+    off, as after a callback that raised (a COMMAND that exited with an error is no traceback)."""
+    election._term_failed = True  # noqa: SLF001 (Election is of this module)
 
 
 def elect(
@@ -507,40 +404,6 @@ def elect(
     Raises:
         InvalidInputError: a bad argument; nothing was started.
     """
-    return Election(  # noqa: SLF001 (_start: Election is of this module; elect() is its public start)
-        key,
-        ttl=ttl,
-        on_started_leading=on_started_leading,
-        on_stopped_leading=on_stopped_leading,
-        on_new_leader=on_new_leader,
-        owner=owner,
-        using=using,
-    )._start()
-
-
-async def aelect(
-    key: str,
-    *,
-    ttl: Seconds,
-    on_started_leading: Callable[[HeldLease], Awaitable[Any]],
-    on_stopped_leading: Callable[[], Any],
-    on_new_leader: Callable[[str], Any] | None = None,
-    owner: str | None = None,
-    using: str | None = None,
-) -> None:
-    """`elect` for the event loop: campaign for ``key`` until this coroutine is cancelled.
-
-    ``on_started_leading(lease)`` is a coroutine function, run as a task of its own for each term;
-    the task is cancelled when the lease is lost, a hand-off is requested, or this coroutine is
-    cancelled (the term then ends as in `elect`: release, ``on_stopped_leading()``, and, on
-    cancellation, the CancelledError goes on). ``on_stopped_leading`` and ``on_new_leader`` may be
-    plain or coroutine functions. Arguments as for `elect`; the database calls run in worker threads.
-
-    Raises:
-        InvalidInputError: a bad argument.
-    """
-    if not iscoroutinefunction(on_started_leading):
-        raise InvalidInputError("on_started_leading of aelect() must be a coroutine function (async def)")
     election = Election(
         key,
         ttl=ttl,
@@ -550,4 +413,4 @@ async def aelect(
         owner=owner,
         using=using,
     )
-    await election._acampaign()  # noqa: SLF001 (Election is of this module); aelect is the event loop's driver of an Election, elect() its thread's
+    return election._start()  # noqa: SLF001 (Election is of this module; elect() is its public start)

@@ -27,7 +27,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import suppress
 from datetime import timedelta
 from enum import IntEnum
@@ -37,8 +37,8 @@ from typing import Any
 from django.core.management.base import OutputWrapper
 from django.db import connections, router
 
+from . import election as elections
 from .display import LeaseRow, format_duration
-from .election import Election
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
 from .holds.holding import hold
 from .holds.lease import HeldLease
@@ -58,25 +58,6 @@ STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # How often the "waiting for KEY held by OWNER" line on a terminal is refreshed, and how long a
 # wait must last before it first appears (an acquire that succeeds at once shows nothing).
 _STATUS_REFRESH = 0.25
-
-
-class _CampaignForCommand(Election):
-    """The election of ``leases run --campaign``: it wakes the supervisor's select when a term must
-    end, and a term whose COMMAND exited with an error ends as failed (the next campaign backs off)
-    without a callback raising."""
-
-    def __init__(self, key: str, *, wake: Callable[[], None], **options: Any) -> None:
-        super().__init__(key, **options)
-        self._wakers.append(wake)
-
-    def begin(self) -> _CampaignForCommand:
-        """Start campaigning in the election's thread, as `elect` does."""
-        self._start()
-        return self
-
-    def fail_term(self) -> None:
-        """End the current term as failed: back off before the next campaign."""
-        self._term_failed = True
 
 
 class ExitCode(IntEnum):
@@ -328,7 +309,7 @@ class Supervisor:
         if campaign and wait is not None:
             raise InvalidInputError("--campaign waits for the lease as long as it takes: leave out --wait")
         self.campaign = campaign
-        self._election: _CampaignForCommand | None = None
+        self._election: elections.Election | None = None
         self.key, self.argv = key, list(argv)
         self.using = using or router.db_for_write(Lease)
         self.verbosity = verbosity
@@ -627,7 +608,7 @@ class Supervisor:
                 return
             term_over.wait()
 
-        election = _CampaignForCommand(
+        election = elections.Election(
             self.key,
             ttl=self.ttl,
             on_started_leading=lead,
@@ -635,10 +616,9 @@ class Supervisor:
             on_new_leader=lambda identity: self._say(f"{self.key!r} is led by {identity!r}", level=2),
             owner=self.owner,
             using=self.using,
-            wake=self._wake,
         )
         self._election = election
-        election.begin()
+        elections.start(election, wake=self._wake)
         try:
             while True:
                 lease = terms.get()  # a signal here raises _Interrupted: stop campaigning
@@ -676,7 +656,7 @@ class Supervisor:
         elif self._election is not None and not self._election.stopping:
             self._say(f"{ended}; stepping down from {self.key!r} (epoch {lease.epoch}), campaigning again")
             if returncode != 0:
-                self._election.fail_term()  # back off before the next term
+                elections.fail_term(self._election)  # back off before the next term
         else:
             self._say(f"{ended}; releasing {self.key!r} (epoch {lease.epoch}), stopped campaigning", level=2)
         return returncode

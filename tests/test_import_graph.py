@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the manager and the model", {"managers", "querysets", "models"}),
     ("holding for a job", {"holds"}),
     ("fencing", {"fencing"}),
-    ("leader election", {"election"}),
+    ("leader election", {"election_plan", "election", "async_election"}),
     (
         "operators",
         {
