@@ -10,9 +10,8 @@ With ``campaign=True`` (``leases run --campaign``) it keeps COMMAND running on e
 machine of many: it campaigns with `pg_lease_django.elect`, runs COMMAND while it leads, and
 campaigns again when COMMAND exits or the lease is lost or handed off, until a signal stops it.
 
-`ExitCode` is the exit-code table of the whole ``manage.py leases`` command: written here once,
-because ``run``'s own codes are the supervisor's outcomes, and the command's help, its docstring
-and ``run``'s description are generated from it.
+`ExitCode` (`pg_lease_django.exit_codes`, re-exported here) is the exit-code table of the whole
+``manage.py leases`` command; ``run``'s own codes are the supervisor's outcomes.
 """
 
 from __future__ import annotations
@@ -24,13 +23,10 @@ import selectors
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Sequence
 from contextlib import suppress
-from datetime import timedelta
-from enum import IntEnum
 from types import FrameType
 from typing import Any
 
@@ -38,12 +34,15 @@ from django.core.management.base import OutputWrapper
 from django.db import connections, router
 
 from . import election as elections
-from .display import LeaseRow, format_duration
+from .child_process import describe_exit, group_alive, signal_name, terminal_foreground
+from .display import LeaseRow
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
+from .exit_codes import ExitCode, RunError
 from .holds.holding import hold
 from .holds.lease import HeldLease
 from .models import Lease
 from .status import LeaseStatus
+from .wait_status import WaitStatus
 
 __all__ = ["DEFAULT_GRACE", "FORWARDED_SIGNALS", "ExitCode", "RunError", "Supervisor"]
 
@@ -55,157 +54,6 @@ DEFAULT_GRACE = 10.0
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 #: Of those, the ones that also end a campaign (``--campaign``): COMMAND is not restarted after them.
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# How often the "waiting for KEY held by OWNER" line on a terminal is refreshed, and how long a
-# wait must last before it first appears (an acquire that succeeds at once shows nothing).
-_STATUS_REFRESH = 0.25
-
-
-class ExitCode(IntEnum):
-    """The exit codes of ``manage.py leases``, each with a label (for ``--help``) and a meaning (for docs).
-
-    ``run`` otherwise exits with COMMAND's status (128 + N when signal N killed it, as a shell
-    reports it). Its own codes are kept clear of 0-6 and of the shell's 126, 127 and 128 + N; 75
-    is sysexits' EX_TEMPFAIL ("try again later", what a caller should do when busy), 76 and 77
-    the next two. 126 and 127 mean what they mean in a shell.
-    """
-
-    label: str
-    meaning: str
-
-    def __new__(cls, value: int, label: str, meaning: str) -> ExitCode:
-        member = int.__new__(cls, value)
-        member._value_ = value
-        member.label = label
-        member.meaning = meaning
-        return member
-
-    OK = 0, "ok", "success"
-    DATABASE_ERROR = 1, "database error", "database error (the message says which)"
-    USAGE = (
-        2,
-        "bad arguments",
-        "bad arguments: unknown option, bad key, epoch or limit, unknown or non-PostgreSQL database; "
-        "``advance-epochs --by`` that would raise an epoch past the limit (nothing changed)",
-    )
-    NOT_FOUND = 3, "no such lease", "no such lease: the key was never acquired"
-    NOT_FORCED = 4, "release without --force", "``release`` refused: ``--force`` not given"
-    MOVED_ON = (
-        5,
-        "lease moved on",
-        "``release`` or ``handoff`` refused: the lease moved on (``--epoch`` is not the current epoch, or it "
-        "changed hands while being released)",
-    )
-    ALREADY_FREE = (
-        6,
-        "already free",
-        "``release``: nothing to release, the lease is already free; ``handoff``: nobody holds it (free or lapsed)",
-    )
-    BUSY = 75, "busy", "busy: the lease is held by another owner; COMMAND was not run"
-    LOST = (
-        76,
-        "lease lost",
-        "lost: the lease was lost while COMMAND ran (it was sent SIGTERM, then SIGKILL after ``--grace``), "
-        "or at its end the lease turned out to have moved on",
-    )
-    TIMED_OUT = (
-        77,
-        "timed out waiting",
-        "timed out: ``--wait`` passed and the lease was still held; COMMAND was not run",
-    )
-    CANNOT_EXECUTE = 126, "cannot execute", "COMMAND could not be executed (permission denied, not an executable)"
-    COMMAND_NOT_FOUND = 127, "not found", "COMMAND was not found"
-
-    @classmethod
-    def of(cls, *, run: bool) -> list[ExitCode]:
-        """The codes of every subcommand (``run=False``), or those only ``run`` exits with."""
-        return [code for code in cls if (code >= cls.BUSY) == run]
-
-    @classmethod
-    def summary(cls, *, run: bool) -> str:
-        """``0 ok, 1 database error, ...``: the codes and their labels on one line."""
-        return ", ".join(f"{code.value} {code.label}" for code in cls.of(run=run))
-
-    @classmethod
-    def table(cls, *, run: bool, width: int = 90) -> str:
-        """The codes and their meanings as a reStructuredText table, for a docstring."""
-        codes = cls.of(run=run)
-        digits = max(len(str(code.value)) for code in codes)
-        rule = f"{'=' * digits}  {'=' * width}"
-        lines = [rule]
-        for code in codes:
-            first, *more = textwrap.wrap(code.meaning, width)
-            lines.append(f"{code.value:<{digits}}  {first}")
-            lines += [f"{'':<{digits}}  {line}" for line in more]
-        return "\n".join([*lines, rule])
-
-
-class RunError(Exception):
-    """The run ended without COMMAND's status deciding it: busy, lost, timed out, or COMMAND not runnable.
-
-    Attributes:
-        exit_code: what to exit with (`ExitCode.BUSY`, ``LOST``, ``TIMED_OUT``, ``CANNOT_EXECUTE``
-            or ``COMMAND_NOT_FOUND``).
-    """
-
-    def __init__(self, message: str, exit_code: ExitCode) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _describe_exit(returncode: int) -> str:
-    """``exited with status 3`` / ``was killed by SIGKILL``, from a Popen return code."""
-    if returncode < 0:
-        return f"was killed by {_signal_name(-returncode)}"
-    return f"exited with status {returncode}"
-
-
-def _terminal_foreground() -> bool:
-    """Whether this process group is the foreground group of the terminal on stdin/stdout/stderr.
-
-    Then COMMAND stays in our process group, so that it can use the terminal, and Ctrl-C reaches
-    it straight from the terminal (passing that SIGINT on would deliver it twice).
-    """
-    for fd in (0, 1, 2):
-        with suppress(OSError):
-            if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
-                return True
-    return False
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a process that is not a zombie.
-
-    An orphan's zombie waits for whoever reaps orphans (in a container without an init, maybe
-    nobody): it runs nothing and must not keep the lease. Read from /proc; elsewhere ``killpg``.
-    """
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                fields = stat.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[2]) == pgid and fields[0] != b"Z":  # fields: state, ppid, pgrp, ...
-            return True
-    return False
 
 
 class _Interrupted(BaseException):
@@ -214,57 +62,6 @@ class _Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
-
-
-class _WaitStatus(threading.Thread):
-    """On a terminal: one line on stderr, rewritten in place, while ``--wait`` waits for the lease.
-
-    Reads the lease as ``leases show`` does, on a connection of this thread's own (the waiting
-    acquire has its own too), and never blocks the wait: any failure only ends the status line.
-    """
-
-    def __init__(self, supervisor: Supervisor, wait: float) -> None:
-        super().__init__(name=f"leases run status {supervisor.key}"[:100], daemon=True)
-        self.supervisor, self.key, self.wait = supervisor, supervisor.key, wait
-        self.stderr = supervisor.stderr
-        self._stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._shown = False
-
-    def run(self) -> None:
-        started = time.monotonic()
-        try:
-            while not self._stopped.wait(_STATUS_REFRESH):
-                row = self.supervisor.read_lease()
-                waited = format_duration(timedelta(seconds=time.monotonic() - started))
-                if row is None or row.state == LeaseStatus.FREE:
-                    text = f"waiting for {self.key} (free now)"
-                elif row.state == LeaseStatus.LAPSED:
-                    text = f"waiting for {self.key} (lapsed, last held by {row.owner})"
-                else:
-                    text = f"waiting for {self.key} held by {row.owner}, expires {row.expiry}"
-                self._show(f"{text} (waited {waited} of {format_duration(timedelta(seconds=self.wait))})")
-        except Exception:
-            logger.debug("the wait status line for %r failed", self.key, exc_info=True)
-        finally:
-            connections.close_all()  # this thread's own
-
-    def _show(self, text: str) -> None:
-        with self._lock:
-            if not self._stopped.is_set():
-                self.stderr.write(f"\r\x1b[K{text}", style_func=str, ending="")
-                self.stderr.flush()
-                self._shown = True
-
-    def stop(self) -> None:
-        """Stop refreshing and erase the line (idempotent)."""
-        with self._lock:
-            if self._stopped.is_set():
-                return
-            self._stopped.set()
-            if self._shown:
-                self.stderr.write("\r\x1b[K", style_func=str, ending="")
-                self.stderr.flush()
 
 
 class Supervisor:
@@ -367,7 +164,7 @@ class Supervisor:
         # still hold the processes it left running: they get the signal while the lease is held.
         if child is None or (child.returncode is not None and not self._group_left(child)):
             return
-        if signum == signal.SIGINT and not self._own_group and _terminal_foreground():
+        if signum == signal.SIGINT and not self._own_group and terminal_foreground():
             return  # Ctrl-C: the terminal sent it to COMMAND as well (same process group)
         self._signal(child, signum)
 
@@ -410,9 +207,9 @@ class Supervisor:
                 return self._campaign() if self.campaign else self._hold_and_run()
             except _Interrupted as exc:
                 if self.campaign:
-                    self._say(f"{_signal_name(exc.signum)} while {self._name} was not running: stopped campaigning")
+                    self._say(f"{signal_name(exc.signum)} while {self._name} was not running: stopped campaigning")
                 else:
-                    self._say(f"{_signal_name(exc.signum)} before {self._name} started: not run, lease not held")
+                    self._say(f"{signal_name(exc.signum)} before {self._name} started: not run, lease not held")
                 return 128 + exc.signum
         finally:
             for number, handler in previous.items():
@@ -432,9 +229,9 @@ class Supervisor:
             on_lost=self._wake,
             using=self.using,
         )
-        status: _WaitStatus | None = None
+        status: WaitStatus | None = None
         if self.wait is not None and self.stderr.isatty():
-            status = _WaitStatus(self, self.wait)
+            status = WaitStatus(self.key, self.read_lease, self.stderr, self.wait)
             status.start()
         try:
             with holding as lease:
@@ -457,7 +254,7 @@ class Supervisor:
         error = lease.error
         if error is not None:
             what = (
-                f"{self._name} {_describe_exit(returncode)}"
+                f"{self._name} {describe_exit(returncode)}"
                 if not self._terminated_at_loss
                 else self._kill_report(returncode)
             )
@@ -465,7 +262,7 @@ class Supervisor:
                 f"lease {self.key!r} (epoch {lease.epoch}) was lost while {self._name} ran ({error.code}): {what}",
                 ExitCode.LOST,
             )
-        self._say(f"released {self.key!r} (epoch {lease.epoch}); {self._name} {_describe_exit(returncode)}", level=2)
+        self._say(f"released {self.key!r} (epoch {lease.epoch}); {self._name} {describe_exit(returncode)}", level=2)
         return returncode if returncode >= 0 else 128 - returncode
 
     def _holder(self) -> str:
@@ -498,7 +295,7 @@ class Supervisor:
             # signal (forwarded, or sent on loss) reaches the processes COMMAND started as well. In
             # the foreground COMMAND must share our group to read the terminal (as with `timeout
             # --foreground`); there only COMMAND itself is signalled.
-            self._own_group = not _terminal_foreground()
+            self._own_group = not terminal_foreground()
             self.child = subprocess.Popen(self.argv, env=env, process_group=0 if self._own_group else None)
         except FileNotFoundError:
             raise RunError(f"{self.argv[0]}: command not found", ExitCode.COMMAND_NOT_FOUND) from None
@@ -512,7 +309,7 @@ class Supervisor:
         """Whether COMMAND's own process group still has a process (COMMAND's background children)."""
         if not self._own_group:
             return False
-        return _group_alive(child.pid)
+        return group_alive(child.pid)
 
     def _watch(self, lease: HeldLease, child: subprocess.Popen[bytes]) -> int:
         pidfd = -1
@@ -579,7 +376,7 @@ class Supervisor:
 
     def _kill_report(self, returncode: int) -> str:
         sent = f"sent {self._name} SIGTERM" + (f", then SIGKILL after {self.grace:g}s" if self._killed else "")
-        return f"{sent}; it {_describe_exit(returncode)}"
+        return f"{sent}; it {describe_exit(returncode)}"
 
     # -- run --campaign ------------------------------------------------------------------------------
 
@@ -648,7 +445,7 @@ class Supervisor:
             return None
         finally:
             self._started = False  # from here a signal stops the campaign at once
-        ended = f"{self._name} {_describe_exit(returncode)}"
+        ended = f"{self._name} {describe_exit(returncode)}"
         if self._terminated_at_loss:
             self._say(f"lease {self.key!r} (epoch {lease.epoch}) was lost: {self._kill_report(returncode)}")
         elif lease.handoff_requested:

@@ -33,7 +33,7 @@ from pg_lease_django.management.leases.operating import OperatingSubcommands
 from pg_lease_django.management.leases.reading import ReadingSubcommands
 from pg_lease_django.management.leases.running import RunSubcommand
 from pg_lease_django.models import Lease
-from pg_lease_django.supervisor import ExitCode
+from pg_lease_django.exit_codes import ExitCode
 
 __doc__ = f"""{__doc__ or ""}
 Exit codes:

@@ -17,6 +17,7 @@ from pg_lease_django.exceptions import (
     LapsedError,
     NeverAcquiredError,
 )
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     duration,
     iso,
@@ -26,7 +27,6 @@ from pg_lease_django.management.leases.common import (
 )
 from pg_lease_django.models import Lease, LeaseTenure
 from pg_lease_django.status import LeaseStatus
-from pg_lease_django.supervisor import ExitCode
 from pg_lease_django.validation import MAX_ADVANCE, check_name
 
 

@@ -10,6 +10,7 @@ from typing import Any, TextIO, cast
 from django.core.management.base import BaseCommand, CommandError
 
 from pg_lease_django.display import LeaseRow, format_duration
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     iso,
     not_found,
@@ -20,7 +21,6 @@ from pg_lease_django.management.leases.common import (
 )
 from pg_lease_django.models import Lease
 from pg_lease_django.status import LeaseStatus
-from pg_lease_django.supervisor import ExitCode
 from pg_lease_django.timeline import History, read_history
 from pg_lease_django.validation import check_name
 from pg_lease_django.watch import Watcher, watch

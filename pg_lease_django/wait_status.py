@@ -1,0 +1,73 @@
+"""The line ``leases run --wait`` shows on a terminal while it waits for the lease (`WaitStatus`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from django.core.management.base import OutputWrapper
+from django.db import connections
+
+from .display import LeaseRow, format_duration
+from .status import LeaseStatus
+
+__all__ = ["WaitStatus"]
+
+logger = logging.getLogger(__name__)
+
+# How often the line is refreshed, and how long a wait must last before it first appears (an
+# acquire that succeeds at once shows nothing).
+_STATUS_REFRESH = 0.25
+
+
+class WaitStatus(threading.Thread):
+    """On a terminal: one line on stderr, rewritten in place, while ``--wait`` waits for the lease.
+
+    Reads the lease as ``leases show`` does, on a connection of this thread's own (the waiting
+    acquire has its own too), and never blocks the wait: any failure only ends the status line.
+    """
+
+    def __init__(self, key: str, read_lease: Callable[[], LeaseRow | None], stderr: OutputWrapper, wait: float) -> None:
+        super().__init__(name=f"leases run status {key}"[:100], daemon=True)
+        self.key, self.read_lease, self.stderr, self.wait = key, read_lease, stderr, wait
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._shown = False
+
+    def run(self) -> None:
+        started = time.monotonic()
+        try:
+            while not self._stopped.wait(_STATUS_REFRESH):
+                row = self.read_lease()
+                waited = format_duration(timedelta(seconds=time.monotonic() - started))
+                if row is None or row.state == LeaseStatus.FREE:
+                    text = f"waiting for {self.key} (free now)"
+                elif row.state == LeaseStatus.LAPSED:
+                    text = f"waiting for {self.key} (lapsed, last held by {row.owner})"
+                else:
+                    text = f"waiting for {self.key} held by {row.owner}, expires {row.expiry}"
+                self._show(f"{text} (waited {waited} of {format_duration(timedelta(seconds=self.wait))})")
+        except Exception:
+            logger.debug("the wait status line for %r failed", self.key, exc_info=True)
+        finally:
+            connections.close_all()  # this thread's own
+
+    def _show(self, text: str) -> None:
+        with self._lock:
+            if not self._stopped.is_set():
+                self.stderr.write(f"\r\x1b[K{text}", style_func=str, ending="")
+                self.stderr.flush()
+                self._shown = True
+
+    def stop(self) -> None:
+        """Stop refreshing and erase the line (idempotent)."""
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+            if self._shown:
+                self.stderr.write("\r\x1b[K", style_func=str, ending="")
+                self.stderr.flush()
