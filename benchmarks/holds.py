@@ -61,17 +61,17 @@ def many(count: int, seconds: float) -> dict[str, Any]:
     from django.db import connection
 
     from pg_lease_django import hold
-    from pg_lease_django.holds import lease_pool
+    from pg_lease_django.holds import lease_connection
     from pg_lease_django.holds.context import active as _active
 
     sends: dict[str, list[float]] = defaultdict(list)
-    original = lease_pool.LeaseConnection.renew
+    original = lease_connection.LeaseConnection.renew
 
     def recording(self: Any, key: str, *args: Any, **kwargs: Any) -> Any:
         sends[key].append(time.monotonic())
         return original(self, key, *args, **kwargs)
 
-    lease_pool.LeaseConnection.renew = recording  # type: ignore[method-assign]
+    lease_connection.LeaseConnection.renew = recording  # type: ignore[method-assign]
     peaks = {"threads": threading.active_count(), "sessions": 0}
     stop = threading.Event()
     settings = connection.settings_dict
@@ -105,7 +105,7 @@ def many(count: int, seconds: float) -> dict[str, Any]:
     finally:
         stop.set()
         watcher.join()
-        lease_pool.LeaseConnection.renew = original  # type: ignore[method-assign]
+        lease_connection.LeaseConnection.renew = original  # type: ignore[method-assign]
     lateness: list[float] = []
     for key, times in sends.items():
         previous = granted.get(key)

@@ -23,7 +23,7 @@ import pytest
 from django.db import connection, transaction
 
 import pg_lease_django
-import pg_lease_django.holds.lease_pool
+import pg_lease_django.holds.lease_connection
 from devkit.dbserver import LocalServer, throwaway_datadir
 from devkit.testapp.models import Invoice
 from pg_lease_django import Grant, Lease, unfenced_writes
@@ -374,7 +374,7 @@ def test_terminated_heartbeat_connection_is_replaced_and_the_lease_kept(key: str
     with hold(key, ttl=1.5) as lease, psycopg.connect(test_db_url(), autocommit=True) as admin:
         epoch = lease.epoch
         # The lease connections of hold() (one pool per process, shared by its holds).
-        name = pg_lease_django.holds.lease_pool.APPLICATION_NAME
+        name = pg_lease_django.holds.lease_connection.APPLICATION_NAME
 
         def heartbeat_pids() -> list[int]:
             rows = admin.execute(

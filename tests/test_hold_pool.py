@@ -244,12 +244,12 @@ def test_an_interrupt_meant_for_a_returned_call_never_touches_the_next_borrower(
     with override_settings(PG_LEASE_HOLD_CONNECTIONS=1), hold(f"{key}-keep", ttl=60):
         pool = lease_pool.pool_for(DEFAULT_DB_ALIAS, io_timeout=5.0)
         grant, _ = pool.acquire(key, "A", timedelta(seconds=30), blocking=False, wait=None)
-        first = lease_pool.InFlight()
+        first = lease_connection.InFlight()
         pool.renew(key, "A", grant.epoch, timedelta(seconds=30), timeout=5, call=first)
         assert first.done.is_set()
         first.done.clear()  # as if its thread had not got that far yet: only the lending count protects now
         outcome: dict[str, str] = {}
-        lent: list[lease_pool.LeaseConnection] = []
+        lent: list[lease_connection.LeaseConnection] = []
 
         def next_borrower() -> None:
             with pool.connection(5000) as conn, conn.wrapper.cursor() as cursor:

@@ -50,7 +50,7 @@ from pg_lease_django import (
     leased,
     unfenced_writes,
 )
-from pg_lease_django.holds import lease_pool, scheduler
+from pg_lease_django.holds import lease_connection, lease_pool, scheduler
 from pg_lease_django.holds.lease import Tenure
 from tests.helpers import needs_session, wait_until
 
@@ -83,7 +83,7 @@ def heartbeat_pids(conn: psycopg.Connection[Any]) -> list[int]:
     """The lease connections of ``hold()`` (the pool of this process: tests run one process at a time)."""
     rows = conn.execute(
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s",
-        [lease_pool.APPLICATION_NAME],
+        [lease_connection.APPLICATION_NAME],
     )
     return [int(pid) for (pid,) in rows.fetchall()]
 

@@ -27,13 +27,13 @@ from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError, router
 
 from pg_lease_django.exceptions import InvalidInputError
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.leases.arguments import declare
 from pg_lease_django.management.leases.common import database
 from pg_lease_django.management.leases.operating import OperatingSubcommands
 from pg_lease_django.management.leases.reading import ReadingSubcommands
 from pg_lease_django.management.leases.running import RunSubcommand
 from pg_lease_django.models import Lease
-from pg_lease_django.exit_codes import ExitCode
 
 __doc__ = f"""{__doc__ or ""}
 Exit codes:
