@@ -65,18 +65,18 @@ class AsyncElection(Election):
                 except Exception as exc:
                     logger.warning("election %r: reading the lease failed: %r", self.key, exc)
             case Announce(identity):
-                await self._finish(self._announce(identity))
+                await self._finish(self._announce(identity), self._on_new_leader)
             case StepDown():
-                await self._finish(self._call(self._on_stopped_leading))
+                await self._finish(self._call(self._on_stopped_leading), self._on_stopped_leading)
         return None
 
-    async def _finish(self, result: Any) -> None:
-        """Await what a callback returned, if awaitable (an async callback); its exception is logged."""
+    async def _finish(self, result: Any, callback: Callable[..., Any] | None) -> None:
+        """Await what ``callback`` returned, if awaitable (an async callback); its exception is logged."""
         if inspect.isawaitable(result):
             try:
                 await result
             except Exception as exc:
-                self._log_failure("a callback", exc)
+                self._log_failure(getattr(callback, "__name__", "a callback"), exc)
 
     async def _aterm(self) -> TermOutcome:
         """One campaign attempt, and the term it wins, as a task: the callback is cancelled to end it."""
@@ -94,7 +94,7 @@ class AsyncElection(Election):
             async with self._hold(None, handoff) as lease:
                 held = lease
                 self._start_term(lease)
-                await self._finish(self._announce(self.owner))
+                await self._finish(self._announce(self.owner), self._on_new_leader)
                 started = True
                 leader: asyncio.Future[Any] = asyncio.ensure_future(self._on_started_leading(lease))
                 stepping = asyncio.ensure_future(step_down.wait())
@@ -124,7 +124,7 @@ class AsyncElection(Election):
                 task.uncancel()
                 return Served(TermEnd.LOST, led=started)
             if started:  # cancelled from outside while leading: the hold has released; step down, then go
-                await self._finish(self._call(self._on_stopped_leading))
+                await self._finish(self._call(self._on_stopped_leading), self._on_stopped_leading)
             raise
         except Exception as exc:  # the database, while acquiring or leaving: keep campaigning, backing off
             self._log_campaign_failure(exc)
