@@ -53,9 +53,14 @@ class NoSessionLeft:
     added after its own teardown: finalizers run last-in, first-out) and raises, naming the
     sessions: an error at the teardown of the last test, and a failed run. Behind PgBouncer the
     pooler keeps server sessions by design: not checked there.
+
+    ``trylast``: the innermost wrapper, so its finalizer is added before the package's pytest plugin
+    adds the one that closes the idle lease connections of ``hold()``, and runs after it, as the drop
+    does. (As the outermost wrapper it ran first and found, when the session's last test had used
+    ``hold()``, the pooled connection the plugin was about to close.)
     """
 
-    @pytest.hookimpl(wrapper=True)
+    @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_fixture_setup(
         self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
     ) -> Generator[None, Any, Any]:
