@@ -147,8 +147,10 @@ def registered(node: Node, key: str) -> bool:
 def test_a_promoted_clock_ahead_lapses_leases_early_and_fencing_refuses_the_old_holder(
     skewed: Callable[[int], SkewedCluster], clients: Callable[..., Waiters]
 ) -> None:
-    """Standby clock +30 s. A ``hold(ttl=6)`` (renewing every 2 s, trust window 5.4 s) and a blocking
-    waiter for its key; SIGKILL of the primary, promotion. On the promoted server the hold's lease has
+    """Standby clock +30 s. A ``hold(ttl=15)`` (renewing every 5 s, trust window 13.5 s) and a blocking
+    waiter for its key; SIGKILL of the primary, promotion. (TTL 15, not 6: at the kill the lease has at
+    least 10 s left in real time, so the early grant is seen even when the promotion takes seconds on a
+    loaded machine; with 6 s a slow promotion let the real-time expiry pass first.) On the promoted server the hold's lease has
     lapsed (its expiry is 30 s in that server's past): the waiter is granted the next epoch at once,
     before the hold's last expiry in real time, while the hold still trusts its lease. The hold's
     fenced write at its epoch is refused (``not_owner``), the waiter's accepted; the hold reports the
@@ -157,7 +159,7 @@ def test_a_promoted_clock_ahead_lapses_leases_early_and_fencing_refuses_the_old_
     holder, waiter = clients(cluster), clients(cluster)
     ok(holder.call(op="migrate"))
     key = "clock-ahead"
-    held = ok(holder.call(op="wait", how="hold", blocking=False, key=key, owner="holder", ttl=6))
+    held = ok(holder.call(op="wait", how="hold", blocking=False, key=key, owner="holder", ttl=15))
     assert ok(holder.call(op="write", key=key, owner="holder", epoch=held["epoch"]))
     wait = waiter.send(op="wait", how="acquire", key=key, owner="waiter", ttl=30, timeout=60)
     poll(lambda: registered(cluster.primary, key), timeout=30, what="the waiter to wait on the primary")
