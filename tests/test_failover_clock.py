@@ -150,8 +150,9 @@ def test_a_promoted_clock_ahead_lapses_leases_early_and_fencing_refuses_the_old_
     """Standby clock +30 s. A ``hold(ttl=15)`` (renewing every 5 s, trust window 13.5 s) and a blocking
     waiter for its key; SIGKILL of the primary, promotion. (TTL 15, not 6: at the kill the lease has at
     least 10 s left in real time, so the early grant is seen even when the promotion takes seconds on a
-    loaded machine; with 6 s a slow promotion let the real-time expiry pass first.) On the promoted server the hold's lease has
-    lapsed (its expiry is 30 s in that server's past): the waiter is granted the next epoch at once,
+    loaded machine; with 6 s a slow promotion let the real-time expiry pass first.) On the promoted
+    server the hold's lease has lapsed (its expiry is 30 s in that server's past): the waiter is
+    granted the next epoch at once,
     before the hold's last expiry in real time, while the hold still trusts its lease. The hold's
     fenced write at its epoch is refused (``not_owner``), the waiter's accepted; the hold reports the
     loss at its next renewal; leaving it frees nothing of the waiter's. One grant per epoch."""
