@@ -30,6 +30,7 @@ from django.test import override_settings
 
 from devkit.testapp.models import Entry
 from pg_lease_django import Election, HeldLease, InvalidInputError, Lease, aelect, conf, current_election, elect
+from pg_lease_django import election as election_hooks
 from tests.election_child import Campaigner
 from tests.helpers import held, url_of_test_database, wait_until
 
@@ -130,6 +131,34 @@ def test_a_failing_callback_steps_down_and_campaigns_again_after_a_growing_back_
     assert starts[0][1] < starts[1][1] < starts[2][1]
     failures = [r for r in caplog.records if "on_started_leading failed" in r.getMessage()]
     assert len(failures) == 2 and all("boom" in r.getMessage() for r in failures)
+    assert Lease.objects.inspect(key).status == "free"
+
+
+def test_the_supervisors_hooks_wake_it_when_a_term_must_end_and_back_off_a_failed_term(key: str) -> None:
+    """``leases run --campaign``'s hooks (`election.start`, `election.fail_term`): a term failed without
+    raising backs off as a raised one does, and ``wake`` is called when a term must end (a hand-off)."""
+    starts: list[float] = []
+    stops: list[float] = []
+    woken = threading.Event()
+
+    def lead(lease: HeldLease) -> None:
+        starts.append(time.monotonic())
+        if len(starts) <= 2:
+            election_hooks.fail_term(campaign)  # as a COMMAND that exited with an error: no traceback
+            return
+        leader_until_stopped(lease)
+
+    campaign = Election(
+        key, ttl=TTL, on_started_leading=lead, on_stopped_leading=lambda: stops.append(time.monotonic())
+    )
+    with election_hooks.start(campaign, wake=woken.set):
+        wait_until(lambda: len(starts) == 3, what="the third term")
+        assert not woken.is_set()  # failed terms end by returning: nothing had to be woken
+        Lease.objects.request_handoff(key)
+        wait_until(woken.is_set, what="the wake of the hand-off")
+    poll = conf.poll_interval()
+    assert starts[1] - stops[0] >= poll  # backing off: one poll interval
+    assert starts[2] - stops[1] >= 2 * poll  # then doubling (a returned term rests one poll interval)
     assert Lease.objects.inspect(key).status == "free"
 
 
