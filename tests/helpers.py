@@ -95,7 +95,12 @@ def wait_until_blocked(conn: psycopg.Connection[Any], pid: int, timeout: float =
 
 
 class Background(threading.Thread):
-    """Run ``fn`` in a thread, keeping its result or exception for the test to inspect."""
+    """Run ``fn`` in a thread, keeping its result or exception for the test to inspect.
+
+    The thread closes the Django connections it opened when ``fn`` returns: Django keeps them per
+    thread and never closes them when a thread ends, so a session would stay open until the
+    garbage collector found it, and the test database could not be dropped.
+    """
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         super().__init__(daemon=True)
@@ -108,6 +113,8 @@ class Background(threading.Thread):
             self.result = self.fn()
         except BaseException as exc:
             self.error = exc
+        finally:
+            connections.close_all()
 
     def outcome(self, timeout: float = 30.0) -> Any:
         self.join(timeout)
