@@ -7,8 +7,8 @@ every writer (migration 0002).
 - A hand-off request is cleared by any change of epoch, whoever makes it.
 - The re-check under the row lock runs without a pinned search_path: a writer's own search_path
   (a schema of lookalike functions and operators put before pg_catalog) changes nothing.
-- A grant or release by the functions fires no PL/pgSQL row trigger but the re-check
-  (``pg_stat_user_functions``).
+- A grant or release by the functions fires no PL/pgSQL row trigger but the re-check, and a live
+  renewal none (``pg_stat_user_functions``).
 """
 
 from __future__ import annotations
@@ -144,16 +144,11 @@ def test_the_recheck_ignores_the_writers_search_path(key: str, raw_connect: Conn
     assert Lease.objects.inspect(key).status == "lapsed"
 
 
-def test_a_grant_and_a_release_call_no_trigger_function_but_the_update_guard(key: str, raw_connect: Connect) -> None:
-    """What fires for a pair on a key nobody records: pg_lease_guard_update for the grant's stamp
-    and the release's re-check, nothing else (counted by pg_stat_user_functions)."""
-    conn = raw_connect()
+def _trigger_calls(conn: psycopg.Connection[Any], run: Callable[[], None]) -> dict[str, int]:
+    """The PL/pgSQL functions ``run`` entered as triggers, with their call counts (pg_stat_user_functions)."""
     if conn.info.server_version < 150000:
         pytest.skip("PostgreSQL 14 sends function statistics to its collector later (at most every 500 ms)")
-    held(key, "w")
-    Lease.objects.release(key, "w", Lease.objects.inspect(key).epoch)  # the row exists, free
     conn.execute("SET track_functions = 'pl'")
-    conn.execute("SELECT pg_stat_clear_snapshot()")
 
     def calls() -> dict[str, int]:
         conn.execute("SELECT pg_stat_clear_snapshot()")
@@ -163,22 +158,55 @@ def test_a_grant_and_a_release_call_no_trigger_function_but_the_update_guard(key
         return dict(rows)
 
     before = calls()
-    for _ in range(3):
-        [(granted, epoch)] = conn.execute(
-            "SELECT granted, epoch FROM pg_lease_acquire(%s, 'w', interval '30 s')", [key]
-        ).fetchall()
-        assert granted
-        assert conn.execute("SELECT outcome FROM pg_lease_release(%s, 'w', %s)", [key, epoch]).fetchone() == ("ok",)
+    run()
     conn.execute("SELECT pg_stat_force_next_flush()")
     after = calls()
     fired = {name: after.get(name, 0) - before.get(name, 0) for name in after}
-    fired = {name: count for name, count in fired.items() if count}
-    triggers = {name: count for name, count in fired.items() if name not in _CALLED_BY_NAME}
-    assert triggers == {"pg_lease_guard_update": 6}, fired
+    return {name: count for name, count in fired.items() if count and name not in _CALLED_BY_NAME}
+
+
+def test_a_grant_and_a_release_call_no_trigger_function_but_the_update_guard(key: str, raw_connect: Connect) -> None:
+    """What fires for a pair on a key nobody records: pg_lease_guard_update for the grant's stamp
+    and the release's re-check, nothing else (counted by pg_stat_user_functions)."""
+    conn = raw_connect()
+    held(key, "w")
+    Lease.objects.release(key, "w", Lease.objects.inspect(key).epoch)  # the row exists, free
+
+    def pairs() -> None:
+        for _ in range(3):
+            [(granted, epoch)] = conn.execute(
+                "SELECT granted, epoch FROM pg_lease_acquire(%s, 'w', interval '30 s')", [key]
+            ).fetchall()
+            assert granted
+            assert conn.execute("SELECT outcome FROM pg_lease_release(%s, 'w', %s)", [key, epoch]).fetchone() == ("ok",)
+
+    assert _trigger_calls(conn, pairs) == {"pg_lease_guard_update": 6}
+
+
+def test_a_live_renewal_calls_no_trigger_function(key: str, raw_connect: Connect) -> None:
+    """A renewal sets only expires_at: pg_lease_guard_update's column list passes it by, and
+    pg_lease_judge_renewal's WHEN holds only for a lease already past its expiry (migration 0006)."""
+    conn = raw_connect()
+    epoch = held(key, "w")
+
+    def renewals() -> None:
+        for _ in range(3):
+            [(outcome,)] = conn.execute(
+                "SELECT outcome FROM pg_lease_heartbeat(%s, 'w', %s, interval '30 s')", [key, epoch]
+            ).fetchall()
+            assert outcome == "ok"
+
+    assert _trigger_calls(conn, renewals) == {}
 
 
 # Functions the pair calls by name (not as triggers).
-_CALLED_BY_NAME = {"pg_lease_acquire", "pg_lease_release", "pg_lease_wake_waiters", "pg_lease_check_key_scope"}
+_CALLED_BY_NAME = {
+    "pg_lease_acquire",
+    "pg_lease_release",
+    "pg_lease_heartbeat",
+    "pg_lease_wake_waiters",
+    "pg_lease_check_key_scope",
+}
 
 
 def test_a_new_key_inserted_while_the_scope_changes_gets_the_scope_that_commits(key: str, raw_connect: Connect) -> None:

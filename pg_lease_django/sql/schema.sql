@@ -1201,10 +1201,13 @@ END $$;
 CREATE TRIGGER pg_lease_insert_above_floor BEFORE INSERT ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW EXECUTE FUNCTION @extschema@.pg_lease_insert_above_floor();
 
--- The lease table guards itself, whoever writes it (the owner and superusers included), with one
--- BEFORE UPDATE trigger. PostgreSQL parses and compiles every trigger's WHEN clause for each UPDATE
--- statement: one small WHEN, true only when a rule below may apply, costs a renewal nothing else
--- (it enters no PL/pgSQL), and an acquire or a release one function. The rules, in this order:
+-- The lease table guards itself, whoever writes it (the owner and superusers included), with two
+-- BEFORE UPDATE triggers that PostgreSQL filters before entering PL/pgSQL: this one by a column list
+-- (it fires for an UPDATE that sets a column it guards: a bitmap test, nothing parsed), and
+-- pg_lease_judge_renewal by a one-comparison WHEN (a change of expiry on a lease already past it).
+-- A WHEN clause is parsed from its stored text and compiled for every UPDATE statement: the seven
+-- conditions this trigger had cost each statement more than the function call they saved. A
+-- renewal, which sets only expires_at, enters no PL/pgSQL. The rules, in this order:
 -- 1. A hand-off request ends with the tenure it was made for: any change of epoch clears it.
 -- 2. A row keeps its key, its epoch only grows, and the lease changes owner only with a new epoch
 --    (else a stale fence would be current again).
@@ -1281,15 +1284,37 @@ END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_guard_update() FROM PUBLIC;
 
--- The WHEN clause holds whenever one of the rules above may apply (a superset of each rule's own
--- condition); a live renewal, and a hand-off request, pass it by.
-CREATE TRIGGER pg_lease_guard_update BEFORE UPDATE ON @extschema@."pg_lease_django_lease"
-  FOR EACH ROW
-  WHEN (NEW.epoch <> OLD.epoch OR NEW.key <> OLD.key OR NEW.owner IS DISTINCT FROM OLD.owner
-        OR NEW.recorded <> OLD.recorded
-        OR (NEW.expires_at <> OLD.expires_at AND OLD.expires_at <= clock_timestamp())
-        OR NEW.released_at = '-infinity' OR NEW.acquired_at = '-infinity')
-  EXECUTE FUNCTION @extschema@.pg_lease_guard_update();
+-- Fires for every UPDATE that sets a column one of the rules above is about: no column changes
+-- unless the statement sets it (only these triggers change NEW). A renewal (expires_at) and a
+-- hand-off request (handoff_requested_at) pass it by.
+CREATE TRIGGER pg_lease_guard_update
+  BEFORE UPDATE OF "key", "owner", "epoch", "acquired_at", "released_at", "recorded"
+  ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW EXECUTE FUNCTION @extschema@.pg_lease_guard_update();
+
+-- Rule 3 for an UPDATE that sets only the expiry (a renewal, whoever sends it): judged under the row
+-- lock, it skips the row when the lease has lapsed and the epoch is unchanged (a lapsed epoch is not
+-- brought back, a shorter expiry included). Its WHEN clause is one comparison, cheap to parse for each
+-- statement, and holds only for a lease already past its expiry, so a live renewal calls nothing. It
+-- fires after pg_lease_guard_update (names in order), so a rewrite is refused by rule 2 first and a
+-- grant or a release is stamped (a new epoch) before it looks. It reads no table and runs as the writer.
+CREATE FUNCTION @extschema@.pg_lease_judge_renewal()
+RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF NEW.epoch = OLD.epoch AND NEW.expires_at <> OLD.expires_at AND OLD.expires_at <= clock_timestamp() THEN
+    RETURN NULL;  -- it lapsed before the row lock was granted: refused, nothing written
+  END IF;
+  RETURN NEW;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_judge_renewal() FROM PUBLIC;
+
+CREATE TRIGGER pg_lease_judge_renewal
+  BEFORE UPDATE OF "expires_at" ON @extschema@."pg_lease_django_lease"
+  FOR EACH ROW WHEN (OLD.expires_at <= clock_timestamp())
+  EXECUTE FUNCTION @extschema@.pg_lease_judge_renewal();
 
 -- The floor only grows, and is never deleted: either would let a pruned key restart below its past.
 -- (A test database, which may truncate the lease table anyway, may also lower it: allow_truncate,
