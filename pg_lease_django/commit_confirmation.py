@@ -40,7 +40,11 @@ class UnconfirmedCommitNotices:
         and removing one around every call costs more than the call's own Python."""
         connection.close_if_health_check_failed()  # reconnects now, not between here and the statement
         connection.ensure_connection()
-        raw = connection.connection
+        return cls.kept_on_open(connection, connection.connection)
+
+    @classmethod
+    def kept_on_open(cls, connection: BaseDatabaseWrapper, raw: Any) -> UnconfirmedCommitNotices:
+        """`kept_on` for ``raw``, ``connection``'s psycopg connection, which the caller has just checked and opened."""
         kept: UnconfirmedCommitNotices | None = connection.__dict__.get("_pg_lease_notices")
         if kept is None or kept.raw() is not raw:
             kept = connection._pg_lease_notices = cls(raw)  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute on Django's connection)
@@ -144,5 +148,5 @@ def watch_caller_commit(connection: BaseDatabaseWrapper) -> None:
     transaction); outside, drop the watch of a transaction that rolled back."""
     if connection.in_atomic_block:
         CallerCommitWatch.watch(connection)
-    elif (stale := getattr(connection, "_pg_lease_caller_commit", None)) is not None:
+    elif (stale := connection.__dict__.get("_pg_lease_caller_commit")) is not None:
         stale.end()

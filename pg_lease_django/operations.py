@@ -11,6 +11,7 @@ confirm on its synchronous standby becomes `UnconfirmedCommitError` (`commit_con
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -150,32 +151,36 @@ def call(connection: BaseDatabaseWrapper, template: str, params: Sequence[Any]) 
             the commit reached its synchronous standby (`confirmed_commit`).
     """
     statement = sql.render(connection, template)
-    notices = UnconfirmedCommitNotices.kept_on(connection)  # confirmed_commit, inline on this hot path
+    # Django's health check first (it reconnects now, not between here and the statement), once a call.
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    raw = connection.connection
+    notices = UnconfirmedCommitNotices.kept_on_open(connection, raw)  # confirmed_commit, inline on this hot path
     notices.seen.clear()
-    row = _one_row(connection, statement, params)
+    row = _one_row(connection, raw, statement, params)
     notices.raise_if_unconfirmed()
     watch_caller_commit(connection)
     assert row is not None
     return tuple(row)
 
 
-def _one_row(connection: BaseDatabaseWrapper, statement: str, params: Sequence[Any]) -> Any:
-    """Send ``statement`` and return its one row, the cheapest way Django's connection allows.
+def _one_row(
+    connection: BaseDatabaseWrapper, raw: psycopg.Connection[Any], statement: str, params: Sequence[Any]
+) -> Any:
+    """Send ``statement`` on ``raw`` (``connection``'s psycopg connection, open and health-checked) and
+    return its one row, the cheapest way Django's connection allows.
 
     Through Django's cursor whenever anything may watch or change what it sends (`_unwatched`);
-    otherwise on a cursor of its psycopg connection, after the checks Django's cursor makes (health
-    check, connection, thread, broken transaction) and with its error wrapping: the same session,
-    the same cursor class and binding, ~10 µs less Python per call (docs/performance.md).
+    otherwise on a cursor of ``raw``, after the checks Django's cursor makes (thread, broken
+    transaction) and with its error wrapping: the same session, the same cursor class and binding,
+    ~10 µs less Python per call (docs/performance.md).
     """
-    if _unwatched(connection):
-        connection.close_if_health_check_failed()
-        connection.ensure_connection()
-        if _loads_in_django_time_zone(connection):
-            connection.validate_thread_sharing()
-            connection.validate_no_broken_transaction()
-            with connection.wrap_database_errors, connection.connection.cursor() as cursor:
-                cursor.execute(statement, params)
-                return cursor.fetchone()
+    if _unwatched(connection) and _loads_in_django_time_zone(connection, raw):
+        connection.validate_thread_sharing()
+        connection.validate_no_broken_transaction()
+        with connection.wrap_database_errors, raw.cursor() as cursor:
+            cursor.execute(statement, params)
+            return cursor.fetchone()
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
         return cursor.fetchone()
@@ -184,11 +189,18 @@ def _one_row(connection: BaseDatabaseWrapper, statement: str, params: Sequence[A
 _TIMESTAMPTZ = psycopg.adapters.types["timestamptz"].oid
 
 
-def _loads_in_django_time_zone(connection: BaseDatabaseWrapper) -> bool:
-    """Whether the psycopg connection loads timestamps in the zone Django's cursor would: it sets
-    its own loader on each cursor when the database's time zone setting changed after connecting."""
-    loader = connection.connection.adapters.get_loader(_TIMESTAMPTZ, psycopg.pq.Format.TEXT)
-    return loader is not None and getattr(loader, "timezone", None) == connection.timezone
+def _loads_in_django_time_zone(connection: BaseDatabaseWrapper, raw: psycopg.Connection[Any]) -> bool:
+    """Whether ``raw`` loads timestamps in the zone Django's cursor would: it sets its own loader on
+    each cursor when the database's time zone setting changed after connecting. Remembered per
+    psycopg connection and zone (Django registers a connection's loader only when it connects)."""
+    zone = connection.timezone
+    known = connection.__dict__.get("_pg_lease_zone")
+    if known is not None and known[0]() is raw and known[1] is zone:
+        return bool(known[2])
+    loader = raw.adapters.get_loader(_TIMESTAMPTZ, psycopg.pq.Format.TEXT)
+    agrees = loader is not None and getattr(loader, "timezone", None) == zone
+    connection._pg_lease_zone = (weakref.ref(raw), zone, agrees)  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute)
+    return agrees
 
 
 def _unwatched(connection: BaseDatabaseWrapper) -> bool:

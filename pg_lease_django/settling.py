@@ -44,7 +44,8 @@ _CANCEL_ATTEMPT = (
 
 def attempt_backend(connection: BaseDatabaseWrapper) -> int:
     """The server process the next attempt on ``connection`` runs in (connecting it if need be)."""
-    connection.ensure_connection()
+    if connection.connection is None:
+        connection.ensure_connection()
     return int(connection.connection.info.backend_pid)
 
 

@@ -7,6 +7,7 @@ hide a call from what watches Django's cursor nor skip a check Django's cursor m
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -26,7 +27,7 @@ def test_nothing_watching_takes_the_direct_path() -> None:
     with connection.cursor() as cursor:  # a statement: it drops the watch a rolled-back test left
         cursor.execute("SELECT 1")
     assert operations._unwatched(connection)
-    assert operations._loads_in_django_time_zone(connection)
+    assert operations._loads_in_django_time_zone(connection, connection.connection)
 
 
 def test_a_rolled_back_transaction_leaves_no_watch_on_the_connection(key: str) -> None:
@@ -100,6 +101,23 @@ def test_the_direct_path_wraps_database_errors_as_django_does(key: str) -> None:
     assert type(info.value).__module__ == "django.db.utils"
 
 
+def test_a_zone_change_after_a_call_is_seen_by_the_next_call(key: str) -> None:
+    """The direct path's verdict on the connection's loader is remembered per psycopg connection and
+    zone: a call before the change (the verdict kept) and one after it load in the zone of each."""
+    first = Lease.objects.acquire(key, "w1", 30)
+    assert first is not None and first.server_time.utcoffset() == timedelta(0)
+    original = connection.settings_dict["TIME_ZONE"]
+    connection.settings_dict["TIME_ZONE"] = "Asia/Tokyo"
+    del connection.timezone
+    try:
+        second = Lease.objects.acquire(key, "w1", 30)
+        assert second is not None and second.server_time.utcoffset() == timedelta(hours=9)
+    finally:
+        connection.settings_dict["TIME_ZONE"] = original
+        del connection.timezone
+        connection.close()
+
+
 @pytest.fixture
 def database_time_zone_changed_after_connecting() -> Iterator[str]:
     """DATABASES['default']['TIME_ZONE'] changed once the connection is open (as Django's own tests
@@ -124,7 +142,7 @@ def test_timestamps_come_in_the_zone_djangos_cursor_would_use(
         cursor.execute("SELECT clock_timestamp()")
         django_zone = cursor.fetchone()[0].tzinfo
     assert str(django_zone) == database_time_zone_changed_after_connecting
-    assert not operations._loads_in_django_time_zone(connection)
+    assert not operations._loads_in_django_time_zone(connection, connection.connection)
     grant = Lease.objects.acquire(key, "w1", 30)
     assert grant is not None
     assert (grant.expires_at.tzinfo, grant.server_time.tzinfo) == (django_zone, django_zone)
