@@ -78,6 +78,11 @@ tox: $(TOX_VENV)/.installed
 demo: venv
 	$(BIN)/python -m demo
 
+## make bench-instructions: server instructions per acquire+release, renewal and inspect against the floor's, counted by callgrind (deterministic on a noisy machine; needs valgrind); e.g. BENCH_INSTRUCTIONS_ARGS='--bindir /usr/lib/postgresql/15/bin'.
+.PHONY: bench-instructions
+bench-instructions: venv
+	$(BIN)/python benchmarks/instructions.py $(BENCH_INSTRUCTIONS_ARGS)
+
 bench:
 	@# A virtualenv of its own (.venvs/bench): the project plus the peer libraries, never in .venv.
 	test -x .venvs/bench/bin/python || $(PYTHON) -m venv .venvs/bench

@@ -1,0 +1,163 @@
+"""Server instructions per operation, counted by callgrind: the floor against the SQL functions.
+
+On a shared machine wall-clock ratios swing by ±10 % from run to run; the instructions a backend
+executes do not. Each workload runs in a fresh single-user backend (``postgres --single``) under
+``valgrind --tool=callgrind`` twice, with 100 and 300 operations; the difference divided by 200 is
+the cost of one operation, start-up cancelled out. The database is ``sql/schema.sql`` as it is now,
+plus the floor's plain table, on a throwaway server (the embedded binaries, or ``--bindir``) with
+``fsync=off`` (the flush is the kernel's time, which callgrind does not count anyway).
+
+    python benchmarks/instructions.py [--bindir /usr/lib/postgresql/15/bin] [--setup extra.sql]
+
+``--setup`` runs a file of SQL (``@extschema@`` as in the schema) after the schema: a variant to
+compare, such as a migration's reverse file (``--setup pg_lease_django/sql/migrations/0006_*_reverse.sql``
+counts what 0005 left). Needs valgrind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psycopg
+
+from devkit.dbserver import LocalServer, throwaway_datadir
+from pg_lease_django.sql.files import read, render
+
+PLAIN = "bench_plain_lease"
+FLOOR_ACQUIRE = (
+    "UPDATE {t} SET owner = 'o', epoch = epoch + 1, acquired_at = clock_timestamp(), "
+    "expires_at = clock_timestamp() + interval '30 s' "
+    "WHERE key = '{k}' AND (owner IS NULL OR expires_at <= clock_timestamp() OR owner = 'o') "
+    "RETURNING epoch, expires_at"
+)
+FLOOR_RELEASE = (
+    "UPDATE {t} SET owner = NULL, epoch = epoch + 1, acquired_at = NULL, expires_at = NULL "
+    "WHERE key = '{k}' AND owner = 'o' AND epoch = {e} AND expires_at > clock_timestamp() RETURNING epoch"
+)
+FLOOR_RENEW = (
+    "UPDATE {t} SET expires_at = clock_timestamp() + interval '30 s' "
+    "WHERE key = '{k}' AND owner = 'o' AND epoch = 1 AND expires_at > clock_timestamp() RETURNING expires_at"
+)
+
+
+def workloads(n: int) -> dict[str, list[str]]:
+    """Statements of each workload, ``n`` operations each (an acquire+release pair is one)."""
+    plain_pairs = []
+    lease_table_pairs = ["SELECT * FROM pg_lease_acquire('lt', 'o', '1 ms')", "SELECT pg_sleep(0.01)"]
+    function_pairs = []
+    for i in range(n):
+        plain_pairs += [FLOOR_ACQUIRE.format(t=PLAIN, k="k"), FLOOR_RELEASE.format(t=PLAIN, k="k", e=2 * i + 1)]
+        lease_table_pairs += [
+            FLOOR_ACQUIRE.format(t="pg_lease_django_lease", k="lt"),
+            FLOOR_RELEASE.format(t="pg_lease_django_lease", k="lt", e=2 * i + 2),
+        ]
+        function_pairs += [
+            "SELECT * FROM pg_lease_acquire('f'::text, 'o'::text, interval '30 s')",
+            f"SELECT * FROM pg_lease_release('f'::text, 'o'::text, {2 * i + 1}::bigint)",
+        ]
+    return {
+        "floor: acquire+release (plain table)": plain_pairs,
+        "  the same UPDATEs on the lease table": lease_table_pairs,
+        "SQL functions: acquire+release": function_pairs,
+        "floor: renew (plain table)": [FLOOR_ACQUIRE.format(t=PLAIN, k="r")] + [FLOOR_RENEW.format(t=PLAIN, k="r")] * n,
+        "SQL function: heartbeat": ["SELECT * FROM pg_lease_acquire('r', 'o', '30 s')"]
+        + ["SELECT * FROM pg_lease_heartbeat('r'::text, 'o'::text, 1::bigint, interval '30 s')"] * n,
+        "floor: inspect (plain table)": [
+            f"SELECT owner, epoch, expires_at, clock_timestamp() FROM {PLAIN} WHERE key = 'k'"
+        ]
+        * n,
+        "SQL function: inspect": ["SELECT * FROM pg_lease_acquire('i', 'o', '1 day')"]
+        + ["SELECT key, status, owner, epoch, expires_at, server_time FROM pg_lease_inspect('i'::text)"] * n,
+    }
+
+
+# Which floor each line is compared with.
+AGAINST = {
+    "  the same UPDATEs on the lease table": "floor: acquire+release (plain table)",
+    "SQL functions: acquire+release": "floor: acquire+release (plain table)",
+    "SQL function: heartbeat": "floor: renew (plain table)",
+    "SQL function: inspect": "floor: inspect (plain table)",
+}
+
+
+def prepare(server: LocalServer, setup: str) -> None:
+    """The schema, the plain table with its rows, and ``setup``, in the server's postgres database."""
+    server.start("fsync=off")
+    try:
+        with psycopg.connect(server.url(), autocommit=True) as conn:
+            conn.execute(render(read("schema.sql"), '"public"'))
+            conn.execute(
+                f"CREATE TABLE {PLAIN} (LIKE pg_lease_django_lease INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
+                "INCLUDING INDEXES) WITH (fillfactor = 60)"
+            )
+            conn.execute(f"INSERT INTO {PLAIN} (key, epoch) VALUES ('k', 0), ('r', 0)")
+            if setup:
+                conn.execute(render(setup, '"public"'))
+    finally:
+        server.stop()
+
+
+def instructions(server: LocalServer, statements: list[str]) -> int:
+    """Instructions of a fresh single-user backend on a copy of the database running ``statements``."""
+    with tempfile.TemporaryDirectory(dir=server.datadir.parent) as scratch:
+        work = Path(scratch) / "data"
+        shutil.copytree(server.datadir, work, symlinks=True)
+        out = Path(scratch) / "callgrind.out"
+        if server.user:
+            shutil.chown(scratch, server.user)
+            for path in [work, *work.rglob("*")]:
+                shutil.chown(path, server.user)
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            str(server.bindir / "postgres"),
+            "--single",
+            "-j",
+            "-D",
+            str(work),
+            "postgres",
+        ]
+        if server.user:
+            command = ["runuser", "-u", server.user, "--", *command]
+        script = "".join(f"{statement};\n\n" for statement in statements)
+        done = subprocess.run(command, input=script, capture_output=True, text=True)
+        errors = [line for line in (done.stdout + done.stderr).splitlines() if "ERROR:" in line]
+        if done.returncode != 0 or errors:
+            raise RuntimeError(f"postgres --single failed: {errors or done.stderr[-2000:]}")
+        summary = re.search(r"^(?:summary|totals): (\d+)", out.read_text(), re.MULTILINE)
+        assert summary is not None, "no instruction count in callgrind's output"
+        return int(summary.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bindir", type=Path, default=None, help="PostgreSQL's binaries (default: the embedded ones)")
+    parser.add_argument("--setup", type=Path, default=None, help="SQL to run after the schema (a variant)")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        sys.exit("valgrind is needed (apt-get install valgrind)")
+    setup = args.setup.read_text() if args.setup else ""
+    server = LocalServer(throwaway_datadir("instructions"), args.bindir)
+    try:
+        prepare(server, setup)
+        few, many = workloads(100), workloads(300)
+        per_op = {name: (instructions(server, many[name]) - instructions(server, few[name])) // 200 for name in few}
+    finally:
+        server.destroy()
+    print(f"{'workload':44} {'instructions/op':>16} {'vs floor':>9}")
+    for name, count in per_op.items():
+        against = f"{count / per_op[AGAINST[name]]:.2f}x" if name in AGAINST else ""
+        print(f"{name:44} {count:>16,} {against:>9}")
+
+
+if __name__ == "__main__":
+    main()
