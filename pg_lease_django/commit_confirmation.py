@@ -40,11 +40,7 @@ class UnconfirmedCommitNotices:
         and removing one around every call costs more than the call's own Python."""
         connection.close_if_health_check_failed()  # reconnects now, not between here and the statement
         connection.ensure_connection()
-        return cls.kept_on_open(connection, connection.connection)
-
-    @classmethod
-    def kept_on_open(cls, connection: BaseDatabaseWrapper, raw: Any) -> UnconfirmedCommitNotices:
-        """`kept_on` for ``raw``, ``connection``'s psycopg connection, which the caller has just checked and opened."""
+        raw = connection.connection
         kept: UnconfirmedCommitNotices | None = connection.__dict__.get("_pg_lease_notices")
         if kept is None or kept.raw() is not raw:
             kept = connection._pg_lease_notices = cls(raw)  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute on Django's connection)

@@ -151,11 +151,9 @@ def call(connection: BaseDatabaseWrapper, template: str, params: Sequence[Any]) 
             the commit reached its synchronous standby (`confirmed_commit`).
     """
     statement = sql.render(connection, template)
-    # Django's health check first (it reconnects now, not between here and the statement), once a call.
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
+    # confirmed_commit, inline on this hot path; kept_on runs Django's health check and connects: once a call.
+    notices = UnconfirmedCommitNotices.kept_on(connection)
     raw = connection.connection
-    notices = UnconfirmedCommitNotices.kept_on_open(connection, raw)  # confirmed_commit, inline on this hot path
     notices.seen.clear()
     row = _one_row(connection, raw, statement, params)
     notices.raise_if_unconfirmed()
