@@ -17,6 +17,6 @@ class Migration(migrations.Migration):
         RunSQLFile(
             "migrations/0006_triggers_without_when.sql",
             "migrations/0006_triggers_without_when_reverse.sql",
-            sha256="16dc3df2fee6b49c6ec05492b2b53bd9bcb61839d15c00a3310c27c3098e4fc4",
+            sha256="c2b69649941451296a6920f71fbdaa005205f0aed751405cfb24ae6df6472311",
         )
     ]

@@ -1216,12 +1216,11 @@ CREATE TRIGGER pg_lease_insert_above_floor BEFORE INSERT ON @extschema@."pg_leas
 --    was only *locked* meanwhile (SELECT ... FOR UPDATE by anyone, a force release that found nothing
 --    to do), nothing is judged again, and the lease may have lapsed while the call waited. Row
 --    triggers run once the row is locked: this one reads the clock there and skips the row (the
---    UPDATE then finds nothing) when a renewal (same epoch, later expiry) or a release
---    (released_at = -infinity, replaced by the clock read) meets a lease that has lapsed, whoever
---    sends it: a plain UPDATE cannot bring back a lapsed epoch either (any change of the expiry on
---    the same epoch is judged, a shorter one too, and a grant marker counts only with a new epoch).
---    It stamps acquire's grants (acquired_at = -infinity, expires_at = the Unix epoch + TTL) with
---    that clock read.
+--    UPDATE then finds nothing) when a release (released_at = -infinity, replaced by the clock read)
+--    meets a lease that has lapsed, whoever sends it; a renewal, and any other change of the expiry
+--    on the same epoch, is judged by pg_lease_judge_renewal (below), so a plain UPDATE cannot bring
+--    back a lapsed epoch either (a grant marker counts only with a new epoch). It stamps acquire's
+--    grants (acquired_at = -infinity, expires_at = the Unix epoch + TTL) with that clock read.
 --    tests/test_judged_under_lock.py forces each interleaving.
 -- 4. A change of epoch of a recorded key is written to its tenures (pg_lease_record_tenure), with
 --    the values stamped above.
@@ -1251,9 +1250,7 @@ BEGIN
             HINT = 'Use the lease functions (pg_lease_acquire, pg_lease_release, pg_lease_force_release).';
   END IF;
 
-  IF (NEW.epoch OPERATOR(pg_catalog.=) OLD.epoch AND NEW.expires_at OPERATOR(pg_catalog.<>) OLD.expires_at
-      AND OLD.expires_at OPERATOR(pg_catalog.<=) pg_catalog.clock_timestamp())
-     OR NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz
+  IF NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz
      OR NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
     now_at := pg_catalog.clock_timestamp();
     IF NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz
@@ -1292,9 +1289,9 @@ CREATE TRIGGER pg_lease_guard_update
   ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW EXECUTE FUNCTION @extschema@.pg_lease_guard_update();
 
--- Rule 3 for an UPDATE that sets only the expiry (a renewal, whoever sends it): judged under the row
--- lock, it skips the row when the lease has lapsed and the epoch is unchanged (a lapsed epoch is not
--- brought back, a shorter expiry included). Its WHEN clause is one comparison, cheap to parse for each
+-- Rule 3 for an UPDATE that sets the expiry (a renewal, whoever sends it; its one place): judged under
+-- the row lock, it skips the row when the lease has lapsed and the epoch is unchanged (a lapsed epoch
+-- is not brought back, a shorter expiry included). Its WHEN clause is one comparison, cheap to parse for each
 -- statement, and holds only for a lease already past its expiry, so a live renewal calls nothing. It
 -- fires after pg_lease_guard_update (names in order), so a rewrite is refused by rule 2 first and a
 -- grant or a release is stamped (a new epoch) before it looks. It reads no table and runs as the writer.
