@@ -26,56 +26,56 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from datetime import timedelta
+from typing import Any
+
 import psycopg
+from common import PLAIN_TABLE, TABLE
+from floor import FLOOR_ACQUIRE_ON, FLOOR_INSPECT_ON, FLOOR_RELEASE_ON, FLOOR_RENEW_ON
+from psycopg import sql as psql
 
 from devkit.dbserver import LocalServer, throwaway_datadir
+from pg_lease_django import sql
 from pg_lease_django.sql.files import read, render
 
-PLAIN = "bench_plain_lease"
-FLOOR_ACQUIRE = (
-    "UPDATE {t} SET owner = 'o', epoch = epoch + 1, acquired_at = clock_timestamp(), "
-    "expires_at = clock_timestamp() + interval '30 s' "
-    "WHERE key = '{k}' AND (owner IS NULL OR expires_at <= clock_timestamp() OR owner = 'o') "
-    "RETURNING epoch, expires_at"
-)
-FLOOR_RELEASE = (
-    "UPDATE {t} SET owner = NULL, epoch = epoch + 1, acquired_at = NULL, expires_at = NULL "
-    "WHERE key = '{k}' AND owner = 'o' AND epoch = {e} AND expires_at > clock_timestamp() RETURNING epoch"
-)
-FLOOR_RENEW = (
-    "UPDATE {t} SET expires_at = clock_timestamp() + interval '30 s' "
-    "WHERE key = '{k}' AND owner = 'o' AND epoch = 1 AND expires_at > clock_timestamp() RETURNING expires_at"
-)
+TTL = timedelta(seconds=30)
+
+
+def literal(template: str, *params: Any) -> str:
+    """``template`` (the floor's, or a statement the package sends) with its table or schema and its
+    ``%s`` filled in as literals: a single-user backend binds no parameters."""
+    statement = template.format(table="{table}", schema='"public"').replace("%s", "{}")
+    return psql.SQL(statement).format(*map(psql.Literal, params)).as_string()
+
+
+def floor(template: str, table: str, *params: Any) -> str:
+    return literal(template.replace("{table}", table), *params)
 
 
 def workloads(n: int) -> dict[str, list[str]]:
     """Statements of each workload, ``n`` operations each (an acquire+release pair is one)."""
     plain_pairs = []
-    lease_table_pairs = ["SELECT * FROM pg_lease_acquire('lt', 'o', '1 ms')", "SELECT pg_sleep(0.01)"]
+    lease_table_pairs = [literal(sql.ACQUIRE, "lt", "o", timedelta(milliseconds=1)), "SELECT pg_sleep(0.01)"]
     function_pairs = []
     for i in range(n):
-        plain_pairs += [FLOOR_ACQUIRE.format(t=PLAIN, k="k"), FLOOR_RELEASE.format(t=PLAIN, k="k", e=2 * i + 1)]
+        plain_pairs += [
+            floor(FLOOR_ACQUIRE_ON, PLAIN_TABLE, "o", TTL, "k", "o"),
+            floor(FLOOR_RELEASE_ON, PLAIN_TABLE, "k", "o", 2 * i + 1),
+        ]
         lease_table_pairs += [
-            FLOOR_ACQUIRE.format(t="pg_lease_django_lease", k="lt"),
-            FLOOR_RELEASE.format(t="pg_lease_django_lease", k="lt", e=2 * i + 2),
+            floor(FLOOR_ACQUIRE_ON, TABLE, "o", TTL, "lt", "o"),
+            floor(FLOOR_RELEASE_ON, TABLE, "lt", "o", 2 * i + 2),
         ]
-        function_pairs += [
-            "SELECT * FROM pg_lease_acquire('f'::text, 'o'::text, interval '30 s')",
-            f"SELECT * FROM pg_lease_release('f'::text, 'o'::text, {2 * i + 1}::bigint)",
-        ]
+        function_pairs += [literal(sql.ACQUIRE, "f", "o", TTL), literal(sql.RELEASE, "f", "o", 2 * i + 1)]
     return {
         "floor: acquire+release (plain table)": plain_pairs,
         "  the same UPDATEs on the lease table": lease_table_pairs,
         "SQL functions: acquire+release": function_pairs,
-        "floor: renew (plain table)": [FLOOR_ACQUIRE.format(t=PLAIN, k="r")] + [FLOOR_RENEW.format(t=PLAIN, k="r")] * n,
-        "SQL function: heartbeat": ["SELECT * FROM pg_lease_acquire('r', 'o', '30 s')"]
-        + ["SELECT * FROM pg_lease_heartbeat('r'::text, 'o'::text, 1::bigint, interval '30 s')"] * n,
-        "floor: inspect (plain table)": [
-            f"SELECT owner, epoch, expires_at, clock_timestamp() FROM {PLAIN} WHERE key = 'k'"
-        ]
-        * n,
-        "SQL function: inspect": ["SELECT * FROM pg_lease_acquire('i', 'o', '1 day')"]
-        + ["SELECT key, status, owner, epoch, expires_at, server_time FROM pg_lease_inspect('i'::text)"] * n,
+        "floor: renew (plain table)": [floor(FLOOR_ACQUIRE_ON, PLAIN_TABLE, "o", TTL, "r", "o")]
+        + [floor(FLOOR_RENEW_ON, PLAIN_TABLE, TTL, "r", "o", 1)] * n,
+        "SQL function: heartbeat": [literal(sql.ACQUIRE, "r", "o", TTL)] + [literal(sql.RENEW, "r", "o", 1, TTL)] * n,
+        "floor: inspect (plain table)": [floor(FLOOR_INSPECT_ON, PLAIN_TABLE, "k")] * n,
+        "SQL function: inspect": [literal(sql.ACQUIRE, "i", "o", timedelta(days=1))] + [literal(sql.INSPECT, "i")] * n,
     }
 
 
@@ -95,10 +95,10 @@ def prepare(server: LocalServer, setup: str) -> None:
         with psycopg.connect(server.url(), autocommit=True) as conn:
             conn.execute(render(read("schema.sql"), '"public"'))
             conn.execute(
-                f"CREATE TABLE {PLAIN} (LIKE pg_lease_django_lease INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
+                f"CREATE TABLE {PLAIN_TABLE} (LIKE pg_lease_django_lease INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
                 "INCLUDING INDEXES) WITH (fillfactor = 60)"
             )
-            conn.execute(f"INSERT INTO {PLAIN} (key, epoch) VALUES ('k', 0), ('r', 0)")
+            conn.execute(f"INSERT INTO {PLAIN_TABLE} (key, epoch) VALUES ('k', 0), ('r', 0)")
             if setup:
                 conn.execute(render(setup, '"public"'))
     finally:
