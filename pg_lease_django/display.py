@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from .status import LeaseStatus
 
-__all__ = ["LeaseRow", "describe_expiry", "format_duration"]
+__all__ = ["LeaseRow", "describe_expiry", "format_duration", "printable"]
+
+#: Unicode categories a terminal acts on rather than shows: controls (escape sequences, carriage
+#: returns, newlines), formatting characters (bidi overrides and isolates, zero-width joiners) and the
+#: line and paragraph separators.
+_ACTED_ON = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
+def printable(text: str) -> str:
+    """``text`` as a terminal shows it and never obeys it: each control, bidi or other formatting
+    character as a Python-style escape (``\\x1b``, ``\\u202e``), and ``\\`` doubled so an escape is
+    never ambiguous. Keys, owners and error texts are data from other roles: every human-readable
+    output passes them through this (``--json`` stays exact).
+    """
+    if text.isascii() and text.isprintable() and "\\" not in text:
+        return text  # the usual case: nothing to look at character by character
+    out = []
+    for char in text:
+        if char == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(char) in _ACTED_ON:
+            code = ord(char)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(char)
+    return "".join(out)
 
 
 def format_duration(delta: timedelta) -> str:
