@@ -26,6 +26,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError, router
 
+from pg_lease_django.display import printable
 from pg_lease_django.exceptions import InvalidInputError
 from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.leases.arguments import declare
@@ -96,9 +97,12 @@ class Command(ReadingSubcommands, OperatingSubcommands, RunSubcommand):
         except InvalidInputError as exc:
             raise CommandError(str(exc), returncode=ExitCode.USAGE) from None
         except ImproperlyConfigured as exc:  # e.g. no lease table: the message names the migrate command
-            raise CommandError(f"database error: {exc}", returncode=ExitCode.DATABASE_ERROR) from None
+            # Escaped: it may name roles or schemas as the catalog spells them (`privileges.grant`).
+            raise CommandError(f"database error: {printable(str(exc))}", returncode=ExitCode.DATABASE_ERROR) from None
         except DatabaseError as exc:
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            # The server's text may quote a key or an owner (a RAISE of a lease function): other
+            # roles' data, shown escaped like them.
+            first_line = printable(str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
             if getattr(exc.__cause__, "sqlstate", None) == "42P01":  # undefined_table: not migrated (that far)
                 first_line += f"; run `manage.py migrate pg_lease_django --database {alias}`"
             raise CommandError(f"database error: {first_line}", returncode=ExitCode.DATABASE_ERROR) from None

@@ -1,4 +1,8 @@
-"""The subcommands that change leases: release, handoff, prune, prune-history, advance-epochs, grant."""
+"""The subcommands that change leases: release, handoff, prune, prune-history, advance-epochs, grant.
+
+Keys and owners in messages are quoted with ``!r`` (Python's escapes: a terminal shows them, never
+obeys them); in lists, and role names, through `printable`. ``--json`` gives them as they are.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from pg_lease_django import conf, privileges
-from pg_lease_django.display import LeaseRow, format_duration
+from pg_lease_django.display import LeaseRow, format_duration, printable
 from pg_lease_django.exceptions import (
     AlreadyFreeError,
     EpochMismatchError,
@@ -139,7 +143,7 @@ class OperatingSubcommands(BaseCommand):
             document = {"dry_run": dry_run, "older_than_seconds": older_than, "tenures": count}
             self.stdout.write(json.dumps(document, indent=2))
             return
-        age = text or format_duration(timedelta(seconds=older_than))
+        age = printable(text) if text else format_duration(timedelta(seconds=older_than))  # as typed, escaped
         if dry_run:
             self.stdout.write(f"Dry run: would delete {count} tenure(s) that ended more than {age} ago.")
         else:
@@ -152,15 +156,12 @@ class OperatingSubcommands(BaseCommand):
         if options.get("json"):
             self.stdout.write(json.dumps({"dry_run": dry_run, "free_for_seconds": free_for, "keys": keys}, indent=2))
             return
-        listing = "".join(f"\n  {key}" for key in keys)
+        listing = "".join(f"\n  {printable(key)}" for key in keys)
+        age = printable(options["free_for"])  # as typed, escaped
         if dry_run:
-            self.stdout.write(
-                f"Dry run: would prune {len(keys)} lease(s) free for at least {options['free_for']}.{listing}"
-            )
+            self.stdout.write(f"Dry run: would prune {len(keys)} lease(s) free for at least {age}.{listing}")
         else:
-            self.stdout.write(
-                self.style.SUCCESS(f"Pruned {len(keys)} lease(s) free for at least {options['free_for']}.") + listing
-            )
+            self.stdout.write(self.style.SUCCESS(f"Pruned {len(keys)} lease(s) free for at least {age}.") + listing)
 
     # -- grant -----------------------------------------------------------------------------------------
 
@@ -171,13 +172,16 @@ class OperatingSubcommands(BaseCommand):
             absent, lacking = privileges.missing(alias)
             extra = privileges.undeclared(alias)
             scopes_differ = privileges.stored_key_scopes(alias) not in (None, conf.key_scopes())
+            # Role names come from the settings and the catalog: shown escaped, as keys are.
             for role in absent:
-                self.stdout.write(f"role {role} does not exist")
+                self.stdout.write(f"role {printable(role)} does not exist")
             for needed in lacking:
-                self.stdout.write(needed.statement(quote))
+                self.stdout.write(printable(needed.statement(quote)))
             for held in extra:
                 self.stdout.write(
-                    f"REVOKE {held.privilege} ON {held.kind} {held.object} FROM {quote(held.role)}  -- not declared"
+                    printable(
+                        f"REVOKE {held.privilege} ON {held.kind} {held.object} FROM {quote(held.role)}  -- not declared"
+                    )
                 )
             if scopes_differ:
                 self.stdout.write("the database's key scopes differ from PG_LEASE_KEY_SCOPES")
@@ -192,8 +196,8 @@ class OperatingSubcommands(BaseCommand):
             return
         granted = privileges.grant(alias)
         for needed in granted:
-            self.stdout.write(needed.statement(quote))
-        roles = ", ".join(f"{role} ({kind})" for role, kind in sorted(declared.items())) or (
+            self.stdout.write(printable(needed.statement(quote)))
+        roles = ", ".join(f"{printable(role)} ({kind})" for role, kind in sorted(declared.items())) or (
             "none (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES): only the lease functions' owner may use them"
         )
         self.stdout.write(self.style.SUCCESS(f"Granted {len(granted)} privilege(s); declared roles: {roles}."))

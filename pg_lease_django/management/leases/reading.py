@@ -1,4 +1,8 @@
-"""The reading subcommands of ``manage.py leases``: list, show, history, watch."""
+"""The reading subcommands of ``manage.py leases``: list, show, history, watch.
+
+Keys, owners and the names in the history are other roles' data: the human-readable outputs show
+them through `printable` (escaped, never obeyed by the terminal), ``--json`` as they are.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any, TextIO, cast
 
 from django.core.management.base import BaseCommand, CommandError
 
-from pg_lease_django.display import LeaseRow, format_duration
+from pg_lease_django.display import LeaseRow, format_duration, printable
 from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     iso,
@@ -57,11 +61,12 @@ class ReadingSubcommands(BaseCommand):
         if not rows:
             return
         header = ("KEY", "STATE", "OWNER", "EPOCH", "EXPIRES", "ACQUIRED AT")
+        # Escaped before the widths are measured: a row is one line, its columns aligned as shown.
         cells = [
             (
-                row.key,
+                printable(row.key),
                 row.state,
-                row.owner or "-",
+                "-" if row.owner is None else printable(row.owner),
                 str(row.epoch),
                 row.expiry,
                 shown(row.acquired_at),
@@ -102,9 +107,9 @@ class ReadingSubcommands(BaseCommand):
             return
         expires = "-" if row.expires_at is None else f"{shown(row.expires_at)} ({row.expiry})"
         facts = [
-            ("key", row.key),
+            ("key", printable(row.key)),
             ("state", self._state_style(row.state, row.state)),
-            ("owner", row.owner or "-"),
+            ("owner", "-" if row.owner is None else printable(row.owner)),
             ("epoch", str(row.epoch)),
             ("acquired at", shown(row.acquired_at)),
             ("expires at", expires),
@@ -141,12 +146,12 @@ class ReadingSubcommands(BaseCommand):
         cells = [
             (
                 str(row.epoch),
-                row.owner,
+                printable(row.owner),
                 shown(iso(row.granted_at)),
                 shown(iso(row.ended_at)),
-                row.describe(now),
-                row.ended_by or "-",
-                row.ended_by_role or "-",
+                printable(row.describe(now)),  # an unknown end_reason is shown as written
+                printable(row.ended_by) if row.ended_by else "-",
+                printable(row.ended_by_role) if row.ended_by_role else "-",
                 format_duration(row.duration(now)),
             )
             for row in history.tenures
