@@ -7,7 +7,9 @@ left on the server clock) and the recent transitions of the same keys from the h
 expiry moved (a renewal) or at which it first appeared (a grant), accurate to the refresh interval;
 ``-`` until it has seen one. With rich installed (the ``watch`` extra) and a terminal, the view is
 drawn by ``rich.live``; otherwise a plain table, redrawn with two ANSI escapes on a terminal, or
-appended frame after frame when piped. Ctrl-C ends it with status 0.
+appended frame after frame when piped. Ctrl-C ends it with status 0. Keys and owners are shown
+through `printable` in both views (rich gets them as `rich.text.Text`, never as markup); ``--json``
+gives them as they are.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, TextIO
 from django.db import connections
 
 from . import sql as lease_sql
-from .display import LeaseRow, format_duration
+from .display import LeaseRow, format_duration, printable
 from .querysets import glob_to_like
 from .status import LeaseStatus
 
@@ -141,11 +143,12 @@ def _since(seconds: float | None) -> str:
 
 
 def _cells(frame: Frame) -> list[tuple[str, ...]]:
+    # Escaped before any width is measured: a row is one line, its columns aligned as shown.
     return [
         (
-            row.key,
+            printable(row.key),
             str(row.state),
-            row.owner or "-",
+            "-" if row.owner is None else printable(row.owner),
             str(row.epoch),
             row.expiry,
             _since(frame.renewed_ago.get(row.key)) if row.state != LeaseStatus.FREE else "-",
@@ -162,6 +165,10 @@ def _summary(frame: Frame, what: str) -> str:
     return f"{shown} lease{'' if frame.count == 1 else 's'} matching {what} (server time {frame.server_time[:19]}Z)"
 
 
+def _transition_cells(t: Transition) -> tuple[str, ...]:
+    return (f"{t.at[:19]}Z", printable(t.key), f"#{t.epoch}", printable(t.owner), printable(t.event.replace("_", " ")))
+
+
 def render_plain(frame: Frame, what: str, *, live: bool = False) -> str:
     """The frame as plain text: a lease table, then the recent transitions (``live``: and how to stop)."""
     cells = _cells(frame)
@@ -173,9 +180,7 @@ def render_plain(frame: Frame, what: str, *, live: bool = False) -> str:
     if frame.transitions:
         lines.append("")
         lines.append("Recent transitions (newest first):")
-        lines.extend(
-            f"  {t.at[:19]}Z  {t.key}  #{t.epoch}  {t.owner}  {t.event.replace('_', ' ')}" for t in frame.transitions
-        )
+        lines.extend(f"  {'  '.join(_transition_cells(t))}" for t in frame.transitions)
     if live:
         lines.extend(("", "Ctrl-C to stop."))
     return "\n".join(lines)
@@ -184,21 +189,24 @@ def render_plain(frame: Frame, what: str, *, live: bool = False) -> str:
 def _render_rich(frame: Frame, what: str) -> Any:
     from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
+    # Every cell a Text: rich reads a plain str as markup ("[bold]" in a key would style the row, and
+    # "[/]" raise), and the escaped text is what is measured and drawn.
     styles = {LeaseStatus.HELD: "green", LeaseStatus.LAPSED: "yellow"}
-    table = Table(title=_summary(frame, what), title_justify="left", expand=False)
+    table = Table(title=Text(_summary(frame, what)), title_justify="left", expand=False)
     for name in _HEADER:
         table.add_column(name, justify="right" if name == "EPOCH" else "left", no_wrap=name != "OWNER")
     for row, values in zip(frame.leases, _cells(frame), strict=True):
-        table.add_row(*values, style=styles.get(row.state))
+        table.add_row(*map(Text, values), style=styles.get(row.state))
     parts: list[Any] = [table]
     if frame.transitions:
         recent = Table(title="Recent transitions (newest first)", title_justify="left", show_header=False, box=None)
         for t in frame.transitions:
             style = "red" if t.event == "force_released" else None
-            recent.add_row(f"{t.at[:19]}Z", t.key, f"#{t.epoch}", t.owner, t.event.replace("_", " "), style=style)
+            recent.add_row(*map(Text, _transition_cells(t)), style=style)
         parts.append(recent)
-    parts.append("Ctrl-C to stop.")
+    parts.append(Text("Ctrl-C to stop."))
     return Group(*parts)
 
 
