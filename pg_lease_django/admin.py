@@ -8,12 +8,18 @@ up and the holder is fenced; the user is recorded as the operator) and "Request 
 (`pg_lease_django.timeline`). `LeaseTenureAdmin` lists the tenures, read-only. What the two writes
 do is `pg_lease_django.admin_writes`; `FencedModelAdmin`, for users' fenced models, is
 `pg_lease_django.fencing.admin`, re-exported here (the path the documentation names).
+
+Keys, owners and operators are other roles' data: Django escapes their HTML, and every page here
+also shows them through `printable`, since a bidi override or a control character survives HTML
+escaping and reorders or hides the text beside it. The snippets of "how to use this key" spell an
+unusual key with escapes its language reads back exactly.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -33,7 +39,7 @@ from django.utils.safestring import SafeString, mark_safe
 from django.views.decorators.http import require_POST
 
 from .admin_writes import force_release_confirmed, posted_epoch, request_handoffs
-from .display import describe_expiry, format_duration
+from .display import describe_expiry, format_duration, printable
 from .fencing.admin import UNFENCED_NOTE, FencedModelAdmin
 from .models import Lease, LeaseTenure
 from .querysets import LeaseQuerySet
@@ -78,8 +84,10 @@ class StateFilter(admin.SimpleListFilter):
 
 
 def _wrapping(text: str, min_width: str = "6em") -> SafeString:
-    """A changelist cell broken anywhere when long (keys and owners have no spaces to break at), yet
-    at least ``min_width`` wide, so that a long one is a few lines, not a column of syllables."""
+    """A cell of other roles' data (a key, an owner), escaped (`printable`), broken anywhere when long
+    (keys and owners have no spaces to break at), yet at least ``min_width`` wide, so that a long one
+    is a few lines, not a column of syllables."""
+    text = printable(text)
     return format_html(
         '<span style="display:inline-block;min-width:min({},{}ch);overflow-wrap:anywhere">{}</span>',
         min_width,
@@ -114,9 +122,9 @@ class LeaseAdmin(_LeaseModelAdmin):
     show_full_result_count = False
     actions = ["force_release", "request_handoff"]
     fields = (
-        "key",
+        "key_display",  # not the fields themselves: Django would show their text raw (HTML-escaped only)
         "state_badge",
-        "owner",
+        "owner_display",
         "epoch",
         "acquired_at_display",
         "expires_at_display",
@@ -203,16 +211,20 @@ class LeaseAdmin(_LeaseModelAdmin):
     @admin.display(description="how to use this key")
     def usage(self, obj: Lease) -> SafeString:
         """Snippets that use this key from Python, the shell and SQL."""
-        python_key = json.dumps(obj.key, ensure_ascii=False)
-        sql_key = "'" + obj.key.replace("'", "''") + "'"
+        python_key = _spelled(json.dumps(obj.key, ensure_ascii=False), _unicode_escape)
+        if _plain(obj.key):
+            shell_key, sql_key = shlex.quote(obj.key), "'" + obj.key.replace("'", "''") + "'"
+        else:  # bash's ANSI-C quoting and PostgreSQL's escape strings read the escapes back exactly
+            shell_key = "$'" + _spelled(obj.key.replace("\\", "\\\\").replace("'", "\\'"), _c_escape) + "'"
+            sql_key = "E'" + _spelled(obj.key.replace("\\", "\\\\").replace("'", "''"), _c_escape) + "'"
         snippet = (
             "from pg_lease_django import Lease\n\n"
             f'grant = Lease.objects.acquire({python_key}, "my-worker-id", ttl=30)\n'
             "if grant is not None:  # None: another owner holds it\n"
             "    ...  # pass grant.epoch to guarded writes: obj.save(fence=grant)\n"
             "    Lease.objects.release(grant.key, grant.owner, grant.epoch)\n\n"
-            f"$ python manage.py leases show {shlex.quote(obj.key)}\n"
-            f"$ python manage.py leases release {shlex.quote(obj.key)} --force --epoch {obj.epoch}\n\n"
+            f"$ python manage.py leases show {shell_key}\n"
+            f"$ python manage.py leases release {shell_key} --force --epoch {obj.epoch}\n\n"
             f"SELECT * FROM pg_lease_inspect({sql_key});"
         )
         return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', snippet)
@@ -233,7 +245,7 @@ class LeaseAdmin(_LeaseModelAdmin):
         Here rather than in ``change_view``: Django has checked the permissions and found the row.
         """
         if obj is not None:
-            context.update(self._history_context(request, obj.key))
+            context.update(self._history_context(request, obj.key), holder=printable(obj.owner or "-"))
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     def _history_context(self, request: HttpRequest, key: str) -> dict[str, Any]:
@@ -246,9 +258,11 @@ class LeaseAdmin(_LeaseModelAdmin):
             "tenures": [
                 {
                     "row": row,
+                    "owner": printable(row.owner),
+                    "ended_by": printable(row.ended_by or "-"),
                     "granted_at": _utc(row.granted_at),
                     "ended_at": _utc(row.ended_at),
-                    "outcome": row.describe(now),
+                    "outcome": printable(row.describe(now)),
                     "duration": format_duration(row.duration(now)),
                 }
                 for row in reversed(history.tenures)  # newest first, as the eye reads a log
@@ -339,6 +353,8 @@ class LeaseAdmin(_LeaseModelAdmin):
                 "leases": [
                     {
                         "lease": lease,
+                        "key": printable(lease.key),
+                        "owner": printable(lease.owner or "-"),
                         "state": self.state_badge(lease),
                         "expires": self.expires_in_display(lease),
                         "confirmed": f"{lease.epoch}:{lease.key}",
@@ -350,6 +366,26 @@ class LeaseAdmin(_LeaseModelAdmin):
                 "media": self.media,
             },
         )
+
+
+def _plain(text: str) -> bool:
+    """Whether ``text`` has no character a browser or a terminal acts on (`printable` leaves it be)."""
+    return printable(text) == text
+
+
+def _spelled(literal: str, escape: Callable[[int], str]) -> str:
+    """``literal`` with each character a browser or a terminal acts on written as ``escape(code)``."""
+    return "".join(char if char == "\\" or _plain(char) else escape(ord(char)) for char in literal)
+
+
+def _unicode_escape(code: int) -> str:
+    """Python's escape of a character (JSON's for the BMP): ``\\u202e``, ``\\U0001d173``."""
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def _c_escape(code: int) -> str:
+    """The escape bash's ``$'...'`` and PostgreSQL's ``E'...'`` both read: ``\\x1b``, ``\\u202e``."""
+    return f"\\x{code:02x}" if code < 0x80 else _unicode_escape(code)
 
 
 def _utc(moment: datetime | None) -> str:

@@ -9,6 +9,7 @@ from django.db.models import F, Func, IntegerField, Q, Value
 from django.db.models.lookups import Range
 
 from . import conf
+from .display import printable
 from .managers import LeaseManager
 from .querysets import LeaseQuerySet, ServerNow
 from .validation import MAX_NAME_BYTES, MAX_PRUNE_AGE, to_timedelta
@@ -71,7 +72,8 @@ class Lease(models.Model):
         ]
 
     def __str__(self) -> str:
-        return self.key
+        # For people (the admin's titles and breadcrumbs, its log): the key escaped, never obeyed.
+        return printable(self.key)
 
 
 class EndReason(models.TextChoices):
@@ -143,4 +145,4 @@ class LeaseTenure(models.Model):
         indexes = [models.Index(fields=["key", "epoch"], name="pg_lease_tenure_key_epoch")]
 
     def __str__(self) -> str:
-        return f"{self.key} #{self.epoch} ({self.owner})"
+        return printable(f"{self.key} #{self.epoch} ({self.owner})")

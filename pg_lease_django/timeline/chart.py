@@ -1,7 +1,10 @@
 """A lease's history drawn as an SVG timeline chart (`render_timeline`), one lane per owner.
 
 Drawn server-side, as a plain SVG string: no script, every text escaped (keys and owners are user
-data). It reads nothing: `pg_lease_django.timeline.reading.read_history` gives it a `History`.
+data), the owners and operators shown through `printable` (a bidi override or a control character
+would reorder or hide what is drawn beside it; the key is quoted with ``!r``); the ``data-owner``
+attributes keep the exact owner. It reads nothing: `pg_lease_django.timeline.reading.read_history`
+gives it a `History`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from html import escape
 from typing import Any
 
-from pg_lease_django.display import format_duration
+from pg_lease_django.display import format_duration, printable
 from pg_lease_django.models import EndReason
 from pg_lease_django.timeline.reading import HELD, UNKNOWN, History, TenureRow
 
@@ -96,9 +99,10 @@ def render_timeline(history: History, *, width: int = 960) -> str:
     for row, owner in enumerate(owners):
         y = _TOP + row * _LANE
         out.append(f'<line x1="{_LEFT}" y1="{y + _LANE}" x2="{width - _RIGHT}" y2="{y + _LANE}" stroke="#e4e4e4"/>')
+        lane = printable(owner)
         out.append(
-            f"<g><title>{_text(owner)}</title>"
-            f'<text class="pg-lease-lane" x="10" y="{y + 32}" font-weight="bold">{_text(_short(owner))}</text></g>'
+            f"<g><title>{_text(lane)}</title>"
+            f'<text class="pg-lease-lane" x="10" y="{y + 32}" font-weight="bold">{_text(_short(lane))}</text></g>'
         )
     label_edges: dict[str, float] = {}
     for tenure in tenures:
@@ -224,9 +228,9 @@ def _mark(tenure: TenureRow, at: float, top: int) -> list[str]:
         shape = f'<path class="{cls}" d="M{at - 2} {top - 2} l8 {_BAR / 2 + 2} l-8 {_BAR / 2 + 2} z" fill="{colour}"/>'
     else:
         return []
-    word = "lapsed" if outcome == EndReason.LAPSED else tenure.outcome_text
+    word = "lapsed" if outcome == EndReason.LAPSED else printable(tenure.outcome_text)
     if tenure.forced and tenure.ended_by:
-        word += f" by {_short(tenure.ended_by, 16)}"
+        word += f" by {_short(printable(tenure.ended_by), 16)}"
     return [
         shape,
         f'<text class="pg-lease-outcome" x="{at}" y="{bottom + 12}" font-size="10" text-anchor="middle" '
@@ -236,7 +240,7 @@ def _mark(tenure: TenureRow, at: float, top: int) -> list[str]:
 
 def _tooltip(tenure: TenureRow, now: datetime) -> str:
     granted = tenure.granted_at.astimezone(UTC).isoformat(sep=" ", timespec="milliseconds")
-    parts = [f"epoch {tenure.epoch}", tenure.owner, f"granted {granted}"]
+    parts = [f"epoch {tenure.epoch}", printable(tenure.owner), f"granted {granted}"]
     if tenure.outcome == HELD and tenure.expires_at is not None:
         parts.append(f"held for {format_duration(tenure.duration(now))}")
         parts.append(f"expires {tenure.expires_at.astimezone(UTC).isoformat(sep=' ', timespec='milliseconds')}")
@@ -244,10 +248,10 @@ def _tooltip(tenure: TenureRow, now: datetime) -> str:
             parts.append("hand-off requested")
     elif tenure.ended_at is not None:
         ended = tenure.ended_at.astimezone(UTC).isoformat(sep=" ", timespec="milliseconds")
-        how = tenure.describe(now) + (f" by {tenure.ended_by}" if tenure.ended_by else "")
+        how = printable(tenure.describe(now) + (f" by {tenure.ended_by}" if tenure.ended_by else ""))
         parts += [f"ended {ended}", how, f"lasted {format_duration(tenure.duration(now))}"]
     else:
-        parts.append(tenure.outcome_text)
+        parts.append(printable(tenure.outcome_text))
     return " \N{MIDDLE DOT} ".join(parts)
 
 
