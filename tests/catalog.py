@@ -2,9 +2,9 @@
 
 Two databases built two ways (the migrations, or ``schema.sql`` applied by hand) must give equal
 snapshots: every function as ``pg_get_functiondef`` prints it, every table's columns, constraints,
-indexes, triggers and options, every comment and every privilege. The schema's name is replaced by
-``@extschema@`` and the role that ran the build by ``OWNER``, so builds in different schemas, or by
-different roles, compare equal when they installed the same thing.
+indexes, triggers, options, row-level security and policies, every comment and every privilege. The
+schema's name is replaced by ``@extschema@`` and the role that ran the build by ``OWNER``, so builds in
+different schemas, or by different roles, compare equal when they installed the same thing.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ SELECT p.proname || '(' || pg_catalog.pg_get_function_identity_arguments(p.oid) 
 
 _TABLES = """
 SELECT c.oid, c.relname, c.relkind, c.relpersistence, coalesce(c.reloptions::text, ''),
+       c.relrowsecurity, c.relforcerowsecurity,
        coalesce(c.relacl, pg_catalog.acldefault('r', c.relowner))::text,
        coalesce(pg_catalog.obj_description(c.oid, 'pg_class'), '')
   FROM pg_catalog.pg_class c
@@ -61,6 +62,13 @@ SELECT t.tgname, pg_catalog.pg_get_triggerdef(t.oid), t.tgenabled,
   FROM pg_catalog.pg_trigger t WHERE t.tgrelid = %(table)s AND NOT t.tgisinternal
 """
 
+_POLICIES = """
+SELECT p.polname, p.polcmd, p.polpermissive, p.polroles::regrole[]::text[],
+       coalesce(pg_catalog.pg_get_expr(p.polqual, p.polrelid), ''),
+       coalesce(pg_catalog.pg_get_expr(p.polwithcheck, p.polrelid), '')
+  FROM pg_catalog.pg_policy p WHERE p.polrelid = %(table)s
+"""
+
 # Rows the schema itself installs (the epoch floor's one row); the lease and tenure rows are data.
 _SCHEMA_ROWS = {"pg_lease_django_epoch_floor"}
 
@@ -73,13 +81,15 @@ def snapshot(conn: psycopg.Connection[Any], schema: str = "public") -> dict[str,
     with conn.cursor() as cursor:
         for signature, definition, acl, comment in cursor.execute(_FUNCTIONS, {"schema": schema}).fetchall():
             found["functions"][signature] = normalise({"definition": definition, "privileges": acl, "comment": comment})
-        for oid, name, kind, persistence, options, acl, comment in cursor.execute(
+        for oid, name, kind, persistence, options, rls, forced_rls, acl, comment in cursor.execute(
             _TABLES, {"schema": schema}
         ).fetchall():
             table: dict[str, Any] = {
                 "kind": kind,
                 "persistence": persistence,
                 "options": options,
+                "row_security": (rls, forced_rls),
+                "policies": sorted(cursor.execute(_POLICIES, {"table": oid}).fetchall()),
                 "privileges": acl,
                 "comment": comment,
                 "columns": cursor.execute(_COLUMNS, {"table": oid}).fetchall(),

@@ -19,6 +19,12 @@
 -- The operations run as their owner (SECURITY DEFINER): workers need EXECUTE, no privilege on the
 -- tables. Functions for operators, and internal helpers, are revoked from PUBLIC beside them.
 --
+-- Every trigger of the package's tables fires ALWAYS (ALTER TABLE ... ENABLE ALWAYS TRIGGER), also
+-- under session_replication_role = replica, which PostgreSQL 15+ lets any role be granted SET on:
+-- a role so granted meets every rule as in origin mode. (The fenced tables' triggers, which users'
+-- migrations install, fire ALWAYS too, and let a trusted replication apply through:
+-- pg_lease_replication_apply.)
+--
 -- Changing this file: docs/architecture.md ("Changing the SQL"). A change ships as a migration
 -- that restates each object it changes whole, in its own file under sql/migrations/;
 -- tests/test_sql_source.py checks that the migrations and this file build the same catalog.
@@ -105,15 +111,39 @@ INSERT INTO @extschema@."pg_lease_django_secret" (secret)
     pg_catalog.gen_random_uuid()::text || pg_catalog.gen_random_uuid()::text, 'UTF8')), 'hex'));
 
 -- The key prefixes a database role may use (PG_LEASE_KEY_SCOPES, copied here by `migrate` and
--- `manage.py leases grant`): a role with rows here may name only keys starting with one of its
--- prefixes, in every lease function; a role without rows, any key. Keyed by session_user, the role
--- that logged in (SET ROLE does not change it).
+-- `manage.py leases grant`; prefix '' spans every key). Once it holds any row, a session may name
+-- only keys under the prefixes of the roles its login role (session_user; SET ROLE does not change
+-- it) is a member of, directly or through groups, as PostgreSQL's own privileges are inherited; a
+-- session with none is refused (fail closed). The lease functions' owner and superusers span every
+-- key. What pg_lease_check_key_scope runs is compiled from these rows (pg_lease_compile_key_scope).
 CREATE TABLE @extschema@."pg_lease_django_key_scope" (
   role name NOT NULL,
   prefix text NOT NULL,
   CONSTRAINT pg_lease_django_key_scope_pkey PRIMARY KEY (role, prefix)
 );
 REVOKE ALL ON @extschema@."pg_lease_django_key_scope" FROM PUBLIC;
+
+-- Per-role limits (PG_LEASE_ROLE_LIMITS, copied here like the scopes): the lease rows under a
+-- role's key prefixes (a brand-new key is refused, SQLSTATE 53400, when they are max_leases
+-- already), and the tenures kept per recorded key of those prefixes (the oldest go as new ones
+-- come). So one tenant's rows stay below max_leases x (1 + max_tenures_per_key).
+CREATE TABLE @extschema@."pg_lease_django_role_limit" (
+  role name CONSTRAINT pg_lease_django_role_limit_pkey PRIMARY KEY,
+  max_leases integer NULL CONSTRAINT pg_lease_role_limit_leases_positive CHECK (max_leases > 0),
+  max_tenures_per_key integer NULL CONSTRAINT pg_lease_role_limit_tenures_positive CHECK (max_tenures_per_key > 0)
+);
+REVOKE ALL ON @extschema@."pg_lease_django_role_limit" FROM PUBLIC;
+
+-- Row-level security on the tables that say who may do what, and on the secret: the owner (which
+-- the lease functions run as) and superusers bypass it; everyone else reads the scopes and limits
+-- only with a SELECT grant, and writes none of them, whatever they were granted, pg_write_all_data
+-- included. The secret has no policy at all: a pg_read_all_data member reads no row of it, so it
+-- cannot mint an opt-out (only a role with BYPASSRLS could; check W008 reports such roles).
+ALTER TABLE @extschema@."pg_lease_django_secret" ENABLE ROW LEVEL SECURITY;
+ALTER TABLE @extschema@."pg_lease_django_key_scope" ENABLE ROW LEVEL SECURITY;
+CREATE POLICY pg_lease_read ON @extschema@."pg_lease_django_key_scope" FOR SELECT USING (true);
+ALTER TABLE @extschema@."pg_lease_django_role_limit" ENABLE ROW LEVEL SECURITY;
+CREATE POLICY pg_lease_read ON @extschema@."pg_lease_django_role_limit" FOR SELECT USING (true);
 
 -- ================================================================================================
 -- The rules every operation uses
@@ -149,6 +179,30 @@ BEGIN
   END IF;
 END $$;
 
+-- Characters a terminal or an editor acts on rather than shows: C0 and C1 controls (escape
+-- sequences, carriage returns, line feeds), the bidirectional formatting characters (U+061C,
+-- U+200E-U+200F, U+202A-U+202E, U+2066-U+2069), zero-width and invisible formatting characters
+-- (U+200B-U+200D, U+2060-U+2064, U+FEFF) and the line and paragraph separators. A new key or
+-- owner carrying one could forge or hide rows in an operator's view: refused by acquire
+-- (pg_lease_check_new_name). A regular expression, one spelling; inlined (no SET clause).
+CREATE FUNCTION @extschema@.pg_lease_unshown_characters()
+RETURNS text LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$ SELECT '[\x01-\x1f\x7f\u0080-\u009f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u2069\ufeff]'::pg_catalog.text $$;
+
+-- pg_lease_check_name for a name a grant stores (acquire's key and owner): also refuses the
+-- characters of pg_lease_unshown_characters(). Keys stored before this rule keep working.
+CREATE FUNCTION @extschema@.pg_lease_check_new_name(p_kind text, p_value text)
+RETURNS void LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  PERFORM @extschema@.pg_lease_check_name(p_kind, p_value);
+  IF p_value ~ @extschema@.pg_lease_unshown_characters() THEN
+    RAISE EXCEPTION 'invalid_input: % must not contain control, bidirectional or other invisible formatting characters', p_kind
+      USING ERRCODE = '22023', HINT = 'Keys and owners are shown to operators: use printable characters.';
+  END IF;
+END $$;
+
 CREATE FUNCTION @extschema@.pg_lease_check_ttl(p_ttl interval)
 RETURNS void LANGUAGE plpgsql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
@@ -168,24 +222,92 @@ BEGIN
   END IF;
 END $$;
 
--- Refuse a key outside the session role's key scope (pg_lease_django_key_scope). Called first by
--- every lease function: one index probe decides the usual case (a role without rows may use any
--- key); the prefixes are read only for a role that has some. No SET clause (every operation pays
--- it): only the lease functions call it (revoked from PUBLIC), under their pinned search_path, and
--- it names only exact-typed built-ins and its table.
+-- Refuse a key outside the session's key scope (pg_lease_django_key_scope), SQLSTATE 42501. Called
+-- by every lease function after its input checks. Its body is compiled from the scope table by
+-- pg_lease_compile_key_scope (below), run by that table's trigger in the transaction that changes
+-- it: no table is read per call, and no session can change what it runs (the owner's function).
+-- Without scopes it is empty. With scopes, a key passes when it is under a prefix of a role the
+-- session's login role is a member of (pg_has_role ... 'MEMBER', evaluated per call: a membership
+-- granted or revoked counts at once; a role dropped or renamed matches nothing), or when the session
+-- is the functions' owner (current_user inside them) or a member of it, superusers included.
+-- Anything else is refused: a session with no effective scope cannot use any key. No SET clause:
+-- only the lease functions call it (revoked from PUBLIC), under their pinned search_path, and the
+-- compiled body names every function and operator with its schema.
 CREATE FUNCTION @extschema@.pg_lease_check_key_scope(p_key text)
 RETURNS void LANGUAGE plpgsql STABLE
+AS $$BEGIN END$$;
+
+-- The body of pg_lease_check_key_scope for the scope table's rows (one condition per row, tested
+-- prefix first so that only the rows whose prefix matches look at memberships). Owner-run: only
+-- the owner may replace the function, and RLS keeps every other role from writing the table.
+CREATE FUNCTION @extschema@.pg_lease_compile_key_scope()
+RETURNS void LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  conditions text;
+  body text := 'BEGIN END';
+BEGIN
+  SELECT string_agg(
+           format('(%s pg_catalog.pg_has_role(session_user, pg_catalog.to_regrole(%L), ''MEMBER''))',
+                  CASE WHEN s.prefix = '' THEN ''
+                       ELSE format('pg_catalog.left(p_key, %s) OPERATOR(pg_catalog.=) %L AND', length(s.prefix), s.prefix) END,
+                  quote_ident(s.role)),
+           E'\n     OR ' ORDER BY s.role, s.prefix)
+    INTO conditions FROM @extschema@."pg_lease_django_key_scope" s;
+  IF conditions IS NOT NULL THEN
+    body := format($body$
+BEGIN
+  IF %s THEN
+    RETURN;
+  END IF;
+  IF pg_catalog.pg_has_role(session_user, current_user, 'MEMBER') THEN
+    RETURN;  -- the lease functions' owner (current_user in them) or a member of it; superusers
+  END IF;
+  RAISE EXCEPTION 'key_scope: role %% may not use lease key %%', session_user,
+                  pg_catalog.left(p_key, 64) OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.length(p_key) OPERATOR(pg_catalog.>) 64 THEN '...' ELSE '' END
+    USING ERRCODE = '42501',
+          HINT = 'PG_LEASE_KEY_SCOPES limits every role to the keys under the prefixes of the roles it is a member of.';
+END$body$, conditions);
+  END IF;
+  EXECUTE format('CREATE OR REPLACE FUNCTION @extschema@.pg_lease_check_key_scope(p_key text) '
+                 'RETURNS void LANGUAGE plpgsql STABLE AS %L', body);
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_compile_key_scope() FROM PUBLIC;
+
+-- Any change of the scope table recompiles the check, in the same transaction, whoever makes it.
+CREATE FUNCTION @extschema@.pg_lease_key_scope_changed()
+RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-  PERFORM FROM @extschema@."pg_lease_django_key_scope" s WHERE s.role = session_user LIMIT 1;
-  IF FOUND THEN
-    IF p_key IS NOT NULL AND NOT EXISTS (SELECT FROM @extschema@."pg_lease_django_key_scope" s
-                                         WHERE s.role = session_user AND left(p_key, length(s.prefix)) = s.prefix) THEN
-      RAISE EXCEPTION 'key_scope: role % may not use lease key %', session_user, p_key
-        USING ERRCODE = '42501', HINT = 'PG_LEASE_KEY_SCOPES limits this role to the keys starting with its prefixes.';
-    END IF;
-  END IF;
+  PERFORM @extschema@.pg_lease_compile_key_scope();
+  RETURN NULL;
 END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_key_scope_changed() FROM PUBLIC;
+
+CREATE TRIGGER pg_lease_key_scope_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE
+  ON @extschema@."pg_lease_django_key_scope"
+  FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.pg_lease_key_scope_changed();
+ALTER TABLE @extschema@."pg_lease_django_key_scope" ENABLE ALWAYS TRIGGER pg_lease_key_scope_changed;
+
+-- The key prefixes this session may use, by the rule pg_lease_check_key_scope applies: NULL for
+-- every key (no scope configured, the owner, a superuser, a role spanning every key), an empty
+-- array for none. For readiness probes and for a role asking why it was refused; it reveals only
+-- the session's own scope.
+CREATE FUNCTION @extschema@.pg_lease_session_scope()
+RETURNS text[] LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+  WITH mine AS (SELECT s.prefix FROM @extschema@."pg_lease_django_key_scope" s
+                 WHERE pg_has_role(session_user, to_regrole(quote_ident(s.role)), 'MEMBER'))
+  SELECT CASE WHEN NOT EXISTS (SELECT FROM @extschema@."pg_lease_django_key_scope")
+                   OR pg_has_role(session_user, current_user, 'MEMBER')
+                   OR EXISTS (SELECT FROM mine WHERE mine.prefix = '') THEN NULL
+              ELSE ARRAY(SELECT DISTINCT mine.prefix FROM mine ORDER BY 1) END
+$$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_key_scope(text) FROM PUBLIC;
 
@@ -226,6 +348,44 @@ AS $$
     WHEN p_epoch IS NULL OR p_row_epoch IS DISTINCT FROM p_epoch THEN 'epoch_mismatch'
     ELSE 'ok' END
 $$;
+
+-- PG_LEASE_ROLE_LIMITS' max_leases, for a brand-new key (acquire's insert path, whoever calls):
+-- refused with SQLSTATE 53400 (configuration_limit_exceeded) when a limited role's prefixes hold the
+-- key and max_leases lease rows already. The brand-new keys of one limited role are counted one
+-- transaction at a time (a transaction-level advisory lock on the role), so concurrent grants cannot
+-- pass the limit together. Counted through the key index (LIKE 'prefix%' on text_pattern_ops), in
+-- one statement per limited role (overlapping prefixes count a row once). Free rows count until
+-- `manage.py leases prune` deletes them. Called only on the way to a brand-new row: no other path.
+CREATE FUNCTION @extschema@.pg_lease_check_lease_quota(p_key text)
+RETURNS void LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  lim record;
+  used bigint;
+BEGIN
+  FOR lim IN SELECT l.role, l.max_leases,
+                    string_agg(format('l.key LIKE %L', replace(replace(replace(s.prefix, '\', '\\'), '%', '\%'), '_', '\_') || '%'),
+                               ' OR ') AS condition
+               FROM @extschema@."pg_lease_django_role_limit" l
+               JOIN @extschema@."pg_lease_django_key_scope" s ON s.role = l.role
+              WHERE l.max_leases IS NOT NULL
+              GROUP BY l.role, l.max_leases
+             HAVING bool_or(left(p_key, length(s.prefix)) = s.prefix)
+              ORDER BY l.role LOOP
+    PERFORM pg_advisory_xact_lock(hashtextextended('pg_lease_django role limit ' || lim.role, 4187349731::bigint));
+    EXECUTE format('SELECT count(*) FROM @extschema@."pg_lease_django_lease" l WHERE %s', lim.condition) INTO used;
+    IF used >= lim.max_leases THEN
+      RAISE EXCEPTION 'quota: role % may keep % lease rows under its key prefixes, and has % (lease key %)',
+                      lim.role, lim.max_leases, used,
+                      left(p_key, 64) || CASE WHEN length(p_key) > 64 THEN '...' ELSE '' END
+        USING ERRCODE = '53400',
+              HINT = 'Release and prune leases no longer used (manage.py leases prune), or raise PG_LEASE_ROLE_LIMITS.';
+    END IF;
+  END LOOP;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_lease_quota(text) FROM PUBLIC;
 
 -- ================================================================================================
 -- Waiters
@@ -304,16 +464,19 @@ DECLARE
   first_epoch bigint;
   granted_until timestamptz;
 BEGIN
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
-  -- The rules of pg_lease_check_name and pg_lease_ttl as one condition; they raise when it fails.
+  -- The rules of pg_lease_check_new_name and pg_lease_ttl as one condition; they raise when it
+  -- fails. Input first, then the key scope: a bad key is invalid_input whoever sends it.
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
      OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
+     OR p_key ~ @extschema@.pg_lease_unshown_characters()
+     OR p_owner ~ @extschema@.pg_lease_unshown_characters()
      OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
      OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400 THEN
-    PERFORM @extschema@.pg_lease_check_name('key', p_key);
-    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+    PERFORM @extschema@.pg_lease_check_new_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_new_name('owner', p_owner);
     ttl := @extschema@.pg_lease_ttl(p_ttl);
   END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
 
   LOOP  -- again when the row changed between the unlocked look and the UPDATE
     -- Look without locking first: refusing a held key takes no row lock and writes no WAL.
@@ -322,6 +485,7 @@ BEGIN
       -- An acknowledged grant must survive a crash, or the same epoch could be granted twice.
       PERFORM set_config('synchronous_commit', 'on', true);
       ttl := @extschema@.pg_lease_ttl(p_ttl);
+      PERFORM @extschema@.pg_lease_check_lease_quota(p_key);  -- a new row: within PG_LEASE_ROLE_LIMITS
       -- Start above the floor. FOR SHARE waits for a prune in flight and keeps the next one (which
       -- locks the floor first) from committing until this grant does: no pruned epoch can slip in
       -- above the one read here. In a subtransaction, dropped with its lock when a concurrent
@@ -427,13 +591,13 @@ DECLARE
   wait_ms double precision;
   locked boolean := false;
 BEGIN
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   PERFORM @extschema@.pg_lease_check_name('key', p_key);
   IF p_retry_within IS NULL OR extract(year FROM p_retry_within) <> 0 OR extract(month FROM p_retry_within) <> 0
      OR extract(epoch FROM p_retry_within) < 0 OR extract(epoch FROM p_retry_within) > 365 * 86400 THEN
     RAISE EXCEPTION 'invalid_input: retry_within must be between 0 and 365 days, without months, got %',
       p_retry_within USING ERRCODE = '22023';
   END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   -- A release of this key in flight holds the lock exclusively until it commits: wait for it, then
   -- the attempt finds the lease free. At most p_retry_within (and the caller's lock_timeout): the
   -- waiter would have slept that long anyway. Past it, attempt without registering: the table is
@@ -491,7 +655,6 @@ DECLARE
   cur record;
   verdict text;
 BEGIN
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   -- The rules of pg_lease_check_name, pg_lease_check_epoch and pg_lease_ttl as one condition.
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
      OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
@@ -503,6 +666,7 @@ BEGIN
     PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
     PERFORM @extschema@.pg_lease_ttl(p_ttl);
   END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   ttl := make_interval(secs => extract(epoch FROM p_ttl)::double precision);  -- as pg_lease_ttl
   LOOP  -- again only if the row turned valid between the UPDATE and the look (it cannot, by the rules)
     UPDATE @extschema@."pg_lease_django_lease" l SET expires_at = clock_timestamp() + ttl
@@ -552,7 +716,6 @@ DECLARE
   cur record;
   verdict text;
 BEGIN
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
      OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
      OR p_epoch IS NULL OR p_epoch < 1 THEN
@@ -560,6 +723,7 @@ BEGIN
     PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
     PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
   END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   LOOP  -- as in pg_lease_heartbeat
     -- key = l.key: lock FOR UPDATE (waits for fenced transactions); -infinity: pg_lease_guard_update
     -- judges it again under the lock and stamps the clock it read.
@@ -596,10 +760,10 @@ AS $$
 DECLARE
   now_at timestamptz;
 BEGIN
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN
     PERFORM @extschema@.pg_lease_check_name('key', p_key);
   END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   now_at := clock_timestamp();
   RETURN QUERY
     SELECT p_key, @extschema@.pg_lease_status(l.owner, l.expires_at, now_at), l.owner,
@@ -623,11 +787,11 @@ DECLARE
   cur record;
   now_at timestamptz;
 BEGIN
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   PERFORM @extschema@.pg_lease_check_name('key', p_key);
   IF p_epoch IS NOT NULL THEN
     PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
   END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   PERFORM set_config('synchronous_commit', 'on', true);
   SELECT l.owner, l.epoch, l.expires_at, l.handoff_requested_at INTO cur
     FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR NO KEY UPDATE;
@@ -677,7 +841,6 @@ AS $$
 DECLARE
   cur record;
 BEGIN
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   PERFORM @extschema@.pg_lease_check_name('key', p_key);
   IF p_expected_epoch IS NOT NULL THEN
     PERFORM @extschema@.pg_lease_check_epoch(p_expected_epoch);
@@ -685,6 +848,7 @@ BEGIN
   IF p_operator IS NOT NULL THEN
     PERFORM @extschema@.pg_lease_check_name('operator', p_operator);
   END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   PERFORM set_config('synchronous_commit', 'on', true);
   SELECT l.owner, l.epoch INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR UPDATE;
   IF NOT FOUND THEN
@@ -846,10 +1010,10 @@ DECLARE
   cur record;
   verdict text;
 BEGIN
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   PERFORM @extschema@.pg_lease_check_name('key', p_key);
   PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
   PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
   verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
   IF verdict = 'lapsed' AND cur.epoch = p_epoch THEN
@@ -895,9 +1059,12 @@ DECLARE
   cur record;
   verdict text;
 BEGIN
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);  -- a bad key is invalid_input, before the scope
+  END IF;
   PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   -- Fast path, the holder presenting its live fence: an unlocked look (a stale fence takes no lock
-  -- and writes nothing), then the lock and the decision. The match itself validates the inputs.
+  -- and writes nothing), then the lock and the decision. The match itself validates the owner and epoch.
   -- Anything else takes pg_lease_fence's way: input checks, a renewal in flight awaited, the cause.
   SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
   IF @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
@@ -926,12 +1093,38 @@ CREATE FUNCTION @extschema@.pg_lease_remember_fence(p_key text, p_owner text, p_
 RETURNS void LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
-  fences jsonb := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
+  fences jsonb := @extschema@.pg_lease_presented_fences();
 BEGIN
   IF fences -> p_key IS DISTINCT FROM jsonb_build_array(p_owner, p_epoch) THEN
     PERFORM set_config('pg_lease.fences',
                        jsonb_set(fences, ARRAY[p_key], jsonb_build_array(p_owner, p_epoch))::text, true);
   END IF;
+END $$;
+
+-- The fences this transaction presented (pg_lease.fences, '{}' when none). The setting is written by
+-- pg_lease_remember_fence; one set by hand that is not a JSON object is refused as 'unfenced'
+-- (PL004) with a message that says so, never a raw JSON parse error. No SET clause (every fenced
+-- write reads it): it names only exact-typed built-ins and its callers pin their search_path.
+CREATE FUNCTION @extschema@.pg_lease_presented_fences()
+RETURNS jsonb LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+  raw text := pg_catalog.current_setting('pg_lease.fences', true);
+  fences jsonb;
+BEGIN
+  IF raw IS NULL OR raw OPERATOR(pg_catalog.=) '' THEN
+    RETURN '{}'::jsonb;
+  END IF;
+  BEGIN
+    fences := raw::jsonb;
+  EXCEPTION WHEN invalid_text_representation THEN
+    fences := NULL;
+  END;
+  IF pg_catalog.jsonb_typeof(fences) IS DISTINCT FROM 'object' THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
+      'pg_lease.fences is not a JSON object of lease key -> [owner, epoch]: pg_lease_check_fence() sets it, never a SET by hand');
+  END IF;
+  RETURN fences;
 END $$;
 
 -- The one way a fenced write is refused: SQLSTATE by cause, DETAIL = {key, owner, epoch} as JSON
@@ -954,9 +1147,12 @@ END $$;
 -- repair, fixtures, admin edits), for the role that opted out. pg_lease_allow_unfenced() sets
 -- pg_lease.unfenced to a token minted from the owner's secret for the current role, this backend
 -- and this transaction; pg_lease_unfenced_allowed() (what the triggers ask) checks it for the role
--- writing. The variable set by hand (to anything) never opts out, and a token minted inside an
--- owner-run function is the owner's: it does not outlive that function for its caller.
-CREATE FUNCTION @extschema@.pg_lease_opt_out_token(p_role name)
+-- writing. The variable set by hand (to anything) never opts out, and a token is minted only for a
+-- role the session itself may act as, that may opt out by the owner's own grant: no role can mint,
+-- borrow or pass on another role's opt-out (see pg_lease_opt_out_token).
+
+-- The token of p_role in this backend and transaction. Internal: revoked from PUBLIC.
+CREATE FUNCTION @extschema@.pg_lease_opt_out_hash(p_role name)
 RETURNS text LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -965,6 +1161,35 @@ AS $$
     FROM @extschema@."pg_lease_django_secret" s
 $$;
 
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_opt_out_hash(name) FROM PUBLIC;
+
+-- Mint p_role's opt-out token, or refuse (42501) unless both hold:
+-- * the session may act as p_role: its login role is p_role or a member of it (SET ROLE to it
+--   included). Inside an owner-run SECURITY DEFINER function called by another role, current_user
+--   is the owner but the session is not: the owner's opt-out is never handed to its caller;
+-- * p_role may opt out by the owner's own grant: it is the functions' owner (or a member of it, a
+--   superuser), or holds EXECUTE on pg_lease_allow_unfenced() through a grant whose grantor is the
+--   owner (migrate and `leases grant` make such grants; a superuser's grant is recorded as the
+--   owner's). A grant passed on WITH GRANT OPTION names another grantor and counts for nothing.
+CREATE FUNCTION @extschema@.pg_lease_opt_out_token(p_role name)
+RETURNS text LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF to_regrole(quote_ident(p_role)) IS NULL
+     OR NOT pg_has_role(session_user, to_regrole(quote_ident(p_role)), 'MEMBER')
+     OR NOT (pg_has_role(to_regrole(quote_ident(p_role)), current_user, 'MEMBER')
+             OR EXISTS (SELECT FROM pg_proc p, aclexplode(p.proacl) a
+                         WHERE p.oid = '@extschema@.pg_lease_allow_unfenced()'::regprocedure
+                           AND a.privilege_type = 'EXECUTE' AND a.grantor = p.proowner
+                           AND (a.grantee = 0 OR pg_has_role(to_regrole(quote_ident(p_role)), a.grantee, 'USAGE')))) THEN
+    RAISE EXCEPTION 'opt_out: session of role % may not opt out of fencing as role %', session_user, p_role
+      USING ERRCODE = '42501',
+            HINT = 'Only a role declared in PG_LEASE_OPERATOR_ROLES (granted by migrate or manage.py leases grant) opts out, for itself.';
+  END IF;
+  RETURN @extschema@.pg_lease_opt_out_hash(p_role);
+END $$;
+
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_opt_out_token(name) FROM PUBLIC;
 
 -- Is p_token the opt-out of p_role in this backend and transaction? For any caller: it reveals
@@ -972,7 +1197,7 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_opt_out_token(name) FROM PUBLIC;
 CREATE FUNCTION @extschema@.pg_lease_opt_out_valid(p_token text, p_role name)
 RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT p_token = @extschema@.pg_lease_opt_out_token(p_role) $$;
+AS $$ SELECT p_token = @extschema@.pg_lease_opt_out_hash(p_role) $$;
 
 CREATE FUNCTION @extschema@.pg_lease_allow_unfenced()
 RETURNS boolean LANGUAGE sql VOLATILE
@@ -987,6 +1212,34 @@ CREATE FUNCTION @extschema@.pg_lease_unfenced_allowed()
 RETURNS boolean LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT @extschema@.pg_lease_opt_out_valid(current_setting('pg_lease.unfenced', true), current_user) $$;
+
+-- Is this write a trusted replication apply? The fenced tables' triggers fire ALWAYS (also under
+-- session_replication_role = replica, which PostgreSQL 15+ lets any role be granted SET on); in
+-- replica mode they let rows through unchecked only for a session whose login role is a superuser
+-- or a member of the lease functions' owner (current_user here): a logical replication apply worker
+-- writing rows its publisher checked. Anyone else meets every check as in origin mode.
+CREATE FUNCTION @extschema@.pg_lease_replication_apply()
+RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT current_setting('session_replication_role') = 'replica' AND pg_has_role(session_user, current_user, 'MEMBER') $$;
+
+-- pg_lease_check_key_scope for each of p_keys (NULLs skipped): what an opted-out write of a fenced
+-- table still meets, so an opt-out never crosses a key scope.
+CREATE FUNCTION @extschema@.pg_lease_check_key_scopes(p_keys text[])
+RETURNS void LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  k text;
+BEGIN
+  FOREACH k IN ARRAY coalesce(p_keys, '{}') LOOP
+    IF k IS NOT NULL THEN
+      PERFORM @extschema@.pg_lease_check_key_scope(k);
+    END IF;
+  END LOOP;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_key_scopes(text[]) FROM PUBLIC;
 
 -- Check one lease key written by a statement: the transaction presented a fence for it, and that
 -- fence holds now (locking the lease row FOR KEY SHARE until the transaction ends).
@@ -1006,6 +1259,11 @@ BEGIN
   IF presented IS NULL THEN
     PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
                             format('%s rows guarded by lease %s were written without a fence for it', p_table, p_key));
+  END IF;
+  IF jsonb_typeof(presented) IS DISTINCT FROM 'array' OR jsonb_typeof(presented -> 0) IS DISTINCT FROM 'string'
+     OR NOT coalesce(presented ->> 1 ~ '^[0-9]{1,18}$', false) THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
+                            format('the fence presented for lease %s in pg_lease.fences is not [owner, epoch]', p_key));
   END IF;
   PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   -- One locked read decides the usual case (the fence was presented moments ago, and this
@@ -1040,11 +1298,24 @@ DECLARE
   epoch bigint;
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
 BEGIN
-  -- coalesce: NULL AND f() still calls f() (the result could be false), and this runs on every write.
-  IF coalesce(current_setting('pg_lease.unfenced', true), '') <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
+  -- The triggers fire ALWAYS, in replica mode too: only a trusted replication apply passes unchecked.
+  IF current_setting('session_replication_role') = 'replica' AND @extschema@.pg_lease_replication_apply() THEN
     RETURN NULL;
   END IF;
-  fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
+  -- coalesce: NULL AND f() still calls f() (the result could be false), and this runs on every write.
+  IF coalesce(current_setting('pg_lease.unfenced', true), '') <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
+    -- Opted out: no fence asked, but a session with a key scope writes only rows of its keys.
+    IF TG_OP = 'INSERT' THEN
+      PERFORM @extschema@.pg_lease_check_key_scopes(ARRAY(SELECT DISTINCT n.lease_key FROM pg_lease_new n));
+    ELSIF TG_OP = 'UPDATE' THEN
+      PERFORM @extschema@.pg_lease_check_key_scopes(ARRAY(SELECT o.lease_key FROM pg_lease_old o
+                                                           UNION SELECT n.lease_key FROM pg_lease_new n));
+    ELSE
+      PERFORM @extschema@.pg_lease_check_key_scopes(ARRAY(SELECT DISTINCT o.lease_key FROM pg_lease_old o));
+    END IF;
+    RETURN NULL;
+  END IF;
+  fences := @extschema@.pg_lease_presented_fences();
   IF TG_OP = 'INSERT' THEN
     FOR r IN SELECT n.lease_key AS key, NULL::bigint AS old_max, min(n.lease_epoch) AS new_min,
                     max(n.lease_epoch) AS new_max, count(*) - count(n.lease_epoch) AS new_nulls
@@ -1106,18 +1377,25 @@ DECLARE
   k text;
   rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
   rows_sql text;
+  keys text[];
 BEGIN
-  -- coalesce: NULL AND f() still calls f() (the result could be false), and this runs on every write.
-  IF coalesce(current_setting('pg_lease.unfenced', true), '') <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
+  -- The triggers fire ALWAYS, in replica mode too: only a trusted replication apply passes unchecked.
+  IF current_setting('session_replication_role') = 'replica' AND @extschema@.pg_lease_replication_apply() THEN
     RETURN NULL;
   END IF;
-  fences := coalesce(nullif(current_setting('pg_lease.fences', true), '')::jsonb, '{}'::jsonb);
   rows_sql := CASE TG_OP WHEN 'INSERT' THEN format('SELECT %I AS pk FROM pg_lease_new', TG_ARGV[2])
                          WHEN 'DELETE' THEN format('SELECT %I AS pk FROM pg_lease_old', TG_ARGV[2])
                          ELSE format('SELECT %1$I AS pk FROM pg_lease_old UNION SELECT %1$I FROM pg_lease_new',
                                      TG_ARGV[2]) END;
-  FOR k IN EXECUTE format('SELECT DISTINCT a.lease_key FROM (%s) r LEFT JOIN %s a ON a.%I = r.pk',
-                          rows_sql, TG_ARGV[0], TG_ARGV[1]) LOOP
+  EXECUTE format('SELECT array_agg(DISTINCT a.lease_key) FROM (%s) r LEFT JOIN %s a ON a.%I = r.pk',
+                 rows_sql, TG_ARGV[0], TG_ARGV[1]) INTO keys;
+  -- coalesce: NULL AND f() still calls f() (the result could be false), and this runs on every write.
+  IF coalesce(current_setting('pg_lease.unfenced', true), '') <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
+    PERFORM @extschema@.pg_lease_check_key_scopes(keys);  -- opted out: still only the keys of its scope
+    RETURN NULL;
+  END IF;
+  fences := @extschema@.pg_lease_presented_fences();
+  FOREACH k IN ARRAY coalesce(keys, '{}') LOOP
     PERFORM @extschema@.pg_lease_guard_key(k, fences, rows_table);
   END LOOP;
   RETURN NULL;
@@ -1130,9 +1408,14 @@ RETURNS trigger LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-  IF @extschema@.pg_lease_unfenced_allowed()
-     OR (current_setting('pg_lease.allow_truncate', true) = 'on'
-         AND has_function_privilege('@extschema@.pg_lease_allow_unfenced()', 'EXECUTE')) THEN
+  IF @extschema@.pg_lease_replication_apply() THEN
+    RETURN NULL;  -- fires ALWAYS: only a trusted replication apply passes in replica mode
+  END IF;
+  -- Every key at once: only a session that spans every key (no key scope) may, opted out.
+  IF (@extschema@.pg_lease_unfenced_allowed()
+      OR (current_setting('pg_lease.allow_truncate', true) = 'on'
+          AND has_function_privilege('@extschema@.pg_lease_allow_unfenced()', 'EXECUTE')))
+     AND @extschema@.pg_lease_session_scope() IS NULL THEN
     RETURN NULL;
   END IF;
   RAISE EXCEPTION 'unfenced: TRUNCATE of fenced table %.% without opting out',
@@ -1174,9 +1457,11 @@ END $$;
 
 CREATE TRIGGER pg_lease_forbid_delete BEFORE DELETE ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW EXECUTE FUNCTION @extschema@.pg_lease_forbid_delete();
+ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_forbid_delete;
 
 CREATE TRIGGER pg_lease_forbid_truncate BEFORE TRUNCATE ON @extschema@."pg_lease_django_lease"
   FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.pg_lease_forbid_delete();
+ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_forbid_truncate;
 
 -- A lease row may be inserted only above the floor, whoever inserts it: a pruned key must not come
 -- back below its past (acquire starts new keys at floor + 1).
@@ -1200,6 +1485,7 @@ END $$;
 
 CREATE TRIGGER pg_lease_insert_above_floor BEFORE INSERT ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW EXECUTE FUNCTION @extschema@.pg_lease_insert_above_floor();
+ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_insert_above_floor;
 
 -- The lease table guards itself, whoever writes it (the owner and superusers included), with two
 -- BEFORE UPDATE triggers that PostgreSQL filters before entering PL/pgSQL: this one by a column list
@@ -1288,6 +1574,7 @@ CREATE TRIGGER pg_lease_guard_update
   BEFORE UPDATE OF "key", "owner", "epoch", "acquired_at", "released_at", "recorded"
   ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW EXECUTE FUNCTION @extschema@.pg_lease_guard_update();
+ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_guard_update;
 
 -- Rule 3 for an UPDATE that sets the expiry (a renewal, whoever sends it; its one place): judged under
 -- the row lock, it skips the row when the lease has lapsed and the epoch is unchanged (a lapsed epoch
@@ -1312,6 +1599,7 @@ CREATE TRIGGER pg_lease_judge_renewal
   BEFORE UPDATE OF "expires_at" ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW WHEN (OLD.expires_at <= clock_timestamp())
   EXECUTE FUNCTION @extschema@.pg_lease_judge_renewal();
+ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_judge_renewal;
 
 -- The floor only grows, and is never deleted: either would let a pruned key restart below its past.
 -- (A test database, which may truncate the lease table anyway, may also lower it: allow_truncate,
@@ -1330,9 +1618,11 @@ CREATE TRIGGER pg_lease_floor_only_grows BEFORE UPDATE ON @extschema@."pg_lease_
                               AND has_function_privilege('@extschema@.pg_lease_allow_unfenced()', 'EXECUTE')))
                     OR NEW.one IS DISTINCT FROM OLD.one)
   EXECUTE FUNCTION @extschema@.pg_lease_forbid_floor_change();
+ALTER TABLE @extschema@."pg_lease_django_epoch_floor" ENABLE ALWAYS TRIGGER pg_lease_floor_only_grows;
 
 CREATE TRIGGER pg_lease_floor_kept BEFORE DELETE OR TRUNCATE ON @extschema@."pg_lease_django_epoch_floor"
   FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.pg_lease_forbid_floor_change();
+ALTER TABLE @extschema@."pg_lease_django_epoch_floor" ENABLE ALWAYS TRIGGER pg_lease_floor_kept;
 
 -- ================================================================================================
 -- History
@@ -1352,6 +1642,7 @@ DECLARE
   reason text;
   ended timestamptz;
   by_whom text;
+  keep integer;
 BEGIN
   IF p_op <> 'INSERT' AND p_old.owner IS NOT NULL THEN  -- the tenure of p_old ends here
     now_at := CASE WHEN p_new.owner IS NULL THEN coalesce(p_new.released_at, clock_timestamp())  -- a release
@@ -1379,6 +1670,17 @@ BEGIN
      AND (p_op = 'INSERT' OR p_new.acquired_at IS DISTINCT FROM p_old.acquired_at) THEN  -- a grant
     INSERT INTO @extschema@."pg_lease_django_tenure" (key, epoch, owner, granted_at)
       VALUES (p_new.key, p_new.epoch, p_new.owner, p_new.acquired_at);
+    -- PG_LEASE_ROLE_LIMITS' max_tenures_per_key: a key under a limited role's prefixes keeps its
+    -- newest tenures only (the smallest limit of the roles whose prefixes hold it).
+    SELECT min(l.max_tenures_per_key) INTO keep
+      FROM @extschema@."pg_lease_django_role_limit" l JOIN @extschema@."pg_lease_django_key_scope" s ON s.role = l.role
+     WHERE l.max_tenures_per_key IS NOT NULL AND left(p_new.key, length(s.prefix)) = s.prefix;
+    IF keep IS NOT NULL THEN
+      DELETE FROM @extschema@."pg_lease_django_tenure" r
+       WHERE r.key = p_new.key
+         AND r.epoch < (SELECT k.epoch FROM @extschema@."pg_lease_django_tenure" k WHERE k.key = p_new.key
+                         ORDER BY k.epoch DESC OFFSET keep - 1 LIMIT 1);
+    END IF;
   END IF;
 END $$;
 
@@ -1399,9 +1701,11 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_record_transition() FROM PUBLIC;
 
 CREATE TRIGGER pg_lease_record_grant AFTER INSERT ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW WHEN (NEW.owner IS NOT NULL AND NEW.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
+ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_record_grant;
 
 CREATE TRIGGER pg_lease_record_prune AFTER DELETE ON @extschema@."pg_lease_django_lease"
   FOR EACH ROW WHEN (OLD.owner IS NOT NULL AND OLD.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
+ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_record_prune;
 
 -- Is p_key's history recorded? The one spelling of the scope rule ('' records every key). SHARE
 -- conflicts with the ROW EXCLUSIVE of any write to the scope table: a scope change in flight is
@@ -1435,17 +1739,75 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_rescope() FROM PUBLIC;
 CREATE TRIGGER pg_lease_rescope AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE
   ON @extschema@."pg_lease_django_history_scope"
   FOR EACH STATEMENT EXECUTE FUNCTION @extschema@.pg_lease_rescope();
+ALTER TABLE @extschema@."pg_lease_django_history_scope" ENABLE ALWAYS TRIGGER pg_lease_rescope;
+
+-- ================================================================================================
+-- Monitoring
+-- ================================================================================================
+
+-- The database's view for Prometheus (pg_lease_django.metrics_db), in one statement: counts by key
+-- label, never a key, an owner or an epoch, for monitoring roles granted nothing else. A key's
+-- label is its part before p_separator, or '(none)' when it has none; the p_max_labels labels with
+-- the most lease rows keep their own, the rest are counted as '(other)': a scrape has a bounded
+-- number of series whatever keys tenants choose. Rows: ('lease', label, state, rows, seconds since
+-- the oldest expiry of a lapsed row), ('waiter', label, '', keys with a live registration, NULL),
+-- and with p_history ('tenure', label, end reason, ended tenures, NULL). The state is
+-- pg_lease_status against one clock read. Raises work_mem to 32MB for its transaction (never lowers
+-- it): the planner cannot estimate how many labels an expression yields, and sorts every row
+-- without it; with it, it hashes (2-3x faster at 100k rows). Read-only: takes no row lock.
+CREATE FUNCTION @extschema@.pg_lease_metrics(p_separator text, p_max_labels integer, p_history boolean)
+RETURNS TABLE (kind text, label text, state text, count double precision, oldest_lapse double precision)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+BEGIN
+  IF p_separator IS NULL OR length(p_separator) <> 1 OR p_max_labels IS NULL OR p_max_labels < 1 THEN
+    RAISE EXCEPTION 'invalid_input: the separator must be one character and the label cap positive'
+      USING ERRCODE = '22023';
+  END IF;
+  IF pg_size_bytes(current_setting('work_mem')) < 33554432 THEN
+    PERFORM set_config('work_mem', '32MB', true);
+  END IF;
+  RETURN QUERY
+    WITH now AS MATERIALIZED (SELECT clock_timestamp() AS t),
+    leases AS MATERIALIZED (
+      SELECT CASE WHEN strpos(l.key, p_separator) > 0 THEN split_part(l.key, p_separator, 1) ELSE '(none)' END AS label,
+             @extschema@.pg_lease_status(l.owner, l.expires_at, now.t) AS state,
+             extract(epoch FROM now.t - l.expires_at)::float8 AS lapse
+        FROM @extschema@."pg_lease_django_lease" l, now),
+    kept AS (SELECT g.label FROM leases g GROUP BY g.label ORDER BY count(*) DESC, g.label LIMIT p_max_labels)
+    SELECT 'lease'::text, coalesce(k.label, '(other)'), g.state, count(*)::float8,
+           max(g.lapse) FILTER (WHERE g.state = 'lapsed')
+      FROM leases g LEFT JOIN kept k ON k.label = g.label
+     GROUP BY 2, 3
+    UNION ALL
+    SELECT 'waiter', coalesce(k.label, '(other)'), '', count(*)::float8, NULL
+      FROM @extschema@."pg_lease_django_waiter" w CROSS JOIN now
+      LEFT JOIN kept k ON k.label = CASE WHEN strpos(w.key, p_separator) > 0 THEN split_part(w.key, p_separator, 1) ELSE '(none)' END
+     WHERE w.until > now.t
+     GROUP BY 2
+    UNION ALL
+    SELECT 'tenure', coalesce(k.label, '(other)'), t.end_reason, count(*)::float8, NULL
+      FROM @extschema@."pg_lease_django_tenure" t
+      LEFT JOIN kept k ON k.label = CASE WHEN strpos(t.key, p_separator) > 0 THEN split_part(t.key, p_separator, 1) ELSE '(none)' END
+     WHERE p_history AND t.end_reason IS NOT NULL
+     GROUP BY 2, 3;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_metrics(text, integer, boolean) FROM PUBLIC;
 
 -- ================================================================================================
 -- Privileges
 -- ================================================================================================
 
--- What each declared role is granted (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES; applied by
--- `migrate` and `manage.py leases grant`): every function above that locks, reveals or changes a
--- lease is revoked from PUBLIC. A worker runs the four operations and writes fenced rows (the
--- fenced tables' triggers call pg_lease_guard_key as the writer); an operator may do what a worker
--- may, plus force release, ask for a hand-off, opt out of fencing and read the lease and history
--- tables. 'runbook' rows (pg_lease_prune, pg_lease_advance_epochs) are granted to nobody: they stay
+-- What each declared role is granted (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES,
+-- PG_LEASE_MONITOR_ROLES; applied by `migrate` and `manage.py leases grant`): every function above
+-- that locks, reveals or changes a lease is revoked from PUBLIC. A worker runs the four operations
+-- and writes fenced rows (the fenced tables' triggers call pg_lease_guard_key as the writer); a
+-- monitor reads the counts of pg_lease_metrics and nothing else; an operator may do what a worker
+-- and a monitor may, plus force release, ask for a hand-off, opt out of fencing (within its key
+-- scope) and read the lease and history tables. 'runbook' rows (pg_lease_prune, pg_lease_advance_epochs) are granted to nobody: they stay
 -- with the owner unless granted by hand to an operator. 'public' rows are what every role may run.
 -- Check W008 reports any other privilege on the package's functions and tables. A migration that
 -- adds a function restates this one. By hand:
@@ -1473,14 +1835,18 @@ AS $$
     ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint, text)', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_allow_unfenced()', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_opt_out_token(name)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_check_key_scopes(text[])', 'EXECUTE'),
     ('operator', 'TABLE', '@extschema@."pg_lease_django_lease"', 'SELECT'),
     ('operator', 'TABLE', '@extschema@."pg_lease_django_tenure"', 'SELECT'),
+    ('monitor', 'FUNCTION', '@extschema@.pg_lease_metrics(text, integer, boolean)', 'EXECUTE'),
     -- The runbook's (failover, restore, maintenance): granted to nobody, an operator may be granted them.
     ('runbook', 'FUNCTION', '@extschema@.pg_lease_prune(interval, boolean)', 'EXECUTE'),
     ('runbook', 'FUNCTION', '@extschema@.pg_lease_advance_epochs(bigint, boolean)', 'EXECUTE'),
     -- What every role may run, through PUBLIC: pure helpers, and what the triggers call as the writer.
     ('public', 'FUNCTION', '@extschema@.pg_lease_status(text, timestamptz, timestamptz)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_name(text, text)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_check_new_name(text, text)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_unshown_characters()', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_ttl(interval)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_epoch(bigint)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_ttl(interval)', 'EXECUTE'),
@@ -1489,6 +1855,9 @@ AS $$
     ('public', 'FUNCTION', '@extschema@.pg_lease_refuse(text, text, text, bigint, text)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_unfenced_allowed()', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_opt_out_valid(text, name)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_presented_fences()', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_replication_apply()', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_session_scope()', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_privileges()', 'EXECUTE')
   ) w (role, kind, object, privilege)
 $$;
