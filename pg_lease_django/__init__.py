@@ -23,6 +23,7 @@ from .exceptions import (
     NeverAcquiredError,
     NotAcquirableError,
     NotOwnerError,
+    QuotaExceededError,
     UnconfirmedCommitError,
     UnfencedWriteError,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
+    "QuotaExceededError",
     "UnconfirmedCommitError",
     "UnfencedWriteError",
     "aelect",

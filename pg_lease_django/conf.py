@@ -167,34 +167,95 @@ def operator_roles() -> tuple[str, ...]:
     return _role_list("PG_LEASE_OPERATOR_ROLES", getattr(settings, "PG_LEASE_OPERATOR_ROLES", []))
 
 
-def key_scopes() -> dict[str, tuple[str, ...]]:
-    """``PG_LEASE_KEY_SCOPES`` (dict of database role -> list of key prefixes, default ``{}``): tenants apart.
+def monitor_roles() -> tuple[str, ...]:
+    """``PG_LEASE_MONITOR_ROLES`` (list of database roles, default ``[]``): the roles that read the metrics.
 
-    A role listed here may name only keys starting with one of its prefixes, in every lease
-    function (the database checks it, for every caller: 42501 ``key_scope`` otherwise); a role not
-    listed, any key. ``migrate`` and ``manage.py leases grant`` copy it into the database
-    (``pg_lease_django_key_scope``); check ``pg_lease_django.W008`` says when they differ.
+    Granted ``pg_lease_metrics()`` only: the database's view for Prometheus (counts by key label,
+    never a key, owner or epoch). An operator is granted it too.
 
     Raises:
-        ImproperlyConfigured: not a dict of role names to non-empty lists of non-empty prefixes (at most
-            255 bytes): a scope of ``""`` would limit nothing.
+        ImproperlyConfigured: the setting is not a list of role names (1 to 63 bytes).
+    """
+    return _role_list("PG_LEASE_MONITOR_ROLES", getattr(settings, "PG_LEASE_MONITOR_ROLES", []))
+
+
+#: ``PG_LEASE_KEY_SCOPES``' value for a role that may use every key (stored as the prefix ``""``).
+ALL_KEYS = "*"
+
+
+def key_scopes() -> dict[str, tuple[str, ...]]:
+    """``PG_LEASE_KEY_SCOPES`` (dict of database role -> list of key prefixes, or ``"*"``, default ``{}``).
+
+    Tenants apart. Once any role is listed, every session may name only keys under the prefixes of
+    the listed roles its login role is a member of (directly or through groups), in every lease
+    function; a session with none is refused (42501 ``key_scope``), unless its role is the lease
+    functions' owner, a superuser, or listed with ``"*"`` (every key: operators). ``migrate`` and
+    ``manage.py leases grant`` copy it into the database (``pg_lease_django_key_scope``, ``"*"`` as
+    the prefix ``""``); check ``pg_lease_django.W008`` says when they differ, and E006 names a role
+    that may call the lease functions with no scope at all.
+
+    Raises:
+        ImproperlyConfigured: not a dict of role names to ``"*"`` or non-empty lists of non-empty prefixes
+            (at most 255 bytes).
     """
     value = getattr(settings, "PG_LEASE_KEY_SCOPES", {})
     if not isinstance(value, dict) or not all(
         isinstance(role, str)
         and role
         and len(role.encode()) <= 63
-        and isinstance(prefixes, list | tuple)
-        and not isinstance(prefixes, str)
-        and prefixes
-        and all(isinstance(p, str) and p and len(p.encode()) <= 255 for p in prefixes)
+        and (
+            prefixes == ALL_KEYS
+            or (
+                isinstance(prefixes, list | tuple)
+                and prefixes
+                and all(isinstance(p, str) and p and len(p.encode()) <= 255 for p in prefixes)
+            )
+        )
         for role, prefixes in value.items()
     ):
         raise ImproperlyConfigured(
-            "PG_LEASE_KEY_SCOPES must map database role names to non-empty lists of non-empty key prefixes, "
-            f"got {value!r}"
+            'PG_LEASE_KEY_SCOPES must map database role names to "*" (every key) or non-empty lists of '
+            f"non-empty key prefixes, got {value!r}"
         )
-    return {role: tuple(sorted(set(prefixes))) for role, prefixes in sorted(value.items())}
+    return {
+        role: ("",) if prefixes == ALL_KEYS else tuple(sorted(set(prefixes)))
+        for role, prefixes in sorted(value.items())
+    }
+
+
+#: The limits ``PG_LEASE_ROLE_LIMITS`` may set for a role, and their columns in ``pg_lease_django_role_limit``.
+ROLE_LIMITS = ("leases", "tenures_per_key")
+
+
+def role_limits() -> dict[str, tuple[int | None, int | None]]:
+    """``PG_LEASE_ROLE_LIMITS`` (dict of database role -> dict of limits, default ``{}``): one tenant's cost bounded.
+
+    ``{"tenant_a": {"leases": 10000, "tenures_per_key": 100}}``: at most ``leases`` lease rows under
+    the role's key prefixes (``PG_LEASE_KEY_SCOPES``; a brand-new key past it is refused with
+    `QuotaExceededError`, SQLSTATE 53400), and the newest ``tenures_per_key`` tenures kept per recorded
+    key under them (older ones are deleted as new ones come). The database enforces both, for every
+    caller; ``migrate`` and ``manage.py leases grant`` copy the setting into it. Returns role ->
+    ``(leases, tenures_per_key)``, None for a limit not set.
+
+    Raises:
+        ImproperlyConfigured: not a dict of role names to dicts of those limits, each a positive int.
+    """
+    value = getattr(settings, "PG_LEASE_ROLE_LIMITS", {})
+    if not isinstance(value, dict) or not all(
+        isinstance(role, str)
+        and role
+        and len(role.encode()) <= 63
+        and isinstance(limits, dict)
+        and limits
+        and set(limits) <= set(ROLE_LIMITS)
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 2**31 - 1 for n in limits.values())
+        for role, limits in value.items()
+    ):
+        raise ImproperlyConfigured(
+            "PG_LEASE_ROLE_LIMITS must map database role names to dicts of limits "
+            f"({', '.join(ROLE_LIMITS)}), each a positive int, got {value!r}"
+        )
+    return {role: (limits.get("leases"), limits.get("tenures_per_key")) for role, limits in sorted(value.items())}
 
 
 def metrics_enabled() -> bool:

@@ -50,7 +50,7 @@ from .holds.lease import HeldLease
 from .holds.lease_connection import InFlight
 from .operations import LeaseState
 from .owners import default_owner
-from .validation import Seconds, check_name, check_ttl
+from .validation import Seconds, check_new_name, check_ttl
 
 __all__ = ["Election", "current_election", "elect"]
 
@@ -99,9 +99,9 @@ class Election:
         owner: str | None = None,
         using: str | None = None,
     ) -> None:
-        self.key = check_name("key", key)
+        self.key = check_new_name("key", key)
         self._ttl = check_ttl(ttl)
-        self.owner = check_name("owner", owner if owner is not None else default_owner())
+        self.owner = check_new_name("owner", owner if owner is not None else default_owner())
         for name, callback in (
             ("on_started_leading", on_started_leading),
             ("on_stopped_leading", on_stopped_leading),

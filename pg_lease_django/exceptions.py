@@ -18,6 +18,7 @@ __all__ = [
     "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
+    "QuotaExceededError",
     "UnconfirmedCommitError",
     "UnfencedWriteError",
 ]
@@ -179,6 +180,19 @@ class UnfencedWriteError(LeaseError):
 
     code = "unfenced"
     sqlstate = "PL004"  # a fenced write the database refused for this cause
+
+
+class QuotaExceededError(LeaseError):
+    """An acquire of a brand-new key was refused: the key's tenant is at its ``PG_LEASE_ROLE_LIMITS`` limit.
+
+    The database refused it (SQLSTATE ``53400``, configuration_limit_exceeded) because the lease rows
+    under the prefixes of a role whose scope holds the key number ``leases`` already; nothing was
+    written. Keys that have a row are unaffected. Release leases no longer used and prune them
+    (``manage.py leases prune``), or raise the limit; retrying alone will not help.
+    """
+
+    code = "quota"
+    sqlstate = "53400"
 
 
 class UnconfirmedCommitError(OperationalError):

@@ -12,14 +12,15 @@ confirm on its synchronous standby becomes `UnconfirmedCommitError` (`commit_con
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple, NoReturn
 
 import psycopg
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DataError
+from django.db import DatabaseError, DataError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgreSQLDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
@@ -34,6 +35,7 @@ from .exceptions import (
     LapsedError,
     NeverAcquiredError,
     NotAcquirableError,
+    QuotaExceededError,
 )
 from .status import LeaseStatus
 
@@ -215,9 +217,24 @@ def _unwatched(connection: BaseDatabaseWrapper) -> bool:
     )
 
 
+@contextmanager
+def quota_refusals(key: str) -> Iterator[None]:
+    """An acquire's refusal by ``PG_LEASE_ROLE_LIMITS`` (SQLSTATE 53400, Django's or psycopg's error)
+    raised as `QuotaExceededError`; every other error as it is."""
+    try:
+        yield
+    except (DatabaseError, psycopg.Error) as exc:
+        error = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+        if getattr(error, "sqlstate", None) != QuotaExceededError.sqlstate:
+            raise
+        message = getattr(getattr(error, "diag", None), "message_primary", None) or str(error)
+        raise QuotaExceededError(message, key=key) from exc
+
+
 def attempt(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Attempt:
     """One non-blocking acquire."""
-    return Attempt(*call(connection, sql.ACQUIRE, [key, owner, ttl]))
+    with quota_refusals(key):
+        return Attempt(*call(connection, sql.ACQUIRE, [key, owner, ttl]))
 
 
 def attempt_or_register(
@@ -227,7 +244,8 @@ def attempt_or_register(
 
     ``retry_within``: the longest the waiter sleeps before its next attempt unless notified.
     """
-    return Attempt(*call(connection, sql.ACQUIRE_OR_REGISTER, [key, owner, ttl, retry_within]))
+    with quota_refusals(key):
+        return Attempt(*call(connection, sql.ACQUIRE_OR_REGISTER, [key, owner, ttl, retry_within]))
 
 
 def acquire(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:

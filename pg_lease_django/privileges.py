@@ -25,22 +25,48 @@ from . import conf, sql
 
 @dataclass(frozen=True)
 class Grant:
-    """One privilege a declared role needs: ``GRANT privilege ON kind object TO role``."""
+    """One privilege: ``GRANT privilege ON kind object TO role`` (``WITH GRANT OPTION`` when ``grantable``)."""
 
     role: str
     kind: str  # FUNCTION or TABLE
     object: str  # schema-qualified, as pg_lease_privileges() names it
     privilege: str
+    grantable: bool = False  # held WITH GRANT OPTION: the role may pass it on
 
     def statement(self, quote: Any) -> str:
         return f"GRANT {self.privilege} ON {self.kind} {self.object} TO {quote(self.role)}"
 
+    def revoke(self, quote: Any) -> str:
+        """The statement that takes it back (only the grant option, when that is what is extra)."""
+        option = "GRANT OPTION FOR " if self.grantable else ""
+        return f"REVOKE {option}{self.privilege} ON {self.kind} {self.object} FROM {quote(self.role)}"
 
-def declared() -> dict[str, str]:
-    """The declared roles, each with its kind (a role named in both settings is an operator)."""
-    roles = {role: "worker" for role in conf.worker_roles()}
-    roles.update({role: "operator" for role in conf.operator_roles()})
-    return roles
+
+#: The tiers of ``pg_lease_privileges()`` each kind of declared role is granted.
+TIERS = {"worker": ("worker",), "operator": ("worker", "operator", "monitor"), "monitor": ("monitor",)}
+#: What a role may hold beyond its grants without being reported: the operator may be granted the
+#: runbook's functions by hand (docs/security.md); every role may run what PUBLIC may.
+_ALSO_ALLOWED = {"worker": ("public",), "operator": ("public", "runbook"), "monitor": ("public",)}
+
+
+def declared() -> dict[str, tuple[str, ...]]:
+    """The declared roles, each with its kinds (``worker``, ``operator``, ``monitor``), sorted."""
+    roles: dict[str, set[str]] = {}
+    for kind, names in (
+        ("worker", conf.worker_roles()),
+        ("operator", conf.operator_roles()),
+        ("monitor", conf.monitor_roles()),
+    ):
+        for name in names:
+            roles.setdefault(name, set()).add(kind)
+    return {role: tuple(sorted(kinds)) for role, kinds in sorted(roles.items())}
+
+
+def _tiers(kinds: tuple[str, ...], *, allowed: bool = False) -> list[str]:
+    tiers = {tier for kind in kinds for tier in TIERS[kind]}
+    if allowed:
+        tiers |= {tier for kind in kinds for tier in _ALSO_ALLOWED[kind]}
+    return sorted(tiers)
 
 
 def installed(using: str) -> bool:
@@ -74,13 +100,12 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
                 "r.rolname IS NOT NULL AND CASE p.kind "
                 "WHEN 'FUNCTION' THEN pg_catalog.has_function_privilege(r.oid, p.object, p.privilege) "
                 "ELSE pg_catalog.has_table_privilege(r.oid, p.object, p.privilege) END "
-                "FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) AS d (name, kind) "
+                "FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) AS d (name, tiers) "
                 "LEFT JOIN pg_catalog.pg_roles r ON r.rolname = d.name "
-                "JOIN {schema}.pg_lease_privileges() p "
-                "ON p.role = 'worker' OR (p.role = 'operator' AND d.kind = 'operator') "
+                "JOIN {schema}.pg_lease_privileges() p ON p.role = ANY (pg_catalog.string_to_array(d.tiers, ',')) "
                 "ORDER BY d.name, p.kind, p.object",
             ),
-            [list(roles), list(roles.values())],
+            [list(roles), [",".join(_tiers(kinds)) for kinds in roles.values()]],
         )
         rows = cursor.fetchall()
     absent = sorted({name for name, exists, *_ in rows if not exists})
@@ -95,6 +120,13 @@ _PRIVILEGES = (
     "('FUNCTION', 'EXECUTE'), ('TABLE', 'SELECT'), ('TABLE', 'INSERT'), ('TABLE', 'UPDATE'), ('TABLE', 'DELETE'), "
     "('TABLE', 'TRUNCATE'), ('TABLE', 'REFERENCES'), ('TABLE', 'TRIGGER')"
 )
+# Who holds what on the package's objects, through every membership: per role (and PUBLIC), each
+# privilege held, whether WITH GRANT OPTION, the tiers of pg_lease_privileges() that name it, and
+# the tiers the role may hold through the declared roles it is a member of (itself included: a
+# login role in a declared group role holds what the group is granted, as PostgreSQL means it).
+# Privileges pg_read_all_data / pg_write_all_data explain are left to `bypasses` (their remedy is
+# the membership, not the table). Roles are checked by OID: by name, a role dropped after this
+# statement's snapshot is looked up in the current catalog and fails the whole read.
 _HELD = (
     "WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c "
     "WHERE c.oid = '{schema}.\"pg_lease_django_lease\"'::pg_catalog.regclass), "
@@ -108,21 +140,36 @@ _HELD = (
     "wanted AS (SELECT w.role AS tier, w.privilege, CASE w.kind WHEN 'FUNCTION' "
     "THEN w.object::pg_catalog.regprocedure::oid ELSE w.object::pg_catalog.regclass::oid END AS oid "
     "FROM {schema}.pg_lease_privileges() w), "
-    # A role is checked by its OID: by name, a role dropped after this statement's snapshot is
-    # looked up in the current catalog and fails the whole read ("role does not exist").
-    "grantees AS (SELECT r.rolname::text AS name, r.oid FROM pg_catalog.pg_roles r, owner "
+    "declared AS (SELECT r.oid, d.tiers FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) "
+    "AS d (name, tiers) JOIN pg_catalog.pg_roles r ON r.rolname = d.name), "
+    "grantees AS (SELECT r.rolname::text AS name, r.oid, "
+    "pg_catalog.string_to_array(pg_catalog.string_agg(d.tiers, ','), ',') AS allowed, "
+    "bool_or(pg_catalog.pg_has_role(r.oid, 'pg_read_all_data', 'USAGE')) AS reads_all, "
+    "bool_or(pg_catalog.pg_has_role(r.oid, 'pg_write_all_data', 'USAGE')) AS writes_all "
+    "FROM pg_catalog.pg_roles r CROSS JOIN owner LEFT JOIN declared d ON pg_catalog.pg_has_role(r.oid, d.oid, 'USAGE') "
     "WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE') "
-    "UNION ALL SELECT 'PUBLIC', NULL), "
-    f"privileges (kind, privilege) AS (VALUES {_PRIVILEGES}) "
-    "SELECT g.name, o.kind, o.object, v.privilege, pg_catalog.array_agg(w.tier) FILTER (WHERE w.tier IS NOT NULL) "
+    "GROUP BY r.rolname, r.oid "
+    "UNION ALL SELECT 'PUBLIC', NULL, NULL, false, false), "
+    f"privileges AS (SELECT v.kind, v.privilege, v.privilege || ' WITH GRANT OPTION' AS passing "
+    f"FROM (VALUES {_PRIVILEGES}) v (kind, privilege)), "
+    "held AS (SELECT g.name, o.kind, o.object, o.oid, v.privilege, g.allowed, "
+    "CASE WHEN g.oid IS NULL AND o.kind = 'FUNCTION' "
+    "THEN pg_catalog.has_function_privilege('public', o.oid, v.passing) "
+    "WHEN g.oid IS NULL THEN pg_catalog.has_table_privilege('public', o.oid, v.passing) "
+    "WHEN o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege(g.oid, o.oid, v.passing) "
+    "ELSE pg_catalog.has_table_privilege(g.oid, o.oid, v.passing) END AS grantable "
     "FROM grantees g CROSS JOIN objects o JOIN privileges v ON v.kind = o.kind "
-    "LEFT JOIN wanted w ON w.oid = o.oid AND w.privilege = v.privilege "
     "WHERE CASE WHEN g.oid IS NULL AND o.kind = 'FUNCTION' "
     "THEN pg_catalog.has_function_privilege('public', o.oid, v.privilege) "
     "WHEN g.oid IS NULL THEN pg_catalog.has_table_privilege('public', o.oid, v.privilege) "
     "WHEN o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege(g.oid, o.oid, v.privilege) "
     "ELSE pg_catalog.has_table_privilege(g.oid, o.oid, v.privilege) END "
-    "GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4"
+    "AND NOT (o.kind = 'TABLE' AND v.privilege = 'SELECT' AND g.reads_all) "
+    "AND NOT (o.kind = 'TABLE' AND v.privilege IN ('INSERT', 'UPDATE', 'DELETE') AND g.writes_all)) "
+    "SELECT h.name, h.kind, h.object, h.privilege, h.grantable, "
+    "pg_catalog.array_agg(w.tier) FILTER (WHERE w.tier IS NOT NULL), h.allowed "
+    "FROM held h LEFT JOIN wanted w ON w.oid = h.oid AND w.privilege = h.privilege "
+    "GROUP BY 1, 2, 3, 4, 5, 7 ORDER BY 1, 2, 3, 4"
 )
 
 
@@ -130,24 +177,201 @@ def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     """Privileges on the package's functions and tables that the declaration does not give.
 
     Every role is looked at (through its memberships too), and PUBLIC, except superusers, the
-    owner of the lease table and its members, and PostgreSQL's predefined ``pg_*`` roles: any
-    privilege beyond what ``pg_lease_privileges()`` lists for PUBLIC and for the role's declared
-    kind (an operator's function held by a worker, a table granted by ``GRANT ... ON ALL TABLES``,
-    a role granted an operator's membership) is reported. One round trip.
+    owner of the lease table and its members, and PostgreSQL's predefined ``pg_*`` roles. A
+    privilege counts as declared when ``pg_lease_privileges()`` gives it to PUBLIC or to a kind of
+    declared role the role is (or is a member of: a login role in a declared group role holds the
+    group's grants). Anything else is reported (an operator's function held by a worker, a table
+    granted by ``GRANT ... ON ALL TABLES``), and so is every privilege held WITH GRANT OPTION (a
+    role that can pass it on), as ``grantable``. One round trip.
     """
     roles = declared()
-    # An operator may also have been granted the runbook's functions by hand (docs/security.md).
-    allowed = {"worker": {"public", "worker"}, "operator": {"public", "worker", "operator", "runbook"}}
     connection = connections[using]
     with connection.cursor() as cursor:
-        cursor.execute(sql.render(connection, _HELD))
+        cursor.execute(
+            sql.render(connection, _HELD),
+            [list(roles), [",".join(_tiers(kinds, allowed=True)) for kinds in roles.values()]],
+        )
         rows = cursor.fetchall()
-    through_public = {(kind, obj, privilege) for name, kind, obj, privilege, _ in rows if name == "PUBLIC"}
+    through_public = {(kind, obj, privilege) for name, kind, obj, privilege, *_ in rows if name == "PUBLIC"}
+    extra = []
+    for name, kind, obj, privilege, grantable, tiers, allowed in rows:
+        if name != "PUBLIC" and (kind, obj, privilege) in through_public:
+            continue  # reported once, as PUBLIC's
+        if not set(tiers or ()) & ({"public"} | set(allowed or ())):
+            extra.append(Grant(name, kind, obj, privilege))
+        elif grantable:
+            extra.append(Grant(name, kind, obj, privilege, grantable=True))
+    return extra
+
+
+@dataclass(frozen=True)
+class Bypass:
+    """A way around the lease rules that PostgreSQL's own privilege model gives a role.
+
+    Attributes:
+        role: the role that holds it.
+        what: what it lets the role do, in a sentence.
+        remedy: the statement (or step) that takes it away.
+        error: True when it crosses a key scope or opens the fence now (check E006 or W008 says so).
+    """
+
+    role: str
+    what: str
+    remedy: str
+    error: bool = False
+
+
+# Roles PostgreSQL lets around the lease rules, beside table and function grants: SET or ALTER
+# SYSTEM on session_replication_role (PostgreSQL 15+: replica mode turns off every trigger that is
+# not ENABLE ALWAYS, such as fence triggers older than 0007's, W006), membership of
+# pg_read_all_data (every lease, history and scope row; the secret too, with BYPASSRLS),
+# pg_write_all_data (the lease, floor, waiter and history tables) and pg_maintain (PostgreSQL 17+:
+# LOCK TABLE, VACUUM FULL and CLUSTER of the lease table stall every lease call), and BYPASSRLS
+# with a way to read the secret. Each is reported where it was granted (the role named in the
+# grant, not every member that inherits it: revoking it there removes it from them all).
+# Superusers and the owner's members are trusted and left out.
+_BYPASSES = (
+    "WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c "
+    "WHERE c.oid = '{schema}.\"pg_lease_django_lease\"'::pg_catalog.regclass), "
+    "roles AS (SELECT r.rolname::text AS name, r.oid, r.rolbypassrls FROM pg_catalog.pg_roles r, owner "
+    "WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE')), "
+    "member_of AS (SELECT m.member, m.roleid::pg_catalog.regrole::text AS predefined FROM pg_catalog.pg_auth_members m "
+    "WHERE m.roleid::pg_catalog.regrole::text IN ('pg_read_all_data', 'pg_write_all_data', 'pg_maintain')) "
+    "SELECT r.name, {replica}, "
+    "EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_read_all_data'), "
+    "EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_write_all_data'), "
+    "EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_maintain'), "
+    "r.rolbypassrls AND (pg_catalog.pg_has_role(r.oid, 'pg_read_all_data', 'USAGE') OR "
+    "pg_catalog.has_table_privilege(r.oid, '{schema}.\"pg_lease_django_secret\"', 'SELECT')) "
+    "FROM roles r ORDER BY r.name"
+)
+
+# Granted SET or ALTER SYSTEM on session_replication_role by name (pg_parameter_acl, PostgreSQL 15+).
+_REPLICA = (
+    "EXISTS (SELECT FROM pg_catalog.pg_parameter_acl p, pg_catalog.aclexplode(p.paracl) a "
+    "WHERE p.parname = 'session_replication_role' AND a.grantee = r.oid)"
+)
+
+# Roles that may call a lease function taking a key while key scopes are configured, and that no
+# scope applies to (their own, or a group's they are a member of). Reads the scope table.
+_UNSCOPED = (
+    "WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c "
+    "WHERE c.oid = '{schema}.\"pg_lease_django_lease\"'::pg_catalog.regclass) "
+    "SELECT r.rolname::text FROM pg_catalog.pg_roles r, owner "
+    "WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE') "
+    'AND EXISTS (SELECT FROM {schema}."pg_lease_django_key_scope") AND NOT EXISTS ('
+    'SELECT FROM {schema}."pg_lease_django_key_scope" s '
+    "WHERE pg_catalog.pg_has_role(r.oid, pg_catalog.to_regrole(pg_catalog.quote_ident(s.role)), 'MEMBER')) "
+    "AND EXISTS (SELECT FROM pg_catalog.unnest(%s::text[]) f "
+    "WHERE pg_catalog.has_function_privilege(r.oid, f::pg_catalog.regprocedure, 'EXECUTE')) "
+    "ORDER BY 1"
+)
+
+#: The lease functions that take a key, so apply the key scope: a role reaching one needs a scope.
+SCOPED_FUNCTIONS = (
+    "pg_lease_acquire(text, text, interval)",
+    "pg_lease_acquire(text, text, interval, interval)",
+    "pg_lease_acquire_or_register(text, text, interval, interval)",
+    "pg_lease_heartbeat(text, text, bigint, interval)",
+    "pg_lease_renew(text, text, bigint, interval)",
+    "pg_lease_release(text, text, bigint)",
+    "pg_lease_inspect(text)",
+    "pg_lease_request_handoff(text, bigint)",
+    "pg_lease_force_release(text, bigint)",
+    "pg_lease_force_release(text, bigint, text)",
+    "pg_lease_fence(text, text, bigint)",
+    "pg_lease_fence_outcome(text, text, bigint)",
+    "pg_lease_check_fence(text, text, bigint)",
+    "pg_lease_guard_key(text, jsonb, text)",
+)
+
+
+def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
+    """What PostgreSQL's privilege model lets roles do around the lease rules, with the remedy for each.
+
+    One round trip on the catalog (any role may run it).
+    """
+    connection = connections[using]
+    # Parameter privileges exist from PostgreSQL 15 on (has_parameter_privilege is unknown before).
+    replica = _REPLICA if connection.pg_version >= 150000 else "false"  # type: ignore[attr-defined]
+    with connection.cursor() as cursor:
+        cursor.execute(sql.render(connection, _BYPASSES.replace("{replica}", replica)))
+        rows = cursor.fetchall()
+    found: list[Bypass] = []
+    for name, replica_mode, reads_all, writes_all, maintains, reads_secret in rows:
+        if replica_mode:
+            found.append(
+                Bypass(
+                    name,
+                    "may SET session_replication_role: replica mode turns off every trigger not fired ALWAYS "
+                    "(the lease triggers are; fence triggers older than this version, check W006, and your "
+                    "own are not)",
+                    f"REVOKE SET, ALTER SYSTEM ON PARAMETER session_replication_role FROM {name}",
+                )
+            )
+        if reads_secret:
+            found.append(
+                Bypass(
+                    name,
+                    "bypasses row-level security and may read pg_lease_django_secret: it can mint any role's "
+                    "opt-out of fencing",
+                    f"ALTER ROLE {name} NOBYPASSRLS (and REVOKE pg_read_all_data FROM {name})",
+                    error=True,
+                )
+            )
+        elif reads_all:
+            found.append(
+                Bypass(
+                    name,
+                    "is a member of pg_read_all_data: it reads every tenant's lease, history and key scope "
+                    "rows (keys, owners, epochs; never the opt-out's secret, which row-level security keeps)",
+                    f"REVOKE pg_read_all_data FROM {name}",
+                )
+            )
+        if writes_all:
+            found.append(
+                Bypass(
+                    name,
+                    "is a member of pg_write_all_data: it may write the lease, epoch floor, waiter and history "
+                    "tables as a grant of INSERT, UPDATE and DELETE on them would (extend or end any lease; "
+                    "row-level security keeps the key scopes, limits and secret)",
+                    f"REVOKE pg_write_all_data FROM {name}",
+                )
+            )
+        if maintains:
+            found.append(
+                Bypass(
+                    name,
+                    "is a member of pg_maintain: it may LOCK, VACUUM FULL or CLUSTER the lease table, "
+                    "stalling every lease call of every tenant",
+                    f"REVOKE pg_maintain FROM {name}",
+                )
+            )
+    return found
+
+
+def unscoped(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
+    """Roles that may call a lease function taking a key, while key scopes are configured, with no scope.
+
+    Every call such a role makes is refused (the check fails closed); it is an error of the
+    declaration: give it a scope, make it a member of a scoped group role, or declare it ``"*"``
+    (every key). One round trip; needs SELECT on the key scope table (the owner, operators).
+    """
+    connection = connections[using]
+    schema = sql.schema(connection)
+    with connection.cursor() as cursor:
+        cursor.execute(sql.render(connection, _UNSCOPED), [[f"{schema}.{function}" for function in SCOPED_FUNCTIONS]])
+        names = [row[0] for row in cursor.fetchall()]
     return [
-        Grant(name, kind, obj, privilege)
-        for name, kind, obj, privilege, tiers in rows
-        if not set(tiers or ()) & allowed.get(roles.get(name, ""), {"public"})
-        and (name == "PUBLIC" or (kind, obj, privilege) not in through_public)  # reported once, as PUBLIC's
+        Bypass(
+            name,
+            "may call the lease functions, but no key scope applies to it (neither its own nor a group role's): "
+            "every call it makes is refused",
+            f'PG_LEASE_KEY_SCOPES["{name}"] = [its prefixes] (or "*" for every key), or GRANT a scoped group '
+            "role TO it; then manage.py leases grant",
+            error=True,
+        )
+        for name in names
     ]
 
 
@@ -162,10 +386,12 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     """
     absent, lacking = missing(using)
     sync_key_scopes(using)
+    sync_role_limits(using)
     if absent:
         raise ImproperlyConfigured(
             f"declared lease roles {', '.join(absent)} do not exist in database {using!r}'s cluster: "
-            "CREATE ROLE them (docs/security.md), or remove them from PG_LEASE_WORKER_ROLES / PG_LEASE_OPERATOR_ROLES"
+            "CREATE ROLE them (docs/security.md), or remove them from PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES "
+            "or PG_LEASE_MONITOR_ROLES"
         )
     connection = connections[using]
     with transaction.atomic(using=using), connection.cursor() as cursor:
@@ -228,6 +454,58 @@ def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
                     "SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::text[]))",
                 ),
                 [[r for r, _ in pairs], [p for _, p in pairs]],
+            )
+    return True
+
+
+LIMIT_TABLE = "pg_lease_django_role_limit"
+
+
+def stored_role_limits(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[int | None, int | None]] | None:
+    """The per-role limits database ``using`` enforces, as `conf.role_limits` returns them; None before 0007."""
+    connection = connections[using]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_catalog.to_regclass(%s) IS NOT NULL", [f"{sql.schema(connection)}.{LIMIT_TABLE}"])
+        row = cursor.fetchone()
+        if not (row and row[0]):
+            return None
+        cursor.execute(
+            sql.render(
+                connection, f"SELECT role, max_leases, max_tenures_per_key FROM {{schema}}.{LIMIT_TABLE} ORDER BY role"
+            )
+        )
+        return {role: (leases, tenures) for role, leases, tenures in cursor.fetchall()}
+
+
+def sync_role_limits(using: str = DEFAULT_DB_ALIAS) -> bool:
+    """Make database ``using`` enforce ``PG_LEASE_ROLE_LIMITS``; return whether anything changed.
+
+    Nothing to do before migration 0007 when the setting is empty; with a non-empty one there,
+    ImproperlyConfigured (the database could not enforce it).
+    """
+    wanted = conf.role_limits()
+    stored = stored_role_limits(using)
+    if stored is None:
+        if wanted:
+            raise ImproperlyConfigured(
+                f"database {using!r} cannot enforce PG_LEASE_ROLE_LIMITS: run `manage.py migrate pg_lease_django "
+                f"--database {using}`"
+            )
+        return False
+    if stored == wanted:
+        return False
+    connection = connections[using]
+    with transaction.atomic(using=using), connection.cursor() as cursor:
+        cursor.execute(sql.render(connection, f"DELETE FROM {{schema}}.{LIMIT_TABLE}"))
+        if wanted:
+            cursor.execute(
+                sql.render(
+                    connection,
+                    f"INSERT INTO {{schema}}.{LIMIT_TABLE} (role, max_leases, max_tenures_per_key) "
+                    "SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::int[]), "
+                    "pg_catalog.unnest(%s::int[]))",
+                ),
+                [list(wanted), [leases for leases, _ in wanted.values()], [kept for _, kept in wanted.values()]],
             )
     return True
 

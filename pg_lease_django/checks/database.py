@@ -148,20 +148,22 @@ def check_fence_triggers_are_current(
     and until it is applied the table keeps the old triggers. A table not created yet is Django's
     own unapplied-migrations notice.
     """
-    from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION, TRIGGER_NAMES, VERSION_COMMENT, FenceTrigger
+    from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION, VERSION_COMMENT, FenceTrigger
 
     warnings: list[checks.CheckMessage] = []
     fenced = [
-        model
+        (model, trigger)
         for model in apps.get_models()
-        if any(isinstance(constraint, FenceTrigger) for constraint in model._meta.constraints)
+        for trigger in model._meta.constraints
+        if isinstance(trigger, FenceTrigger)
     ]
     expected = VERSION_COMMENT.format(version=FENCE_TRIGGER_VERSION)
     for alias in databases or ():
         connection = connections[alias]
         if connection.vendor != "postgresql":
             continue
-        for model in fenced:
+        for model, trigger in fenced:
+            wanted = trigger.trigger_names()
             if not router.allow_migrate_model(alias, model):
                 continue
             with connection.cursor() as cursor:
@@ -172,13 +174,13 @@ def check_fence_triggers_are_current(
                     "'pg_trigger'), '')) FILTER (WHERE t.oid IS NOT NULL) FROM (SELECT 1) one "
                     "LEFT JOIN pg_catalog.pg_trigger t "
                     "ON t.tgrelid = pg_catalog.to_regclass(%s) AND t.tgname = ANY (%s)",
-                    [connection.ops.quote_name(model._meta.db_table)] * 2 + [list(TRIGGER_NAMES)],
+                    [connection.ops.quote_name(model._meta.db_table)] * 2 + [list(wanted)],
                 )
                 table_exists, names, comments = cursor.fetchone()
             installed = dict(zip(names or [], comments or [], strict=True))
             if not table_exists:
                 continue
-            stale = [name for name in TRIGGER_NAMES if installed.get(name) != expected]
+            stale = [name for name in wanted if installed.get(name) != expected]
             if stale:
                 found = sorted({installed[name] or "no version" for name in stale if name in installed})
                 missing = [name for name in stale if name not in installed]
@@ -270,18 +272,21 @@ def check_declared_roles_are_granted(
         except DatabaseError as exc:
             extra = []
             warnings.append(unread(alias, "which roles hold lease privileges", exc))
+        quote = connections[alias].ops.quote_name
         for role in sorted({g.role for g in extra}):
-            objects = [f"{g.privilege} on {g.object}" for g in extra if g.role == role]
+            held = [g for g in extra if g.role == role]
+            objects = [f"{g.privilege} on {g.object}{' WITH GRANT OPTION' if g.grantable else ''}" for g in held]
             warnings.append(
                 checks.Warning(
-                    f"role {role!r} holds lease privileges in database {alias!r} that PG_LEASE_WORKER_ROLES / "
-                    f"PG_LEASE_OPERATOR_ROLES do not give it: {', '.join(objects[:3])}"
-                    f"{', ...' if len(objects) > 3 else ''}.",
-                    hint="Declare the role (as a worker or an operator), or revoke them: "
-                    f"REVOKE EXECUTE ON FUNCTION ... FROM {role} (manage.py leases grant --check lists them).",
+                    f"role {role!r} holds lease privileges in database {alias!r} that PG_LEASE_WORKER_ROLES, "
+                    f"PG_LEASE_OPERATOR_ROLES and PG_LEASE_MONITOR_ROLES do not give it (or may pass them on): "
+                    f"{', '.join(objects[:3])}{', ...' if len(objects) > 3 else ''}.",
+                    hint="Declare the role (or make it a member of a declared role) if it should hold them; else "
+                    f"revoke them: {held[0].revoke(quote)}; ... (manage.py leases grant --check lists them all).",
                     id="pg_lease_django.W008",
                 )
             )
+        warnings += around_the_rules(alias)
         for role in absent:
             warnings.append(
                 checks.Warning(
@@ -301,6 +306,37 @@ def check_declared_roles_are_granted(
                 )
             )
     return warnings
+
+
+def around_the_rules(alias: str) -> list[checks.CheckMessage]:
+    """W008 / E006: what PostgreSQL's privilege model lets a role do around the lease rules.
+
+    Parameter grants on ``session_replication_role``, memberships of ``pg_read_all_data``,
+    ``pg_write_all_data`` and ``pg_maintain``, BYPASSRLS with a way to the secret (E006), and roles
+    that may call the lease functions with no key scope while scopes are configured (E006: every
+    call of theirs is refused). Each with the remedy that removes it.
+    """
+    from pg_lease_django import privileges
+
+    found: list[privileges.Bypass] = []
+    try:
+        with transaction.atomic(using=alias):
+            found += privileges.bypasses(alias)
+    except DatabaseError as exc:
+        return [unread(alias, "which roles may get around the lease rules", exc)]
+    try:
+        with transaction.atomic(using=alias):
+            found += privileges.unscoped(alias)
+    except DatabaseError:
+        pass  # no SELECT on the key scope table: the scope comparison above already says so when scopes are set
+    return [
+        (checks.Error if bypass.error else checks.Warning)(
+            f"database {alias!r}: role {bypass.role!r} {bypass.what}.",
+            hint=bypass.remedy,
+            id="pg_lease_django.E006" if bypass.error else "pg_lease_django.W008",
+        )
+        for bypass in found
+    ]
 
 
 # ---- plain `check`: the lease database's checks, when that database answers at once ------------

@@ -87,13 +87,15 @@ def check_fenced_models_have_fenced_parents(app_configs: Any = None, **kwargs: A
 
 
 def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """pg_lease_django.W009 / E004: a per-row lease key whose fields are not declared, or not fields.
+    """pg_lease_django.W009 / E004: a per-row lease key the database cannot derive, or a bad declaration.
 
-    ``Model.objects.fenced(g).update(tenant=...)`` cannot recompute the stored lease key; the
-    queryset refuses it only for fields named in ``lease_key_fields``. Without them, such an
-    update moves rows under another lease with one fence (the database checks the stored key).
+    A model that declares its key (``lease_key_expression``, or a class-level ``lease_key``) has
+    it derived by the database for every row, whoever writes it: no writer can store a row whose
+    fields say one lease and whose key says another. One that only overrides ``get_lease_key()``
+    stores the key each writer computes, which the database checks but cannot derive (W009).
     """
     from pg_lease_django.fencing import FencedModel
+    from pg_lease_django.fencing.model import key_fields
 
     configs = apps.get_app_configs() if app_configs is None else app_configs
     found: list[checks.CheckMessage] = []
@@ -102,23 +104,32 @@ def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwar
             if not issubclass(model, FencedModel) or model._meta.proxy:
                 continue
             fenced = cast("type[FencedModel]", model)
-            names = {f.name for f in fenced._meta.get_fields()}
-            unknown = [name for name in fenced.lease_key_fields if name not in names]
-            if unknown:
+            names = {f.name for f in fenced._meta.get_fields()} | {f.attname for f in fenced._meta.concrete_fields}
+            unknown = sorted(name for name in key_fields(fenced) if name not in names)
+            if unknown or (fenced.lease_key_expression is not None and fenced.lease_key is not None):
+                what = (
+                    f"names {', '.join(unknown)}, not fields of the model"
+                    if unknown
+                    else "is declared beside a class-level lease_key"
+                )
                 found.append(
                     checks.Error(
-                        f"{model._meta.label}.lease_key_fields names {', '.join(unknown)}, not fields of the model.",
-                        hint="Name the fields get_lease_key() reads.",
+                        f"{model._meta.label}'s lease key declaration {what}.",
+                        hint='Declare one key: lease_key = "..." for the whole table, or lease_key_expression = '
+                        'F("field") (or a Concat of fields and values) for a key per row.',
                         obj=model,
                         id="pg_lease_django.E004",
                     )
                 )
-            elif fenced.get_lease_key is not FencedModel.get_lease_key and not fenced.lease_key_fields:
+            elif fenced.lease_key_expression is None and fenced.lease_key is None:
                 found.append(
                     checks.Warning(
-                        f"{model._meta.label} overrides get_lease_key() but declares no lease_key_fields: "
-                        "a fenced update() of the fields it reads would move rows under another lease.",
-                        hint="Set lease_key_fields = (...) to the fields get_lease_key() reads (docs/fencing.md).",
+                        f"{model._meta.label} computes its lease key in Python (get_lease_key()) without declaring "
+                        "it: the database checks the key each writer stores but cannot derive it, so a writer "
+                        "with a fence of its own can store rows whose fields name another lease.",
+                        hint='Declare lease_key_expression = F("account") (or a Concat of fields and values) to '
+                        "what get_lease_key() returns, then run makemigrations and migrate: the database derives "
+                        "every row's key from then on (docs/fencing.md).",
                         obj=model,
                         id="pg_lease_django.W009",
                     )

@@ -22,7 +22,15 @@ from pg_lease_django.exceptions import InvalidInputError, NotAcquirableError
 from pg_lease_django.operations import Grant
 from pg_lease_django.owners import default_owner
 from pg_lease_django.signals import lease_acquired, lease_released
-from pg_lease_django.validation import MAX_TTL, MIN_TTL, Seconds, check_name, check_ttl, check_wait, to_timedelta
+from pg_lease_django.validation import (
+    MAX_TTL,
+    MIN_TTL,
+    Seconds,
+    check_new_name,
+    check_ttl,
+    check_wait,
+    to_timedelta,
+)
 
 from .context import current_lease
 from .heartbeat import Heartbeat
@@ -63,7 +71,7 @@ class HoldOptions:
     ) -> HoldOptions:
         ttl_delta = check_ttl(ttl)
         if owner is not None:
-            check_name("owner", owner)
+            check_new_name("owner", owner)
         wait = check_wait(blocking, timeout)
         every = None
         if renew_every is not None:
@@ -84,7 +92,7 @@ class HoldSession:
 
     def __init__(self, options: HoldOptions, key: str, acquiring: InFlight | None = None) -> None:
         self.options = options
-        self.key = check_name("key", key)
+        self.key = check_new_name("key", key)
         self.lease: HeldLease | None = None
         self.heartbeat: Heartbeat | None = None
         #: The acquire, which another thread may interrupt (a cancelled task, ``Election.stop``).
@@ -108,7 +116,7 @@ class HoldSession:
                 owner=owner,
             )
         if options.owner is None:
-            check_name("owner", owner)  # the generated identity (a given one was checked with the options)
+            check_new_name("owner", owner)  # the generated identity (a given one was checked with the options)
         enclosing = current_lease(self.key)
         if enclosing is not None and enclosing.using == alias and not enclosing.lost:
             # Not reentrant: the acquire would be refused by our own hold (or wait on it, blocking).
