@@ -44,6 +44,13 @@ logger = logging.getLogger(__name__)
 REJOIN_WITHIN = 60.0
 #: Pauses before the successive reconnection attempts of a waiter: the first at once, then backing off.
 REJOIN_PAUSES = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0)
+#: A waiter woken early by a notification attempts at once, WAKE_BURST times in a row at most, and
+#: WAKE_RATE times a second beyond that; past it, it sleeps through notifications until its budget
+#: allows the next attempt (or its pause ends). Any role that can connect may NOTIFY the channel, so a
+#: flood of forged notifications costs a waiter at most WAKE_BURST + WAKE_RATE attempts a second
+#: beyond its polls (each refused with one unlocked look), and a release at most 1 / WAKE_RATE s of latency.
+WAKE_BURST = 4
+WAKE_RATE = 10.0
 
 Clock = Callable[[], float]
 
@@ -63,9 +70,11 @@ class ReadEpoch:
 
 @dataclass(frozen=True)
 class PauseFor:
-    """Wait ``seconds`` for a release (a notification when LISTENing) or the time; answer: None."""
+    """Wait ``seconds`` for a release (a notification when LISTENing, unless not ``wakeable``) or the
+    time; answer: None."""
 
     seconds: float
+    wakeable: bool = True
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,7 @@ def wait_plan(
     """
     deadline = None if wait is None else clock() + wait.total_seconds()
     rejoining = _Rejoin(key, deadline, clock) if rejoin else None
+    wakes = _WakeBudget(clock())
     refused: Attempt | None = None  # the last refused attempt
     unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
     while True:
@@ -128,9 +138,19 @@ def wait_plan(
         if grant is not None:
             return grant
         refused = tried
-        answer = yield PauseFor(pause_after_refusal(key, owner, refused, wait, deadline, clock))
+        pause = pause_after_refusal(key, owner, refused, wait, deadline, clock)
+        paused_at = clock()
+        answer = yield PauseFor(pause)
         if isinstance(answer, Lost):
             yield Reconnect(_rejoin_after(rejoining, answer.error))
+            continue
+        woken_at = clock()
+        if woken_at - paused_at < pause:  # woken by a notification: a release, or a forged one
+            rest = min(wakes.spend(woken_at), paused_at + pause - woken_at)
+            if rest > 0:
+                answer = yield PauseFor(rest, wakeable=False)
+                if isinstance(answer, Lost):
+                    yield Reconnect(_rejoin_after(rejoining, answer.error))
 
 
 def advance(plan: Generator[Step, Any, Grant], answer: Any) -> Step | Granted:
@@ -183,6 +203,21 @@ def retry_within(deadline: float | None, clock: Clock = time.monotonic) -> timed
     if deadline is not None:
         seconds = min(seconds, deadline - clock())
     return min(timedelta(seconds=max(seconds, 0.0)), MAX_WAIT)
+
+
+class _WakeBudget:
+    """A token bucket of early wake-ups (`WAKE_BURST`, refilled at `WAKE_RATE` a second)."""
+
+    def __init__(self, now: float) -> None:
+        self.tokens = float(WAKE_BURST)
+        self.at = now
+
+    def spend(self, now: float) -> float:
+        """Take one wake-up: 0 when there was one, else the seconds until there is one (taken then)."""
+        self.tokens = min(float(WAKE_BURST), self.tokens + (now - self.at) * WAKE_RATE)
+        self.at = now
+        self.tokens -= 1
+        return 0.0 if self.tokens >= 0 else -self.tokens / WAKE_RATE
 
 
 class _Rejoin:

@@ -145,7 +145,7 @@ class _Waiter:
             self.sent = True
             return operations.inspect(self.connection, self.key).epoch
         assert isinstance(step, PauseFor)
-        if self.listen:
+        if self.listen and step.wakeable:
             _wait_for_release(self.connection, self.key, step.seconds)
         else:
             time.sleep(step.seconds)
@@ -272,7 +272,8 @@ async def await_and_acquire(
                     if isinstance(step, TryOnce):
                         params: list[Any] = [key, owner, ttl, step.register_for][: 4 if own.listen else 3]
                         attempting = True
-                        row = await (await conn.execute(own.statement, params)).fetchone()
+                        with operations.quota_refusals(key):
+                            row = await (await conn.execute(own.statement, params)).fetchone()
                         attempting = False
                         assert row is not None
                         answer = Attempt(*row)
@@ -281,7 +282,7 @@ async def await_and_acquire(
                         assert seen is not None
                         answer = seen[3]
                     else:
-                        if own.listen:
+                        if own.listen and step.wakeable:
                             await _await_release(conn, key, step.seconds)
                         else:
                             await asyncio.sleep(step.seconds)

@@ -21,6 +21,8 @@ from pg_lease_django.operations import Attempt, Grant
 from pg_lease_django.wait_plan import (
     REJOIN_PAUSES,
     REJOIN_WITHIN,
+    WAKE_BURST,
+    WAKE_RATE,
     Granted,
     Lost,
     PauseFor,
@@ -249,3 +251,46 @@ def test_an_attempt_lost_before_it_was_sent_needs_no_check() -> None:
     advance(plan, None)
     advance(plan, Lost(OperationalError("lost while connecting"), sent=False))
     assert isinstance(advance(plan, None), TryOnce)
+
+
+def test_forged_notifications_cost_a_bounded_number_of_attempts_a_second() -> None:
+    """Issue 42 finding 5: any role may NOTIFY the channel, and 5,000 notifications made a waiter try
+    1,238 extra acquires. Woken early, a waiter attempts at once WAKE_BURST times in a row, then at
+    WAKE_RATE a second: past its budget it sleeps through notifications (a pause that is not wakeable)."""
+    clock = FakeClock()
+    plan, first = start(clock, wait=60.0)
+    step: Step | Granted = first
+    attempts = 0
+    woken_at = clock.now
+    while clock.now < woken_at + 10.0:
+        assert isinstance(step, TryOnce)
+        attempts += 1
+        step = advance(plan, refused(expires_in=30.0))
+        assert isinstance(step, PauseFor) and step.wakeable
+        clock.now += 0.001  # a notification arrives at once, every time
+        step = advance(plan, None)
+        if isinstance(step, PauseFor):  # over budget: a pause no notification ends
+            assert not step.wakeable and 0 < step.seconds <= 1 / WAKE_RATE + 1e-9
+            clock.now += step.seconds
+            step = advance(plan, None)
+    # 10 s of a flood: the first attempt, the burst, then WAKE_RATE a second (1 ms per wake-up aside).
+    assert attempts <= 1 + WAKE_BURST + 10.0 * WAKE_RATE + 1
+    assert attempts >= 10.0 * WAKE_RATE  # and no fewer: a real release still wakes the waiter promptly
+
+
+def test_a_wake_after_a_quiet_pause_is_never_delayed() -> None:
+    """A waiter whose pauses end by their time (no notification) keeps its whole burst for a release."""
+    clock = FakeClock()
+    plan, first = start(clock, wait=60.0)
+    step: Step | Granted = first
+    for _ in range(20):
+        step = advance(plan, refused(expires_in=30.0))
+        assert isinstance(step, PauseFor)
+        clock.now += step.seconds  # the poll interval passed: not woken
+        step = advance(plan, None)
+        assert isinstance(step, TryOnce)
+    for _ in range(WAKE_BURST):  # then a burst of wake-ups: each attempts at once
+        step = advance(plan, refused(expires_in=30.0))
+        clock.now += 0.001
+        step = advance(plan, None)
+        assert isinstance(step, TryOnce)
