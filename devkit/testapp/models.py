@@ -8,16 +8,13 @@ from pg_lease_django.fencing import FencedModel
 
 
 class Invoice(FencedModel):
-    """Guarded by one lease per account (``get_lease_key``)."""
+    """Guarded by one lease per account, which the database derives (``lease_key_expression``)."""
 
     account = models.CharField(max_length=200)
     status = models.CharField(max_length=20, default="draft")
     amount = models.IntegerField(default=0)
 
-    lease_key_fields = ("account",)
-
-    def get_lease_key(self) -> str:
-        return self.account
+    lease_key_expression = models.F("account")
 
 
 class Report(FencedModel):
@@ -35,10 +32,7 @@ class Entry(FencedModel):
     writer = models.CharField(max_length=20)
     ticket = models.BigIntegerField(null=True)
 
-    lease_key_fields = ("account",)
-
-    def get_lease_key(self) -> str:
-        return self.account
+    lease_key_expression = models.F("account")
 
 
 class CommitTicket(models.Model):

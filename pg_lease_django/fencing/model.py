@@ -43,9 +43,27 @@ _M = TypeVar("_M", bound=models.Model)
 _recomputing_keys: ContextVar[bool] = ContextVar("pg_lease_recomputing_keys", default=False)
 
 
+def key_fields(model: Any) -> set[str]:
+    """The names of the fields ``model``'s lease key is made of: those its ``lease_key_expression``
+    refers to, else its ``lease_key_fields`` (the declaration before the database derived keys)."""
+    expression = getattr(model, "lease_key_expression", None)
+    if expression is None:
+        return set(getattr(model, "lease_key_fields", ()))
+    return _field_names(expression)
+
+
+def _field_names(expression: Any) -> set[str]:
+    if isinstance(expression, models.F):
+        return {expression.name}  # type: ignore[attr-defined]  # F has .name (untyped)
+    names: set[str] = set()
+    for part in getattr(expression, "get_source_expressions", list)():
+        names |= _field_names(part)
+    return names
+
+
 def _key_fields(model: Any, names: Iterable[str]) -> set[str]:
     """Which of ``names`` (field names or attnames) are fields ``model``'s lease key derives from."""
-    declared = set(getattr(model, "lease_key_fields", ()))
+    declared = key_fields(model)
     if not declared:
         return set()
     found = set()
@@ -299,11 +317,17 @@ class FencedModel(models.Model):
     The model must live in the database that holds the leases (check ``pg_lease_django.E002``).
     """
 
-    #: The lease guarding every row of the model; None when `get_lease_key` decides per row.
+    #: The lease guarding every row of the model; None when the key is per row (`lease_key_expression`).
     lease_key: ClassVar[str | None] = None
-    #: The fields `get_lease_key` reads (per-row keys). ``update()`` of one of them is refused
-    #: (it cannot recompute the stored key), ``bulk_update()`` recomputes the key; see
-    #: `FencedQuerySet.update`. Check ``pg_lease_django.W009`` asks for it when `get_lease_key` is overridden.
+    #: A per-row lease key as an expression over the row's own fields, which the database derives
+    #: for every row whoever writes it (a trigger sets ``lease_key``): ``F("account")``,
+    #: ``Concat(Value("invoice:"), "account")``. `get_lease_key` evaluates F, Value and Concat in
+    #: Python; with other functions, override it to return the same key (a write whose fence is for
+    #: another key than the database derives is refused). Check ``pg_lease_django.W009`` asks for it.
+    lease_key_expression: ClassVar[Any] = None
+    #: The fields a per-row key is made of, for a model that does not declare `lease_key_expression`
+    #: (from which they are read otherwise): ``update()`` of one of them is refused (it cannot
+    #: recompute the stored key), ``bulk_update()`` recomputes the key; see `FencedQuerySet.update`.
     lease_key_fields: ClassVar[tuple[str, ...]] = ()
 
     lease = LeaseKeyField(help_text="Key of the lease that guards this row.")
@@ -425,14 +449,44 @@ class FencedModel(models.Model):
     adelete.alters_data = True  # type: ignore[attr-defined]
 
     def get_lease_key(self) -> str:
-        """The lease that guards writes to this row. Defaults to the class attribute ``lease_key``.
+        """The lease that guards writes to this row: ``lease_key_expression`` evaluated over this row
+        (F, Value and Concat), else the class attribute ``lease_key``.
 
         Raises:
-            ImproperlyConfigured: neither ``lease_key`` nor an override is defined.
+            ImproperlyConfigured: neither is declared, or the expression needs an override of this
+                method (it uses other functions than Concat); also when the key it yields is NULL.
         """
+        if self.lease_key_expression is not None:
+            key = _evaluate(self.lease_key_expression, self)
+            if key is None:
+                raise ImproperlyConfigured(f"{type(self).__name__}'s lease_key_expression is NULL for this row")
+            return key
         if self.lease_key is None:
-            raise ImproperlyConfigured(f"{type(self).__name__} must set lease_key or override get_lease_key()")
+            raise ImproperlyConfigured(
+                f"{type(self).__name__} must set lease_key or lease_key_expression, or override get_lease_key()"
+            )
         return self.lease_key
+
+
+def _evaluate(expression: Any, row: models.Model) -> str | None:
+    """``expression`` over ``row`` as the database computes it (F, Value, Concat: NULL parts of a
+    Concat count as ''), or ImproperlyConfigured for anything else."""
+    from django.db.models.functions import Concat
+    from django.db.models.functions.text import ConcatPair
+
+    if isinstance(expression, models.F):
+        field = row._meta.get_field(expression.name)  # type: ignore[attr-defined]  # F has .name (untyped)
+        value = getattr(row, getattr(field, "attname", expression.name))  # type: ignore[attr-defined]
+        return None if value is None else str(value)
+    if isinstance(expression, models.Value):
+        return None if expression.value is None else str(expression.value)
+    if isinstance(expression, Concat | ConcatPair):
+        parts = [_evaluate(part, row) for part in expression.get_source_expressions()]
+        return "".join(part or "" for part in parts)
+    raise ImproperlyConfigured(
+        f"{type(row).__name__}.lease_key_expression uses {type(expression).__name__}, which get_lease_key() does "
+        "not evaluate: override get_lease_key() to return the key the database derives"
+    )
 
 
 # ---- every fenced table gets its triggers ---------------------------------------------------

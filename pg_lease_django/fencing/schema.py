@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import models
 from django.db.models.constraints import BaseConstraint
+from django.db.models.sql import Query
 
 from pg_lease_django import sql
 
@@ -71,8 +72,10 @@ def fenced_root(model: type[models.Model]) -> type[models.Model]:
 
 #: The triggers of a fenced table, as FenceTrigger installs them. ``{table}`` is the quoted table,
 #: ``{schema}`` the quoted schema of the lease functions, ``{guard}`` the guard function and its
-#: arguments, ``{version}`` FENCE_TRIGGER_VERSION. Changing this text changes the version, so
-#: ``makemigrations`` writes a migration in every app with a fenced model (see FenceTrigger).
+#: arguments, ``{version}`` FENCE_TRIGGER_VERSION. They fire ALWAYS: ``session_replication_role =
+#: replica`` (which PostgreSQL 15+ lets any role be granted) does not turn them off; the guard lets a
+#: trusted replication apply through (``pg_lease_replication_apply``). Changing this text changes
+#: the version, so ``makemigrations`` writes a migration in every app with a fenced model.
 TRIGGERS_SQL = """\
 CREATE TRIGGER pg_lease_fence_insert AFTER INSERT ON {table}
   REFERENCING NEW TABLE AS pg_lease_new FOR EACH STATEMENT EXECUTE FUNCTION {guard};
@@ -82,16 +85,38 @@ CREATE TRIGGER pg_lease_fence_delete AFTER DELETE ON {table}
   REFERENCING OLD TABLE AS pg_lease_old FOR EACH STATEMENT EXECUTE FUNCTION {guard};
 CREATE TRIGGER pg_lease_fence_truncate BEFORE TRUNCATE ON {table}
   FOR EACH STATEMENT EXECUTE FUNCTION {schema}.pg_lease_guard_truncate();
+ALTER TABLE {table} ENABLE ALWAYS TRIGGER pg_lease_fence_insert, ENABLE ALWAYS TRIGGER pg_lease_fence_update,
+  ENABLE ALWAYS TRIGGER pg_lease_fence_delete, ENABLE ALWAYS TRIGGER pg_lease_fence_truncate;
 COMMENT ON TRIGGER pg_lease_fence_insert ON {table} IS 'pg_lease_django fence trigger {version}';
 COMMENT ON TRIGGER pg_lease_fence_update ON {table} IS 'pg_lease_django fence trigger {version}';
 COMMENT ON TRIGGER pg_lease_fence_delete ON {table} IS 'pg_lease_django fence trigger {version}';
 COMMENT ON TRIGGER pg_lease_fence_truncate ON {table} IS 'pg_lease_django fence trigger {version}'"""
 
+#: The lease key derived by the database, for a fenced table whose model declares its key
+#: (``lease_key_expression``, or a class-level ``lease_key``): before each row is inserted, and
+#: updated in a column the key is made of (or the key itself), ``lease_key`` is set to
+#: ``{expression}`` (the declaration compiled over the row, NEW), whatever the writer sent, ORM or raw
+#: SQL; rows already stored get their derived key first (``{stored}``: the same over the table),
+#: before the fence triggers exist. ``{function}`` is the table's own trigger function, which pins its
+#: search_path so that no writer's schema can answer for an operator or function of the expression.
+DERIVE_SQL = """\
+CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $pg_lease$BEGIN NEW.lease_key := {expression}; RETURN NEW; END$pg_lease$;
+CREATE TRIGGER pg_lease_derive_key BEFORE INSERT OR UPDATE OF {columns} ON {table}
+  FOR EACH ROW EXECUTE FUNCTION {function}();
+ALTER TABLE {table} ENABLE ALWAYS TRIGGER pg_lease_derive_key;
+COMMENT ON TRIGGER pg_lease_derive_key ON {table} IS 'pg_lease_django fence trigger {version}';
+UPDATE {table} SET lease_key = lease_key WHERE lease_key IS DISTINCT FROM ({stored});
+"""
+
 #: The names of the triggers above, each commented with the version that installed it.
 TRIGGER_NAMES = ("pg_lease_fence_insert", "pg_lease_fence_update", "pg_lease_fence_delete", "pg_lease_fence_truncate")
+#: The trigger that derives the stored key (a table whose model declares its key has it too).
+DERIVE_TRIGGER = "pg_lease_derive_key"
 
-#: What users' migrations record of TRIGGERS_SQL, and the installed triggers' comments carry.
-FENCE_TRIGGER_VERSION = hashlib.sha256(TRIGGERS_SQL.encode()).hexdigest()[:12]
+#: What users' migrations record of TRIGGERS_SQL and DERIVE_SQL, and the installed triggers' comments carry.
+FENCE_TRIGGER_VERSION = hashlib.sha256((TRIGGERS_SQL + DERIVE_SQL).encode()).hexdigest()[:12]
 
 #: How an installed trigger's comment names its version (the comment is exactly this).
 VERSION_COMMENT = "pg_lease_django fence trigger {version}"
@@ -113,9 +138,16 @@ class FenceTrigger(BaseConstraint):
     the package running the migration, commented with its version.
     """
 
-    def __init__(self, *, name: str, version: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, name: str, version: str | None = None, key: Any = None, **kwargs: Any) -> None:
         super().__init__(name=name, **kwargs)
         self.version = version
+        #: The lease key the database derives for each row (a Django expression over the row's
+        #: fields), or None: the key each writer stores is checked, not derived (see `DERIVE_SQL`).
+        self.key = key
+
+    def trigger_names(self) -> tuple[str, ...]:
+        """The triggers it installs, each commented with its version."""
+        return (*TRIGGER_NAMES, DERIVE_TRIGGER) if self.key is not None else TRIGGER_NAMES
 
     def constraint_sql(  # type: ignore[override]
         self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None
@@ -136,14 +168,42 @@ class FenceTrigger(BaseConstraint):
             ancestor = f"{schema}.{quote(root._meta.db_table)}"
             args = ", ".join(f"'{value}'" for value in (ancestor, root._meta.pk.column, model._meta.pk.column))
             guard = f"{schema}.pg_lease_guard_inherited_rows({args})"
-        return TRIGGERS_SQL.format(
-            table=quote(model._meta.db_table), schema=schema, guard=guard, version=FENCE_TRIGGER_VERSION
+        table = quote(model._meta.db_table)
+        triggers = TRIGGERS_SQL.format(table=table, schema=schema, guard=guard, version=FENCE_TRIGGER_VERSION)
+        if self.key is None:
+            return triggers
+        return self._derive_sql(model, schema_editor) + triggers
+
+    def _derive_sql(self, model: type[models.Model], schema_editor: BaseDatabaseSchemaEditor) -> str:
+        connection = schema_editor.connection
+        quote = schema_editor.quote_name
+
+        def compiled(query: Query, resolved: Any) -> str:
+            text, params = connection.ops.compiler("SQLCompiler")(query, connection, using=None).compile(resolved)
+            return str(text % tuple(schema_editor.quote_value(p) for p in params))
+
+        over_table = Query(model, alias_cols=False)
+        stored = compiled(over_table, self.key.resolve_expression(over_table, allow_joins=False))
+        over_row = Query(model)
+        resolved = self.key.resolve_expression(over_row, allow_joins=False)
+        expression = compiled(over_row, resolved.relabeled_clone({model._meta.db_table: "new"}))
+        read = {quote(col.target.column) for col in _columns(resolved) if col.target.column != KEY_COLUMN}
+        columns = [quote(KEY_COLUMN), *sorted(read)]
+        return DERIVE_SQL.format(
+            function=quote(_derive_function(model)),
+            expression=expression,
+            columns=", ".join(columns),
+            table=quote(model._meta.db_table),
+            version=FENCE_TRIGGER_VERSION,
+            stored=stored,
         )
 
     def remove_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
         assert model is not None and schema_editor is not None
         table = schema_editor.quote_name(model._meta.db_table)
-        return "; ".join(f"DROP TRIGGER IF EXISTS {name} ON {table}" for name in TRIGGER_NAMES)
+        drops = [f"DROP TRIGGER IF EXISTS {name} ON {table}" for name in (*TRIGGER_NAMES, DERIVE_TRIGGER)]
+        drops.append(f"DROP FUNCTION IF EXISTS {schema_editor.quote_name(_derive_function(model))}()")
+        return "; ".join(drops)
 
     def validate(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to validate in Python: the database checks every write."""
@@ -152,13 +212,49 @@ class FenceTrigger(BaseConstraint):
         path, args, kwargs = super().deconstruct()
         if self.version is not None:
             kwargs["version"] = self.version
+        if self.key is not None:
+            kwargs["key"] = self.key
         return _public_path(path), args, kwargs
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, FenceTrigger) and (self.name, self.version) == (other.name, other.version)
+        return isinstance(other, FenceTrigger) and (self.name, self.version, self.key) == (
+            other.name,
+            other.version,
+            other.key,
+        )
 
     def __hash__(self) -> int:
         return hash((type(self), self.name, self.version))
+
+
+#: The column a fenced row stores its lease key in.
+KEY_COLUMN = "lease_key"
+
+
+def _derive_function(model: type[models.Model]) -> str:
+    """The name of the trigger function that derives ``model``'s lease keys (one per table, <= 63 bytes)."""
+    table = model._meta.db_table
+    name = f"{table}_lease_key"
+    if len(name.encode()) <= 63:
+        return name
+    return f"{table.encode()[:40].decode(errors='ignore')}_{hashlib.sha256(table.encode()).hexdigest()[:8]}_lease_key"
+
+
+def _columns(expression: Any) -> list[Any]:
+    """The column references (``Col``) of a resolved expression, at any depth."""
+    from django.db.models.expressions import Col
+
+    return [node for node in expression.flatten() if isinstance(node, Col)]
+
+
+def declared_key(model: type[models.Model]) -> Any:
+    """The lease key ``model`` declares as an expression the database can derive: its
+    ``lease_key_expression``, or its class-level ``lease_key`` as a constant; None when neither."""
+    expression = getattr(model, "lease_key_expression", None)
+    if expression is not None:
+        return expression
+    constant = getattr(model, "lease_key", None)
+    return models.Value(constant) if isinstance(constant, str) else None
 
 
 def fence_trigger_name(model: type[models.Model]) -> str:
@@ -174,6 +270,8 @@ def add_fence_trigger(model: type[models.Model]) -> None:
         return
     if any(isinstance(constraint, FenceTrigger) for constraint in meta.constraints):
         return
-    meta.constraints = [*meta.constraints, FenceTrigger(name=fence_trigger_name(model), version=FENCE_TRIGGER_VERSION)]
+    key = declared_key(model) if fenced_root(model) is model else None  # an MTI child's key is its root's
+    trigger = FenceTrigger(name=fence_trigger_name(model), version=FENCE_TRIGGER_VERSION, key=key)
+    meta.constraints = [*meta.constraints, trigger]
     # Migrations read a model's options from the Meta attributes it declared.
     meta.original_attrs["constraints"] = meta.constraints
