@@ -18,7 +18,7 @@ from django.db import connection, models
 
 from pg_lease_django.checks import check_fence_triggers_are_current
 from pg_lease_django.fencing import schema as fence_schema
-from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION, TRIGGERS_SQL, FenceTrigger
+from pg_lease_django.fencing.schema import DERIVE_SQL, FENCE_TRIGGER_VERSION, TRIGGERS_SQL, FenceTrigger
 
 pytestmark = pytest.mark.django_db
 
@@ -28,7 +28,7 @@ def fenced_models() -> list[type[models.Model]]:
 
 
 def test_the_version_is_a_hash_of_the_triggers_sql() -> None:
-    assert hashlib.sha256(TRIGGERS_SQL.encode()).hexdigest()[:12] == FENCE_TRIGGER_VERSION
+    assert hashlib.sha256((TRIGGERS_SQL + DERIVE_SQL).encode()).hexdigest()[:12] == FENCE_TRIGGER_VERSION
     assert {c.version for m in fenced_models() for c in m._meta.constraints if isinstance(c, FenceTrigger)} == {
         FENCE_TRIGGER_VERSION
     }

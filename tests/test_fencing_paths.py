@@ -21,8 +21,9 @@ def test_migrations_import_the_fence_classes_from_fencing(model: type[fencing.Fe
     [trigger] = [c for c in model._meta.constraints if isinstance(c, fencing.FenceTrigger)]
     constraint, constraint_imports = MigrationWriter.serialize(trigger)
     assert field.startswith("pg_lease_django.fencing.LeaseKeyField(")
+    key = "key=models.F('account'), " if trigger.key is not None else ""  # Invoice declares its key
     assert constraint == (
-        f"pg_lease_django.fencing.FenceTrigger(name={trigger.name!r}, version={FENCE_TRIGGER_VERSION!r})"
+        f"pg_lease_django.fencing.FenceTrigger({key}name={trigger.name!r}, version={FENCE_TRIGGER_VERSION!r})"
     )
     assert "import pg_lease_django.fencing" in field_imports & constraint_imports
 

@@ -33,6 +33,9 @@ from pg_lease_django.checks import check_lease_database_without_database_option
 from pg_lease_django.management.commands.flush import truncate_refusal
 from tests.helpers import conninfo
 
+# Plain `check` runs check W008 over the cluster's roles: beside the tests that make a role a bypass.
+pytestmark = pytest.mark.xdist_group("cluster-roles")
+
 # ---- 1 and 5: plain `check` runs the lease database's checks -----------------------------------------
 
 

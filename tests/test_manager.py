@@ -11,6 +11,7 @@ from django.db import connection, transaction
 from pg_lease_django import (
     EpochMismatchError,
     Grant,
+    InvalidInputError,
     LapsedError,
     Lease,
     LeaseLostError,
@@ -214,7 +215,7 @@ def test_keys_and_owners_round_trip_verbatim(raw_connect) -> None:  # type: igno
         "'; DROP TABLE pg_lease_django_lease; --",
         "back\\slash",
         "🔒 lease",
-        "\u202eRTL\u202c",
+        "עברית RTL",
         "%s %(x)s",
     ]:
         grant = Lease.objects.acquire(name, name, ttl=30)
@@ -223,6 +224,13 @@ def test_keys_and_owners_round_trip_verbatim(raw_connect) -> None:  # type: igno
         assert conn.execute("SELECT owner FROM pg_lease_django_lease WHERE key = %s", [name]).fetchone() == (name,)
         Lease.objects.release(name, name, grant.epoch)
     assert conn.execute("SELECT to_regclass('pg_lease_django_lease') IS NOT NULL").fetchone() == (True,)
+    # Characters a terminal obeys (controls, bidi overrides) are refused in a new key or owner, in
+    # Python and in SQL alike: they would forge or hide rows in an operator's view.
+    for name in ("\u202eRTL\u202c", "line\r\nbreak", "esc\x1b[2J"):
+        with pytest.raises(InvalidInputError, match="control, bidirectional"):
+            Lease.objects.acquire(name, "w1", ttl=30)
+        with pytest.raises(InvalidInputError, match="control, bidirectional"):
+            Lease.objects.acquire("k", name, ttl=30)
 
 
 @pytest.mark.django_db(databases=["default", "other"])

@@ -44,7 +44,9 @@ from devkit import dbserver
 from devkit.dbserver import free_port
 from tests.test_docs import python_blocks
 
-pytestmark = pytest.mark.acceptance
+# Cluster-wide roles: tests that make a role a bypass (pg_read_all_data, a parameter grant) and tests
+# that expect check W008 to be silent run one after another, on one worker.
+pytestmark = [pytest.mark.acceptance, pytest.mark.xdist_group("cluster-roles")]
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALLATION = REPO / "docs" / "installation.md"

@@ -42,6 +42,7 @@ PUBLIC_NAMES = {
     "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
+    "QuotaExceededError",
     "UnconfirmedCommitError",
     "UnfencedWriteError",
     "aelect",

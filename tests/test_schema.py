@@ -100,6 +100,13 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_in_history_scope",  # locks the scope table against a change in flight
         "pg_lease_opt_out_token",  # reads the owner's secret (an operator's, as pg_lease_allow_unfenced)
         "pg_lease_opt_out_valid",  # checks a token against the secret
+        "pg_lease_opt_out_hash",  # the token itself, from the owner's secret
+        "pg_lease_compile_key_scope",  # replaces pg_lease_check_key_scope, the owner's function
+        "pg_lease_key_scope_changed",  # the scope table's trigger: recompiles whoever changes it
+        "pg_lease_session_scope",  # reads the scope table for the session
+        "pg_lease_check_key_scopes",  # an opted-out write's keys, checked with the owner's rights
+        "pg_lease_replication_apply",  # is the session's login the owner's (current_user inside)?
+        "pg_lease_metrics",  # counts of the lease, waiter and tenure tables for a monitoring role
     }
     assert {r[0] for r in rows} >= operations
     # Hot helpers without a SET clause (it blocks inlining, or costs a switch per call): they name
@@ -112,6 +119,8 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_wake_waiters",  # every release; revoked from PUBLIC
         "pg_lease_guard_update",  # every acquire and release; names every built-in and operator with its schema
         "pg_lease_check_key_scope",  # every operation; revoked from PUBLIC, called under the callers' path
+        "pg_lease_unshown_characters",  # a constant, inlined into acquire's input condition
+        "pg_lease_presented_fences",  # every fenced write; names every built-in with its schema
     }
     for name, security_definer, config in rows:
         # Workers need no privilege on the lease table: the operations run as its owner. The rest

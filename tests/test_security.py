@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, connection, models, transaction
 from django.test import override_settings
 from psycopg import sql as pgsql
 
@@ -30,7 +30,9 @@ from pg_lease_django import Grant, Lease, NotOwnerError, history, privileges, un
 from pg_lease_django import sql as lease_sql
 from tests.helpers import conninfo, refused, row_snapshot
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# Cluster-wide roles: tests that make a role a bypass (pg_read_all_data, a parameter grant) and tests
+# that expect check W008 to be silent run one after another, on one worker.
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.xdist_group("cluster-roles")]
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 
@@ -679,6 +681,13 @@ HARMLESS_FOR_PUBLIC = {
     "pg_lease_unfenced_allowed()",
     "pg_lease_opt_out_valid(text,name)",
     "pg_lease_privileges()",
+    # 0007: input rules, the fences presented (each only reads the caller's own settings), whether a
+    # write is a trusted replication apply, and the session's own key scope.
+    "pg_lease_check_new_name(text,text)",
+    "pg_lease_unshown_characters()",
+    "pg_lease_presented_fences()",
+    "pg_lease_replication_apply()",
+    "pg_lease_session_scope()",
 }
 
 
@@ -779,9 +788,10 @@ def test_a_hand_set_opt_out_is_refused_inside_owner_run_functions(roles: Roles, 
         with fails_with("PL004"), worker.transaction():
             worker.execute("SELECT set_config('pg_lease.unfenced', %s, true)", [token[1]])
             worker.execute(pgsql.SQL("SELECT public.{}(%s)").format(function), [invoice_id])
-        # An owner-run function that opts out for its own write: the opt-out is the owner's, and
-        # does not carry over to its caller's next statement (review finding: it did, for the
-        # whole transaction, when the token named only backend and transaction).
+        # An owner-run function that opts out: the opt-out would be the owner's, minted in a session
+        # that is not the owner's (issue 42: an operator minted the owner's token with
+        # pg_lease_opt_out_token(owner) and then had owner-run code write unfenced). No session mints
+        # an opt-out for a role it may not act as: refused, nothing written.
         fix = pgsql.Identifier(f"pgl_{roles.suffix}_fix")
         admin.execute(
             pgsql.SQL(
@@ -794,11 +804,11 @@ def test_a_hand_set_opt_out_is_refused_inside_owner_run_functions(roles: Roles, 
         admin.execute(
             pgsql.SQL("GRANT EXECUTE ON FUNCTION public.{}(bigint) TO {}").format(fix, pgsql.Identifier(roles.worker))
         )
-        with fails_with("PL004"), worker.transaction():
-            worker.execute(pgsql.SQL("SELECT public.{}(%s)").format(fix), [invoice_id])  # the owner's write: fine
-            worker.execute("UPDATE testapp_invoice SET amount = 7 WHERE id = %s", [invoice_id])  # the caller's: refused
-        with worker.transaction():
+        with fails_with("42501"), worker.transaction():
             worker.execute(pgsql.SQL("SELECT public.{}(%s)").format(fix), [invoice_id])
+        # Called by the owner's own session, the same function opts out for its write.
+        with admin.transaction():
+            admin.execute(pgsql.SQL("SELECT public.{}(%s)").format(fix), [invoice_id])
         assert stored(admin, invoice_id) == ("fixed", 0, 1)
         admin.execute(pgsql.SQL("DROP FUNCTION public.{}(bigint)").format(fix))
     finally:
@@ -887,37 +897,45 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
             (
                 "GRANT EXECUTE ON FUNCTION public.pg_lease_allow_unfenced() TO PUBLIC",
                 "REVOKE EXECUTE ON FUNCTION public.pg_lease_allow_unfenced() FROM PUBLIC",
-                "PUBLIC",
+                ["PUBLIC"],
             ),
-            ("GRANT {operator} TO {attacker}", "REVOKE {operator} FROM {attacker}", roles.attacker),
+            # A membership of an undeclared role that holds an operator's function (a login role in a
+            # declared role's group holds the group's grants: declared, issue 46's deployment).
+            (
+                "GRANT EXECUTE ON FUNCTION public.pg_lease_force_release(text, bigint) TO {attacker}; "
+                "GRANT {attacker} TO {worker}",
+                "REVOKE {attacker} FROM {worker}; "
+                "REVOKE EXECUTE ON FUNCTION public.pg_lease_force_release(text, bigint) FROM {attacker}",
+                [roles.attacker, roles.worker],
+            ),
             (
                 "GRANT SELECT ON public.pg_lease_django_secret TO {worker}",
                 "REVOKE SELECT ON public.pg_lease_django_secret FROM {worker}",
-                roles.worker,
+                [roles.worker],
             ),
             (
                 "GRANT DELETE ON public.pg_lease_django_key_scope TO {worker}",
                 "REVOKE DELETE ON public.pg_lease_django_key_scope FROM {worker}",
-                roles.worker,
+                [roles.worker],
             ),
         ):
             names = {"operator": pgsql.Identifier(roles.operator), "attacker": attacker, "worker": worker}
             roles.admin.execute(pgsql.SQL(grant_sql).format(**names))
             try:
                 found = check_declared_roles_are_granted(databases=["default"])
-                assert [w.msg.split("'")[1] for w in found] == [role], (grant_sql, [w.msg for w in found])
+                assert sorted(w.msg.split("'")[1] for w in found) == role, (grant_sql, [w.msg for w in found])
             finally:
                 roles.admin.execute(pgsql.SQL(revoke_sql).format(**names))
         assert check_declared_roles_are_granted(databases=["default"]) == []
         # The runbook's functions, granted by hand as the page says: an operator's, never a worker's.
         runbook = "public.pg_lease_advance_epochs(bigint, boolean)"
-        for role, expected in ((roles.operator, []), (roles.worker, [roles.worker])):
+        for grantee, expected in ((roles.operator, []), (roles.worker, [roles.worker])):
             roles.admin.execute(
-                pgsql.SQL(f"GRANT EXECUTE ON FUNCTION {runbook} TO {{}}").format(pgsql.Identifier(role))
+                pgsql.SQL(f"GRANT EXECUTE ON FUNCTION {runbook} TO {{}}").format(pgsql.Identifier(grantee))
             )
             found = check_declared_roles_are_granted(databases=["default"])
             roles.admin.execute(
-                pgsql.SQL(f"REVOKE EXECUTE ON FUNCTION {runbook} FROM {{}}").format(pgsql.Identifier(role))
+                pgsql.SQL(f"REVOKE EXECUTE ON FUNCTION {runbook} FROM {{}}").format(pgsql.Identifier(grantee))
             )
             assert [w.msg.split("'")[1] for w in found] == expected
     with override_settings(PG_LEASE_WORKER_ROLES="app_worker"), pytest.raises(ImproperlyConfigured):
@@ -1066,15 +1084,25 @@ def test_a_fenced_queryset_cannot_move_rows_under_another_lease(key: str, monkey
     # A's fenced update of its own rows goes on; B's of its own too.
     assert Invoice.objects.fenced(ga).filter(account=a_key).update(status="sent") == 1
     assert Invoice.objects.fenced(gb).filter(account=b_key).update(status="sent") == 1
-    # A model that overrides get_lease_key without declaring its fields is warned about (W009);
-    # one that names a field it lacks is an error (E004).
+    # A model whose key the database cannot derive (get_lease_key only) is warned about (W009);
+    # a declaration naming a field it lacks, or two declarations, are errors (E004).
     testapp = [apps.get_app_config("testapp")]
     assert not [m for m in check_fenced_models_declare_their_key_fields(testapp) if m.obj is Invoice]
-    monkeypatch.setattr(Invoice, "lease_key_fields", ())
+    monkeypatch.setattr(Invoice, "lease_key_expression", None)
+    monkeypatch.setattr(Invoice, "get_lease_key", lambda self: self.account)
     assert [m.id for m in check_fenced_models_declare_their_key_fields(testapp) if m.obj is Invoice] == [
         "pg_lease_django.W009"
     ]
-    monkeypatch.setattr(Invoice, "lease_key_fields", ("tenant",))
+    for declaration in ({"lease_key_expression": models.F("tenant")}, {"lease_key_fields": ("tenant",)}):
+        for name, value in declaration.items():
+            monkeypatch.setattr(Invoice, name, value)
+        assert [m.id for m in check_fenced_models_declare_their_key_fields(testapp) if m.obj is Invoice] == [
+            "pg_lease_django.E004"
+        ]
+        monkeypatch.setattr(Invoice, "lease_key_expression", None)
+        monkeypatch.setattr(Invoice, "lease_key_fields", ())
+    monkeypatch.setattr(Invoice, "lease_key_expression", models.F("account"))
+    monkeypatch.setattr(Invoice, "lease_key", "both")
     assert [m.id for m in check_fenced_models_declare_their_key_fields(testapp) if m.obj is Invoice] == [
         "pg_lease_django.E004"
     ]
