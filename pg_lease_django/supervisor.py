@@ -35,7 +35,7 @@ from django.db import connections, router
 
 from . import election as elections
 from .child_process import describe_exit, group_alive, signal_name, terminal_foreground
-from .display import LeaseRow
+from .display import LeaseRow, printable
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
 from .exit_codes import ExitCode, RunError
 from .holds.holding import hold
@@ -54,6 +54,11 @@ DEFAULT_GRACE = 10.0
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 #: Of those, the ones that also end a campaign (``--campaign``): COMMAND is not restarted after them.
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _quoted(text: str) -> str:
+    """A key, an owner: chosen by others, shown quoted and escaped (`printable`), never obeyed by a terminal."""
+    return f"'{printable(text)}'"
 
 
 class _Interrupted(BaseException):
@@ -108,6 +113,7 @@ class Supervisor:
         self.campaign = campaign
         self._election: elections.Election | None = None
         self.key, self.argv = key, list(argv)
+        self._key = _quoted(key)  # as messages show it
         self.using = using or router.db_for_write(Lease)
         self.verbosity = verbosity
         self.ttl, self.wait, self.grace, self.owner = ttl, wait, grace, owner
@@ -136,7 +142,7 @@ class Supervisor:
 
     @property
     def _name(self) -> str:
-        return os.path.basename(self.argv[0]) or self.argv[0]
+        return printable(os.path.basename(self.argv[0]) or self.argv[0])
 
     # -- signals -------------------------------------------------------------------------------------
 
@@ -259,24 +265,24 @@ class Supervisor:
                 else self._kill_report(returncode)
             )
             raise RunError(
-                f"lease {self.key!r} (epoch {lease.epoch}) was lost while {self._name} ran ({error.code}): {what}",
+                f"lease {self._key} (epoch {lease.epoch}) was lost while {self._name} ran ({error.code}): {what}",
                 ExitCode.LOST,
             )
-        self._say(f"released {self.key!r} (epoch {lease.epoch}); {self._name} {describe_exit(returncode)}", level=2)
+        self._say(f"released {self._key} (epoch {lease.epoch}); {self._name} {describe_exit(returncode)}", level=2)
         return returncode if returncode >= 0 else 128 - returncode
 
     def _holder(self) -> str:
         row = self.read_lease()
         connections[self.using].close()  # no idle connection left behind by a status query
-        if row is None or row.state != LeaseStatus.HELD:
-            return f"lease {self.key!r} was held by another owner"
-        return f"lease {self.key!r} is held by {row.owner!r} (epoch {row.epoch}, expires {row.expiry})"
+        if row is None or row.state != LeaseStatus.HELD or row.owner is None:
+            return f"lease {self._key} was held by another owner"
+        return f"lease {self._key} is held by {_quoted(row.owner)} (epoch {row.epoch}, expires {row.expiry})"
 
     def _supervise(self, lease: HeldLease) -> int:
         """Start COMMAND and wait for it, signalling it if the lease is lost; its Popen return code."""
         if lease.lost:
             raise RunError(
-                f"lease {self.key!r} (epoch {lease.epoch}) was lost before {self._name} started; it was not run",
+                f"lease {self._key} (epoch {lease.epoch}) was lost before {self._name} started; it was not run",
                 ExitCode.LOST,
             )
         env = {
@@ -285,7 +291,9 @@ class Supervisor:
             "PG_LEASE_OWNER": lease.owner,
             "PG_LEASE_EPOCH": str(lease.epoch),
         }
-        self._say(f"acquired {self.key!r} as {lease.owner!r} at epoch {lease.epoch}; running {self._name}", level=2)
+        self._say(
+            f"acquired {self._key} as {_quoted(lease.owner)} at epoch {lease.epoch}; running {self._name}", level=2
+        )
         connections.close_all()  # the hold has a connection of its own: keep no idle one for COMMAND's lifetime
         self.stdout.flush()
         self.stderr.flush()
@@ -298,9 +306,11 @@ class Supervisor:
             self._own_group = not terminal_foreground()
             self.child = subprocess.Popen(self.argv, env=env, process_group=0 if self._own_group else None)
         except FileNotFoundError:
-            raise RunError(f"{self.argv[0]}: command not found", ExitCode.COMMAND_NOT_FOUND) from None
+            raise RunError(f"{printable(self.argv[0])}: command not found", ExitCode.COMMAND_NOT_FOUND) from None
         except OSError as exc:
-            raise RunError(f"{self.argv[0]}: cannot execute: {exc.strerror or exc}", ExitCode.CANNOT_EXECUTE) from None
+            raise RunError(
+                f"{printable(self.argv[0])}: cannot execute: {exc.strerror or exc}", ExitCode.CANNOT_EXECUTE
+            ) from None
         for signum in self._pending:
             self._forward(signum)
         return self._watch(lease, self.child)
@@ -369,9 +379,9 @@ class Supervisor:
         error = lease.error
         if error is not None:
             self._terminated_at_loss = True
-            return f"lease {self.key!r} lost ({error.code})"
+            return f"lease {self._key} lost ({error.code})"
         if self.campaign and lease.handoff_requested:
-            return f"hand-off of {self.key!r} requested"
+            return f"hand-off of {self._key} requested"
         return None
 
     def _kill_report(self, returncode: int) -> str:
@@ -410,7 +420,7 @@ class Supervisor:
             ttl=self.ttl,
             on_started_leading=lead,
             on_stopped_leading=lambda: None,
-            on_new_leader=lambda identity: self._say(f"{self.key!r} is led by {identity!r}", level=2),
+            on_new_leader=lambda identity: self._say(f"{self._key} is led by {_quoted(identity)}", level=2),
             owner=self.owner,
             using=self.using,
         )
@@ -447,13 +457,13 @@ class Supervisor:
             self._started = False  # from here a signal stops the campaign at once
         ended = f"{self._name} {describe_exit(returncode)}"
         if self._terminated_at_loss:
-            self._say(f"lease {self.key!r} (epoch {lease.epoch}) was lost: {self._kill_report(returncode)}")
+            self._say(f"lease {self._key} (epoch {lease.epoch}) was lost: {self._kill_report(returncode)}")
         elif lease.handoff_requested:
-            self._say(f"stepped down from {self.key!r} (epoch {lease.epoch}) for a hand-off; {ended}")
+            self._say(f"stepped down from {self._key} (epoch {lease.epoch}) for a hand-off; {ended}")
         elif self._election is not None and not self._election.stopping:
-            self._say(f"{ended}; stepping down from {self.key!r} (epoch {lease.epoch}), campaigning again")
+            self._say(f"{ended}; stepping down from {self._key} (epoch {lease.epoch}), campaigning again")
             if returncode != 0:
                 elections.fail_term(self._election)  # back off before the next term
         else:
-            self._say(f"{ended}; releasing {self.key!r} (epoch {lease.epoch}), stopped campaigning", level=2)
+            self._say(f"{ended}; releasing {self._key} (epoch {lease.epoch}), stopped campaigning", level=2)
         return returncode
