@@ -10,6 +10,12 @@ With ``campaign=True`` (``leases run --campaign``) it keeps COMMAND running on e
 machine of many: it campaigns with `pg_lease_django.elect`, runs COMMAND while it leads, and
 campaigns again when COMMAND exits or the lease is lost or handed off, until a signal stops it.
 
+``grace`` bounds every SIGTERM: the one sent to COMMAND on a loss, and the one a deploy sends
+(systemd to the main process or to the whole control group, the kubelet to PID 1). ``grace``
+seconds after the first, COMMAND's process group is SIGKILLed if it still runs, and the lease is
+released, well before the platform's own SIGKILL would end the supervisor and leave the lease to
+lapse.
+
 `ExitCode` (`pg_lease_django.exit_codes`, re-exported here) is the exit-code table of the whole
 ``manage.py leases`` command; ``run``'s own codes are the supervisor's outcomes.
 """
@@ -48,7 +54,8 @@ __all__ = ["DEFAULT_GRACE", "FORWARDED_SIGNALS", "ExitCode", "RunError", "Superv
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between the SIGTERM sent to COMMAND when the lease is lost and the SIGKILL that follows.
+#: Seconds between a SIGTERM (sent to COMMAND when the lease is lost, or received and passed on)
+#: and the SIGKILL that follows if COMMAND still runs.
 DEFAULT_GRACE = 10.0
 #: Signals the supervisor passes on to COMMAND.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -85,7 +92,8 @@ class Supervisor:
         argv: COMMAND and its arguments.
         ttl: seconds each grant and renewal lasts.
         wait: wait up to this many seconds for the lease; None: don't wait (busy is `ExitCode.BUSY`).
-        grace: seconds between SIGTERM and SIGKILL when the lease is lost.
+        grace: seconds COMMAND gets after a SIGTERM before SIGKILL: one sent because the lease
+            was lost (or, campaigning, handed off), or the first one this process received.
         owner: the owner identity; default ``host:pid:random``, new for every run.
         using: the database alias; default where the router sends writes of leases.
         verbosity: 0 says nothing, 1 reports signals and losses, 2 the grant and the release too.
@@ -124,6 +132,7 @@ class Supervisor:
         self._interrupted = False  # a signal already stopped the wait: further ones must not cut the release short
         self._terminated_at_loss = False
         self._killed = False
+        self._sigterm_at: float | None = None  # the first SIGTERM received while COMMAND runs (monotonic)
         self._own_group = False
         self._pending: list[int] = []  # forwarded signals that arrived while COMMAND was being started
         self._wake_lock = threading.Lock()
@@ -157,6 +166,11 @@ class Supervisor:
                 self._interrupted = True
                 raise _Interrupted(signum)
             return
+        if signum == signal.SIGTERM and self._sigterm_at is None:
+            # A deploy's stop: --grace runs from here, whoever sent it (see _watch). The select of
+            # _watch is woken to take it into account; messages are written there, not here.
+            self._sigterm_at = time.monotonic()
+            self._wake()
         if self.child is None:
             self._pending.append(signum)
         else:
@@ -325,7 +339,8 @@ class Supervisor:
         pidfd = -1
         with suppress(AttributeError, OSError):  # no pidfd (not Linux, or before 5.3): poll the child
             pidfd = os.pidfd_open(child.pid)
-        terminated_at: float | None = None
+        terminated_at: float | None = None  # when the lease's loss (or a hand-off) made us send SIGTERM
+        received_at: float | None = None  # when a SIGTERM sent to this process arrived (see _on_signal)
         lingering = False  # COMMAND has exited; processes it left in its group still run
         try:
             with selectors.DefaultSelector() as selector:
@@ -348,16 +363,21 @@ class Supervisor:
                             f"{why}: sending SIGTERM to {self._name} (pid {child.pid}), SIGKILL in {self.grace:g}s"
                         )
                         self._signal(child, signal.SIGTERM)
-                    if terminated_at is not None and not self._killed and now >= terminated_at + self.grace:
+                    if received_at is None and self._sigterm_at is not None:
+                        received_at = self._sigterm_at
+                        self._say(f"SIGTERM passed on to {self._name}: SIGKILL in {self.grace:g}s if it runs", level=2)
+                    # --grace runs from the first SIGTERM COMMAND got: ours on a loss, or a deploy's.
+                    stop_at = min((t for t in (terminated_at, received_at) if t is not None), default=None)
+                    if stop_at is not None and not self._killed and now >= stop_at + self.grace:
                         self._killed = True
-                        self._say(f"{self._name} (pid {child.pid}) still running after {self.grace:g}s: SIGKILL")
+                        self._say(
+                            f"{self._name} (pid {child.pid}) still running {self.grace:g}s after SIGTERM: SIGKILL"
+                        )
                         self._signal(child, signal.SIGKILL)
-                    if terminated_at is None:
-                        timeout: float | None = max(lease.trust_remaining, 0.001)  # wake when trust ends
-                    elif not self._killed:
-                        timeout = max(terminated_at + self.grace - now, 0.0)
-                    else:
-                        timeout = None
+                    waits = [] if terminated_at is not None else [max(lease.trust_remaining, 0.001)]  # trust's end
+                    if stop_at is not None and not self._killed:
+                        waits.append(max(stop_at + self.grace - now, 0.0))
+                    timeout = min(waits, default=None)
                     if pidfd < 0:
                         timeout = 0.05 if timeout is None else min(timeout, 0.05)
                     for ready, _events in selector.select(timeout):
@@ -444,7 +464,7 @@ class Supervisor:
 
     def _term(self, lease: HeldLease) -> int | None:
         """COMMAND for one term: its Popen return code (None when the lease was lost before it started)."""
-        self.child, self._pending = None, []
+        self.child, self._pending, self._sigterm_at = None, [], None
         self._terminated_at_loss = self._killed = False
         try:
             returncode = self._supervise(lease)

@@ -11,6 +11,7 @@ import json
 import os
 import pty
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -398,3 +399,75 @@ def test_bad_arguments_from_a_real_process(key: str, runs: Callable[..., LeasesR
         assert run.finish() == 2
         assert one_line_error(run.stderr).startswith(message)
     assert Lease.objects.inspect(key).epoch == 0  # nothing was acquired
+
+
+# -- a SIGTERM from the platform (systemd, the kubelet) --------------------------------------------------
+
+
+def session_members(sid: int) -> list[int]:
+    """Every process of session ``sid``: here, what the unit's control group holds under systemd."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[3]) == sid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+class Death(threading.Thread):
+    """When process ``pid`` (not necessarily a child of this one) ends, on this machine's monotonic clock.
+
+    Its pidfd becomes readable when the process exits, reaped or not (Linux 5.3+).
+    """
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pidfd = os.pidfd_open(pid)
+        self.at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            select.select([self.pidfd], [], [])
+            self.at = time.monotonic()
+        finally:
+            os.close(self.pidfd)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("campaign", [False, True], ids=["run", "campaign"])
+@pytest.mark.parametrize("sent_to", ["supervisor", "control-group"])
+def test_grace_bounds_a_sigterm_from_the_platform_then_the_lease_is_released(
+    key: str, runs: Callable[..., LeasesRun], campaign: bool, sent_to: str
+) -> None:
+    """A COMMAND (and its child) that ignore SIGTERM: the platform's SIGTERM reaches ``leases run`` alone
+    (the kubelet, ``KillMode=mixed``) or every process of the unit (systemd's default ``KillMode=
+    control-group``, here every process of the session). COMMAND's group is SIGKILLed ``--grace`` after
+    the SIGTERM, never sooner, and the lease is released: with a TTL of 600 s a lease left to lapse
+    would still be held when the test ends."""
+    grace = 1.5
+    options = ["--campaign"] if campaign else []
+    run = runs(key, *options, "--ttl", "600", "--grace", str(grace), "-v", "2", "--", *CHILD, "stubborn")
+    ready = run.expect("ready")
+    leased = Lease.objects.inspect(key)
+    assert leased.status == "held"
+    deaths = [Death(ready["pid"]), Death(ready["grandchild"])]
+    sent_at = time.monotonic()
+    for pid in [run.proc.pid] if sent_to == "supervisor" else session_members(run.proc.pid):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+    assert run.finish(timeout=60) == 128 + signal.SIGKILL  # COMMAND's status: killed by SIGKILL
+    assert run.expect("ignored")["name"] == "SIGTERM"  # COMMAND got the SIGTERM and kept going
+    for death in deaths:
+        death.join(30)
+        assert death.at is not None
+        assert death.at - sent_at >= grace  # SIGKILL no sooner than --grace after the SIGTERM
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", leased.epoch + 1), state  # released, not left to lapse
+    assert f"{NAME} (pid {ready['pid']}) still running {grace:g}s after SIGTERM: SIGKILL" in run.stderr
