@@ -11,7 +11,6 @@ import json
 import os
 import pty
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from django.core.management import CommandError, call_command
 from devkit.dbserver import REPO
 from pg_lease_django import Lease
 from pg_lease_django.supervisor import ExitCode
-from tests.helpers import held, url_of_test_database
+from tests.helpers import ProcessEnd, held, session_members, url_of_test_database
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -404,41 +403,6 @@ def test_bad_arguments_from_a_real_process(key: str, runs: Callable[..., LeasesR
 # -- a SIGTERM from the platform (systemd, the kubelet) --------------------------------------------------
 
 
-def session_members(sid: int) -> list[int]:
-    """Every process of session ``sid``: here, what the unit's control group holds under systemd."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
-            except OSError:
-                continue  # gone meanwhile
-            if int(fields[3]) == sid and fields[0] != "Z":
-                members.append(int(entry))
-    return members
-
-
-class Death(threading.Thread):
-    """When process ``pid`` (not necessarily a child of this one) ends, on this machine's monotonic clock.
-
-    Its pidfd becomes readable when the process exits, reaped or not (Linux 5.3+).
-    """
-
-    def __init__(self, pid: int) -> None:
-        super().__init__(daemon=True)
-        self.pidfd = os.pidfd_open(pid)
-        self.at: float | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            select.select([self.pidfd], [], [])
-            self.at = time.monotonic()
-        finally:
-            os.close(self.pidfd)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("campaign", [False, True], ids=["run", "campaign"])
 @pytest.mark.parametrize("sent_to", ["supervisor", "control-group"])
@@ -456,7 +420,7 @@ def test_grace_bounds_a_sigterm_from_the_platform_then_the_lease_is_released(
     ready = run.expect("ready")
     leased = Lease.objects.inspect(key)
     assert leased.status == "held"
-    deaths = [Death(ready["pid"]), Death(ready["grandchild"])]
+    deaths = [ProcessEnd(ready["pid"]), ProcessEnd(ready["grandchild"])]
     sent_at = time.monotonic()
     for pid in [run.proc.pid] if sent_to == "supervisor" else session_members(run.proc.pid):
         with suppress(ProcessLookupError):
