@@ -10,11 +10,9 @@ With ``campaign=True`` (``leases run --campaign``) it keeps COMMAND running on e
 machine of many: it campaigns with `pg_lease_django.elect`, runs COMMAND while it leads, and
 campaigns again when COMMAND exits or the lease is lost or handed off, until a signal stops it.
 
-``grace`` bounds every SIGTERM: the one sent to COMMAND on a loss, and the one a deploy sends
-(systemd to the main process or to the whole control group, the kubelet to PID 1). ``grace``
-seconds after the first, COMMAND's process group is SIGKILLed if it still runs, and the lease is
-released, well before the platform's own SIGKILL would end the supervisor and leave the lease to
-lapse.
+``grace`` bounds every SIGTERM, the one sent on a loss and a deploy's (systemd, the kubelet):
+COMMAND's group is SIGKILLed ``grace`` seconds after the first, then the lease is released, before
+the platform's own SIGKILL would end the supervisor too and leave the lease to lapse.
 
 `ExitCode` (`pg_lease_django.exit_codes`, re-exported here) is the exit-code table of the whole
 ``manage.py leases`` command; ``run``'s own codes are the supervisor's outcomes.
@@ -27,7 +25,6 @@ import os
 import queue
 import selectors
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -40,7 +37,7 @@ from django.core.management.base import OutputWrapper
 from django.db import connections, router
 
 from . import election as elections
-from .child_process import describe_exit, group_alive, signal_name, terminal_foreground
+from .child_process import Child, describe_exit, signal_name, terminal_foreground
 from .display import LeaseRow, printable
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
 from .exit_codes import ExitCode, RunError
@@ -127,13 +124,11 @@ class Supervisor:
         self.ttl, self.wait, self.grace, self.owner = ttl, wait, grace, owner
         self.stdout = stdout or OutputWrapper(sys.stdout)
         self.stderr = stderr or OutputWrapper(sys.stderr)
-        self.child: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
         self._started = False  # from here on signals are forwarded, not raised
         self._interrupted = False  # a signal already stopped the wait: further ones must not cut the release short
         self._terminated_at_loss = False
-        self._killed = False
         self._sigterm_at: float | None = None  # the first SIGTERM received while COMMAND runs (monotonic)
-        self._own_group = False
         self._pending: list[int] = []  # forwarded signals that arrived while COMMAND was being started
         self._wake_lock = threading.Lock()
         self._wake_r = self._wake_w = -1  # a pipe while running: the hold's on_lost wakes the main thread
@@ -167,8 +162,7 @@ class Supervisor:
                 raise _Interrupted(signum)
             return
         if signum == signal.SIGTERM and self._sigterm_at is None:
-            # A deploy's stop: --grace runs from here, whoever sent it (see _watch). The select of
-            # _watch is woken to take it into account; messages are written there, not here.
+            # A deploy's stop: --grace runs from here, whoever sent it. _watch takes it into account.
             self._sigterm_at = time.monotonic()
             self._wake()
         if self.child is None:
@@ -182,19 +176,11 @@ class Supervisor:
         # runs too: while it is None the child has not been reaped, so its pid is still its own.
         # Once reaped, its process group (pgid = its pid, never reused while the group lives) may
         # still hold the processes it left running: they get the signal while the lease is held.
-        if child is None or (child.returncode is not None and not self._group_left(child)):
+        if child is None or (child.popen.returncode is not None and not child.group_left()):
             return
-        if signum == signal.SIGINT and not self._own_group and terminal_foreground():
+        if signum == signal.SIGINT and not child.own_group and terminal_foreground():
             return  # Ctrl-C: the terminal sent it to COMMAND as well (same process group)
-        self._signal(child, signum)
-
-    def _signal(self, child: subprocess.Popen[bytes], signum: int) -> None:
-        # COMMAND's whole process group when it has one of its own: a shell's children too.
-        with suppress(ProcessLookupError, PermissionError):
-            if self._own_group:
-                os.killpg(child.pid, signum)
-            else:
-                os.kill(child.pid, signum)
+        child.signal(signum)
 
     def _wake(self, lease: HeldLease | None = None) -> None:
         # on_lost of the hold, called once from a heartbeat worker thread (and, campaigning, the
@@ -313,12 +299,7 @@ class Supervisor:
         self.stderr.flush()
         self._started = True
         try:
-            # A process group of its own unless we run in the foreground of a terminal: then a
-            # signal (forwarded, or sent on loss) reaches the processes COMMAND started as well. In
-            # the foreground COMMAND must share our group to read the terminal (as with `timeout
-            # --foreground`); there only COMMAND itself is signalled.
-            self._own_group = not terminal_foreground()
-            self.child = subprocess.Popen(self.argv, env=env, process_group=0 if self._own_group else None)
+            self.child = Child(self.argv, env, self.grace)
         except FileNotFoundError:
             raise RunError(f"{printable(self.argv[0])}: command not found", ExitCode.COMMAND_NOT_FOUND) from None
         except OSError as exc:
@@ -329,32 +310,22 @@ class Supervisor:
             self._forward(signum)
         return self._watch(lease, self.child)
 
-    def _group_left(self, child: subprocess.Popen[bytes]) -> bool:
-        """Whether COMMAND's own process group still has a process (COMMAND's background children)."""
-        if not self._own_group:
-            return False
-        return group_alive(child.pid)
-
-    def _watch(self, lease: HeldLease, child: subprocess.Popen[bytes]) -> int:
-        pidfd = -1
-        with suppress(AttributeError, OSError):  # no pidfd (not Linux, or before 5.3): poll the child
-            pidfd = os.pidfd_open(child.pid)
+    def _watch(self, lease: HeldLease, child: Child) -> int:
         terminated_at: float | None = None  # when the lease's loss (or a hand-off) made us send SIGTERM
-        received_at: float | None = None  # when a SIGTERM sent to this process arrived (see _on_signal)
+        received = False  # a SIGTERM sent to this process (see _on_signal) has been taken into account
         lingering = False  # COMMAND has exited; processes it left in its group still run
         try:
             with selectors.DefaultSelector() as selector:
                 selector.register(self._wake_r, selectors.EVENT_READ)
-                if pidfd >= 0:
-                    selector.register(pidfd, selectors.EVENT_READ)
+                if child.pidfd >= 0:
+                    selector.register(child.pidfd, selectors.EVENT_READ)
                 # As flock(1): the lease is held until COMMAND and every process it left in its
                 # own process group have exited (a shell script's `cmd &`); the group gets
                 # forwarded signals, and on a loss SIGTERM, then SIGKILL, as COMMAND does.
-                while child.poll() is None or (lingering := self._group_left(child)):
-                    if lingering and pidfd >= 0:
-                        selector.unregister(pidfd)  # readable for good once COMMAND exited
-                        os.close(pidfd)
-                        pidfd = -1
+                while child.popen.poll() is None or (lingering := child.group_left()):
+                    if lingering and child.pidfd >= 0:
+                        selector.unregister(child.pidfd)  # readable for good once COMMAND exited
+                        child.close()
                         self._say(f"{self._name} exited; waiting for the processes it left running", level=2)
                     now = time.monotonic()
                     if terminated_at is None and (why := self._why_stop(lease)) is not None:
@@ -362,37 +333,35 @@ class Supervisor:
                         self._say(
                             f"{why}: sending SIGTERM to {self._name} (pid {child.pid}), SIGKILL in {self.grace:g}s"
                         )
-                        self._signal(child, signal.SIGTERM)
-                    if received_at is None and self._sigterm_at is not None:
-                        received_at = self._sigterm_at
+                        child.terminated(now)
+                        child.signal(signal.SIGTERM)
+                    if not received and self._sigterm_at is not None:  # a deploy's, passed on
+                        received = True
+                        child.terminated(self._sigterm_at)
                         self._say(f"SIGTERM passed on to {self._name}: SIGKILL in {self.grace:g}s if it runs", level=2)
-                    # --grace runs from the first SIGTERM COMMAND got: ours on a loss, or a deploy's.
-                    stop_at = min((t for t in (terminated_at, received_at) if t is not None), default=None)
-                    if stop_at is not None and not self._killed and now >= stop_at + self.grace:
-                        self._killed = True
+                    if child.until_kill(now) == 0:
                         self._say(
                             f"{self._name} (pid {child.pid}) still running {self.grace:g}s after SIGTERM: SIGKILL"
                         )
-                        self._signal(child, signal.SIGKILL)
+                        child.kill()
                     waits = [] if terminated_at is not None else [max(lease.trust_remaining, 0.001)]  # trust's end
-                    if stop_at is not None and not self._killed:
-                        waits.append(max(stop_at + self.grace - now, 0.0))
+                    if (kill_in := child.until_kill(now)) is not None:
+                        waits.append(kill_in)
                     timeout = min(waits, default=None)
-                    if pidfd < 0:
+                    if child.pidfd < 0:  # no pidfd: poll the child
                         timeout = 0.05 if timeout is None else min(timeout, 0.05)
                     for ready, _events in selector.select(timeout):
                         if ready.fd == self._wake_r:
                             with suppress(BlockingIOError):
                                 os.read(self._wake_r, 64)
-            if terminated_at is not None and self._own_group:
+            if terminated_at is not None and child.own_group:
                 # The lease is gone and COMMAND has ended: whatever it left behind in its group
                 # must not go on working without the lease either.
-                self._signal(child, signal.SIGKILL)
+                child.signal(signal.SIGKILL)
         finally:
-            if pidfd >= 0:
-                os.close(pidfd)
-        assert child.returncode is not None
-        return child.returncode
+            child.close()
+        assert child.popen.returncode is not None
+        return child.popen.returncode
 
     def _why_stop(self, lease: HeldLease) -> str | None:
         """Why COMMAND must stop now (the lease was lost; campaigning, a hand-off was asked for), or None."""
@@ -405,7 +374,8 @@ class Supervisor:
         return None
 
     def _kill_report(self, returncode: int) -> str:
-        sent = f"sent {self._name} SIGTERM" + (f", then SIGKILL after {self.grace:g}s" if self._killed else "")
+        killed = self.child is not None and self.child.killed
+        sent = f"sent {self._name} SIGTERM" + (f", then SIGKILL after {self.grace:g}s" if killed else "")
         return f"{sent}; it {describe_exit(returncode)}"
 
     # -- run --campaign ------------------------------------------------------------------------------
@@ -465,7 +435,7 @@ class Supervisor:
     def _term(self, lease: HeldLease) -> int | None:
         """COMMAND for one term: its Popen return code (None when the lease was lost before it started)."""
         self.child, self._pending, self._sigterm_at = None, [], None
-        self._terminated_at_loss = self._killed = False
+        self._terminated_at_loss = False
         try:
             returncode = self._supervise(lease)
         except RunError as exc:

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import threading
 from io import StringIO
@@ -21,6 +22,7 @@ from django.core.management.base import OutputWrapper
 from django.db import connections
 
 from pg_lease_django import Lease
+from pg_lease_django.child_process import Child
 from pg_lease_django.display import LeaseRow
 from pg_lease_django.management.commands.leases import Command
 from pg_lease_django.status import LeaseStatus
@@ -182,3 +184,22 @@ def test_the_wait_status_line_shows_the_holder_escaped() -> None:
     shown = stderr.getvalue()
     assert f"waiting for k{SHOWN} held by them{SHOWN}, expires in 29s" in shown
     assert "\x07" not in shown and "\u202e" not in shown and "\x1b[2J" not in shown
+
+
+def test_a_childs_grace_runs_from_the_first_sigterm_it_got() -> None:
+    """`Child`'s bookkeeping, on its own clock readings: the earliest SIGTERM counts, whoever sent it
+    (the supervisor on a loss, or a deploy's passed on), and the SIGKILL is due ``grace`` after it."""
+    child = Child(["sleep", "60"], dict(os.environ), grace=2.0)
+    try:
+        assert child.until_kill(100.0) is None  # no SIGTERM yet: nothing is due
+        child.terminated(110.0)
+        child.terminated(109.0)  # an earlier one (a deploy's, seen late) moves the deadline forward
+        child.terminated(112.0)  # a later one does not move it back
+        assert (child.until_kill(110.0), child.until_kill(111.0), child.until_kill(115.0)) == (1.0, 0.0, 0.0)
+        child.kill()
+        assert child.until_kill(115.0) is None and child.popen.wait(30) == -signal.SIGKILL
+    finally:
+        child.close()
+        if child.popen.poll() is None:
+            child.popen.kill()
+            child.popen.wait(30)
