@@ -77,7 +77,7 @@ class Child:
     terminal: then a signal (passed on, or sent on a loss) reaches the processes COMMAND started as
     well. In the foreground COMMAND must share our group to read the terminal (as with ``timeout
     --foreground``); there only COMMAND itself is signalled and waited for. Its grace runs from the
-    first SIGTERM it got, whoever sent it (`terminated`); the caller asks `kill_due` and `kill`.
+    first SIGTERM it got, whoever sent it (`terminated`); the caller asks `until_kill`, then `kill`.
 
     Raises:
         OSError: COMMAND could not be started (``FileNotFoundError`` when it does not exist).
