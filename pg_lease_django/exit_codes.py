@@ -1,7 +1,9 @@
 """The exit codes of ``manage.py leases`` (`ExitCode`), and `RunError`, how ``leases run`` ends with one of its own.
 
 Written here once: the command's help, its docstring and ``run``'s description are generated from
-`ExitCode`; every subcommand and the supervisor (`pg_lease_django.supervisor`) exit with them.
+`ExitCode`; every subcommand and the supervisor (`pg_lease_django.supervisor`) exit with them, and
+so does a job skipped by ``@leased(..., on_busy="exit")`` (``BUSY``, ``TIMED_OUT``). A leaf: it
+imports nothing of the package.
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ Receivers are called with ``send_robust``: an exception in a receiver is logged 
     ``lease.handoff_requested`` is True from then on. The lease is still held.
 
 ``lease_skipped(sender, key, error)``
-    ``@leased(on_busy="skip")`` did not run its function because the lease could not be had:
-    ``sender`` is the decorated function, ``error`` the `NotAcquirableError` or `LeaseTimeoutError`.
+    ``@leased(on_busy="skip")`` (or ``"exit"``, just before it exits) did not run its function
+    because the lease could not be had: ``sender`` is the decorated function, ``error`` the
+    `NotAcquirableError` or `LeaseTimeoutError`.
     Also logged at WARNING (logger ``pg_lease_django.jobs``), which a default Django project shows.
 """
 

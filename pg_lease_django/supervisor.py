@@ -10,6 +10,10 @@ With ``campaign=True`` (``leases run --campaign``) it keeps COMMAND running on e
 machine of many: it campaigns with `pg_lease_django.elect`, runs COMMAND while it leads, and
 campaigns again when COMMAND exits or the lease is lost or handed off, until a signal stops it.
 
+``grace`` bounds every SIGTERM, the one sent on a loss and a deploy's (systemd, the kubelet):
+COMMAND's group is SIGKILLed ``grace`` seconds after the first, then the lease is released, before
+the platform's own SIGKILL would end the supervisor too and leave the lease to lapse.
+
 `ExitCode` (`pg_lease_django.exit_codes`, re-exported here) is the exit-code table of the whole
 ``manage.py leases`` command; ``run``'s own codes are the supervisor's outcomes.
 """
@@ -21,7 +25,6 @@ import os
 import queue
 import selectors
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,8 +37,8 @@ from django.core.management.base import OutputWrapper
 from django.db import connections, router
 
 from . import election as elections
-from .child_process import describe_exit, group_alive, signal_name, terminal_foreground
-from .display import LeaseRow
+from .child_process import Child, describe_exit, signal_name, terminal_foreground
+from .display import LeaseRow, printable
 from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
 from .exit_codes import ExitCode, RunError
 from .holds.holding import hold
@@ -48,12 +51,18 @@ __all__ = ["DEFAULT_GRACE", "FORWARDED_SIGNALS", "ExitCode", "RunError", "Superv
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between the SIGTERM sent to COMMAND when the lease is lost and the SIGKILL that follows.
+#: Seconds between a SIGTERM (sent to COMMAND when the lease is lost, or received and passed on)
+#: and the SIGKILL that follows if COMMAND still runs.
 DEFAULT_GRACE = 10.0
 #: Signals the supervisor passes on to COMMAND.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 #: Of those, the ones that also end a campaign (``--campaign``): COMMAND is not restarted after them.
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _quoted(text: str) -> str:
+    """A key, an owner: chosen by others, shown quoted and escaped (`printable`), never obeyed by a terminal."""
+    return f"'{printable(text)}'"
 
 
 class _Interrupted(BaseException):
@@ -80,7 +89,8 @@ class Supervisor:
         argv: COMMAND and its arguments.
         ttl: seconds each grant and renewal lasts.
         wait: wait up to this many seconds for the lease; None: don't wait (busy is `ExitCode.BUSY`).
-        grace: seconds between SIGTERM and SIGKILL when the lease is lost.
+        grace: seconds COMMAND gets after a SIGTERM before SIGKILL: one sent because the lease
+            was lost (or, campaigning, handed off), or the first one this process received.
         owner: the owner identity; default ``host:pid:random``, new for every run.
         using: the database alias; default where the router sends writes of leases.
         verbosity: 0 says nothing, 1 reports signals and losses, 2 the grant and the release too.
@@ -108,17 +118,17 @@ class Supervisor:
         self.campaign = campaign
         self._election: elections.Election | None = None
         self.key, self.argv = key, list(argv)
+        self._key = _quoted(key)  # as messages show it
         self.using = using or router.db_for_write(Lease)
         self.verbosity = verbosity
         self.ttl, self.wait, self.grace, self.owner = ttl, wait, grace, owner
         self.stdout = stdout or OutputWrapper(sys.stdout)
         self.stderr = stderr or OutputWrapper(sys.stderr)
-        self.child: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
         self._started = False  # from here on signals are forwarded, not raised
         self._interrupted = False  # a signal already stopped the wait: further ones must not cut the release short
         self._terminated_at_loss = False
-        self._killed = False
-        self._own_group = False
+        self._sigterm_at: float | None = None  # the first SIGTERM received while COMMAND runs (monotonic)
         self._pending: list[int] = []  # forwarded signals that arrived while COMMAND was being started
         self._wake_lock = threading.Lock()
         self._wake_r = self._wake_w = -1  # a pipe while running: the hold's on_lost wakes the main thread
@@ -136,7 +146,7 @@ class Supervisor:
 
     @property
     def _name(self) -> str:
-        return os.path.basename(self.argv[0]) or self.argv[0]
+        return printable(os.path.basename(self.argv[0]) or self.argv[0])
 
     # -- signals -------------------------------------------------------------------------------------
 
@@ -151,6 +161,10 @@ class Supervisor:
                 self._interrupted = True
                 raise _Interrupted(signum)
             return
+        if signum == signal.SIGTERM and self._sigterm_at is None:
+            # A deploy's stop: --grace runs from here, whoever sent it. _watch takes it into account.
+            self._sigterm_at = time.monotonic()
+            self._wake()
         if self.child is None:
             self._pending.append(signum)
         else:
@@ -162,19 +176,11 @@ class Supervisor:
         # runs too: while it is None the child has not been reaped, so its pid is still its own.
         # Once reaped, its process group (pgid = its pid, never reused while the group lives) may
         # still hold the processes it left running: they get the signal while the lease is held.
-        if child is None or (child.returncode is not None and not self._group_left(child)):
+        if child is None or (child.popen.returncode is not None and not child.group_left()):
             return
-        if signum == signal.SIGINT and not self._own_group and terminal_foreground():
+        if signum == signal.SIGINT and not child.own_group and terminal_foreground():
             return  # Ctrl-C: the terminal sent it to COMMAND as well (same process group)
-        self._signal(child, signum)
-
-    def _signal(self, child: subprocess.Popen[bytes], signum: int) -> None:
-        # COMMAND's whole process group when it has one of its own: a shell's children too.
-        with suppress(ProcessLookupError, PermissionError):
-            if self._own_group:
-                os.killpg(child.pid, signum)
-            else:
-                os.kill(child.pid, signum)
+        child.signal(signum)
 
     def _wake(self, lease: HeldLease | None = None) -> None:
         # on_lost of the hold, called once from a heartbeat worker thread (and, campaigning, the
@@ -259,24 +265,24 @@ class Supervisor:
                 else self._kill_report(returncode)
             )
             raise RunError(
-                f"lease {self.key!r} (epoch {lease.epoch}) was lost while {self._name} ran ({error.code}): {what}",
+                f"lease {self._key} (epoch {lease.epoch}) was lost while {self._name} ran ({error.code}): {what}",
                 ExitCode.LOST,
             )
-        self._say(f"released {self.key!r} (epoch {lease.epoch}); {self._name} {describe_exit(returncode)}", level=2)
+        self._say(f"released {self._key} (epoch {lease.epoch}); {self._name} {describe_exit(returncode)}", level=2)
         return returncode if returncode >= 0 else 128 - returncode
 
     def _holder(self) -> str:
         row = self.read_lease()
         connections[self.using].close()  # no idle connection left behind by a status query
-        if row is None or row.state != LeaseStatus.HELD:
-            return f"lease {self.key!r} was held by another owner"
-        return f"lease {self.key!r} is held by {row.owner!r} (epoch {row.epoch}, expires {row.expiry})"
+        if row is None or row.state != LeaseStatus.HELD or row.owner is None:
+            return f"lease {self._key} was held by another owner"
+        return f"lease {self._key} is held by {_quoted(row.owner)} (epoch {row.epoch}, expires {row.expiry})"
 
     def _supervise(self, lease: HeldLease) -> int:
         """Start COMMAND and wait for it, signalling it if the lease is lost; its Popen return code."""
         if lease.lost:
             raise RunError(
-                f"lease {self.key!r} (epoch {lease.epoch}) was lost before {self._name} started; it was not run",
+                f"lease {self._key} (epoch {lease.epoch}) was lost before {self._name} started; it was not run",
                 ExitCode.LOST,
             )
         env = {
@@ -285,51 +291,41 @@ class Supervisor:
             "PG_LEASE_OWNER": lease.owner,
             "PG_LEASE_EPOCH": str(lease.epoch),
         }
-        self._say(f"acquired {self.key!r} as {lease.owner!r} at epoch {lease.epoch}; running {self._name}", level=2)
+        self._say(
+            f"acquired {self._key} as {_quoted(lease.owner)} at epoch {lease.epoch}; running {self._name}", level=2
+        )
         connections.close_all()  # the hold has a connection of its own: keep no idle one for COMMAND's lifetime
         self.stdout.flush()
         self.stderr.flush()
         self._started = True
         try:
-            # A process group of its own unless we run in the foreground of a terminal: then a
-            # signal (forwarded, or sent on loss) reaches the processes COMMAND started as well. In
-            # the foreground COMMAND must share our group to read the terminal (as with `timeout
-            # --foreground`); there only COMMAND itself is signalled.
-            self._own_group = not terminal_foreground()
-            self.child = subprocess.Popen(self.argv, env=env, process_group=0 if self._own_group else None)
+            self.child = Child(self.argv, env, self.grace)
         except FileNotFoundError:
-            raise RunError(f"{self.argv[0]}: command not found", ExitCode.COMMAND_NOT_FOUND) from None
+            raise RunError(f"{printable(self.argv[0])}: command not found", ExitCode.COMMAND_NOT_FOUND) from None
         except OSError as exc:
-            raise RunError(f"{self.argv[0]}: cannot execute: {exc.strerror or exc}", ExitCode.CANNOT_EXECUTE) from None
+            raise RunError(
+                f"{printable(self.argv[0])}: cannot execute: {exc.strerror or exc}", ExitCode.CANNOT_EXECUTE
+            ) from None
         for signum in self._pending:
             self._forward(signum)
         return self._watch(lease, self.child)
 
-    def _group_left(self, child: subprocess.Popen[bytes]) -> bool:
-        """Whether COMMAND's own process group still has a process (COMMAND's background children)."""
-        if not self._own_group:
-            return False
-        return group_alive(child.pid)
-
-    def _watch(self, lease: HeldLease, child: subprocess.Popen[bytes]) -> int:
-        pidfd = -1
-        with suppress(AttributeError, OSError):  # no pidfd (not Linux, or before 5.3): poll the child
-            pidfd = os.pidfd_open(child.pid)
-        terminated_at: float | None = None
+    def _watch(self, lease: HeldLease, child: Child) -> int:
+        terminated_at: float | None = None  # when the lease's loss (or a hand-off) made us send SIGTERM
+        received = False  # a SIGTERM sent to this process (see _on_signal) has been taken into account
         lingering = False  # COMMAND has exited; processes it left in its group still run
         try:
             with selectors.DefaultSelector() as selector:
                 selector.register(self._wake_r, selectors.EVENT_READ)
-                if pidfd >= 0:
-                    selector.register(pidfd, selectors.EVENT_READ)
+                if child.pidfd >= 0:
+                    selector.register(child.pidfd, selectors.EVENT_READ)
                 # As flock(1): the lease is held until COMMAND and every process it left in its
                 # own process group have exited (a shell script's `cmd &`); the group gets
                 # forwarded signals, and on a loss SIGTERM, then SIGKILL, as COMMAND does.
-                while child.poll() is None or (lingering := self._group_left(child)):
-                    if lingering and pidfd >= 0:
-                        selector.unregister(pidfd)  # readable for good once COMMAND exited
-                        os.close(pidfd)
-                        pidfd = -1
+                while child.popen.poll() is None or (lingering := child.group_left()):
+                    if lingering and child.pidfd >= 0:
+                        selector.unregister(child.pidfd)  # readable for good once COMMAND exited
+                        child.close()
                         self._say(f"{self._name} exited; waiting for the processes it left running", level=2)
                     now = time.monotonic()
                     if terminated_at is None and (why := self._why_stop(lease)) is not None:
@@ -337,45 +333,49 @@ class Supervisor:
                         self._say(
                             f"{why}: sending SIGTERM to {self._name} (pid {child.pid}), SIGKILL in {self.grace:g}s"
                         )
-                        self._signal(child, signal.SIGTERM)
-                    if terminated_at is not None and not self._killed and now >= terminated_at + self.grace:
-                        self._killed = True
-                        self._say(f"{self._name} (pid {child.pid}) still running after {self.grace:g}s: SIGKILL")
-                        self._signal(child, signal.SIGKILL)
-                    if terminated_at is None:
-                        timeout: float | None = max(lease.trust_remaining, 0.001)  # wake when trust ends
-                    elif not self._killed:
-                        timeout = max(terminated_at + self.grace - now, 0.0)
-                    else:
-                        timeout = None
-                    if pidfd < 0:
+                        child.terminated(now)
+                        child.signal(signal.SIGTERM)
+                    if not received and self._sigterm_at is not None:  # a deploy's, passed on
+                        received = True
+                        child.terminated(self._sigterm_at)
+                        self._say(f"SIGTERM passed on to {self._name}: SIGKILL in {self.grace:g}s if it runs", level=2)
+                    if child.until_kill(now) == 0:
+                        self._say(
+                            f"{self._name} (pid {child.pid}) still running {self.grace:g}s after SIGTERM: SIGKILL"
+                        )
+                        child.kill()
+                    waits = [] if terminated_at is not None else [max(lease.trust_remaining, 0.001)]  # trust's end
+                    if (kill_in := child.until_kill(now)) is not None:
+                        waits.append(kill_in)
+                    timeout = min(waits, default=None)
+                    if child.pidfd < 0:  # no pidfd: poll the child
                         timeout = 0.05 if timeout is None else min(timeout, 0.05)
                     for ready, _events in selector.select(timeout):
                         if ready.fd == self._wake_r:
                             with suppress(BlockingIOError):
                                 os.read(self._wake_r, 64)
-            if terminated_at is not None and self._own_group:
+            if terminated_at is not None and child.own_group:
                 # The lease is gone and COMMAND has ended: whatever it left behind in its group
                 # must not go on working without the lease either.
-                self._signal(child, signal.SIGKILL)
+                child.signal(signal.SIGKILL)
         finally:
-            if pidfd >= 0:
-                os.close(pidfd)
-        assert child.returncode is not None
-        return child.returncode
+            child.close()
+        assert child.popen.returncode is not None
+        return child.popen.returncode
 
     def _why_stop(self, lease: HeldLease) -> str | None:
         """Why COMMAND must stop now (the lease was lost; campaigning, a hand-off was asked for), or None."""
         error = lease.error
         if error is not None:
             self._terminated_at_loss = True
-            return f"lease {self.key!r} lost ({error.code})"
+            return f"lease {self._key} lost ({error.code})"
         if self.campaign and lease.handoff_requested:
-            return f"hand-off of {self.key!r} requested"
+            return f"hand-off of {self._key} requested"
         return None
 
     def _kill_report(self, returncode: int) -> str:
-        sent = f"sent {self._name} SIGTERM" + (f", then SIGKILL after {self.grace:g}s" if self._killed else "")
+        killed = self.child is not None and self.child.killed
+        sent = f"sent {self._name} SIGTERM" + (f", then SIGKILL after {self.grace:g}s" if killed else "")
         return f"{sent}; it {describe_exit(returncode)}"
 
     # -- run --campaign ------------------------------------------------------------------------------
@@ -410,7 +410,7 @@ class Supervisor:
             ttl=self.ttl,
             on_started_leading=lead,
             on_stopped_leading=lambda: None,
-            on_new_leader=lambda identity: self._say(f"{self.key!r} is led by {identity!r}", level=2),
+            on_new_leader=lambda identity: self._say(f"{self._key} is led by {_quoted(identity)}", level=2),
             owner=self.owner,
             using=self.using,
         )
@@ -434,8 +434,8 @@ class Supervisor:
 
     def _term(self, lease: HeldLease) -> int | None:
         """COMMAND for one term: its Popen return code (None when the lease was lost before it started)."""
-        self.child, self._pending = None, []
-        self._terminated_at_loss = self._killed = False
+        self.child, self._pending, self._sigterm_at = None, [], None
+        self._terminated_at_loss = False
         try:
             returncode = self._supervise(lease)
         except RunError as exc:
@@ -447,13 +447,13 @@ class Supervisor:
             self._started = False  # from here a signal stops the campaign at once
         ended = f"{self._name} {describe_exit(returncode)}"
         if self._terminated_at_loss:
-            self._say(f"lease {self.key!r} (epoch {lease.epoch}) was lost: {self._kill_report(returncode)}")
+            self._say(f"lease {self._key} (epoch {lease.epoch}) was lost: {self._kill_report(returncode)}")
         elif lease.handoff_requested:
-            self._say(f"stepped down from {self.key!r} (epoch {lease.epoch}) for a hand-off; {ended}")
+            self._say(f"stepped down from {self._key} (epoch {lease.epoch}) for a hand-off; {ended}")
         elif self._election is not None and not self._election.stopping:
-            self._say(f"{ended}; stepping down from {self.key!r} (epoch {lease.epoch}), campaigning again")
+            self._say(f"{ended}; stepping down from {self._key} (epoch {lease.epoch}), campaigning again")
             if returncode != 0:
                 elections.fail_term(self._election)  # back off before the next term
         else:
-            self._say(f"{ended}; releasing {self.key!r} (epoch {lease.epoch}), stopped campaigning", level=2)
+            self._say(f"{ended}; releasing {self._key} (epoch {lease.epoch}), stopped campaigning", level=2)
         return returncode

@@ -11,7 +11,7 @@ from datetime import timedelta
 from django.core.management.base import OutputWrapper
 from django.db import connections
 
-from .display import LeaseRow, format_duration
+from .display import LeaseRow, format_duration, printable
 from .status import LeaseStatus
 
 __all__ = ["WaitStatus"]
@@ -28,6 +28,7 @@ class WaitStatus(threading.Thread):
 
     Reads the lease as ``leases show`` does, on a connection of this thread's own (the waiting
     acquire has its own too), and never blocks the wait: any failure only ends the status line.
+    The key and the holder are others' text: shown through `printable`, never obeyed by the terminal.
     """
 
     def __init__(self, key: str, read_lease: Callable[[], LeaseRow | None], stderr: OutputWrapper, wait: float) -> None:
@@ -39,16 +40,18 @@ class WaitStatus(threading.Thread):
 
     def run(self) -> None:
         started = time.monotonic()
+        key = printable(self.key)
         try:
             while not self._stopped.wait(_STATUS_REFRESH):
                 row = self.read_lease()
+                owner = printable(row.owner or "") if row is not None else ""
                 waited = format_duration(timedelta(seconds=time.monotonic() - started))
                 if row is None or row.state == LeaseStatus.FREE:
-                    text = f"waiting for {self.key} (free now)"
+                    text = f"waiting for {key} (free now)"
                 elif row.state == LeaseStatus.LAPSED:
-                    text = f"waiting for {self.key} (lapsed, last held by {row.owner})"
+                    text = f"waiting for {key} (lapsed, last held by {owner})"
                 else:
-                    text = f"waiting for {self.key} held by {row.owner}, expires {row.expiry}"
+                    text = f"waiting for {key} held by {owner}, expires {row.expiry}"
                 self._show(f"{text} (waited {waited} of {format_duration(timedelta(seconds=self.wait))})")
         except Exception:
             logger.debug("the wait status line for %r failed", self.key, exc_info=True)

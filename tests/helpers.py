@@ -7,6 +7,7 @@ importing from ``conftest``).
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -132,6 +133,44 @@ def url_of_test_database(alias: str = "default") -> str:
     if host.startswith("/"):  # a unix socket directory
         return f"postgresql://{auth}@:{port}/{name}?host={quote(host, safe='')}"
     return f"postgresql://{auth}@{host}:{port}/{name}"
+
+
+# ---- processes -----------------------------------------------------------------------------------
+
+
+def session_members(sid: int) -> list[int]:
+    """Every process of session ``sid``: here, what the unit's control group holds under systemd."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[3]) == sid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+class ProcessEnd(threading.Thread):
+    """When process ``pid`` (not necessarily a child of this one) ends, on this machine's monotonic clock.
+
+    Its pidfd becomes readable when the process exits, reaped or not (Linux 5.3+).
+    """
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pidfd = os.pidfd_open(pid)
+        self.at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            select.select([self.pidfd], [], [])
+            self.at = time.monotonic()
+        finally:
+            os.close(self.pidfd)
 
 
 # ---- leases in a given state ---------------------------------------------------------------------

@@ -28,7 +28,7 @@ from django.core.management import CommandError, call_command
 from devkit.dbserver import REPO
 from pg_lease_django import Lease
 from pg_lease_django.supervisor import ExitCode
-from tests.helpers import held, url_of_test_database
+from tests.helpers import ProcessEnd, held, session_members, url_of_test_database
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -398,3 +398,40 @@ def test_bad_arguments_from_a_real_process(key: str, runs: Callable[..., LeasesR
         assert run.finish() == 2
         assert one_line_error(run.stderr).startswith(message)
     assert Lease.objects.inspect(key).epoch == 0  # nothing was acquired
+
+
+# -- a SIGTERM from the platform (systemd, the kubelet) --------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("campaign", [False, True], ids=["run", "campaign"])
+@pytest.mark.parametrize("sent_to", ["supervisor", "control-group"])
+def test_grace_bounds_a_sigterm_from_the_platform_then_the_lease_is_released(
+    key: str, runs: Callable[..., LeasesRun], campaign: bool, sent_to: str
+) -> None:
+    """A COMMAND (and its child) that ignore SIGTERM: the platform's SIGTERM reaches ``leases run`` alone
+    (the kubelet, ``KillMode=mixed``) or every process of the unit (systemd's default ``KillMode=
+    control-group``, here every process of the session). COMMAND's group is SIGKILLed ``--grace`` after
+    the SIGTERM, never sooner, and the lease is released: with a TTL of 600 s a lease left to lapse
+    would still be held when the test ends."""
+    grace = 1.5
+    options = ["--campaign"] if campaign else []
+    run = runs(key, *options, "--ttl", "600", "--grace", str(grace), "-v", "2", "--", *CHILD, "stubborn")
+    ready = run.expect("ready")
+    leased = Lease.objects.inspect(key)
+    assert leased.status == "held"
+    deaths = [ProcessEnd(ready["pid"]), ProcessEnd(ready["grandchild"])]
+    sent_at = time.monotonic()
+    for pid in [run.proc.pid] if sent_to == "supervisor" else session_members(run.proc.pid):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+    assert run.finish(timeout=60) == 128 + signal.SIGKILL  # COMMAND's status: killed by SIGKILL
+    assert run.expect("ignored")["name"] == "SIGTERM"  # COMMAND got the SIGTERM and kept going
+    for death in deaths:
+        death.join(30)
+        assert death.at is not None
+        assert death.at - sent_at >= grace  # SIGKILL no sooner than --grace after the SIGTERM
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", leased.epoch + 1), state  # released, not left to lapse
+    assert f"{NAME} (pid {ready['pid']}) still running {grace:g}s after SIGTERM: SIGKILL" in run.stderr

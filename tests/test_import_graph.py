@@ -31,7 +31,7 @@ KNOWN_CYCLES: list[set[str]] = []
 #: an entry covers its submodules (``holds`` is every module of ``holds/``); ``__init__`` is the
 #: package's root module, which re-exports the public API and so sits on top.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"conf", "exceptions", "status", "owners", "signals", "tracing"}),
+    ("leaves", {"conf", "exceptions", "exit_codes", "status", "owners", "signals", "tracing"}),
     ("input rules, statements, SQL files", {"validation", "sql", "migrations", "sigterm", "metrics"}),
     ("one call", {"commit_confirmation", "operations", "display"}),
     ("the blocking wait", {"wait_plan", "settling", "waiting"}),
@@ -48,7 +48,6 @@ LAYERS: list[tuple[str, set[str]]] = [
             "timeline",
             "watch",
             "supervisor",
-            "exit_codes",
             "child_process",
             "wait_status",
             "management",

@@ -18,7 +18,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, assert_type
 
 import psycopg
 import pytest
@@ -50,6 +51,7 @@ from pg_lease_django import (
     leased,
     unfenced_writes,
 )
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.holds import lease_connection, lease_pool, scheduler
 from pg_lease_django.holds.lease import Tenure
 from tests.helpers import needs_session, wait_until
@@ -290,6 +292,71 @@ def test_leased_skips_or_raises_when_busy(key: str, caplog: pytest.LogCaptureFix
     assert skip["sender"] is skipping.__wrapped__ and skip["key"] == key  # type: ignore[attr-defined]
     assert isinstance(skip["error"], NotAcquirableError)
     assert [r.levelno for r in caplog.records if "skipped" in r.getMessage()] == [logging.WARNING]
+
+
+def test_leased_on_busy_exit_ends_the_process_with_leases_runs_busy_status(
+    key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``on_busy="exit"``: a skip raises ``SystemExit`` with ``leases run``'s status for the same outcome
+    (75 busy, 77 timed out), after the same warning and `lease_skipped`; a call that runs returns its result."""
+    calls: list[int] = []
+
+    @leased(key, ttl=5, on_busy="exit")
+    def job(n: int) -> int:
+        calls.append(n)
+        return n * 2
+
+    @leased(key, ttl=5, blocking=True, timeout=0.2, on_busy="exit")
+    def waiting_job() -> str:
+        return "ran"
+
+    assert_type(job(1), int)  # no None: a skipped call does not return
+    assert job(21) == 42
+    assert Lease.objects.acquire(key, "elsewhere", ttl=30) is not None
+    skips: list[dict[str, Any]] = []
+
+    def on_skip(sender: Any, **kwargs: Any) -> None:
+        skips.append({"sender": sender, **kwargs})
+
+    lease_skipped.connect(on_skip)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pg_lease_django.jobs"), pytest.raises(SystemExit) as busy:
+            job(3)
+        with pytest.raises(SystemExit) as timed_out:
+            waiting_job()
+    finally:
+        lease_skipped.disconnect(on_skip)
+    assert (busy.value.code, timed_out.value.code) == (ExitCode.BUSY, ExitCode.TIMED_OUT) == (75, 77)
+    assert calls == [1, 21]
+    assert [type(skip["error"]) for skip in skips] == [NotAcquirableError, LeaseTimeoutError]
+    warnings = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert [r.levelno for r in warnings] == [logging.WARNING] * 2
+    assert [r.getMessage().rsplit("; ", 1)[1] for r in warnings] == ["exiting with status 75", "exiting with status 77"]
+    assert Lease.objects.inspect(key).owner == "elsewhere"
+
+
+@pytest.mark.parametrize("form", ["command", "main"])
+def test_a_skipped_job_process_exits_75_and_77_and_one_that_ran_exits_0(key: str, form: str, tmp_path: Path) -> None:
+    """What cron and systemd see: a management command's ``handle()`` and a script's ``main()`` under
+    ``@leased(..., on_busy="exit")``, each a real process."""
+
+    def run(marker: str, *wait: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "tests.leased_child", form, key, str(tmp_path / marker), *wait]
+        return subprocess.run(argv, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=120)
+
+    ran = run("ran")
+    assert ran.returncode == 0, ran.stderr
+    assert (tmp_path / "ran").exists()
+    epoch = Lease.objects.inspect(key).epoch
+    assert Lease.objects.acquire(key, "elsewhere", ttl=60) is not None
+    busy = run("busy")
+    assert busy.returncode == ExitCode.BUSY.value == 75, busy.stderr
+    assert "skipped" in busy.stderr and "exiting with status 75" in busy.stderr
+    timed_out = run("timed-out", "0.3")
+    assert timed_out.returncode == ExitCode.TIMED_OUT.value == 77, timed_out.stderr
+    assert not (tmp_path / "busy").exists() and not (tmp_path / "timed-out").exists()
+    state = Lease.objects.inspect(key)
+    assert (state.owner, state.epoch) == ("elsewhere", epoch + 1)
 
 
 def test_leased_key_templates_and_callables(key: str) -> None:

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import threading
 from io import StringIO
@@ -21,9 +22,12 @@ from django.core.management.base import OutputWrapper
 from django.db import connections
 
 from pg_lease_django import Lease
+from pg_lease_django.child_process import Child
+from pg_lease_django.display import LeaseRow
 from pg_lease_django.management.commands.leases import Command
 from pg_lease_django.status import LeaseStatus
 from pg_lease_django.supervisor import ExitCode, RunError, Supervisor
+from pg_lease_django.wait_status import WaitStatus
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -119,3 +123,83 @@ def test_exit_codes_are_written_once() -> None:
         assert re.search(rf"^\| (?:\d+, )*{code.value}(?:, \d+)* \|", operations, flags=re.M), code
         if code >= ExitCode.BUSY:
             assert f"{code.value} {code.label}" in " ".join(run_help.split())
+
+
+#: Text a terminal would act on: an escape sequence (clear the screen), a bell and a bidi override.
+HOSTILE = "\x1b[2J\x07\u202e"
+SHOWN = "\\x1b[2J\\x07\\u202e"
+
+
+def test_keys_owners_and_command_names_are_shown_escaped(key: str, tmp_path: Path) -> None:
+    """Others choose keys, owners and COMMAND (a shared script's name): ``leases run`` prints them through
+    `printable`, never raw, in its messages and in its errors."""
+    hostile_key = f"{key}{HOSTILE}"
+    command = tmp_path / f"report{HOSTILE}"
+    command.symlink_to(sys.executable)
+    stderr = StringIO()
+    supervisor = Supervisor(
+        hostile_key,
+        [str(command), *CHILD[1:], "env", "0"],
+        ttl=5,
+        owner=f"me{HOSTILE}",
+        verbosity=2,
+        stderr=OutputWrapper(stderr),
+    )
+    assert supervisor.run() == 0
+    epoch = Lease.objects.inspect(hostile_key).epoch - 1
+    assert stderr.getvalue().splitlines() == [
+        f"leases run: acquired '{key}{SHOWN}' as 'me{SHOWN}' at epoch {epoch}; running report{SHOWN}",
+        f"leases run: released '{key}{SHOWN}' (epoch {epoch}); report{SHOWN} exited with status 0",
+    ]
+
+    held = Lease.objects.acquire(hostile_key, f"them{HOSTILE}", ttl=30)
+    assert held is not None
+    with pytest.raises(RunError) as busy:
+        Supervisor(hostile_key, [str(command)], ttl=5).run()
+    assert str(busy.value).startswith(f"lease '{key}{SHOWN}' is held by 'them{SHOWN}' (epoch {held.epoch}, ")
+    assert str(busy.value).endswith(f"; report{SHOWN} was not run")
+
+    with pytest.raises(RunError) as missing:
+        Supervisor(key, [str(tmp_path / f"gone{HOSTILE}")], ttl=5).run()
+    assert str(missing.value) == f"{tmp_path}/gone{SHOWN}: command not found"
+
+
+def test_the_wait_status_line_shows_the_holder_escaped() -> None:
+    row = LeaseRow(
+        key=f"k{HOSTILE}",
+        state=LeaseStatus.HELD,
+        owner=f"them{HOSTILE}",
+        epoch=3,
+        acquired_at="2026-01-01T00:00:00.000000+00:00",
+        expires_at="2026-01-01T00:00:30.000000+00:00",
+        expires_in=29.0,
+        server_time="2026-01-01T00:00:01.000000+00:00",
+    )
+    stderr = StringIO()
+    status = WaitStatus(row.key, lambda: row, OutputWrapper(stderr), wait=30)
+    status.start()
+    wait_until(lambda: "waited" in stderr.getvalue(), timeout=30, what="the status line")
+    status.stop()
+    status.join(10)
+    shown = stderr.getvalue()
+    assert f"waiting for k{SHOWN} held by them{SHOWN}, expires in 29s" in shown
+    assert "\x07" not in shown and "\u202e" not in shown and "\x1b[2J" not in shown
+
+
+def test_a_childs_grace_runs_from_the_first_sigterm_it_got() -> None:
+    """`Child`'s bookkeeping, on its own clock readings: the earliest SIGTERM counts, whoever sent it
+    (the supervisor on a loss, or a deploy's passed on), and the SIGKILL is due ``grace`` after it."""
+    child = Child(["sleep", "60"], dict(os.environ), grace=2.0)
+    try:
+        assert child.until_kill(100.0) is None  # no SIGTERM yet: nothing is due
+        child.terminated(110.0)
+        child.terminated(109.0)  # an earlier one (a deploy's, seen late) moves the deadline forward
+        child.terminated(112.0)  # a later one does not move it back
+        assert (child.until_kill(110.0), child.until_kill(111.0), child.until_kill(115.0)) == (1.0, 0.0, 0.0)
+        child.kill()
+        assert child.until_kill(115.0) is None and child.popen.wait(30) == -signal.SIGKILL
+    finally:
+        child.close()
+        if child.popen.poll() is None:
+            child.popen.kill()
+            child.popen.wait(30)

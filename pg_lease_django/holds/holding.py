@@ -24,6 +24,7 @@ from asgiref.sync import iscoroutinefunction
 
 from pg_lease_django import sigterm
 from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.signals import lease_skipped
 from pg_lease_django.validation import Seconds, check_name
 
@@ -38,14 +39,23 @@ logger = logging.getLogger("pg_lease_django.jobs")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-OnBusy = Literal["skip", "raise"]
+OnBusy = Literal["skip", "raise", "exit"]
 
 
-def _skipped(func: Callable[..., Any], holding: Holding, error: Exception) -> None:
-    """``@leased(on_busy="skip")`` did not run ``func``: say so where a default Django project looks
-    (WARNING reaches the console through Python's last-resort handler), and send `lease_skipped`."""
-    logger.warning("skipped %s(): %s", func.__qualname__, error)
+def _skipped(func: Callable[..., Any], holding: Holding, error: Exception, on_busy: OnBusy) -> None:
+    """``@leased(on_busy="skip")`` or ``"exit"`` did not run ``func``: say so where a default Django
+    project looks (WARNING reaches the console through Python's last-resort handler), and send
+    `lease_skipped`. With ``"exit"``, then end the process with ``leases run``'s status for the same
+    outcome (`ExitCode.BUSY`, or ``TIMED_OUT`` for a blocking wait that ran out), so that cron or
+    systemd can tell a skipped run from one that ran."""
+    status = ExitCode.TIMED_OUT if isinstance(error, LeaseTimeoutError) else ExitCode.BUSY
+    if on_busy == "exit":
+        logger.warning("skipped %s(): %s; exiting with status %d", func.__qualname__, error, status)
+    else:
+        logger.warning("skipped %s(): %s", func.__qualname__, error)
     send_robust(lease_skipped, func, key=holding._key, error=error)  # noqa: SLF001 (Holding is of this module)
+    if on_busy == "exit":
+        raise SystemExit(int(status)) from None
 
 
 def report_next_acquire_to(holding: Holding, call: InFlight) -> None:
@@ -314,7 +324,8 @@ _BUSY = (NotAcquirableError, LeaseTimeoutError)
 def wrap(func: Callable[P, Any], holding_for: Callable[[Any, Any], Holding], on_busy: OnBusy) -> Callable[P, Any]:
     """``func`` (sync or async), each call run inside the `Holding` that ``holding_for(args, kwargs)`` makes.
 
-    When the lease cannot be had, the call raises (``on_busy="raise"``) or is skipped and returns None.
+    When the lease cannot be had, the call raises (``on_busy="raise"``), or is skipped and returns None
+    (``"skip"``) or raises ``SystemExit`` (``"exit"``).
     """
     if iscoroutinefunction(func):
 
@@ -326,7 +337,7 @@ def wrap(func: Callable[P, Any], holding_for: Callable[[Any, Any], Holding], on_
             except _BUSY as exc:
                 if on_busy == "raise":
                     raise
-                _skipped(func, holding, exc)
+                _skipped(func, holding, exc, on_busy)
                 return None
             try:
                 result = await func(*args, **kwargs)
@@ -346,7 +357,7 @@ def wrap(func: Callable[P, Any], holding_for: Callable[[Any, Any], Holding], on_
         except _BUSY as exc:
             if on_busy == "raise":
                 raise
-            _skipped(func, holding, exc)
+            _skipped(func, holding, exc, on_busy)
             return None
         try:
             result = func(*args, **kwargs)

@@ -40,7 +40,8 @@ class SkippingDecorator(Protocol):
 
 
 class RaisingDecorator(Protocol):
-    """What ``leased(..., on_busy="raise")`` returns: the wrapped call raises when busy."""
+    """What ``leased(..., on_busy="raise")`` and ``on_busy="exit"`` return: the wrapped call raises when
+    busy (the lease's error, or ``SystemExit``), so it returns only what the function returns."""
 
     @overload
     def __call__(self, func: Callable[P, Coroutine[Any, Any, R]], /) -> Callable[P, Coroutine[Any, Any, R]]: ...
@@ -74,7 +75,7 @@ def leased(
     hold_at_least: Seconds | None = ...,
     on_lost: OnLost | None = ...,
     using: str | None = ...,
-    on_busy: Literal["raise"],
+    on_busy: Literal["raise", "exit"],
 ) -> RaisingDecorator: ...
 
 
@@ -104,14 +105,19 @@ def leased(
         ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using: as for `hold`.
         on_busy: ``"skip"`` (default): when the lease cannot be had (held elsewhere, or the
             blocking wait timed out), the call does not run and returns None. ``"raise"``: it
-            raises NotAcquirableError / LeaseTimeoutError.
+            raises NotAcquirableError / LeaseTimeoutError. ``"exit"``: it is skipped as with
+            ``"skip"`` (logged, `lease_skipped` sent), then raises ``SystemExit`` with the status
+            ``manage.py leases run`` exits with for the same outcome: 75 (busy) or 77 (the wait
+            timed out). For a process's main function (a management command's ``handle()``, a
+            script's ``main()``), so that cron or systemd can tell a skipped run from one that ran.
 
     Raises:
         InvalidInputError: a bad argument, or a template field that names no parameter.
+        SystemExit: ``on_busy="exit"`` and the lease could not be had (when the call is made).
     """
     options = HoldOptions.build(ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using)
-    if on_busy not in ("skip", "raise"):
-        raise InvalidInputError(f"on_busy must be 'skip' or 'raise', not {on_busy!r}")
+    if on_busy not in ("skip", "raise", "exit"):
+        raise InvalidInputError(f"on_busy must be 'skip', 'raise' or 'exit', not {on_busy!r}")
     if not isinstance(key, str) and not callable(key):
         raise InvalidInputError(f"key must be a str template or a callable, not {type(key).__name__}")
 

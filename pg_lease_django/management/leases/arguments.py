@@ -164,7 +164,8 @@ def declare(parser: CommandParser) -> None:
             "Acquire KEY, run COMMAND with PG_LEASE_KEY, PG_LEASE_OWNER and PG_LEASE_EPOCH in its environment, "
             "renew the lease while it runs, release it when it ends. If the lease is lost, COMMAND gets SIGTERM, "
             "then SIGKILL after --grace seconds. SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 are passed on to "
-            f"COMMAND. Exit status: COMMAND's (128+N if signal N killed it); {ExitCode.summary(run=True)}."
+            "COMMAND; --grace after the first SIGTERM passed on, COMMAND gets SIGKILL too, then the lease is "
+            f"released. Exit status: COMMAND's (128+N if signal N killed it); {ExitCode.summary(run=True)}."
         ),
     )
     assert isinstance(run_parser, SubcommandParser)
@@ -185,7 +186,10 @@ def declare(parser: CommandParser) -> None:
     )
     run_parser.add_argument(
         "--grace",
-        help=f"Time between SIGTERM and SIGKILL when the lease is lost (10, 10s, 1m; default: {DEFAULT_GRACE:g}).",
+        help=(
+            "Time COMMAND gets after a SIGTERM, sent because the lease was lost or passed on from a deploy's "
+            f"stop, before SIGKILL (10, 10s, 1m; default: {DEFAULT_GRACE:g})."
+        ),
     )
 
     # run: Django's -v/--verbosity after the subcommand too (2 reports the grant and the release on stderr).
