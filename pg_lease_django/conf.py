@@ -258,6 +258,23 @@ def role_limits() -> dict[str, tuple[int | None, int | None]]:
     return {role: (limits.get("leases"), limits.get("tenures_per_key")) for role, limits in sorted(value.items())}
 
 
+def health_details() -> bool:
+    """``PG_LEASE_HEALTH_DETAILS`` (bool, default ``False``): the probes' details for every caller.
+
+    `pg_lease_django.views.ready` and ``live`` tell an anonymous caller only ``ok`` or
+    ``unavailable``; the held leases (key, owner, epoch: a fence) and the reason for a failure go to
+    users with the ``pg_lease_django.view_lease`` permission, or to everyone when this is True (a
+    probe port no one else reaches).
+
+    Raises:
+        ImproperlyConfigured: the setting is not a bool.
+    """
+    value = getattr(settings, "PG_LEASE_HEALTH_DETAILS", False)
+    if not isinstance(value, bool):
+        raise ImproperlyConfigured(f"PG_LEASE_HEALTH_DETAILS must be a bool, got {value!r}")
+    return value
+
+
 def metrics_enabled() -> bool:
     """``PG_LEASE_METRICS`` (bool, default ``True``): export Prometheus metrics when ``prometheus_client`` is installed.
 

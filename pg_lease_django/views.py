@@ -1,41 +1,94 @@
-"""A health check for load balancers and Kubernetes probes: the lease functions, and this process's holds.
+"""Probes for load balancers and Kubernetes: readiness (`ready`) and liveness (`live`).
 
-Add it to your URLconf::
+Mount them in your URLconf (docs/deployment.md wires them as a Kubernetes pod's probes)::
 
-    from pg_lease_django.views import health
+    from pg_lease_django.views import live, ready
 
-    urlpatterns += [path("health/leases/", health)]
+    urlpatterns += [path("health/leases/ready/", ready), path("health/leases/live/", live)]
 
-``GET`` answers JSON, 200 when the lease database answers a lease call (its table and functions
-are there and reachable), 503 otherwise. It also lists the leases this process holds now
-(``hold()``, ``@leased``, ``elect()``), each with its key, owner, epoch, server expiry and whether it
-is lost: a process whose job lost its lease is reported, not failed (the job itself stops; a
-restart would not give the lease back). The check is one read-only statement (``inspect`` of a key
-of its own): it writes nothing and takes no lock.
+Both answer ``GET`` and ``HEAD`` with JSON. An anonymous caller learns ``{"status": "ok"}`` or
+``{"status": "unavailable"}`` and nothing else: no key, owner, epoch, host, port or role (a fence is
+a credential, the database's address an attacker's map). A user with the ``pg_lease_django.view_lease``
+permission, or everyone with ``PG_LEASE_HEALTH_DETAILS = True``, also gets the details: the leases
+this process holds now and, when not ready, why.
+
+- `ready` (readiness: "send me traffic"): 200 when the lease database answers, the app is migrated
+  there (0007 at least), the role this process connects as may run every function a worker needs,
+  and a key scope applies to it when scopes are configured (else every call would be refused); 503
+  otherwise. One read-only catalog statement (no key, so no key scope is involved: it works for
+  every tenant's role), no write, no lock.
+- `live` (liveness: "restart me"): 200 unless this process's lease machinery is wedged (holds
+  registered whose renewal thread is gone); it never looks at the database, so a database outage
+  does not restart every pod at once.
 """
 
 from __future__ import annotations
 
-from django.db import DatabaseError
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError, connections, router, transaction
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_GET
+from django.views.decorators.http import require_safe
 
-from .holds.scheduler import active_holds
+from . import conf, sql
+from .holds.scheduler import active_holds, scheduler_stalled
 
-#: The key the check inspects: never acquired by anyone, so the answer costs one index lookup.
-PROBE_KEY = "pg_lease_django:health"
+__all__ = ["health", "live", "ready"]
+
+#: What an anonymous caller learns.
+OK = {"status": "ok"}
+UNAVAILABLE = {"status": "unavailable"}
 
 
 @never_cache
-@require_GET
-def health(request: HttpRequest) -> JsonResponse:
-    """The lease database's answer and this process's holds, as JSON; 503 when the database does not answer."""
-    from django.core.exceptions import ImproperlyConfigured
+@require_safe
+def ready(request: HttpRequest) -> JsonResponse:
+    """Readiness: 200 when this process's role can work with leases now, else 503."""
+    reason = _not_ready()
+    details = {"holds": _holds()} if reason is None else {"holds": _holds(), "reason": reason}
+    return _answer(request, reason is None, details)
 
+
+@never_cache
+@require_safe
+def live(request: HttpRequest) -> JsonResponse:
+    """Liveness: 200 unless this process's holds lost their renewals' thread; never reads the database."""
+    stalled = scheduler_stalled()
+    details: dict[str, Any] = {"holds": _holds()}
+    if stalled:
+        details["reason"] = "the scheduler that renews this process's holds is not running"
+    return _answer(request, not stalled, details)
+
+
+#: The health view of 0.2: readiness (mount `ready` and `live` instead).
+health = ready
+
+
+def _not_ready() -> str | None:
+    """Why this process's role cannot work with leases now, or None."""
     from .models import Lease
 
-    holds = [
+    alias = router.db_for_write(Lease)
+    connection = connections[alias]
+    try:
+        # A savepoint inside a request's transaction (ATOMIC_REQUESTS): a failed probe breaks nothing.
+        with transaction.atomic(using=alias), connection.cursor() as cursor:
+            cursor.execute(sql.render(connection, sql.READINESS))
+            row = cursor.fetchone()
+    except (DatabaseError, ImproperlyConfigured) as exc:
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    privileged, scope = row if row is not None else (False, None)
+    if not privileged:
+        return "this role may not run every lease function a worker needs: run manage.py leases grant"
+    if scope == []:
+        return "key scopes are configured and none applies to this role: every lease call would be refused"
+    return None
+
+
+def _holds() -> list[dict[str, Any]]:
+    return [
         {
             "key": lease.key,
             "owner": lease.owner,
@@ -45,9 +98,15 @@ def health(request: HttpRequest) -> JsonResponse:
         }
         for lease in sorted(active_holds(), key=lambda lease: (lease.key, lease.epoch))
     ]
-    try:
-        state = Lease.objects.inspect(PROBE_KEY)
-    except (DatabaseError, ImproperlyConfigured) as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return JsonResponse({"status": "error", "database": first_line, "holds": holds}, status=503)
-    return JsonResponse({"status": "ok", "server_time": state.server_time.isoformat(), "holds": holds})
+
+
+def _answer(request: HttpRequest, ok: bool, details: dict[str, Any]) -> JsonResponse:
+    body = dict(OK if ok else UNAVAILABLE)
+    if conf.health_details() or _may_see_details(request):
+        body.update(details)
+    return JsonResponse(body, status=200 if ok else 503)
+
+
+def _may_see_details(request: HttpRequest) -> bool:
+    user = getattr(request, "user", None)  # no auth middleware: anonymous
+    return bool(user is not None and user.is_authenticated and user.has_perm("pg_lease_django.view_lease"))

@@ -146,6 +146,8 @@ DOCUMENTED_PATHS = [
     "pg_lease_django.testing.LeaseTestRunner",
     "pg_lease_django.testing.allow_truncate_on_test_databases",
     "pg_lease_django.views.health",
+    "pg_lease_django.views.ready",
+    "pg_lease_django.views.live",
     "pg_lease_django.admin.FencedModelAdmin",
     "pg_lease_django.history.sync_scope",
     "pg_lease_django.managers.EpochAdvance",

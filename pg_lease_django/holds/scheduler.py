@@ -97,6 +97,11 @@ class Scheduler:
         with self._cond:
             return [beat.lease for beat in self._beats]
 
+    def stalled(self) -> bool:
+        """Holds are registered but the scheduler thread that renews them is gone: they will be lost."""
+        with self._cond:
+            return bool(self._beats) and (self._thread is None or not self._thread.is_alive())
+
     def threads(self) -> int:
         """The scheduler thread (if running) and the worker threads."""
         with self._cond:
@@ -194,6 +199,12 @@ def scheduler_threads() -> int:
     """Threads the scheduler of this process runs now (itself and its workers)."""
     scheduler = _the_scheduler
     return 0 if scheduler is None or scheduler.pid != os.getpid() else scheduler.threads()
+
+
+def scheduler_stalled() -> bool:
+    """Whether this process's holds have lost their renewals' thread (a wedged process: restart it)."""
+    scheduler = _the_scheduler
+    return scheduler is not None and scheduler.pid == os.getpid() and scheduler.stalled()
 
 
 def _at_fork_child() -> None:

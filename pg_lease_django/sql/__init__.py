@@ -38,6 +38,15 @@ ADVANCE_EPOCHS = "SELECT * FROM {schema}.pg_lease_advance_epochs(%s::bigint, %s:
 CHECK_FENCE = "{schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)"
 #: Opt this transaction out of fencing (operators: revoked from PUBLIC).
 ALLOW_UNFENCED = "SELECT {schema}.pg_lease_allow_unfenced()"
+#: Readiness: whether this role may run every function a worker needs (the app migrated, the grants
+#: made), and the key prefixes it may use (NULL: every key; an empty array: none, every call refused).
+READINESS = (
+    "SELECT coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 'EXECUTE')), false), "
+    "{schema}.pg_lease_session_scope() FROM {schema}.pg_lease_privileges() p "
+    "WHERE p.role = 'worker' AND p.kind = 'FUNCTION'"
+)
+#: The database's view for Prometheus: counts by key label (separator, label cap, history on).
+METRICS = "SELECT * FROM {schema}.pg_lease_metrics(%s::text, %s::integer, %s::boolean)"
 #: End an opt-out before the transaction does (a built-in: nothing to qualify).
 END_UNFENCED = "SELECT pg_catalog.set_config('pg_lease.unfenced', 'off', true)"
 
