@@ -20,6 +20,7 @@ from typing import Any
 
 import prometheus_client
 import pytest
+from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.test import override_settings
@@ -27,7 +28,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from devkit.testapp.models import Entry
-from pg_lease_django import Lease, LeaseError, LeaseTimeoutError, NotAcquirableError, hold, metrics, metrics_db
+from pg_lease_django import (
+    Lease,
+    LeaseError,
+    LeaseLostError,
+    LeaseTimeoutError,
+    NotAcquirableError,
+    hold,
+    metrics,
+    metrics_db,
+)
 from pg_lease_django.checks import check_metrics_settings
 from pg_lease_django.history import sync_scope
 from tests.helpers import Background, held, lapsed, url_of_test_database, wait_until
@@ -237,6 +247,81 @@ def test_the_default_label_is_the_text_before_the_first_colon() -> None:
     assert metrics.key_label("nightly-billing") == "nightly-billing"
 
 
+# ---- every lease call is counted once, whichever API made it -------------------------------------
+
+
+def test_every_call_of_the_manager_is_counted_once(served: Callable[[], Samples], prefix: str) -> None:
+    p = prefix
+    grant = Lease.objects.acquire(f"{p}:a", "w1", ttl=30)
+    assert grant is not None
+    assert Lease.objects.acquire(f"{p}:a", "w2", ttl=30) is None  # busy
+    with pytest.raises(LeaseTimeoutError):
+        Lease.objects.acquire(f"{p}:a", "w2", ttl=30, blocking=True, timeout=0.2)
+    Lease.objects.renew(f"{p}:a", "w1", grant.epoch, ttl=30)
+    Lease.objects.release(f"{p}:a", "w1", grant.epoch)
+    with pytest.raises(LeaseLostError) as late_renewal:
+        Lease.objects.renew(f"{p}:a", "w1", grant.epoch, ttl=30)  # released: not this owner's any more
+    with pytest.raises(LeaseLostError) as late_release:
+        Lease.objects.release(f"{p}:a", "w1", grant.epoch)
+    # A blocking acquire that waits for the holder's expiry, and is granted.
+    assert Lease.objects.acquire(f"{p}:b", "w1", ttl=0.3) is not None
+    Lease.objects.acquire(f"{p}:b", "w2", ttl=30, blocking=True, timeout=60)
+    after = served()
+
+    assert value(after, "pg_lease_grants_total", prefix=p) == 3
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="busy") == 1
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=p, outcome="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=p, outcome="granted") == 1
+    assert value(after, "pg_lease_renewals_total", prefix=p) == 1
+    assert value(after, "pg_lease_releases_total", prefix=p) == 1
+    assert late_renewal.value.code == late_release.value.code == "not_owner"
+    assert value(after, "pg_lease_losses_total", prefix=p, reason="not_owner") == 2
+    assert value(after, "pg_lease_holds", prefix=p) == 0  # the gauge is the holds'
+
+
+def test_every_call_of_the_async_manager_is_counted_once(served: Callable[[], Samples], prefix: str) -> None:
+    p = prefix
+
+    async def scenario() -> str:
+        grant = await Lease.objects.aacquire(f"{p}:a", "w1", ttl=30)
+        assert grant is not None
+        assert await Lease.objects.aacquire(f"{p}:a", "w2", ttl=30) is None  # busy
+        with pytest.raises(LeaseTimeoutError):  # on a connection of the waiter's own
+            await Lease.objects.aacquire(f"{p}:a", "w2", ttl=30, blocking=True, timeout=0.2)
+        await Lease.objects.arenew(f"{p}:a", "w1", grant.epoch, ttl=30)
+        await Lease.objects.arelease(f"{p}:a", "w1", grant.epoch)
+        with pytest.raises(LeaseLostError) as late:
+            await Lease.objects.arelease(f"{p}:a", "w1", grant.epoch)
+        assert await Lease.objects.aacquire(f"{p}:b", "w1", ttl=0.3) is not None
+        await Lease.objects.aacquire(f"{p}:b", "w2", ttl=30, blocking=True, timeout=60)
+        return late.value.code
+
+    code = async_to_sync(scenario)()
+    after = served()
+    assert value(after, "pg_lease_grants_total", prefix=p) == 3
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="busy") == 1
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=p, outcome="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=p, outcome="granted") == 1
+    assert value(after, "pg_lease_renewals_total", prefix=p) == 1
+    assert value(after, "pg_lease_releases_total", prefix=p) == 1
+    assert value(after, "pg_lease_losses_total", prefix=p, reason=code) == 1
+
+
+def test_a_blocking_hold_that_waits_counts_one_grant_and_one_wait(served: Callable[[], Samples], prefix: str) -> None:
+    key = f"{prefix}:k"
+    assert Lease.objects.acquire(key, "other", ttl=0.3) is not None  # lapses: the hold gets it then
+    with hold(key, ttl=10, blocking=True, timeout=60) as lease:
+        assert lease.epoch >= 2
+    after = served()
+    assert value(after, "pg_lease_grants_total", prefix=prefix) == 2
+    assert value(after, "pg_lease_refusals_total", prefix=prefix, reason="busy") == 0
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=prefix, outcome="granted") == 1
+    assert value(after, "pg_lease_releases_total", prefix=prefix) == 1
+    assert value(after, "pg_lease_holds", prefix=prefix) == 0
+
+
 @pytest.mark.slow
 def test_multiprocess_mode_sums_two_worker_processes(tmp_path: Path, prefix: str) -> None:
     """Two real workers with PROMETHEUS_MULTIPROC_DIR; the parent serves their sum over HTTP."""
@@ -357,7 +442,11 @@ def test_the_observability_page_explains_every_metric_and_setting() -> None:
     page = (REPO / "docs" / "observability.md").read_text()
     for name in {**metrics.METRICS, **metrics_db.DATABASE_METRICS}:
         assert f"`{name}`" in page, f"docs/observability.md does not explain {name}"
-    for setting in ("PG_LEASE_METRICS", "PG_LEASE_METRICS_DATABASE_VIEW", "PG_LEASE_METRICS_KEY_LABEL"):
+    for setting in (
+        "PG_LEASE_METRICS",
+        "PG_LEASE_METRICS_DATABASE_VIEW",
+        "PG_LEASE_METRICS_KEY_LABEL",
+    ):
         assert setting in page
     assert "observability.md" in (REPO / "mkdocs.yml").read_text()
 
