@@ -18,7 +18,9 @@ latency and slack (`hold_renewed`, `renewal_failed`), a refused fenced write
 never raises.
 
 Every metric has a ``prefix`` label: `key_label` of the key (``PG_LEASE_METRICS_KEY_LABEL``), never
-the raw key unless asked, so that the number of series stays bounded.
+the raw key unless asked. Labels are bounded by construction: keys without the separator share
+`NO_PREFIX_LABEL`, and a process exports at most ``PG_LEASE_METRICS_MAX_LABELS`` labels, the later
+ones counted under `OTHER_LABEL`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "METRICS",
+    "NO_PREFIX_LABEL",
+    "OTHER_LABEL",
     "acquiring",
     "campaigning",
     "fenced_write_refused",
@@ -84,6 +88,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pg_lease_leaderships": ("gauge", ("prefix",)),
 }
 
+#: The label of every key without the separator of ``PG_LEASE_METRICS_KEY_LABEL``: they share it.
+NO_PREFIX_LABEL = "(none)"
+#: The label of the keys whose own label came after ``PG_LEASE_METRICS_MAX_LABELS`` others in this process.
+OTHER_LABEL = "(other)"
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _SLACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -101,7 +110,12 @@ def _labeller() -> Callable[[str], str]:
     rule = conf.metrics_key_label()
     if isinstance(rule, str):
         separator = rule
-        return lambda key: key.split(separator, 1)[0]
+
+        def up_to_separator(key: str) -> str:
+            head, found, _rest = key.partition(separator)
+            return head if found else NO_PREFIX_LABEL
+
+        return up_to_separator
     return rule
 
 
@@ -180,6 +194,9 @@ class _Instruments:
         self._held_lock = threading.Lock()
         # Children by (metric, label values): as many as label combinations, which the labels keep few.
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        # The key labels this process exports (at most PG_LEASE_METRICS_MAX_LABELS), in order of arrival.
+        self._labels: set[str] = set()
+        self._labels_lock = threading.Lock()
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, kept: a dict lookup instead of prometheus_client's checks and lock."""
@@ -208,10 +225,27 @@ class _Instruments:
         if key is None:
             return ""
         try:
-            return str(self.label(key))
+            label = str(self.label(key))
         except Exception:
             logger.exception("PG_LEASE_METRICS_KEY_LABEL failed for a key; labelled ''")
             return ""
+        if label in self._labels:
+            return label
+        return self._admit(label)
+
+    def _admit(self, label: str) -> str:
+        """``label``, if fewer than ``PG_LEASE_METRICS_MAX_LABELS`` labels are exported yet; else `OTHER_LABEL`."""
+        try:
+            cap = conf.metrics_max_labels()
+        except Exception:
+            logger.exception("PG_LEASE_METRICS_MAX_LABELS is invalid; a new label is counted as %r", OTHER_LABEL)
+            return OTHER_LABEL
+        with self._labels_lock:
+            if label not in self._labels:
+                if len(self._labels) >= cap:
+                    return OTHER_LABEL
+                self._labels.add(label)
+        return label
 
     def count(self, metric: Any, key: str, *labels: str) -> None:
         """Add one to ``metric`` for ``key``'s label (and ``labels``); never raises: a lease call that
@@ -356,7 +390,7 @@ def install(registry: CollectorRegistry | None = None) -> bool:
         registry: where to register; default prometheus_client's default registry.
 
     Raises:
-        ImproperlyConfigured: ``PG_LEASE_METRICS_KEY_LABEL`` is invalid.
+        ImproperlyConfigured: ``PG_LEASE_METRICS_KEY_LABEL`` or ``PG_LEASE_METRICS_MAX_LABELS`` is invalid.
     """
     global _instruments
     if not conf.metrics_enabled():
@@ -366,6 +400,7 @@ def install(registry: CollectorRegistry | None = None) -> bool:
     except ImportError:
         return False
     label = _labeller()
+    conf.metrics_max_labels()  # a bad value is reported now, not at the first lease call
     with _install_lock:
         if _instruments is not None:
             return True

@@ -34,6 +34,7 @@ from pg_lease_django import (
     LeaseLostError,
     LeaseTimeoutError,
     NotAcquirableError,
+    conf,
     hold,
     metrics,
     metrics_db,
@@ -244,7 +245,87 @@ def test_a_bad_key_label_setting_is_a_system_check_error(bad: object) -> None:
 
 def test_the_default_label_is_the_text_before_the_first_colon() -> None:
     assert metrics.key_label("billing:acme:42") == "billing"
-    assert metrics.key_label("nightly-billing") == "nightly-billing"
+    # Keys without the separator share one label: a tenant's junk keys cannot make a series each.
+    assert metrics.key_label("nightly-billing") == metrics.NO_PREFIX_LABEL == "(none)"
+    assert metrics.key_label("invoice-81723") == "(none)"
+    assert metrics.OTHER_LABEL == "(other)"
+
+
+@pytest.fixture
+def reinstalled() -> Iterator[Callable[[], CollectorRegistry]]:
+    """Install the metrics afresh (no label seen yet) in a registry of the test's own; the default one after."""
+
+    def install() -> CollectorRegistry:
+        metrics.uninstall()
+        registry = CollectorRegistry()
+        assert metrics.install(registry)
+        return registry
+
+    try:
+        yield install
+    finally:
+        metrics.uninstall()
+        metrics.install()
+
+
+def _pair(key: str, owner: str = "w1") -> None:
+    grant = Lease.objects.acquire(key, owner, ttl=30)
+    assert grant is not None
+    Lease.objects.release(key, owner, grant.epoch)
+
+
+def _prefixes(registry: CollectorRegistry) -> set[str]:
+    return {sample.labels["prefix"] for family in registry.collect() for sample in family.samples if sample.labels}
+
+
+def test_a_process_exports_at_most_max_labels_prefixes_and_counts_the_rest_under_other(
+    reinstalled: Callable[[], CollectorRegistry], prefix: str
+) -> None:
+    with override_settings(PG_LEASE_METRICS_MAX_LABELS=3):
+        registry = reinstalled()
+        for n in range(20):  # one tenant's junk keys, without the separator: one label between them
+            _pair(f"{prefix}junk{n}")
+        for n in range(5):  # five families of keys: two more labels fit under the cap, three do not
+            _pair(f"{prefix}f{n}:job")
+        with hold(f"{prefix}f0:held", ttl=10):  # an admitted label stays admitted
+            pass
+        with hold(f"{prefix}f4:held", ttl=10):
+            pass
+    samples = parse(prometheus_client.generate_latest(registry).decode())
+    assert _prefixes(registry) == {"(none)", f"{prefix}f0", f"{prefix}f1", "(other)"}
+    assert value(samples, "pg_lease_grants_total", prefix="(none)") == 20
+    assert value(samples, "pg_lease_releases_total", prefix="(none)") == 20
+    assert value(samples, "pg_lease_grants_total", prefix=f"{prefix}f0") == 2
+    assert value(samples, "pg_lease_grants_total", prefix=f"{prefix}f1") == 1
+    assert value(samples, "pg_lease_grants_total", prefix="(other)") == 4  # f2, f3, f4 and f4's hold
+    assert value(samples, "pg_lease_releases_total", prefix="(other)") == 4
+
+
+def test_a_callable_label_rule_is_capped_the_same_way(
+    reinstalled: Callable[[], CollectorRegistry], prefix: str
+) -> None:
+    with override_settings(
+        PG_LEASE_METRICS_KEY_LABEL="pg_lease_django.metrics.whole_key", PG_LEASE_METRICS_MAX_LABELS=2
+    ):
+        registry = reinstalled()
+        for n in range(6):
+            _pair(f"{prefix}:{n}")
+    samples = parse(prometheus_client.generate_latest(registry).decode())
+    assert _prefixes(registry) == {f"{prefix}:0", f"{prefix}:1", "(other)"}
+    assert value(samples, "pg_lease_grants_total", prefix="(other)") == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("PG_LEASE_METRICS_MAX_LABELS", 0),
+        ("PG_LEASE_METRICS_MAX_LABELS", True),
+        ("PG_LEASE_METRICS_MAX_LABELS", "16"),
+    ],
+)
+def test_a_bad_label_cap_setting_is_refused_when_read(name: str, bad: object) -> None:
+    with override_settings(**{name: bad}), pytest.raises(ImproperlyConfigured, match=name):
+        conf.metrics_max_labels()
 
 
 # ---- every lease call is counted once, whichever API made it -------------------------------------
@@ -446,6 +527,7 @@ def test_the_observability_page_explains_every_metric_and_setting() -> None:
         "PG_LEASE_METRICS",
         "PG_LEASE_METRICS_DATABASE_VIEW",
         "PG_LEASE_METRICS_KEY_LABEL",
+        "PG_LEASE_METRICS_MAX_LABELS",
     ):
         assert setting in page
     assert "observability.md" in (REPO / "mkdocs.yml").read_text()
