@@ -262,3 +262,19 @@ def metrics_max_labels() -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ImproperlyConfigured(f"PG_LEASE_METRICS_MAX_LABELS must be a positive integer, got {value!r}")
     return value
+
+
+def metrics_pushgateway() -> str | None:
+    """``PG_LEASE_METRICS_PUSHGATEWAY`` (str URL or ``None``, default ``None``): where short-lived processes push.
+
+    A process with the metrics on pushes them to this Prometheus Pushgateway when it exits
+    (`pg_lease_django.metrics_push.push`): for ``leases run`` and cron-started ``@leased`` commands, which
+    no server scrapes. ``None`` pushes nothing. Read at exit.
+
+    Raises:
+        ImproperlyConfigured: the setting is neither a non-empty string nor None.
+    """
+    value = getattr(settings, "PG_LEASE_METRICS_PUSHGATEWAY", None)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ImproperlyConfigured(f"PG_LEASE_METRICS_PUSHGATEWAY must be a Pushgateway URL or None, got {value!r}")
+    return value

@@ -21,6 +21,8 @@ Every metric has a ``prefix`` label: `key_label` of the key (``PG_LEASE_METRICS_
 the raw key unless asked. Labels are bounded by construction: keys without the separator share
 `NO_PREFIX_LABEL`, and a process exports at most ``PG_LEASE_METRICS_MAX_LABELS`` labels, the later
 ones counted under `OTHER_LABEL`.
+
+What a short-lived process counted leaves it at exit through `pg_lease_django.metrics_push`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "OTHER_LABEL",
     "acquiring",
     "campaigning",
+    "collectors",
     "fenced_write_refused",
     "granted",
     "hold_renewed",
@@ -380,6 +383,12 @@ def installed() -> bool:
     return _instruments is not None
 
 
+def collectors() -> list[Any]:
+    """The process's metrics as prometheus_client collectors (none when not installed): what `metrics_push` sends."""
+    instruments = _instruments
+    return [] if instruments is None else instruments.collectors()
+
+
 def install(registry: CollectorRegistry | None = None) -> bool:
     """Register the process's metrics once (the app's ``ready()`` then adds `metrics_db`'s collector).
 
@@ -390,7 +399,8 @@ def install(registry: CollectorRegistry | None = None) -> bool:
         registry: where to register; default prometheus_client's default registry.
 
     Raises:
-        ImproperlyConfigured: ``PG_LEASE_METRICS_KEY_LABEL`` or ``PG_LEASE_METRICS_MAX_LABELS`` is invalid.
+        ImproperlyConfigured: ``PG_LEASE_METRICS_KEY_LABEL``, ``PG_LEASE_METRICS_MAX_LABELS`` or
+            ``PG_LEASE_METRICS_PUSHGATEWAY`` is invalid.
     """
     global _instruments
     if not conf.metrics_enabled():
@@ -401,6 +411,7 @@ def install(registry: CollectorRegistry | None = None) -> bool:
         return False
     label = _labeller()
     conf.metrics_max_labels()  # a bad value is reported now, not at the first lease call
+    conf.metrics_pushgateway()
     with _install_lock:
         if _instruments is not None:
             return True
