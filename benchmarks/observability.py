@@ -115,7 +115,7 @@ def _hooks_us(metrics: Any, cycles: int = 5_000) -> float:
     return min(on) - min(off)
 
 
-def _pair_cpu_us(metrics: Any, owner: str, blocks: int = 15, pairs: int = 300) -> tuple[list[float], list[float]]:
+def _pair_cpu_us(metrics: Any, owner: str, blocks: int = 21, pairs: int = 300) -> tuple[list[float], list[float]]:
     """Client CPU (this thread's, in microseconds) per ``Lease.objects`` acquire + release pair, with the
     metrics installed and not, in alternated blocks: the per-block figures, on and off."""
     from pg_lease_django import Lease
@@ -236,6 +236,7 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]
 
     cpu_on, cpu_off = _pair_cpu_us(metrics, owner)
     on_us, off_us = statistics.median(cpu_on), statistics.median(cpu_off)
+    cpu_ratio = statistics.median(o / f for o, f in zip(cpu_on, cpu_off, strict=True))  # each block with its twin
     report.add(
         Row(
             section,
@@ -243,14 +244,14 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]
             1e6 / on_us,
             on_us / 1000,
             None,
-            ratio=on_us / off_us,
+            ratio=cpu_ratio,
             vs="client CPU vs metrics off",
             target=f"<= {TARGET}x",
-            met=on_us / off_us <= TARGET,
+            met=cpu_ratio <= TARGET,
             note=f"{on_us:.1f} us vs {off_us:.1f} us per pair (medians of {len(cpu_on)} blocks each)",
         )
     )
-    figures["pair_client_cpu_us"] = {"on": round(on_us, 2), "off": round(off_us, 2), "ratio": round(on_us / off_us, 4)}
+    figures["pair_client_cpu_us"] = {"on": round(on_us, 2), "off": round(off_us, 2), "ratio": round(cpu_ratio, 4)}
 
     filled = _fill(ROWS)
     collector = DatabaseCollector()
