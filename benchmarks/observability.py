@@ -2,8 +2,10 @@
 
 * Side by side on Django's connection, in interleaved blocks: a ``Lease.objects`` acquire + release
   pair and a ``hold()`` enter + exit, with the metrics installed (`pg_lease_django.metrics.install`)
-  against the same with them uninstalled (target: at most 1.03x the time). A pair sends no metric
-  (the metrics count holds, elections and fenced writes): its ratio is the control.
+  against the same with them uninstalled (target: at most 1.03x the time). A pair counts a grant and
+  a release, where ``operations`` reads their rows; a hold counts the same, plus its signals.
+* The client CPU of a pair (this thread's CPU time, which the server's work and other processes'
+  load do not add to), metrics on against off, in alternated blocks: what the two counts cost.
 * One scrape of the database's view (`pg_lease_django.metrics_db.DatabaseCollector`, one statement)
   with 100,000 lease rows under 50 key labels (a third each held, lapsed and free), made once by
   the SQL functions and kept (rows are never deleted): the median and p99 of 30 scrapes.
@@ -92,9 +94,10 @@ def _hooks_us(metrics: Any, cycles: int = 5_000) -> float:
         started = time.perf_counter()
         for _ in range(cycles):
             lease: Any = Lease()
-            with metrics.acquiring(lease.key, False):
-                pass
+            with metrics.acquiring(lease.key):
+                metrics.granted(lease.key)  # as operations counts the grant's row
             send_lease_signal(lease_acquired, lease)
+            metrics.release_confirmed(lease.key)
             send_lease_signal(lease_released, lease, freed=True)
         return (time.perf_counter() - started) / cycles * 1e6
 
@@ -110,6 +113,34 @@ def _hooks_us(metrics: Any, cycles: int = 5_000) -> float:
     finally:
         (metrics.install if was else metrics.uninstall)()
     return min(on) - min(off)
+
+
+def _pair_cpu_us(metrics: Any, owner: str, blocks: int = 21, pairs: int = 300) -> tuple[list[float], list[float]]:
+    """Client CPU (this thread's, in microseconds) per ``Lease.objects`` acquire + release pair, with the
+    metrics installed and not, in alternated blocks: the per-block figures, on and off."""
+    from pg_lease_django import Lease
+
+    def one_block(key: str) -> float:
+        started = time.thread_time()
+        for _ in range(pairs):
+            grant = Lease.objects.acquire(key, owner, TTL)
+            assert grant is not None
+            Lease.objects.release(key, owner, grant.epoch)
+        return (time.thread_time() - started) / pairs * 1e6
+
+    was = metrics.installed()
+    on: list[float] = []
+    off: list[float] = []
+    try:
+        one_block("bench-metrics:cpu:warm")  # connection, statement cache, labels
+        for _ in range(blocks):
+            metrics.install()
+            on.append(one_block("bench-metrics:cpu:on"))
+            metrics.uninstall()
+            off.append(one_block("bench-metrics:cpu:off"))
+    finally:
+        (metrics.install if was else metrics.uninstall)()
+    return on, off
 
 
 def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]:
@@ -202,6 +233,25 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]
         )
     )
     figures["hooks_us_per_hold"] = round(added_us, 2)
+
+    cpu_on, cpu_off = _pair_cpu_us(metrics, owner)
+    on_us, off_us = statistics.median(cpu_on), statistics.median(cpu_off)
+    cpu_ratio = statistics.median(o / f for o, f in zip(cpu_on, cpu_off, strict=True))  # each block with its twin
+    report.add(
+        Row(
+            section,
+            "acquire+release pair, client CPU, metrics on",
+            1e6 / on_us,
+            on_us / 1000,
+            None,
+            ratio=cpu_ratio,
+            vs="client CPU vs metrics off",
+            target=f"<= {TARGET}x",
+            met=cpu_ratio <= TARGET,
+            note=f"{on_us:.1f} us vs {off_us:.1f} us per pair (medians of {len(cpu_on)} blocks each)",
+        )
+    )
+    figures["pair_client_cpu_us"] = {"on": round(on_us, 2), "off": round(off_us, 2), "ratio": round(cpu_ratio, 4)}
 
     filled = _fill(ROWS)
     collector = DatabaseCollector()

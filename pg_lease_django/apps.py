@@ -13,7 +13,7 @@ class PgLeaseConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_migrate
 
-        from . import checks, conf, history, metrics, privileges
+        from . import checks, conf, history, metrics, metrics_push, privileges
 
         checks.register()
         checks.register_without_database_option()
@@ -22,7 +22,9 @@ class PgLeaseConfig(AppConfig):
         # Lazily: nothing of prometheus_client is imported unless it is installed and PG_LEASE_METRICS is on.
         # A bad PG_LEASE_METRICS_KEY_LABEL is reported by check pg_lease_django.E005, not here.
         metrics.install_tracing()  # spans where opentelemetry-api is installed
-        if metrics.install_quietly() and conf.metrics_database_view():
-            from . import metrics_db
+        if metrics.install_quietly():
+            metrics_push.arm()  # at exit: pushed (PG_LEASE_METRICS_PUSHGATEWAY), or marked dead (multiprocess)
+            if conf.metrics_database_view():
+                from . import metrics_db
 
-            metrics_db.register()
+                metrics_db.register()

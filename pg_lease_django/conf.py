@@ -300,9 +300,10 @@ def metrics_key_label() -> str | Callable[[str], str]:
     """``PG_LEASE_METRICS_KEY_LABEL`` (one character, a callable or its dotted path; default ``":"``).
 
     What the ``prefix`` label of a metric says about a key, so that labels stay few. One character:
-    the key up to the first occurrence of it (``"billing:acme:42"`` → ``"billing"``; a key without
-    it is its own label). A callable ``f(key) -> str`` (or its dotted path) decides otherwise;
-    ``"pg_lease_django.metrics.whole_key"`` labels by the raw key (only for a bounded set of keys).
+    the key up to the first occurrence of it (``"billing:acme:42"`` → ``"billing"``; keys without it
+    share ``"(none)"``). A callable ``f(key) -> str`` (or its dotted path) decides otherwise;
+    ``"pg_lease_django.metrics.whole_key"`` labels by the raw key (for a small fixed set of keys).
+    Whatever the rule, ``PG_LEASE_METRICS_MAX_LABELS`` caps the labels of a process.
 
     Raises:
         ImproperlyConfigured: not a one-character string, a callable, or the dotted path of one.
@@ -323,3 +324,35 @@ def metrics_key_label() -> str | Callable[[str], str]:
             f"path, got {value!r}"
         )
     return value  # type: ignore[no-any-return]
+
+
+def metrics_max_labels() -> int:
+    """``PG_LEASE_METRICS_MAX_LABELS`` (int, default ``16``): the most key labels one process's metrics carry.
+
+    The first labels this process meets are exported as they are; every later one is counted under
+    ``"(other)"`` (`pg_lease_django.metrics.OTHER_LABEL`), so that a flood of unexpected keys cannot
+    grow the scrape. Read when a label is first met.
+
+    Raises:
+        ImproperlyConfigured: the setting is not a positive integer.
+    """
+    value = getattr(settings, "PG_LEASE_METRICS_MAX_LABELS", 16)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ImproperlyConfigured(f"PG_LEASE_METRICS_MAX_LABELS must be a positive integer, got {value!r}")
+    return value
+
+
+def metrics_pushgateway() -> str | None:
+    """``PG_LEASE_METRICS_PUSHGATEWAY`` (str URL or ``None``, default ``None``): where short-lived processes push.
+
+    A process with the metrics on pushes them to this Prometheus Pushgateway when it exits
+    (`pg_lease_django.metrics_push.push`): for ``leases run`` and cron-started ``@leased`` commands, which
+    no server scrapes. ``None`` pushes nothing. Read at exit.
+
+    Raises:
+        ImproperlyConfigured: the setting is neither a non-empty string nor None.
+    """
+    value = getattr(settings, "PG_LEASE_METRICS_PUSHGATEWAY", None)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ImproperlyConfigured(f"PG_LEASE_METRICS_PUSHGATEWAY must be a Pushgateway URL or None, got {value!r}")
+    return value

@@ -13,8 +13,8 @@ from asgiref.sync import sync_to_async
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import operations, settling, waiting
-from .exceptions import InvalidInputError
+from . import metrics, operations, settling, waiting
+from .exceptions import InvalidInputError, LeaseLostError
 from .operations import EpochAdvance, Grant, HandoffRequest, LeaseState
 from .sql import NOTIFY_CHANNEL
 from .validation import (
@@ -122,7 +122,11 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("owner", owner)
         check_epoch(epoch)
         ttl_delta = check_ttl(ttl)
-        return operations.renew(self._connection(), key, owner, epoch, ttl_delta).expires_at
+        try:
+            return operations.renew(self._connection(), key, owner, epoch, ttl_delta).expires_at
+        except LeaseLostError as exc:
+            metrics.lost(key, exc.code)  # a hold's losses are counted from its lease_lost signal
+            raise
 
     def release(self, key: str, owner: str, epoch: int) -> None:
         """Free a live lease held by ``(owner, epoch)``; the epoch goes up, fencing the holder.
@@ -134,7 +138,11 @@ class LeaseManager(models.Manager["Lease"]):
         check_name("key", key)
         check_name("owner", owner)
         check_epoch(epoch)
-        settling.release_once(self._connection(), key, owner, epoch)
+        try:
+            settling.release_once(self._connection(), key, owner, epoch)
+        except LeaseLostError as exc:
+            metrics.lost(key, exc.code)
+            raise
 
     def inspect(self, key: str) -> LeaseState:
         """Return the state of ``key`` at the server clock (lazy expiry). Never raises for an unknown key.

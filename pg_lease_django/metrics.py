@@ -1,4 +1,4 @@
-"""Prometheus metrics of this process's holds, elections and fenced writes (docs/observability.md).
+"""Prometheus metrics of this process's lease calls, holds, elections and fenced writes (docs/observability.md).
 
 Optional: with ``prometheus_client`` installed (the ``metrics`` extra) and ``PG_LEASE_METRICS`` on
 (the default), `install` registers the metrics below in prometheus_client's default registry when
@@ -6,13 +6,23 @@ Django starts (``PgLeaseConfig.ready``), so django-prometheus' ``/metrics`` or p
 own server shows them with no user code. Without prometheus_client nothing is imported and every
 hook below is one global read.
 
-Most numbers come from the signals (`pg_lease_django.signals`); the library calls a hook of this
-module only where no signal says it: an acquire's outcome and wait (`acquiring`), a renewal's
-latency and slack (`renewed`, `renewal_failed`), a refused fenced write (`fenced_write_refused`)
-and an election's campaign and terms (`campaigning`, `leading`). A hook never raises.
+Every lease call is counted once, whichever API made it (``Lease.objects``, sync or async,
+``hold()``, ``@leased``, elections, ``leases run``), where its answer is read: `operations` calls
+`granted`, `refused`, `renewal_confirmed` and `release_confirmed` as it decodes the statement's row
+(and the async blocking wait, which sends its own statements, as it decodes its attempts), and both
+blocking waits run inside `waiting` (a timeout, the wait's time). A loss is counted where the holder
+learns of it: ``Lease.objects.renew`` / ``release`` (`lost`) or a hold's ``lease_lost`` signal. The
+signals give the holds' gauges and lapses; a few hooks say what no signal says: a hold's renewal
+latency and slack (`hold_renewed`, `renewal_failed`), a refused fenced write
+(`fenced_write_refused`) and an election's campaign and terms (`campaigning`, `leading`). A hook
+never raises.
 
 Every metric has a ``prefix`` label: `key_label` of the key (``PG_LEASE_METRICS_KEY_LABEL``), never
-the raw key unless asked, so that the number of series stays bounded.
+the raw key unless asked. Labels are bounded by construction: keys without the separator share
+`NO_PREFIX_LABEL`, and a process exports at most ``PG_LEASE_METRICS_MAX_LABELS`` labels, the later
+ones counted under `OTHER_LABEL`.
+
+What a short-lived process counted leaves it at exit through `pg_lease_django.metrics_push`.
 """
 
 from __future__ import annotations
@@ -35,18 +45,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "METRICS",
+    "NO_PREFIX_LABEL",
+    "OTHER_LABEL",
     "acquiring",
     "campaigning",
+    "collectors",
     "fenced_write_refused",
+    "granted",
+    "hold_renewed",
     "install",
     "install_quietly",
     "install_tracing",
     "installed",
     "key_label",
     "leading",
+    "lost",
+    "refused",
+    "release_confirmed",
+    "renewal_confirmed",
     "renewal_failed",
-    "renewed",
     "uninstall",
+    "waiting",
     "whole_key",
 ]
 
@@ -72,6 +91,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pg_lease_leaderships": ("gauge", ("prefix",)),
 }
 
+#: The label of every key without the separator of ``PG_LEASE_METRICS_KEY_LABEL``: they share it.
+NO_PREFIX_LABEL = "(none)"
+#: The label of the keys whose own label came after ``PG_LEASE_METRICS_MAX_LABELS`` others in this process.
+OTHER_LABEL = "(other)"
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _SLACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -89,7 +113,12 @@ def _labeller() -> Callable[[str], str]:
     rule = conf.metrics_key_label()
     if isinstance(rule, str):
         separator = rule
-        return lambda key: key.split(separator, 1)[0]
+
+        def up_to_separator(key: str) -> str:
+            head, found, _rest = key.partition(separator)
+            return head if found else NO_PREFIX_LABEL
+
+        return up_to_separator
     return rule
 
 
@@ -109,23 +138,29 @@ class _Instruments:
             # livesum: in multiprocess mode (PROMETHEUS_MULTIPROC_DIR) the sum over the live processes.
             return Gauge(name, doc, ("prefix",), registry=registry, multiprocess_mode="livesum")
 
-        self.grants = counter("pg_lease_grants_total", "Leases granted to this process's holds and elections.")
+        self.grants = counter(
+            "pg_lease_grants_total", "Leases granted to this process (Lease.objects, holds, elections)."
+        )
         self.refusals = counter(
             "pg_lease_refusals_total",
-            "Acquires of this process's holds that got no lease: busy (held by another) or timeout (blocking).",
+            "Acquires of this process that got no lease: busy (held by another) or timeout (a blocking wait).",
             "reason",
         )
         self.renewals = counter("pg_lease_renewals_total", "Renewals confirmed by the server.")
         self.renewal_errors = counter(
             "pg_lease_renewal_errors_total", "Renewals that failed without a verdict (retried while trusted)."
         )
-        self.releases = counter("pg_lease_releases_total", "Holds that ended by releasing their lease (key freed).")
+        self.releases = counter(
+            "pg_lease_releases_total", "Releases of this process the server confirmed (the key is free)."
+        )
         self.lapses = counter(
             "pg_lease_lapses_total",
             "Holds that ended leaving their lease to lapse at its expiry (hold_at_least, or a failed release).",
         )
         self.losses = counter(
-            "pg_lease_losses_total", "Leases lost while held, by the error's code (lapsed, not_owner, ...).", "reason"
+            "pg_lease_losses_total",
+            "Leases of this process lost while held, by the error's code (lapsed, not_owner, ...).",
+            "reason",
         )
         self.handoffs = counter("pg_lease_handoffs_total", "Hand-off requests seen by this process's holders.")
         self.fenced_refused = counter(
@@ -149,7 +184,7 @@ class _Instruments:
         )
         self.wait = Histogram(
             "pg_lease_blocking_wait_seconds",
-            "Seconds a blocking hold() waited for its lease, by outcome (granted, timeout).",
+            "Seconds a blocking acquire waited for its lease, by outcome (granted, timeout).",
             ("prefix", "outcome"),
             registry=registry,
             buckets=_WAIT_BUCKETS,
@@ -162,6 +197,9 @@ class _Instruments:
         self._held_lock = threading.Lock()
         # Children by (metric, label values): as many as label combinations, which the labels keep few.
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        # The key labels this process exports (at most PG_LEASE_METRICS_MAX_LABELS), in order of arrival.
+        self._labels: set[str] = set()
+        self._labels_lock = threading.Lock()
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, kept: a dict lookup instead of prometheus_client's checks and lock."""
@@ -190,10 +228,35 @@ class _Instruments:
         if key is None:
             return ""
         try:
-            return str(self.label(key))
+            label = str(self.label(key))
         except Exception:
             logger.exception("PG_LEASE_METRICS_KEY_LABEL failed for a key; labelled ''")
             return ""
+        if label in self._labels:
+            return label
+        return self._admit(label)
+
+    def _admit(self, label: str) -> str:
+        """``label``, if fewer than ``PG_LEASE_METRICS_MAX_LABELS`` labels are exported yet; else `OTHER_LABEL`."""
+        try:
+            cap = conf.metrics_max_labels()
+        except Exception:
+            logger.exception("PG_LEASE_METRICS_MAX_LABELS is invalid; a new label is counted as %r", OTHER_LABEL)
+            return OTHER_LABEL
+        with self._labels_lock:
+            if label not in self._labels:
+                if len(self._labels) >= cap:
+                    return OTHER_LABEL
+                self._labels.add(label)
+        return label
+
+    def count(self, metric: Any, key: str, *labels: str) -> None:
+        """Add one to ``metric`` for ``key``'s label (and ``labels``); never raises: a lease call that
+        committed must return (in multiprocess mode an increment writes to a file, which can fail)."""
+        try:
+            self.child(metric, self.prefix(key), *labels).inc()
+        except Exception:
+            logger.exception("counting a lease call in the metrics failed")
 
     # ---- signal receivers (connected by install) -------------------------------------------------
 
@@ -224,7 +287,8 @@ class _Instruments:
 
     def on_released(self, sender: Any, lease: Any, freed: bool, **kwargs: Any) -> None:
         prefix = self._ended(lease) or self.prefix(lease.key)
-        self.child(self.releases if freed else self.lapses, prefix).inc()
+        if not freed:  # a release is counted where the server confirmed it (`release_confirmed`)
+            self.child(self.lapses, prefix).inc()
 
     def on_lost(self, sender: Any, lease: Any, error: Any, **kwargs: Any) -> None:
         prefix = self._ended(lease) or self.prefix(lease.key)
@@ -234,16 +298,13 @@ class _Instruments:
         self.child(self.handoffs, self.prefix(lease.key)).inc()
 
 
-class _Acquiring:
-    """Around one acquire of a hold: the grant or the refusal, a blocking wait's time, its span."""
+class _TracedAcquire:
+    """Around one acquire of a hold: its span (outcome, epoch)."""
 
-    __slots__ = ("blocking", "epoch", "instruments", "prefix", "span", "started")
+    __slots__ = ("epoch", "prefix", "span")
 
-    def __init__(self, instruments: _Instruments | None, prefix: str, blocking: bool) -> None:
-        self.instruments = instruments
+    def __init__(self, prefix: str) -> None:
         self.prefix = prefix
-        self.blocking = blocking
-        self.started = 0.0
         self.epoch: int | None = None
         self.span: Any = None
 
@@ -251,20 +312,11 @@ class _Acquiring:
         """The acquire was granted at ``epoch`` (for its span)."""
         self.epoch = epoch
 
-    def __enter__(self) -> _Acquiring:
-        if _tracing:
-            self.span = tracing.start("pg_lease.acquire", self.prefix)
-        self.started = time.monotonic()
+    def __enter__(self) -> _TracedAcquire:
+        self.span = tracing.start("pg_lease.acquire", self.prefix)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        try:
-            self._count(exc_type)
-        except Exception:
-            logger.exception("recording an acquire in the metrics failed")
-
-    def _count(self, exc_type: type[BaseException] | None) -> None:
-        instruments, prefix = self.instruments, self.prefix
         if exc_type is None:
             outcome = "granted"
         elif issubclass(exc_type, NotAcquirableError):
@@ -273,19 +325,43 @@ class _Acquiring:
             outcome = "timeout"
         else:
             outcome = "error"  # interrupted, or the database failed: neither a grant nor a refusal
-        tracing.finish(self.span, outcome, self.epoch)
-        if instruments is None or outcome == "error":
-            return
-        if outcome == "granted":
-            instruments.child(instruments.grants, prefix).inc()
-        else:
-            instruments.child(instruments.refusals, prefix, outcome).inc()
-        if self.blocking and outcome != "busy":
+        try:
+            tracing.finish(self.span, outcome, self.epoch)
+        except Exception:
+            logger.exception("tracing an acquire failed")
+
+
+class _Waiting:
+    """Around a blocking wait: its time by outcome, and a timeout counted as a refusal."""
+
+    __slots__ = ("instruments", "prefix", "started")
+
+    def __init__(self, instruments: _Instruments, prefix: str) -> None:
+        self.instruments = instruments
+        self.prefix = prefix
+        self.started = 0.0
+
+    def __enter__(self) -> _Waiting:
+        self.started = time.monotonic()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        instruments, prefix = self.instruments, self.prefix
+        try:
+            if exc_type is None:
+                outcome = "granted"  # the grant itself is counted by the attempt that got it
+            elif issubclass(exc_type, LeaseTimeoutError):
+                outcome = "timeout"
+                instruments.child(instruments.refusals, prefix, outcome).inc()
+            else:
+                return  # interrupted, or the database failed: neither a grant nor a refusal
             instruments.child(instruments.wait, prefix, outcome).observe(time.monotonic() - self.started)
+        except Exception:
+            logger.exception("recording a blocking wait in the metrics failed")
 
 
 class _NotMeasured:
-    """`acquiring` when neither metrics nor tracing are on: does nothing."""
+    """`acquiring` / `waiting` when nothing measures them: does nothing."""
 
     def granted(self, epoch: int) -> None:
         pass
@@ -307,6 +383,12 @@ def installed() -> bool:
     return _instruments is not None
 
 
+def collectors() -> list[Any]:
+    """The process's metrics as prometheus_client collectors (none when not installed): what `metrics_push` sends."""
+    instruments = _instruments
+    return [] if instruments is None else instruments.collectors()
+
+
 def install(registry: CollectorRegistry | None = None) -> bool:
     """Register the process's metrics once (the app's ``ready()`` then adds `metrics_db`'s collector).
 
@@ -317,7 +399,8 @@ def install(registry: CollectorRegistry | None = None) -> bool:
         registry: where to register; default prometheus_client's default registry.
 
     Raises:
-        ImproperlyConfigured: ``PG_LEASE_METRICS_KEY_LABEL`` is invalid.
+        ImproperlyConfigured: ``PG_LEASE_METRICS_KEY_LABEL``, ``PG_LEASE_METRICS_MAX_LABELS`` or
+            ``PG_LEASE_METRICS_PUSHGATEWAY`` is invalid.
     """
     global _instruments
     if not conf.metrics_enabled():
@@ -327,6 +410,8 @@ def install(registry: CollectorRegistry | None = None) -> bool:
     except ImportError:
         return False
     label = _labeller()
+    conf.metrics_max_labels()  # a bad value is reported now, not at the first lease call
+    conf.metrics_pushgateway()
     with _install_lock:
         if _instruments is not None:
             return True
@@ -399,19 +484,68 @@ def key_label(key: str) -> str:
 _NOT_MEASURED = _NotMeasured()
 
 
-def acquiring(key: str, blocking: bool) -> _Acquiring | _NotMeasured:
-    """Around a hold's acquire: counts the grant or the refusal, times a blocking wait, traces it.
+def granted(key: str) -> None:
+    """The server granted ``key`` (an attempt's row said so), whichever call sent the attempt."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.count(instruments.grants, key)
 
-    The holder calls ``granted(epoch)`` on what the ``with`` gives, once it has the grant.
+
+def refused(key: str) -> None:
+    """A non-blocking acquire of ``key`` was refused: another owner holds it (``busy``)."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.count(instruments.refusals, key, "busy")
+
+
+def renewal_confirmed(key: str) -> None:
+    """The server confirmed a renewal of ``key``."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.count(instruments.renewals, key)
+
+
+def release_confirmed(key: str) -> None:
+    """The server confirmed a release of ``key`` (the key is free)."""
+    instruments = _instruments
+    if instruments is not None:
+        instruments.count(instruments.releases, key)
+
+
+def lost(key: str, reason: str) -> None:
+    """A caller of ``Lease.objects`` learnt that its lease of ``key`` is lost (``reason``: the error's code).
+
+    A hold's losses are counted from its ``lease_lost`` signal instead.
+    """
+    instruments = _instruments
+    if instruments is not None:
+        instruments.count(instruments.losses, key, reason)
+
+
+def waiting(key: str) -> _Waiting | _NotMeasured:
+    """Around a blocking acquire's whole wait: its time by outcome, and a timeout counted as a refusal.
+
+    The grant itself is counted by the attempt that got it (`granted`).
     """
     instruments = _instruments
     if instruments is None:
-        return _Acquiring(None, key_label(key), blocking) if _tracing else _NOT_MEASURED
-    return _Acquiring(instruments, instruments.prefix(key), blocking)
+        return _NOT_MEASURED
+    return _Waiting(instruments, instruments.prefix(key))
 
 
-def renewed(key: str, epoch: int, sent_at: float, trusted_until: float) -> None:
-    """A renewal sent at ``sent_at`` (monotonic) was confirmed; ``trusted_until``: the trust window's end before it."""
+def acquiring(key: str) -> _TracedAcquire | _NotMeasured:
+    """Around a hold's acquire: its span, when tracing is on (its grant or refusal is counted below it).
+
+    The holder calls ``granted(epoch)`` on what the ``with`` gives, once it has the grant.
+    """
+    return _TracedAcquire(key_label(key)) if _tracing else _NOT_MEASURED
+
+
+def hold_renewed(key: str, epoch: int, sent_at: float, trusted_until: float) -> None:
+    """A hold's renewal sent at ``sent_at`` (monotonic) was confirmed: its latency and slack, its span.
+
+    ``trusted_until``: the trust window's end before it. The renewal itself is counted by `renewal_confirmed`.
+    """
     instruments = _instruments
     if instruments is None and not _tracing:
         return
@@ -419,7 +553,6 @@ def renewed(key: str, epoch: int, sent_at: float, trusted_until: float) -> None:
         now = time.monotonic()
         if instruments is not None:
             prefix = instruments.prefix(key)
-            instruments.child(instruments.renewals, prefix).inc()
             instruments.child(instruments.latency, prefix).observe(max(0.0, now - sent_at))
             instruments.child(instruments.slack, prefix).observe(max(0.0, trusted_until - now))
         if _tracing:

@@ -25,7 +25,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.postgresql.base import DatabaseWrapper as PostgreSQLDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from . import sql
+from . import metrics, sql
 from .commit_confirmation import UnconfirmedCommitNotices, confirmed_commit, watch_caller_commit
 from .exceptions import (
     LOST_ERRORS,
@@ -231,10 +231,22 @@ def quota_refusals(key: str) -> Iterator[None]:
         raise QuotaExceededError(message, key=key) from exc
 
 
+def attempted(key: str, row: Sequence[Any]) -> Attempt:
+    """The `Attempt` a ``pg_lease_acquire`` row of ``key`` says; a grant is counted in the metrics.
+
+    Every attempt's row is read here, whichever call sent it (the async blocking wait, which sends its
+    own statements, included): each grant is counted once.
+    """
+    tried = Attempt(*row)
+    if tried.granted:
+        metrics.granted(key)
+    return tried
+
+
 def attempt(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Attempt:
     """One non-blocking acquire."""
     with quota_refusals(key):
-        return Attempt(*call(connection, sql.ACQUIRE, [key, owner, ttl]))
+        return attempted(key, call(connection, sql.ACQUIRE, [key, owner, ttl]))
 
 
 def attempt_or_register(
@@ -245,12 +257,15 @@ def attempt_or_register(
     ``retry_within``: the longest the waiter sleeps before its next attempt unless notified.
     """
     with quota_refusals(key):
-        return Attempt(*call(connection, sql.ACQUIRE_OR_REGISTER, [key, owner, ttl, retry_within]))
+        return attempted(key, call(connection, sql.ACQUIRE_OR_REGISTER, [key, owner, ttl, retry_within]))
 
 
 def acquire(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
     """A non-blocking acquire: the grant, or None when another owner holds the key."""
-    return attempt(connection, key, owner, ttl).grant(key)
+    grant = attempt(connection, key, owner, ttl).grant(key)
+    if grant is None:
+        metrics.refused(key)
+    return grant
 
 
 def acquire_or_raise(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant:
@@ -259,6 +274,7 @@ def acquire_or_raise(connection: BaseDatabaseWrapper, key: str, owner: str, ttl:
     grant = tried.grant(key)
     if grant is not None:
         return grant
+    metrics.refused(key)
     expires_at: datetime | None = tried.expires_at
     until = f" until {expires_at.isoformat(timespec='milliseconds')}" if expires_at is not None else ""
     raise NotAcquirableError(
@@ -282,6 +298,7 @@ def renew(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int, ttl
     """Extend ``(owner, epoch)``'s lease; the `Renewal`, or the `LeaseLostError` of the verdict."""
     outcome, expires_at, _server_time, handoff_requested = call(connection, sql.RENEW, [key, owner, epoch, ttl])
     _raise_unless_ok(outcome, "renew", key, owner, epoch)
+    metrics.renewal_confirmed(key)
     return Renewal(expires_at, bool(handoff_requested))
 
 
@@ -289,6 +306,7 @@ def release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -
     """Free ``(owner, epoch)``'s lease, or raise the `LeaseLostError` of the verdict."""
     outcome, _epoch, _server_time = call(connection, sql.RELEASE, [key, owner, epoch])
     _raise_unless_ok(outcome, "release", key, owner, epoch)
+    metrics.release_confirmed(key)
 
 
 def _raise_unless_ok(outcome: str, operation: str, key: str, owner: str, epoch: int) -> None:

@@ -17,7 +17,7 @@ import signal
 import threading
 from types import FrameType
 
-from . import conf
+from . import conf, metrics_push
 
 _depth = 0  # active scopes that counted (main thread only: no lock needed)
 _received = False
@@ -58,4 +58,5 @@ def leave(counted: bool) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _received:
         _received = False
+        metrics_push.exiting()  # the signal ends the process without atexit: its metrics leave first
         signal.raise_signal(signal.SIGTERM)  # the default disposition: the process ends by SIGTERM

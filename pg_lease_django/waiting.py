@@ -28,7 +28,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper
 from psycopg.sql import SQL, Identifier
 
-from . import conf, operations, sql
+from . import conf, metrics, operations, sql
 from .operations import Attempt, Grant
 from .settling import abandon_statement, attempt_backend, commits_on_its_own, granted_unseen, settle
 from .wait_plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
@@ -61,16 +61,17 @@ def wait_and_acquire(
     # does) and go on, once sure that attempt granted nothing. Inside one, the transaction is gone.
     own_commit = commits_on_its_own(connection)
     waiter = _Waiter(connection, key, owner, ttl, listen=conf.listen_enabled() and own_commit, interrupted=interrupted)
-    try:
-        return waiter.run(wait_plan(key, owner, wait, rejoin=own_commit), before_attempt)
-    except BaseException:
-        # An attempt whose answer never came (interrupted, cancelled) may have committed a grant,
-        # and a grant answered but not returned (interrupted while leaving LISTEN) is nobody's:
-        # settle either before the exception goes on. Inside a transaction the attempt went with
-        # it; a lost connection is the plan's to report: nothing to settle.
-        if own_commit and (waiter.in_flight is not None or waiter.granted is not None):
-            settle(connection, key, owner, waiter.in_flight)
-        raise
+    with metrics.waiting(key):
+        try:
+            return waiter.run(wait_plan(key, owner, wait, rejoin=own_commit), before_attempt)
+        except BaseException:
+            # An attempt whose answer never came (interrupted, cancelled) may have committed a grant,
+            # and a grant answered but not returned (interrupted while leaving LISTEN) is nobody's:
+            # settle either before the exception goes on. Inside a transaction the attempt went with
+            # it; a lost connection is the plan's to report: nothing to settle.
+            if own_commit and (waiter.in_flight is not None or waiter.granted is not None):
+                settle(connection, key, owner, waiter.in_flight)
+            raise
 
 
 class _Waiter:
@@ -239,6 +240,13 @@ async def await_and_acquire(
     ``connection_of`` returns the caller's connection; it is called in Django's thread for sync code
     (``sync_to_async``), where that is the connection the caller's other ORM calls use.
     """
+    with metrics.waiting(key):
+        return await _await_and_acquire(connection_of, key, owner, ttl, wait)
+
+
+async def _await_and_acquire(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, wait: timedelta | None
+) -> Grant:
     own = await sync_to_async(_own_wait)(connection_of, owner)
     if own is None:
         return await _poll_in_transaction(connection_of, key, owner, ttl, wait)
@@ -276,7 +284,7 @@ async def await_and_acquire(
                             row = await (await conn.execute(own.statement, params)).fetchone()
                         attempting = False
                         assert row is not None
-                        answer = Attempt(*row)
+                        answer = operations.attempted(key, row)
                     elif isinstance(step, ReadEpoch):
                         seen = await (await conn.execute(own.inspect, [key])).fetchone()
                         assert seen is not None
@@ -342,6 +350,8 @@ async def asettle(conn: psycopg.AsyncConnection[Any], own: _OwnWait, key: str, o
     _key, status, holder, epoch, _expires_at, _server_time = row
     if granted_unseen(status, holder, owner):
         outcome = (await (await conn.execute(own.release, [key, owner, epoch])).fetchone() or ("?",))[0]
+        if outcome == "ok":
+            metrics.release_confirmed(key)  # as the sync settling's release is
         logger.warning("an interrupted acquire of %r had been granted (epoch %s): release %s", key, epoch, outcome)
 
 

@@ -32,7 +32,10 @@ KNOWN_CYCLES: list[set[str]] = []
 #: package's root module, which re-exports the public API and so sits on top.
 LAYERS: list[tuple[str, set[str]]] = [
     ("leaves", {"conf", "exceptions", "exit_codes", "status", "owners", "signals", "tracing"}),
-    ("input rules, statements, SQL files", {"validation", "sql", "migrations", "sigterm", "metrics"}),
+    (
+        "input rules, statements, SQL files",
+        {"validation", "sql", "migrations", "sigterm", "metrics", "metrics_push"},
+    ),
     ("one call", {"commit_confirmation", "operations", "display"}),
     ("the blocking wait", {"wait_plan", "settling", "waiting"}),
     ("the manager and the model", {"managers", "querysets", "models"}),

@@ -6,12 +6,17 @@ else this process held before: every count asserted is exactly what the scenario
 
 from __future__ import annotations
 
+import http.server
 import itertools
 import json
+import logging
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,14 +25,27 @@ from typing import Any
 
 import prometheus_client
 import pytest
+from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.test import override_settings
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from devkit.dbserver import free_port
 from devkit.testapp.models import Entry
-from pg_lease_django import Lease, LeaseError, LeaseTimeoutError, NotAcquirableError, hold, metrics, metrics_db
+from pg_lease_django import (
+    Lease,
+    LeaseError,
+    LeaseLostError,
+    LeaseTimeoutError,
+    NotAcquirableError,
+    conf,
+    hold,
+    metrics,
+    metrics_db,
+    metrics_push,
+)
 from pg_lease_django.checks import check_metrics_settings
 from pg_lease_django.history import sync_scope
 from tests.helpers import Background, held, lapsed, url_of_test_database, wait_until
@@ -234,7 +252,335 @@ def test_a_bad_key_label_setting_is_a_system_check_error(bad: object) -> None:
 
 def test_the_default_label_is_the_text_before_the_first_colon() -> None:
     assert metrics.key_label("billing:acme:42") == "billing"
-    assert metrics.key_label("nightly-billing") == "nightly-billing"
+    # Keys without the separator share one label: a tenant's junk keys cannot make a series each.
+    assert metrics.key_label("nightly-billing") == metrics.NO_PREFIX_LABEL == "(none)"
+    assert metrics.key_label("invoice-81723") == "(none)"
+    assert metrics.OTHER_LABEL == "(other)"
+
+
+@pytest.fixture
+def reinstalled() -> Iterator[Callable[[], CollectorRegistry]]:
+    """Install the metrics afresh (no label seen yet) in a registry of the test's own; the default one after."""
+
+    def install() -> CollectorRegistry:
+        metrics.uninstall()
+        registry = CollectorRegistry()
+        assert metrics.install(registry)
+        return registry
+
+    try:
+        yield install
+    finally:
+        metrics.uninstall()
+        metrics.install()
+
+
+def _pair(key: str, owner: str = "w1") -> None:
+    grant = Lease.objects.acquire(key, owner, ttl=30)
+    assert grant is not None
+    Lease.objects.release(key, owner, grant.epoch)
+
+
+def _prefixes(registry: CollectorRegistry) -> set[str]:
+    return {sample.labels["prefix"] for family in registry.collect() for sample in family.samples if sample.labels}
+
+
+def test_a_process_exports_at_most_max_labels_prefixes_and_counts_the_rest_under_other(
+    reinstalled: Callable[[], CollectorRegistry], prefix: str
+) -> None:
+    with override_settings(PG_LEASE_METRICS_MAX_LABELS=3):
+        registry = reinstalled()
+        for n in range(20):  # one tenant's junk keys, without the separator: one label between them
+            _pair(f"{prefix}junk{n}")
+        for n in range(5):  # five families of keys: two more labels fit under the cap, three do not
+            _pair(f"{prefix}f{n}:job")
+        with hold(f"{prefix}f0:held", ttl=10):  # an admitted label stays admitted
+            pass
+        with hold(f"{prefix}f4:held", ttl=10):
+            pass
+    samples = parse(prometheus_client.generate_latest(registry).decode())
+    assert _prefixes(registry) == {"(none)", f"{prefix}f0", f"{prefix}f1", "(other)"}
+    assert value(samples, "pg_lease_grants_total", prefix="(none)") == 20
+    assert value(samples, "pg_lease_releases_total", prefix="(none)") == 20
+    assert value(samples, "pg_lease_grants_total", prefix=f"{prefix}f0") == 2
+    assert value(samples, "pg_lease_grants_total", prefix=f"{prefix}f1") == 1
+    assert value(samples, "pg_lease_grants_total", prefix="(other)") == 4  # f2, f3, f4 and f4's hold
+    assert value(samples, "pg_lease_releases_total", prefix="(other)") == 4
+
+
+def test_a_callable_label_rule_is_capped_the_same_way(
+    reinstalled: Callable[[], CollectorRegistry], prefix: str
+) -> None:
+    with override_settings(
+        PG_LEASE_METRICS_KEY_LABEL="pg_lease_django.metrics.whole_key", PG_LEASE_METRICS_MAX_LABELS=2
+    ):
+        registry = reinstalled()
+        for n in range(6):
+            _pair(f"{prefix}:{n}")
+    samples = parse(prometheus_client.generate_latest(registry).decode())
+    assert _prefixes(registry) == {f"{prefix}:0", f"{prefix}:1", "(other)"}
+    assert value(samples, "pg_lease_grants_total", prefix="(other)") == 4
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("PG_LEASE_METRICS_MAX_LABELS", 0),
+        ("PG_LEASE_METRICS_MAX_LABELS", True),
+        ("PG_LEASE_METRICS_MAX_LABELS", "16"),
+        ("PG_LEASE_METRICS_PUSHGATEWAY", ""),
+        ("PG_LEASE_METRICS_PUSHGATEWAY", 9091),
+    ],
+)
+def test_a_bad_label_cap_or_pushgateway_setting_is_refused_when_read(name: str, bad: object) -> None:
+    read = conf.metrics_max_labels if name.endswith("LABELS") else conf.metrics_pushgateway
+    with override_settings(**{name: bad}), pytest.raises(ImproperlyConfigured, match=name):
+        read()
+
+
+# ---- every lease call is counted once, whichever API made it -------------------------------------
+
+
+def test_every_call_of_the_manager_is_counted_once(served: Callable[[], Samples], prefix: str) -> None:
+    p = prefix
+    grant = Lease.objects.acquire(f"{p}:a", "w1", ttl=30)
+    assert grant is not None
+    assert Lease.objects.acquire(f"{p}:a", "w2", ttl=30) is None  # busy
+    with pytest.raises(LeaseTimeoutError):
+        Lease.objects.acquire(f"{p}:a", "w2", ttl=30, blocking=True, timeout=0.2)
+    Lease.objects.renew(f"{p}:a", "w1", grant.epoch, ttl=30)
+    Lease.objects.release(f"{p}:a", "w1", grant.epoch)
+    with pytest.raises(LeaseLostError) as late_renewal:
+        Lease.objects.renew(f"{p}:a", "w1", grant.epoch, ttl=30)  # released: not this owner's any more
+    with pytest.raises(LeaseLostError) as late_release:
+        Lease.objects.release(f"{p}:a", "w1", grant.epoch)
+    # A blocking acquire that waits for the holder's expiry, and is granted.
+    assert Lease.objects.acquire(f"{p}:b", "w1", ttl=0.3) is not None
+    Lease.objects.acquire(f"{p}:b", "w2", ttl=30, blocking=True, timeout=60)
+    after = served()
+
+    assert value(after, "pg_lease_grants_total", prefix=p) == 3
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="busy") == 1
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=p, outcome="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=p, outcome="granted") == 1
+    assert value(after, "pg_lease_renewals_total", prefix=p) == 1
+    assert value(after, "pg_lease_releases_total", prefix=p) == 1
+    assert late_renewal.value.code == late_release.value.code == "not_owner"
+    assert value(after, "pg_lease_losses_total", prefix=p, reason="not_owner") == 2
+    assert value(after, "pg_lease_holds", prefix=p) == 0  # the gauge is the holds'
+
+
+def test_every_call_of_the_async_manager_is_counted_once(served: Callable[[], Samples], prefix: str) -> None:
+    p = prefix
+
+    async def scenario() -> str:
+        grant = await Lease.objects.aacquire(f"{p}:a", "w1", ttl=30)
+        assert grant is not None
+        assert await Lease.objects.aacquire(f"{p}:a", "w2", ttl=30) is None  # busy
+        with pytest.raises(LeaseTimeoutError):  # on a connection of the waiter's own
+            await Lease.objects.aacquire(f"{p}:a", "w2", ttl=30, blocking=True, timeout=0.2)
+        await Lease.objects.arenew(f"{p}:a", "w1", grant.epoch, ttl=30)
+        await Lease.objects.arelease(f"{p}:a", "w1", grant.epoch)
+        with pytest.raises(LeaseLostError) as late:
+            await Lease.objects.arelease(f"{p}:a", "w1", grant.epoch)
+        assert await Lease.objects.aacquire(f"{p}:b", "w1", ttl=0.3) is not None
+        await Lease.objects.aacquire(f"{p}:b", "w2", ttl=30, blocking=True, timeout=60)
+        return late.value.code
+
+    code = async_to_sync(scenario)()
+    after = served()
+    assert value(after, "pg_lease_grants_total", prefix=p) == 3
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="busy") == 1
+    assert value(after, "pg_lease_refusals_total", prefix=p, reason="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=p, outcome="timeout") == 1
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=p, outcome="granted") == 1
+    assert value(after, "pg_lease_renewals_total", prefix=p) == 1
+    assert value(after, "pg_lease_releases_total", prefix=p) == 1
+    assert value(after, "pg_lease_losses_total", prefix=p, reason=code) == 1
+
+
+def test_a_blocking_hold_that_waits_counts_one_grant_and_one_wait(served: Callable[[], Samples], prefix: str) -> None:
+    key = f"{prefix}:k"
+    assert Lease.objects.acquire(key, "other", ttl=0.3) is not None  # lapses: the hold gets it then
+    with hold(key, ttl=10, blocking=True, timeout=60) as lease:
+        assert lease.epoch >= 2
+    after = served()
+    assert value(after, "pg_lease_grants_total", prefix=prefix) == 2
+    assert value(after, "pg_lease_refusals_total", prefix=prefix, reason="busy") == 0
+    assert value(after, "pg_lease_blocking_wait_seconds_count", prefix=prefix, outcome="granted") == 1
+    assert value(after, "pg_lease_releases_total", prefix=prefix) == 1
+    assert value(after, "pg_lease_holds", prefix=prefix) == 0
+
+
+# ---- short-lived processes: their metrics leave with them ----------------------------------------
+
+
+Received = list[tuple[str, str, str]]  # method, path, body
+
+
+@pytest.fixture
+def pushgateway() -> Iterator[tuple[str, Received]]:
+    """A real HTTP receiver in place of a Pushgateway: it keeps what each request pushed and answers 200."""
+    received: Received = []
+
+    class Receiver(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+            received.append((self.command, self.path, body))
+            self.send_response(200)
+            self.end_headers()
+
+        do_POST = do_PUT
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", received
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=30)
+
+
+def _short_lived(how: str, key: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run a real ``manage.py`` child that holds ``key`` once and exits: ``leases run`` or an ``@leased`` command."""
+    argv = {
+        "leases run": ["leases", "run", key, "--ttl", "10", "--", sys.executable, "-c", "pass"],
+        "@leased command": ["leased_job", key],
+    }[how]
+    environment = {**os.environ, "DATABASE_URL": url_of_test_database(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    environment.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    environment.update(env)
+    done = subprocess.run(
+        [sys.executable, "-m", "django", *argv],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hang guard
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["leases run", "@leased command"])
+def test_a_short_lived_process_pushes_its_counts_to_the_pushgateway_at_exit(
+    pushgateway: tuple[str, Received], prefix: str, how: str
+) -> None:
+    url, received = pushgateway
+    _short_lived(how, f"{prefix}:nightly", PG_LEASE_TEST_PUSHGATEWAY=url)
+    # One group per key label, replaced by the next run of the same job on this host (PUT).
+    [(method, path, body)] = received
+    assert method == "PUT"
+    assert path == f"/metrics/job/pg_lease_django/instance/{socket.gethostname()}/prefix/{prefix}"
+    pushed = parse(body)
+    assert value(pushed, "pg_lease_grants_total", prefix=prefix) == 1
+    assert value(pushed, "pg_lease_releases_total", prefix=prefix) == 1
+    assert value(pushed, "pg_lease_holds", prefix=prefix) == 0
+    assert all(dict(labels)["prefix"] == prefix for (_name, labels) in pushed)  # this label's series only
+
+
+@pytest.mark.slow
+def test_a_process_that_sigterm_ends_pushes_its_counts_before_it_dies(
+    pushgateway: tuple[str, Received], prefix: str
+) -> None:
+    """SIGTERM unwinds an @leased job (its lease released), then ends the process by SIGTERM: no atexit."""
+    url, received = pushgateway
+    env = {
+        **os.environ,
+        "DATABASE_URL": url_of_test_database(),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PG_LEASE_TEST_PUSHGATEWAY": url,
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", "django", "leased_job", f"{prefix}:nightly", "--until-signalled"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "holding"
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    [(method, _path, body)] = received
+    pushed = parse(body)
+    assert method == "PUT"
+    assert value(pushed, "pg_lease_grants_total", prefix=prefix) == 1
+    assert value(pushed, "pg_lease_releases_total", prefix=prefix) == 1
+
+
+@pytest.mark.slow
+def test_a_short_lived_process_on_the_host_leaves_its_counts_in_the_multiprocess_directory(
+    tmp_path: Path, prefix: str
+) -> None:
+    from prometheus_client import multiprocess
+
+    _short_lived("leases run", f"{prefix}:nightly", PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    _short_lived("@leased command", f"{prefix}:hourly", PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))  # type: ignore[no-untyped-call]
+    samples = parse(prometheus_client.generate_latest(registry).decode())
+    assert value(samples, "pg_lease_grants_total", prefix=prefix) == 2  # the two runs add up
+    assert value(samples, "pg_lease_releases_total", prefix=prefix) == 2
+    assert value(samples, "pg_lease_holds", prefix=prefix) == 0
+    # Each exit marked its process dead: no live gauge of a gone process is summed at the next scrape.
+    assert not list(tmp_path.glob("gauge_live*"))
+
+
+def test_push_sends_one_group_per_label_and_nothing_when_nothing_was_counted(
+    reinstalled: Callable[[], CollectorRegistry], pushgateway: tuple[str, Received], prefix: str
+) -> None:
+    url, received = pushgateway
+    reinstalled()
+    with override_settings(PG_LEASE_METRICS_PUSHGATEWAY=url):
+        assert metrics_push.push()
+        assert received == []  # nothing counted: nothing to push
+        _pair(f"{prefix}a:1")
+        _pair(f"{prefix}a:2")
+        _pair(f"{prefix}b:1")
+        assert metrics_push.push()
+    by_path = {path.rsplit("/", 1)[1]: parse(body) for _method, path, body in received}
+    assert set(by_path) == {f"{prefix}a", f"{prefix}b"}
+    assert value(by_path[f"{prefix}a"], "pg_lease_grants_total", prefix=f"{prefix}a") == 2
+    assert value(by_path[f"{prefix}a"], "pg_lease_grants_total", prefix=f"{prefix}b") == 0
+    assert value(by_path[f"{prefix}b"], "pg_lease_releases_total", prefix=f"{prefix}b") == 1
+
+
+def test_a_push_that_fails_is_logged_never_raised_and_bounded_by_its_timeout(
+    reinstalled: Callable[[], CollectorRegistry],
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reinstalled()
+    _pair(f"{prefix}:job")
+    caplog.set_level(logging.WARNING, logger="pg_lease_django.metrics_push")
+    with override_settings(PG_LEASE_METRICS_PUSHGATEWAY=f"http://127.0.0.1:{free_port()}"):  # nothing listens
+        assert metrics_push.push() is False
+    # A gateway that accepts the connection and never answers: the push gives up at its timeout.
+    monkeypatch.setattr(metrics_push, "PUSH_TIMEOUT", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        with override_settings(PG_LEASE_METRICS_PUSHGATEWAY=f"http://127.0.0.1:{silent.getsockname()[1]}"):
+            pushing = Background(metrics_push.push)
+            pushing.start()
+            assert pushing.outcome(timeout=60) is False
+    assert len([r for r in caplog.records if "pushing the lease metrics" in r.getMessage()]) == 2
 
 
 @pytest.mark.slow
@@ -357,7 +703,14 @@ def test_the_observability_page_explains_every_metric_and_setting() -> None:
     page = (REPO / "docs" / "observability.md").read_text()
     for name in {**metrics.METRICS, **metrics_db.DATABASE_METRICS}:
         assert f"`{name}`" in page, f"docs/observability.md does not explain {name}"
-    for setting in ("PG_LEASE_METRICS", "PG_LEASE_METRICS_DATABASE_VIEW", "PG_LEASE_METRICS_KEY_LABEL"):
+    for setting in (
+        "PG_LEASE_METRICS",
+        "PG_LEASE_METRICS_DATABASE_VIEW",
+        "PG_LEASE_METRICS_KEY_LABEL",
+        "PG_LEASE_METRICS_MAX_LABELS",
+        "PG_LEASE_METRICS_PUSHGATEWAY",
+        "PROMETHEUS_MULTIPROC_DIR",
+    ):
         assert setting in page
     assert "observability.md" in (REPO / "mkdocs.yml").read_text()
 

@@ -230,7 +230,7 @@ class Heartbeat:
             if self._failures:
                 logger.info("renewed lease %r after %d failed attempts", lease.key, self._failures)
             self._failures = 0
-            metrics.renewed(
+            metrics.hold_renewed(
                 lease.key, lease.epoch, sent_at, self.tenure.trusted_until
             )  # before _renewed moves the trust window
             if not self.tenure.renewed(renewal.expires_at, sent_at):

@@ -133,7 +133,7 @@ class HoldSession:
         grant: Grant | None = None
         heartbeat: Heartbeat | None = None
         try:
-            with metrics.acquiring(self.key, options.blocking) as measured:
+            with metrics.acquiring(self.key) as measured:
                 grant, sent_at = pool.acquire(
                     self.key, owner, options.ttl, blocking=options.blocking, wait=options.wait, call=self.acquiring
                 )
