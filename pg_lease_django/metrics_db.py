@@ -5,6 +5,12 @@ and free by key label, the oldest lapse not yet taken over, the waiters register
 ``PG_LEASE_HISTORY``, the tenures ended by reason. Registered by the app's ``ready()`` in
 prometheus_client's default registry (``PG_LEASE_METRICS_DATABASE_VIEW``); in multiprocess mode
 register it in the registry your ``/metrics`` view builds (`register`).
+
+With a one-character ``PG_LEASE_METRICS_KEY_LABEL`` (the default ``:``) it calls
+``pg_lease_metrics()``, which a role declared in ``PG_LEASE_MONITOR_ROLES`` may run and which
+returns counts by label, never a key: the labels are bounded there (keys without the separator
+share ``"(none)"``, at most ``PG_LEASE_METRICS_MAX_LABELS`` labels, the rest ``"(other)"``). A
+callable label reads a row per key (an operator's SELECT on the lease tables) and is bounded here.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from django.db import connections, router, transaction
 
 from . import conf
 from . import sql as lease_sql
+from .metrics import OTHER_LABEL
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -36,7 +43,7 @@ DATABASE_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pg_lease_db_tenures_ended": ("gauge", ("prefix", "reason")),
 }
 
-# One statement: the lease rows grouped by label and state (the state by pg_lease_status, the rule
+# For a callable label: one statement, a row per key; the lease rows grouped by label and state (the state by pg_lease_status, the rule
 # every lease function applies, against one clock_timestamp() read for the whole statement), the
 # waiters whose registration has not run out, and the ended tenures (only when history is on: a
 # constant false filter skips the scan). No index helps a whole-table count; none is added (an index
@@ -66,23 +73,19 @@ _ROOM = (
 )
 
 
-def _statement(schema: str, by_separator: bool) -> str:
-    label = "pg_catalog.split_part({}.key, %s, 1)" if by_separator else "{}.key"
-    return _VIEW.format(
-        schema=schema,
-        lease_label=label.format("l"),
-        waiter_label=label.format("w"),
-        tenure_label=label.format("t"),
-    )
+def _statement(schema: str) -> str:
+    return _VIEW.format(schema=schema, lease_label="l.key", waiter_label="w.key", tenure_label="t.key")
 
 
 class DatabaseCollector:
     """A prometheus_client collector: the database's view of the leases, read at each scrape.
 
-    With a one-character ``PG_LEASE_METRICS_KEY_LABEL`` the database groups by label itself; with a
-    callable it returns a row per key and state, grouped here (costlier on a large table).
-    A failed read (database down, no privilege on the waiter table) sets ``pg_lease_db_up`` to 0
-    and is logged; it never fails the scrape.
+    With a one-character ``PG_LEASE_METRICS_KEY_LABEL`` the database groups by label itself
+    (``pg_lease_metrics()``, which a monitoring role may run); with a callable it returns a row per
+    key and state, grouped here (costlier on a large table, and an operator's SELECT on the lease
+    tables). Either way a scrape has at most ``PG_LEASE_METRICS_MAX_LABELS`` labels plus
+    ``"(other)"``. A failed read (database down, no privilege) sets ``pg_lease_db_up`` to 0 and is
+    logged; it never fails the scrape.
 
     Args:
         using: the database alias; default the router's write database for `Lease`.
@@ -118,37 +121,42 @@ class DatabaseCollector:
         alias = self.using or router.db_for_write(Lease)
         connection = connections[alias]
         rule = conf.metrics_key_label()
-        separator = rule if isinstance(rule, str) else None
+        cap = conf.metrics_max_labels()
+        history_on = bool(conf.history_prefixes())
         opened = connection.connection is None
         try:
-            statement = _statement(lease_sql.schema(connection), separator is not None)
-            params: list[Any] = [separator] * 3 if separator is not None else []
-            params.append(bool(conf.history_prefixes()))
             with transaction.atomic(using=alias), connection.cursor() as cursor:
-                # The planner cannot estimate how many labels there are (an expression without
-                # statistics), guesses a group per row and sorts every row, on disk past work_mem;
-                # with room for a hash of that guess it hashes instead (2-3x faster at 100k rows).
-                # For this transaction only, and never lowered.
+                if isinstance(rule, str):
+                    cursor.execute(lease_sql.render(connection, lease_sql.METRICS), [rule, cap, history_on])
+                    return [(kind, label, what, count, lapse) for kind, label, what, count, lapse in cursor.fetchall()]
+                # The planner cannot estimate how many keys share a label, guesses a group per row
+                # and sorts every row, on disk past work_mem; with room for a hash of that guess it
+                # hashes instead (2-3x faster at 100k rows). For this transaction only, never lowered.
                 cursor.execute(_ROOM)
-                cursor.execute(statement, params)
+                cursor.execute(_statement(lease_sql.schema(connection)), [history_on])
                 raw = cursor.fetchall()
         finally:
             # A scrape thread of prometheus_client's server is new each time: close what it opened.
             if opened and not connection.in_atomic_block:
                 connection.close()
-        if separator is not None:
-            return [(kind, prefix, what, count, lapse) for kind, prefix, what, count, lapse in raw]
-        assert callable(rule)
-        return _regroup(raw, rule)
+        return _regroup(raw, rule, cap)
 
 
 def _regroup(
-    raw: list[tuple[str, str, str, float, float | None]], label: Callable[[str], str]
+    raw: list[tuple[str, str, str, float, float | None]], label: Callable[[str], str], cap: int
 ) -> list[tuple[str, str, str, float, float | None]]:
+    """Rows per key labelled by ``label``: the ``cap`` labels with the most lease rows keep their own,
+    the rest are counted as `OTHER_LABEL` (as ``pg_lease_metrics()`` bounds them in SQL)."""
+    labels = {key: str(label(key)) for _kind, key, *_ in raw}
+    rows: dict[str, float] = defaultdict(float)
+    for kind, key, _what, count, _lapse in raw:
+        if kind == "lease":
+            rows[labels[key]] += count
+    kept = set(sorted(rows, key=lambda name: (-rows[name], name))[:cap])
     counts: dict[tuple[str, str, str], float] = defaultdict(float)
     lapses: dict[tuple[str, str, str], float | None] = {}
     for kind, key, what, count, lapse in raw:
-        group = (kind, str(label(key)), what)
+        group = (kind, labels[key] if labels[key] in kept else OTHER_LABEL, what)
         counts[group] += count
         if lapse is not None:
             known = lapses.get(group)

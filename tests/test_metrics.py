@@ -7,6 +7,7 @@ else this process held before: every count asserted is exactly what the scenario
 from __future__ import annotations
 
 import http.server
+import io
 import itertools
 import json
 import logging
@@ -27,6 +28,7 @@ import prometheus_client
 import pytest
 from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
 from django.db import connections
 from django.test import override_settings
 from prometheus_client import CollectorRegistry
@@ -750,3 +752,110 @@ def test_without_the_optional_packages_nothing_is_registered_and_holds_work(pref
     [report] = _child("without", f"{prefix}:plain")
     assert report == {"metrics": False, "rich": False, "epoch": report["epoch"]}
     assert report["epoch"] >= 1
+
+
+# ---- the database's view under least privilege, over junk keys (issue 46, finding 3) -------------
+
+
+@pytest.fixture
+def monitor(transactional_db: None) -> Iterator[str]:
+    """A login role declared in PG_LEASE_MONITOR_ROLES (granted pg_lease_metrics() by `leases grant`)."""
+    import psycopg
+    from psycopg import sql as pgsql
+
+    from tests.helpers import conninfo
+
+    role = f"pgl_{uuid.uuid4().hex[:8]}_monitor"
+    admin = psycopg.connect(conninfo(), autocommit=True)
+    admin.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(pgsql.Identifier(role)))
+    try:
+        with override_settings(PG_LEASE_MONITOR_ROLES=[role]):
+            call_command("leases", "grant", stdout=io.StringIO())
+            yield role
+    finally:
+        admin.execute(pgsql.SQL("DROP OWNED BY {} CASCADE").format(pgsql.Identifier(role)))
+        admin.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(role)))
+        admin.close()
+
+
+def scrape_as(role: str, **settings: Any) -> str:
+    """The database view's exposition text, read on a connection that logs in as ``role``."""
+    from tests.helpers import conninfo
+
+    server = psycopg_conninfo(conninfo())
+    alias = "default"
+    saved = dict(connections[alias].settings_dict)
+    connections[alias].close()
+    connections[alias].settings_dict.update(
+        USER=role, PASSWORD="", HOST=server.get("host") or "", PORT=str(server.get("port") or "")
+    )
+    try:
+        registry = CollectorRegistry()
+        with override_settings(**settings):
+            metrics_db.register(registry, using=alias)
+            return prometheus_client.generate_latest(registry).decode()
+    finally:
+        connections[alias].close()
+        connections[alias].settings_dict.update(saved)
+
+
+def psycopg_conninfo(text: str) -> dict[str, Any]:
+    import psycopg
+
+    return dict(psycopg.conninfo.conninfo_to_dict(text))
+
+
+def test_the_database_view_works_for_a_monitoring_role_and_stays_small_over_junk_keys(monitor: str) -> None:
+    """Finding 3: the database view failed under the documented roles (the operator lacked SELECT on
+    the waiter table, the worker on the lease table), and one tenant's junk keys without a ':' made
+    a scrape 21 MB with 80,073 series. A monitoring role reads counts through pg_lease_metrics();
+    keys without the separator share "(none)", at most PG_LEASE_METRICS_MAX_LABELS labels keep their
+    own and the rest count as "(other)"."""
+    tag = uuid.uuid4().hex[:8]
+    with connections["default"].cursor() as cursor:  # 3,000 junk keys: 1,500 labels, 1,500 without ':'
+        cursor.execute(
+            "INSERT INTO pg_lease_django_lease (key, owner, epoch, acquired_at, expires_at) "
+            "SELECT CASE WHEN i %% 2 = 0 THEN 'junk' || i || %s || ':k' ELSE 'junk-' || %s || '-' || i END, 'w', "
+            "f.floor + 1, clock_timestamp(), clock_timestamp() + interval '1 hour' "
+            "FROM generate_series(1, 3000) i, pg_lease_django_epoch_floor f",
+            [tag, tag],
+        )
+    text = scrape_as(monitor, PG_LEASE_METRICS_MAX_LABELS=16)
+    samples = parse(text)
+    assert value(samples, "pg_lease_db_up") == 1
+    series = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(series) < 200, len(series)
+    labels = {dict(pairs)["prefix"] for name, pairs in samples if name == "pg_lease_db_leases"}
+    assert len(labels) <= 17 and {metrics.OTHER_LABEL, metrics.NO_PREFIX_LABEL} <= labels
+    # Another role, granted nothing, reads nothing: db_up says so, and the scrape goes on.
+    import psycopg
+    from psycopg import sql as pgsql
+
+    from tests.helpers import conninfo
+
+    stranger = f"pgl_{tag}_stranger"
+    admin = psycopg.connect(conninfo(), autocommit=True)
+    admin.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(pgsql.Identifier(stranger)))
+    try:
+        assert value(parse(scrape_as(stranger)), "pg_lease_db_up") == 0
+    finally:
+        admin.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(stranger)))
+        admin.close()
+
+
+@pytest.mark.django_db
+def test_the_database_and_the_process_label_a_key_alike(key: str) -> None:
+    """Both views spell the same labels: a key without the separator, and the labels past the cap."""
+    held(f"no-separator-{uuid.uuid4().hex}")
+    held(f"{key}:x")
+    query = "SELECT DISTINCT label FROM public.pg_lease_metrics(':', %s, false) WHERE kind = 'lease'"
+    with connections["default"].cursor() as cursor:
+        cursor.execute(query, [1_000_000])
+        wide = {row[0] for row in cursor.fetchall()}
+        cursor.execute(query, [1])
+        narrow = {row[0] for row in cursor.fetchall()}
+    assert metrics.NO_PREFIX_LABEL in wide and key in wide
+    assert len(narrow) == 2 and metrics.OTHER_LABEL in narrow
+    label = metrics.key_label
+    with override_settings(PG_LEASE_METRICS_MAX_LABELS=1_000_000):
+        assert label("no-separator") == metrics.NO_PREFIX_LABEL and label(f"{key}:x") == key
