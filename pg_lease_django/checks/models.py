@@ -195,20 +195,22 @@ def check_fenced_models_have_a_fenced_admin(app_configs: Any = None, **kwargs: A
 
 
 def check_metrics_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
-    """E005: ``PG_LEASE_METRICS_KEY_LABEL`` is neither one separator character nor a callable (or its path)."""
+    """E005: a metrics setting is invalid (``PG_LEASE_METRICS_KEY_LABEL``, ``_MAX_LABELS``, ``_PUSHGATEWAY``):
+    the metrics are not registered until it is fixed."""
     from django.core.exceptions import ImproperlyConfigured
 
     from pg_lease_django import conf
 
-    try:
-        conf.metrics_key_label()
-    except ImproperlyConfigured as exc:
-        return [
-            checks.Error(
-                str(exc),
-                hint='Use one character (e.g. ":"), a callable f(key) -> str, or the dotted path of one; '
-                "the metrics are not registered until it is fixed.",
-                id="pg_lease_django.E005",
-            )
-        ]
-    return []
+    hints = {
+        conf.metrics_key_label: 'Use one character (e.g. ":"), a callable f(key) -> str, or the dotted path of one',
+        conf.metrics_max_labels: "Use a positive int (the default is 16)",
+        conf.metrics_pushgateway: "Use the Pushgateway's http(s) URL, or None",
+    }
+    found: list[checks.CheckMessage] = []
+    for read, hint in hints.items():
+        try:
+            read()
+        except ImproperlyConfigured as exc:
+            advice = f"{hint}; the metrics are not registered until it is fixed."
+            found.append(checks.Error(str(exc), hint=advice, id="pg_lease_django.E005"))
+    return found
