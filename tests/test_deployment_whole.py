@@ -1,0 +1,250 @@
+"""One multi-tenant deployment, whole (issues 42 and 46): docs/security.md's set-up followed step by
+step on a fresh database, every seat played by its own role in its own process, then attacked.
+
+The page's SQL and settings are what runs (its names swapped for this run's): the roles, a database
+owned by the owner, ``migrate`` as the owner, the tenants' grants. Then, each in a real ``manage.py``
+or Django process logging in as its role: each tenant's login member runs an ``@leased`` job that
+writes a fenced row and answers the readiness probe; the monitoring role scrapes the database's view;
+the operator runs ``leases watch --once --json``; the owner runs ``check`` (W008 and E006 silent).
+Last, the attacks of issue 42 made from the tenants' and the operator's seats are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import psycopg
+import pytest
+from psycopg import sql as pgsql
+
+from tests.helpers import conninfo
+
+pytestmark = pytest.mark.xdist_group("cluster-roles")  # it expects W008 silent: beside the tests that make bypasses
+
+REPO = Path(__file__).resolve().parent.parent
+PAGE = REPO / "docs" / "security.md"
+HEADING = "## Tenants: key scopes per role"
+NAMES = ("app_owner", "tenant_a_web", "tenant_b_web", "tenant_a", "tenant_b", "app_operator", "app_monitor")
+
+
+def page_blocks(language: str) -> list[str]:
+    """The ```language blocks of the page's multi-tenant section, in order."""
+    text = PAGE.read_text(encoding="utf-8")
+    section = text[text.index(HEADING) :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(rf"```{language}\n(.*?)```", section, re.S)
+
+
+def statements(block: str) -> list[str]:
+    return [s.strip() for s in block.split(";") if s.strip()]
+
+
+@dataclass
+class Deployment:
+    """The deployment's database and its roles, as this run names them."""
+
+    tag: str
+    database: str
+    roles: dict[str, str]  # the page's name -> this run's
+    settings: dict[str, Any]  # the page's lease settings, renamed
+
+    def swap(self, text: str) -> str:
+        pattern = r"\b(" + "|".join((*NAMES, "billing_invoice")) + r")\b"
+        return re.sub(pattern, lambda m: "testapp_invoice" if m[1] == "billing_invoice" else self.roles[m[1]], text)
+
+    def url(self, page_role: str) -> str:
+        server = psycopg.conninfo.conninfo_to_dict(conninfo())
+        host, port = str(server.get("host") or "127.0.0.1"), str(server.get("port") or "5432")
+        user = quote(self.roles[page_role], safe="")
+        if host.startswith("/"):
+            return f"postgresql://{user}@:{port}/{self.database}?host={quote(host, safe='')}"
+        return f"postgresql://{user}@{host}:{port}/{self.database}"
+
+    def connect(self, page_role: str) -> psycopg.Connection[Any]:
+        return psycopg.connect(
+            psycopg.conninfo.make_conninfo(conninfo(), user=self.roles[page_role], dbname=self.database),
+            autocommit=True,
+        )
+
+    def run(self, page_role: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """A Django process of the deployment, logging in as ``page_role``."""
+        env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+        env.update(
+            DJANGO_SETTINGS_MODULE="tests.deployment_settings",
+            DATABASE_URL=self.url(page_role),
+            PG_LEASE_DEPLOYMENT_SETTINGS=json.dumps(self.settings),
+            PYTHONPATH=str(REPO),
+        )
+        done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        if check:
+            assert done.returncode == 0, f"{args} as {page_role}:\n{done.stdout}\n{done.stderr}"
+        return done
+
+    def script(self, page_role: str, code: str) -> Any:
+        """Run ``code`` in a Django process as ``page_role``; its last line of output, as JSON."""
+        done = self.run(page_role, "-c", "import django, json\ndjango.setup()\n" + code)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def deployment() -> Iterator[Deployment]:
+    tag = uuid.uuid4().hex[:8]
+    roles = {name: f"pgl_{tag}_{name}" for name in NAMES}
+    made = Deployment(tag, f"pgl_{tag}_app", roles, {})
+    admin = psycopg.connect(psycopg.conninfo.make_conninfo(conninfo(), dbname="postgres"), autocommit=True)
+    created: list[str] = []
+    try:
+        # 1. Roles (cluster-wide), then the database the owner owns, then the page's schema steps in it.
+        roles_sql, grants_sql = page_blocks("sql")
+        schema_steps = []
+        for statement in statements(made.swap(roles_sql)):
+            if statement.startswith("CREATE ROLE"):
+                admin.execute(statement)
+                created.append(statement.split()[2])
+            else:
+                schema_steps.append(statement)
+        admin.execute(
+            pgsql.SQL("CREATE DATABASE {} OWNER {} TEMPLATE template0").format(
+                pgsql.Identifier(made.database), pgsql.Identifier(roles["app_owner"])
+            )
+        )
+        with psycopg.connect(
+            psycopg.conninfo.make_conninfo(conninfo(), dbname=made.database), autocommit=True
+        ) as superuser:
+            for statement in schema_steps:
+                superuser.execute(statement)
+        # 2. The page's settings (and PG_LEASE_SCHEMA, step 4 of the page), then migrate as the owner.
+        (settings_block,) = page_blocks("python")
+        namespace: dict[str, Any] = {}
+        exec(made.swap(settings_block), namespace)
+        made.settings = {name: value for name, value in namespace.items() if name.startswith("PG_LEASE_")}
+        made.settings["PG_LEASE_SCHEMA"] = "public"
+        migrated = made.run("app_owner", "-m", "django", "migrate", "--noinput")
+        assert "granted" in migrated.stdout and roles["tenant_a"] in migrated.stdout, migrated.stdout
+        # 3. The tenants' own tables.
+        with made.connect("app_owner") as owner:
+            for statement in statements(made.swap(grants_sql)):
+                owner.execute(statement)
+        yield made
+    finally:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            [made.database],
+        )
+        admin.execute(pgsql.SQL("DROP DATABASE IF EXISTS {}").format(pgsql.Identifier(made.database)))
+        for role in reversed(created):
+            admin.execute(pgsql.SQL("DROP ROLE IF EXISTS {}").format(pgsql.Identifier(role)))
+        admin.close()
+
+
+JOB = """
+from django.test import RequestFactory
+from devkit.testapp.models import Invoice
+from pg_lease_django import leased
+from pg_lease_django.views import live, ready
+
+@leased({key!r}, ttl=30)
+def bill(amount):
+    row = Invoice(account={key!r}, amount=amount)
+    row.save()  # inside the hold of its lease: the hold's fence
+    return row.pk, row.lease_epoch
+
+pk, epoch = bill(7)
+probes = [json.loads(view(RequestFactory().get("/")).content) for view in (ready, live)]
+print(json.dumps({{"pk": pk, "epoch": epoch, "probes": probes}}))
+"""
+
+SCRAPE = """
+import prometheus_client
+from prometheus_client import CollectorRegistry
+from pg_lease_django import metrics_db
+registry = CollectorRegistry()
+metrics_db.register(registry)
+text = prometheus_client.generate_latest(registry).decode()
+series = [line for line in text.splitlines() if line and not line.startswith("#")]
+print(json.dumps({"up": [s for s in series if s.startswith("pg_lease_db_up")], "series": len(series), "text": text}))
+"""
+
+
+def test_the_multi_tenant_deployment_of_the_docs_works_from_every_seat_and_refuses_every_attack(
+    deployment: Deployment,
+) -> None:
+    d = deployment
+    prefixes = {tenant: d.settings["PG_LEASE_KEY_SCOPES"][d.roles[f"tenant_{tenant}"]][0] for tenant in "ab"}
+    # Each tenant's login member runs an @leased job writing a fenced row; its probes answer ok, and
+    # tell an anonymous caller nothing more.
+    rows = {}
+    for tenant in "ab":
+        key = prefixes[tenant] + "invoices"
+        done = d.script(f"tenant_{tenant}_web", JOB.format(key=key))
+        assert done["epoch"] >= 1 and done["probes"] == [{"status": "ok"}, {"status": "ok"}], done
+        rows[tenant] = (key, done["pk"])
+    # The monitoring role scrapes the database's view: up, small, no key in it.
+    scraped = d.script("app_monitor", SCRAPE)
+    assert scraped["up"] == ["pg_lease_db_up 1.0"] and scraped["series"] < 200, scraped
+    assert prefixes["a"] not in scraped["text"] and "invoices" not in scraped["text"]
+    # The operator watches every tenant's leases.
+    watched = json.loads(d.run("app_operator", "-m", "django", "leases", "watch", "--once", "--json").stdout)
+    keys = json.dumps(watched)
+    assert rows["a"][0] in keys and rows["b"][0] in keys
+    # The owner's check: W008 and E006 have nothing to say about this deployment.
+    checked = d.run("app_owner", "-m", "django", "check", "--database", "default", check=False)
+    assert "pg_lease_django.W008" not in checked.stderr + checked.stdout, checked.stderr
+    assert "pg_lease_django.E006" not in checked.stderr + checked.stdout, checked.stderr
+    # The limits of the page are the database's.
+    with d.connect("app_owner") as owner:
+        limits = owner.execute(
+            "SELECT role, max_leases, max_tenures_per_key FROM pg_lease_django_role_limit"
+        ).fetchall()
+    assert {role for role, *_ in limits} == {d.roles["tenant_a"], d.roles["tenant_b"]}
+
+    # The attacks of issue 42, from the seats that made them.
+    a_key, a_row = rows["a"]
+    with d.connect("tenant_b_web") as b, d.connect("app_operator") as ops:
+        for statement, params in (  # B uses A's key: read its holder, take it, present its fence
+            ("SELECT * FROM public.pg_lease_inspect(%s::text)", [a_key]),
+            ("SELECT * FROM public.pg_lease_acquire(%s::text, 'b'::text, '30 seconds'::interval)", [a_key]),
+            ("SELECT public.pg_lease_check_fence(%s::text, 'x'::text, 1::bigint)", [a_key]),
+        ):
+            with pytest.raises(psycopg.Error) as refused:
+                b.execute(statement, params)
+            assert refused.value.sqlstate == "42501", statement
+        b_key = prefixes["b"] + "planting"
+        row = b.execute(
+            "SELECT epoch FROM public.pg_lease_acquire(%s::text, 'b'::text, '30 seconds'::interval)", [b_key]
+        )
+        b_epoch = row.fetchone()[0]  # type: ignore[index]
+        with pytest.raises(psycopg.Error) as refused, b.transaction():  # a row of A's account under B's key
+            b.execute(
+                "INSERT INTO testapp_invoice (account, status, amount, lease_key, lease_epoch) VALUES "
+                "(%s, 'planted', 0, %s, (SELECT public.pg_lease_check_fence(%s::text, 'b'::text, %s::bigint)))",
+                [a_key, b_key, b_key, b_epoch],
+            )
+        assert refused.value.sqlstate == "PL004"
+        with pytest.raises(psycopg.Error) as refused, b.transaction():  # A's row, its fence forged
+            b.execute("SELECT set_config('pg_lease.fences', %s, true)", [json.dumps({a_key: ["x", 1]})])
+            b.execute("UPDATE testapp_invoice SET amount = 0 WHERE id = %s", [a_row])
+        assert refused.value.sqlstate == "42501"
+        with pytest.raises(psycopg.Error) as refused:  # the operator mints the owner's opt-out
+            ops.execute("SELECT public.pg_lease_opt_out_token(%s::name)", [d.roles["app_owner"]])
+        assert refused.value.sqlstate == "42501"
+        with pytest.raises(psycopg.Error) as refused:  # bad input first, whatever the scope
+            b.execute("SELECT * FROM public.pg_lease_inspect(%s::text)", ["x" * 300])
+        assert refused.value.sqlstate == "22023"
+        with pytest.raises(psycopg.Error) as refused:
+            b.execute("SELECT count(*) FROM public.pg_lease_django_lease")  # no tenant reads the table
+        assert refused.value.sqlstate == "42501"
+    with d.connect("app_owner") as owner:
+        stored = owner.execute("SELECT amount, lease_key FROM testapp_invoice WHERE id = %s", [a_row]).fetchone()
+        planted = owner.execute("SELECT count(*) FROM testapp_invoice WHERE status = 'planted'").fetchone()
+    assert stored == (7, a_key) and planted == (0,)
