@@ -11,32 +11,30 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
 
 from . import conf, sql
+from .sql import run, statements
 
 SCOPE_TABLE = "pg_lease_django_history_scope"
 
 
-def _scope_table(using: str) -> str | None:
-    """The qualified scope table of database ``using``, or None when it has none (not migrated that far)."""
+def _has_scope_table(using: str) -> bool:
+    """Whether database ``using`` has the history scope table (migrated that far)."""
     connection = connections[using]
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_catalog.to_regclass(%s) IS NOT NULL", [SCOPE_TABLE])
-        row = cursor.fetchone()
-    if row is None or not row[0]:
-        return None
-    return sql.render(connection, "{schema}." + connection.ops.quote_name(SCOPE_TABLE))
+    try:
+        table = f"{sql.schema(connection)}.{SCOPE_TABLE}"
+    except ImproperlyConfigured:
+        return False  # no lease table: not migrated (or migrated to zero)
+    return bool(run.one(connection, statements.RELATION_EXISTS, [table]))
 
 
 def recorded_prefixes(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...] | None:
     """The key prefixes database ``using`` records the tenures of, sorted; None when it cannot record any."""
-    table = _scope_table(using)
-    if table is None:
+    if not _has_scope_table(using):
         return None
-    with connections[using].cursor() as cursor:
-        cursor.execute(f"SELECT prefix FROM {table} ORDER BY prefix")
-        return tuple(row[0] for row in cursor.fetchall())
+    return tuple(run.rows(connections[using], statements.HISTORY_SCOPE))
 
 
 def sync_scope(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...]:
@@ -49,16 +47,14 @@ def sync_scope(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...]:
         RuntimeError: the database is not migrated far enough to record history.
     """
     prefixes = conf.history_prefixes()
-    table = _scope_table(using)
-    if table is None:
+    if not _has_scope_table(using):
         raise RuntimeError(
             f"database {using!r} cannot record lease history: "
             f"run `manage.py migrate pg_lease_django --database {using}`"
         )
-    with transaction.atomic(using=using), connections[using].cursor() as cursor:
-        cursor.execute(f"DELETE FROM {table} WHERE NOT prefix = ANY(%s)", [list(prefixes)])
-        for prefix in prefixes:
-            cursor.execute(f"INSERT INTO {table} (prefix) VALUES (%s) ON CONFLICT DO NOTHING", [prefix])
+    with transaction.atomic(using=using):
+        run.run(connections[using], statements.HISTORY_SCOPE_KEEP, [list(prefixes)])
+        run.run(connections[using], statements.HISTORY_SCOPE_ADD, [list(prefixes)])
     return prefixes
 
 
@@ -70,7 +66,7 @@ def sync_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwar
     """
     from .models import Lease
 
-    if not router.allow_migrate_model(using, Lease) or _scope_table(using) is None:
+    if not router.allow_migrate_model(using, Lease) or not _has_scope_table(using):
         return
     before = recorded_prefixes(using)
     after = sync_scope(using)

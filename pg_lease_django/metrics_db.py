@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from django.db import connections, router, transaction
 
 from . import conf
-from . import sql as lease_sql
 from .metrics import OTHER_LABEL
+from .sql import run, statements
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -42,39 +42,6 @@ DATABASE_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pg_lease_db_waiters": ("gauge", ("prefix",)),
     "pg_lease_db_tenures_ended": ("gauge", ("prefix", "reason")),
 }
-
-# For a callable label: one statement, a row per key; the lease rows grouped by label and state (the state by pg_lease_status, the rule
-# every lease function applies, against one clock_timestamp() read for the whole statement), the
-# waiters whose registration has not run out, and the ended tenures (only when history is on: a
-# constant false filter skips the scan). No index helps a whole-table count; none is added (an index
-# on expires_at or owner would make renewals non-HOT, see docs/performance.md).
-_VIEW = """
-WITH now AS MATERIALIZED (SELECT pg_catalog.clock_timestamp() AS t)
-SELECT 'lease', {lease_label}, {schema}.pg_lease_status(l.owner, l.expires_at, now.t),
-       count(*)::float8, max(extract(epoch FROM now.t - l.expires_at))::float8
-  FROM {schema}.pg_lease_django_lease l, now
- GROUP BY 2, 3
-UNION ALL
-SELECT 'waiter', {waiter_label}, '', count(*)::float8, NULL
-  FROM {schema}.pg_lease_django_waiter w, now
- WHERE w.until > now.t
- GROUP BY 2
-UNION ALL
-SELECT 'tenure', {tenure_label}, t.end_reason, count(*)::float8, NULL
-  FROM {schema}.pg_lease_django_tenure t
- WHERE %s::boolean AND t.end_reason IS NOT NULL
- GROUP BY 2, 3
-"""
-
-
-_ROOM = (
-    "SELECT pg_catalog.set_config('work_mem', '32MB', true) "
-    "WHERE pg_catalog.pg_size_bytes(pg_catalog.current_setting('work_mem')) < 33554432"
-)
-
-
-def _statement(schema: str) -> str:
-    return _VIEW.format(schema=schema, lease_label="l.key", waiter_label="w.key", tenure_label="t.key")
 
 
 class DatabaseCollector:
@@ -125,16 +92,14 @@ class DatabaseCollector:
         history_on = bool(conf.history_prefixes())
         opened = connection.connection is None
         try:
-            with transaction.atomic(using=alias), connection.cursor() as cursor:
+            with transaction.atomic(using=alias):
                 if isinstance(rule, str):
-                    cursor.execute(lease_sql.render(connection, lease_sql.METRICS), [rule, cap, history_on])
-                    return [(kind, label, what, count, lapse) for kind, label, what, count, lapse in cursor.fetchall()]
+                    return run.rows(connection, statements.METRICS, [rule, cap, history_on])
                 # The planner cannot estimate how many keys share a label, guesses a group per row
                 # and sorts every row, on disk past work_mem; with room for a hash of that guess it
                 # hashes instead (2-3x faster at 100k rows). For this transaction only, never lowered.
-                cursor.execute(_ROOM)
-                cursor.execute(_statement(lease_sql.schema(connection)), [history_on])
-                raw = cursor.fetchall()
+                run.run(connection, statements.WORK_MEM_ROOM)
+                raw = run.rows(connection, statements.METRICS_PER_KEY, [history_on])
         finally:
             # A scrape thread of prometheus_client's server is new each time: close what it opened.
             if opened and not connection.in_atomic_block:

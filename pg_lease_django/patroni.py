@@ -52,9 +52,8 @@ import time
 from pathlib import Path
 
 import psycopg
-from psycopg import sql as pgsql
 
-from pg_lease_django import sql as lease_sql
+from pg_lease_django.sql import run, statements
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +89,7 @@ def last_record(conninfo: str, bindir: Path | None) -> tuple[str | None, str]:
     """The type of the last WAL record a standby has (``pg_waldump``'s desc, e.g.
     ``CHECKPOINT_SHUTDOWN``), or None when it cannot be read; and why."""
     with _connect(conninfo) as conn:
-        row = conn.execute(
-            "SELECT pg_is_in_recovery(), pg_last_wal_receive_lsn()::text, pg_last_wal_replay_lsn()::text, "
-            "current_setting('data_directory'), "
-            "(SELECT setting::bigint FROM pg_settings WHERE name = 'wal_segment_size')"
-        ).fetchone()
-    assert row is not None
-    in_recovery, received, replayed, datadir, segment_size = row
+        [(in_recovery, received, replayed, datadir, segment_size)] = run.on_psycopg(conn, statements.RECOVERY_STATE)
     if not in_recovery:
         return None, "not a standby"
     ends = [_lsn(lsn) for lsn in (received, replayed) if lsn]
@@ -140,21 +133,15 @@ def is_clean_handover(conninfo: str, bindir: Path | None) -> tuple[bool, str]:
 def gate_closed(conninfo: str) -> bool:
     """Whether new sessions of the server start read-only (the gate of this hook)."""
     with _connect(conninfo) as conn:
-        row = conn.execute("SHOW default_transaction_read_only").fetchone()
-    return row is not None and row[0] == "on"
+        return run.on_psycopg(conn, statements.READ_ONLY_GATE) == ["on"]
 
 
 def set_gate(conninfo: str, closed: bool, *, timeout: float = 60) -> None:
     """Close (``default_transaction_read_only = on``) or open the gate, server-wide; return once new
     sessions see it."""
-    statement = (
-        "ALTER SYSTEM SET default_transaction_read_only = on"
-        if closed
-        else "ALTER SYSTEM RESET default_transaction_read_only"
-    )
     with _connect(conninfo, through_gate=True) as conn:
-        conn.execute(statement)
-        conn.execute("SELECT pg_reload_conf()")
+        run.on_psycopg(conn, statements.CLOSE_READ_ONLY_GATE if closed else statements.OPEN_READ_ONLY_GATE)
+        run.on_psycopg(conn, statements.RELOAD_CONFIGURATION)
     deadline = time.monotonic() + timeout
     while gate_closed(conninfo) != closed:
         if time.monotonic() > deadline:
@@ -165,11 +152,11 @@ def set_gate(conninfo: str, closed: bool, *, timeout: float = 60) -> None:
 def lease_databases(conninfo: str) -> list[str]:
     """The databases of the server whose search_path reaches a lease table."""
     with _connect(conninfo) as conn:
-        names = [r[0] for r in conn.execute("SELECT datname FROM pg_database WHERE datallowconn AND NOT datistemplate")]
+        names = run.on_psycopg(conn, statements.DATABASES)
     found = []
     for name in names:
         with _connect(conninfo, dbname=name) as conn:
-            if conn.execute(lease_sql.SCHEMA_LOOKUP).fetchall():
+            if run.on_psycopg(conn, statements.SCHEMA_LOOKUP):
                 found.append(name)
     return found
 
@@ -177,13 +164,11 @@ def lease_databases(conninfo: str) -> list[str]:
 def advance(conninfo: str, dbname: str, by: int) -> tuple[int, int]:
     """``pg_lease_advance_epochs(by)`` in ``dbname``, through the gate; (leases advanced, highest epoch)."""
     with _connect(conninfo, through_gate=True, dbname=dbname) as conn:
-        schemas = [r[0] for r in conn.execute(lease_sql.SCHEMA_LOOKUP)]
+        schemas = run.on_psycopg(conn, statements.SCHEMA_LOOKUP)
         if len(schemas) != 1:
             raise RuntimeError(f"database {dbname!r}: {len(schemas)} schemas with a lease table on the search_path")
-        statement = lease_sql.ADVANCE_EPOCHS.format(schema=pgsql.Identifier(schemas[0]).as_string(conn))
-        row = conn.execute(statement.encode(), (by, False)).fetchone()
-    assert row is not None
-    return int(row[0]), int(row[3])
+        [done] = run.on_psycopg(conn, statements.ADVANCE_EPOCHS, [by, False], schema=schemas[0])
+    return done.leases, done.max_epoch
 
 
 def pre_promote(args: argparse.Namespace) -> int:
@@ -228,10 +213,9 @@ def _in_recovery(conninfo: str) -> bool:
     """Whether the server is a standby now (False when it does not answer)."""
     try:
         with _connect(conninfo) as conn:
-            row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+            return run.on_psycopg(conn, statements.IN_RECOVERY) == [True]
     except psycopg.Error:
         return False
-    return bool(row and row[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,10 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
+from psycopg import sql as pgsql
 
 from . import conf, sql
+from .sql import run, statements
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,26 @@ class Grant:
     privilege: str
     grantable: bool = False  # held WITH GRANT OPTION: the role may pass it on
 
-    def statement(self, quote: Any) -> str:
-        return f"GRANT {self.privilege} ON {self.kind} {self.object} TO {quote(self.role)}"
+    def parts(self) -> dict[str, pgsql.Composable]:
+        """``statements.GRANT``'s parts: the kind, object and privilege as ``pg_lease_privileges()``
+        spells them (the package's own SQL), the role an identifier."""
+        return {
+            "privilege": pgsql.SQL(self.privilege),
+            "kind": pgsql.SQL(self.kind),
+            "object": pgsql.SQL(self.object),
+            "role": pgsql.Identifier(self.role),
+        }
 
-    def revoke(self, quote: Any) -> str:
-        """The statement that takes it back (only the grant option, when that is what is extra)."""
+    def statement(self) -> str:
+        """The GRANT, as text (for `leases grant --check` to print)."""
+        return statements.GRANT.compose(None, **self.parts()).as_string(None)
+
+    def revoke(self) -> str:
+        """The statement that takes it back (only the grant option, when that is what is extra): text to print."""
         option = "GRANT OPTION FOR " if self.grantable else ""
-        return f"REVOKE {option}{self.privilege} ON {self.kind} {self.object} FROM {quote(self.role)}"
+        parts = self.parts()
+        kind, obj, privilege = (parts[name].as_string(None) for name in ("kind", "object", "privilege"))
+        return f"REVOKE {option}{privilege} ON {kind} {obj} FROM {parts['role'].as_string(None)}"
 
 
 #: The tiers of ``pg_lease_privileges()`` each kind of declared role is granted.
@@ -76,10 +91,7 @@ def installed(using: str) -> bool:
         function = f"{sql.schema(connection)}.pg_lease_privileges()"
     except ImproperlyConfigured:
         return False  # no lease table: not migrated (or migrated to zero)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_catalog.to_regprocedure(%s) IS NOT NULL", [function])
-        row = cursor.fetchone()
-    return bool(row and row[0])
+    return bool(run.one(connection, statements.FUNCTION_EXISTS, [function]))
 
 
 def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
@@ -91,86 +103,13 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
     roles = declared()
     if not roles:
         return [], []
-    connection = connections[using]
-    with connection.cursor() as cursor:
-        cursor.execute(
-            sql.render(
-                connection,
-                "SELECT d.name, r.rolname IS NOT NULL, p.kind, p.object, p.privilege, "
-                "r.rolname IS NOT NULL AND CASE p.kind "
-                "WHEN 'FUNCTION' THEN pg_catalog.has_function_privilege(r.oid, p.object, p.privilege) "
-                "ELSE pg_catalog.has_table_privilege(r.oid, p.object, p.privilege) END "
-                "FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) AS d (name, tiers) "
-                "LEFT JOIN pg_catalog.pg_roles r ON r.rolname = d.name "
-                "JOIN {schema}.pg_lease_privileges() p ON p.role = ANY (pg_catalog.string_to_array(d.tiers, ',')) "
-                "ORDER BY d.name, p.kind, p.object",
-            ),
-            [list(roles), [",".join(_tiers(kinds)) for kinds in roles.values()]],
-        )
-        rows = cursor.fetchall()
+    tiers = [",".join(_tiers(kinds)) for kinds in roles.values()]
+    rows = run.rows(connections[using], statements.MISSING_GRANTS, [list(roles), tiers])
     absent = sorted({name for name, exists, *_ in rows if not exists})
     lacking = [
         Grant(name, kind, obj, privilege) for name, exists, kind, obj, privilege, held in rows if exists and not held
     ]
     return absent, lacking
-
-
-#: Every privilege a role can hold on the package's functions and tables.
-_PRIVILEGES = (
-    "('FUNCTION', 'EXECUTE'), ('TABLE', 'SELECT'), ('TABLE', 'INSERT'), ('TABLE', 'UPDATE'), ('TABLE', 'DELETE'), "
-    "('TABLE', 'TRUNCATE'), ('TABLE', 'REFERENCES'), ('TABLE', 'TRIGGER')"
-)
-# Who holds what on the package's objects, through every membership: per role (and PUBLIC), each
-# privilege held, whether WITH GRANT OPTION, the tiers of pg_lease_privileges() that name it, and
-# the tiers the role may hold through the declared roles it is a member of (itself included: a
-# login role in a declared group role holds what the group is granted, as PostgreSQL means it).
-# Privileges pg_read_all_data / pg_write_all_data explain are left to `bypasses` (their remedy is
-# the membership, not the table). Roles are checked by OID: by name, a role dropped after this
-# statement's snapshot is looked up in the current catalog and fails the whole read.
-_HELD = (
-    "WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c "
-    "WHERE c.oid = '{schema}.\"pg_lease_django_lease\"'::pg_catalog.regclass), "
-    "objects AS ("
-    "SELECT 'FUNCTION' AS kind, p.oid, p.oid::pg_catalog.regprocedure::text AS object FROM pg_catalog.pg_proc p "
-    "WHERE p.pronamespace = '{schema}'::pg_catalog.regnamespace AND p.proname LIKE 'pg\\_lease\\_%%' "
-    "AND p.prorettype <> 'pg_catalog.trigger'::pg_catalog.regtype "
-    "UNION ALL SELECT 'TABLE', c.oid, c.oid::pg_catalog.regclass::text FROM pg_catalog.pg_class c "
-    "WHERE c.relnamespace = '{schema}'::pg_catalog.regnamespace AND c.relname LIKE 'pg\\_lease\\_django\\_%%' "
-    "AND c.relkind IN ('r', 'p')), "
-    "wanted AS (SELECT w.role AS tier, w.privilege, CASE w.kind WHEN 'FUNCTION' "
-    "THEN w.object::pg_catalog.regprocedure::oid ELSE w.object::pg_catalog.regclass::oid END AS oid "
-    "FROM {schema}.pg_lease_privileges() w), "
-    "declared AS (SELECT r.oid, d.tiers FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) "
-    "AS d (name, tiers) JOIN pg_catalog.pg_roles r ON r.rolname = d.name), "
-    "grantees AS (SELECT r.rolname::text AS name, r.oid, "
-    "pg_catalog.string_to_array(pg_catalog.string_agg(d.tiers, ','), ',') AS allowed, "
-    "bool_or(pg_catalog.pg_has_role(r.oid, 'pg_read_all_data', 'USAGE')) AS reads_all, "
-    "bool_or(pg_catalog.pg_has_role(r.oid, 'pg_write_all_data', 'USAGE')) AS writes_all "
-    "FROM pg_catalog.pg_roles r CROSS JOIN owner LEFT JOIN declared d ON pg_catalog.pg_has_role(r.oid, d.oid, 'USAGE') "
-    "WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE') "
-    "GROUP BY r.rolname, r.oid "
-    "UNION ALL SELECT 'PUBLIC', NULL, NULL, false, false), "
-    f"privileges AS (SELECT v.kind, v.privilege, v.privilege || ' WITH GRANT OPTION' AS passing "
-    f"FROM (VALUES {_PRIVILEGES}) v (kind, privilege)), "
-    "held AS (SELECT g.name, o.kind, o.object, o.oid, v.privilege, g.allowed, "
-    "CASE WHEN g.oid IS NULL AND o.kind = 'FUNCTION' "
-    "THEN pg_catalog.has_function_privilege('public', o.oid, v.passing) "
-    "WHEN g.oid IS NULL THEN pg_catalog.has_table_privilege('public', o.oid, v.passing) "
-    "WHEN o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege(g.oid, o.oid, v.passing) "
-    "ELSE pg_catalog.has_table_privilege(g.oid, o.oid, v.passing) END AS grantable "
-    "FROM grantees g CROSS JOIN objects o JOIN privileges v ON v.kind = o.kind "
-    "WHERE CASE WHEN g.oid IS NULL AND o.kind = 'FUNCTION' "
-    "THEN pg_catalog.has_function_privilege('public', o.oid, v.privilege) "
-    "WHEN g.oid IS NULL THEN pg_catalog.has_table_privilege('public', o.oid, v.privilege) "
-    "WHEN o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege(g.oid, o.oid, v.privilege) "
-    "ELSE pg_catalog.has_table_privilege(g.oid, o.oid, v.privilege) END "
-    "AND NOT (o.kind = 'TABLE' AND v.privilege = 'SELECT' AND g.reads_all) "
-    "AND NOT (o.kind = 'TABLE' AND v.privilege IN ('INSERT', 'UPDATE', 'DELETE') AND g.writes_all)) "
-    "SELECT h.name, h.kind, h.object, h.privilege, h.grantable, "
-    "pg_catalog.array_agg(w.tier) FILTER (WHERE w.tier IS NOT NULL), h.allowed "
-    "FROM held h LEFT JOIN wanted w ON w.oid = h.oid AND w.privilege = h.privilege "
-    "GROUP BY 1, 2, 3, 4, 5, 7 ORDER BY 1, 2, 3, 4"
-)
 
 
 def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
@@ -185,13 +124,8 @@ def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     role that can pass it on), as ``grantable``. One round trip.
     """
     roles = declared()
-    connection = connections[using]
-    with connection.cursor() as cursor:
-        cursor.execute(
-            sql.render(connection, _HELD),
-            [list(roles), [",".join(_tiers(kinds, allowed=True)) for kinds in roles.values()]],
-        )
-        rows = cursor.fetchall()
+    tiers = [",".join(_tiers(kinds, allowed=True)) for kinds in roles.values()]
+    rows = run.rows(connections[using], statements.HELD_PRIVILEGES, [list(roles), tiers])
     through_public = {(kind, obj, privilege) for name, kind, obj, privilege, *_ in rows if name == "PUBLIC"}
     extra = []
     for name, kind, obj, privilege, grantable, tiers, allowed in rows:
@@ -221,52 +155,6 @@ class Bypass:
     error: bool = False
 
 
-# Roles PostgreSQL lets around the lease rules, beside table and function grants: SET or ALTER
-# SYSTEM on session_replication_role (PostgreSQL 15+: replica mode turns off every trigger that is
-# not ENABLE ALWAYS, such as fence triggers older than 0007's, W006), membership of
-# pg_read_all_data (every lease, history and scope row; the secret too, with BYPASSRLS),
-# pg_write_all_data (the lease, floor, waiter and history tables) and pg_maintain (PostgreSQL 17+:
-# LOCK TABLE, VACUUM FULL and CLUSTER of the lease table stall every lease call), and BYPASSRLS
-# with a way to read the secret. Each is reported where it was granted (the role named in the
-# grant, not every member that inherits it: revoking it there removes it from them all).
-# Superusers and the owner's members are trusted and left out.
-_BYPASSES = (
-    "WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c "
-    "WHERE c.oid = '{schema}.\"pg_lease_django_lease\"'::pg_catalog.regclass), "
-    "roles AS (SELECT r.rolname::text AS name, r.oid, r.rolbypassrls FROM pg_catalog.pg_roles r, owner "
-    "WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE')), "
-    "member_of AS (SELECT m.member, m.roleid::pg_catalog.regrole::text AS predefined FROM pg_catalog.pg_auth_members m "
-    "WHERE m.roleid::pg_catalog.regrole::text IN ('pg_read_all_data', 'pg_write_all_data', 'pg_maintain')) "
-    "SELECT r.name, {replica}, "
-    "EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_read_all_data'), "
-    "EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_write_all_data'), "
-    "EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_maintain'), "
-    "r.rolbypassrls AND (pg_catalog.pg_has_role(r.oid, 'pg_read_all_data', 'USAGE') OR "
-    "pg_catalog.has_table_privilege(r.oid, '{schema}.\"pg_lease_django_secret\"', 'SELECT')) "
-    "FROM roles r ORDER BY r.name"
-)
-
-# Granted SET or ALTER SYSTEM on session_replication_role by name (pg_parameter_acl, PostgreSQL 15+).
-_REPLICA = (
-    "EXISTS (SELECT FROM pg_catalog.pg_parameter_acl p, pg_catalog.aclexplode(p.paracl) a "
-    "WHERE p.parname = 'session_replication_role' AND a.grantee = r.oid)"
-)
-
-# Roles that may call a lease function taking a key while key scopes are configured, and that no
-# scope applies to (their own, or a group's they are a member of). Reads the scope table.
-_UNSCOPED = (
-    "WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c "
-    "WHERE c.oid = '{schema}.\"pg_lease_django_lease\"'::pg_catalog.regclass) "
-    "SELECT r.rolname::text FROM pg_catalog.pg_roles r, owner "
-    "WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE') "
-    'AND EXISTS (SELECT FROM {schema}."pg_lease_django_key_scope") AND NOT EXISTS ('
-    'SELECT FROM {schema}."pg_lease_django_key_scope" s '
-    "WHERE pg_catalog.pg_has_role(r.oid, pg_catalog.to_regrole(pg_catalog.quote_ident(s.role)), 'MEMBER')) "
-    "AND EXISTS (SELECT FROM pg_catalog.unnest(%s::text[]) f "
-    "WHERE pg_catalog.has_function_privilege(r.oid, f::pg_catalog.regprocedure, 'EXECUTE')) "
-    "ORDER BY 1"
-)
-
 #: The lease functions that take a key, so apply the key scope: a role reaching one needs a scope.
 SCOPED_FUNCTIONS = (
     "pg_lease_acquire(text, text, interval)",
@@ -292,11 +180,10 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     One round trip on the catalog (any role may run it).
     """
     connection = connections[using]
-    # Parameter privileges exist from PostgreSQL 15 on (has_parameter_privilege is unknown before).
-    replica = _REPLICA if connection.pg_version >= 150000 else "false"  # type: ignore[attr-defined]
-    with connection.cursor() as cursor:
-        cursor.execute(sql.render(connection, _BYPASSES.replace("{replica}", replica)))
-        rows = cursor.fetchall()
+    # Parameter privileges exist from PostgreSQL 15 on (pg_parameter_acl is unknown before).
+    modern = connection.pg_version >= 150000  # type: ignore[attr-defined]
+    replica = statements.REPLICA_GRANTS.compose(None) if modern else pgsql.SQL("false")
+    rows = run.rows(connection, statements.BYPASSES, replica=replica)
     found: list[Bypass] = []
     for name, replica_mode, reads_all, writes_all, maintains, reads_secret in rows:
         if replica_mode:
@@ -359,9 +246,7 @@ def unscoped(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     """
     connection = connections[using]
     schema = sql.schema(connection)
-    with connection.cursor() as cursor:
-        cursor.execute(sql.render(connection, _UNSCOPED), [[f"{schema}.{function}" for function in SCOPED_FUNCTIONS]])
-        names = [row[0] for row in cursor.fetchall()]
+    names = run.rows(connection, statements.UNSCOPED, [[f"{schema}.{function}" for function in SCOPED_FUNCTIONS]])
     return [
         Bypass(
             name,
@@ -394,9 +279,9 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
             "or PG_LEASE_MONITOR_ROLES"
         )
     connection = connections[using]
-    with transaction.atomic(using=using), connection.cursor() as cursor:
+    with transaction.atomic(using=using):
         for needed in lacking:
-            cursor.execute(needed.statement(connection.ops.quote_name))
+            run.run(connection, statements.GRANT, (), **needed.parts())
     if lacking and missing(using)[1]:
         raise ImproperlyConfigured(
             f"the role database {using!r} connects as may not grant the lease privileges (PostgreSQL only "
@@ -411,17 +296,11 @@ SCOPE_TABLE = "pg_lease_django_key_scope"
 def stored_key_scopes(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[str, ...]] | None:
     """The key scopes database ``using`` enforces, as ``PG_LEASE_KEY_SCOPES`` spells them; None before 0004."""
     connection = connections[using]
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_catalog.to_regclass(%s) IS NOT NULL", [f"{sql.schema(connection)}.{SCOPE_TABLE}"])
-        row = cursor.fetchone()
-        if not (row and row[0]):
-            return None
-        cursor.execute(
-            sql.render(connection, f"SELECT role, prefix FROM {{schema}}.{SCOPE_TABLE} ORDER BY role, prefix")
-        )
-        scopes: dict[str, list[str]] = {}
-        for role, prefix in cursor.fetchall():
-            scopes.setdefault(role, []).append(prefix)
+    if not run.one(connection, statements.RELATION_EXISTS, [f"{sql.schema(connection)}.{SCOPE_TABLE}"]):
+        return None
+    scopes: dict[str, list[str]] = {}
+    for role, prefix in run.rows(connection, statements.KEY_SCOPES):
+        scopes.setdefault(role, []).append(prefix)
     return {role: tuple(prefixes) for role, prefixes in scopes.items()}
 
 
@@ -444,17 +323,10 @@ def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
         return False
     connection = connections[using]
     pairs = [(role, prefix) for role, prefixes in wanted.items() for prefix in prefixes]
-    with transaction.atomic(using=using), connection.cursor() as cursor:
-        cursor.execute(sql.render(connection, f"DELETE FROM {{schema}}.{SCOPE_TABLE}"))
+    with transaction.atomic(using=using):
+        run.run(connection, statements.KEY_SCOPES_CLEAR)
         if pairs:
-            cursor.execute(
-                sql.render(
-                    connection,
-                    f"INSERT INTO {{schema}}.{SCOPE_TABLE} (role, prefix) "
-                    "SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::text[]))",
-                ),
-                [[r for r, _ in pairs], [p for _, p in pairs]],
-            )
+            run.run(connection, statements.KEY_SCOPES_ADD, [[r for r, _ in pairs], [p for _, p in pairs]])
     return True
 
 
@@ -464,17 +336,9 @@ LIMIT_TABLE = "pg_lease_django_role_limit"
 def stored_role_limits(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[int | None, int | None]] | None:
     """The per-role limits database ``using`` enforces, as `conf.role_limits` returns them; None before 0007."""
     connection = connections[using]
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_catalog.to_regclass(%s) IS NOT NULL", [f"{sql.schema(connection)}.{LIMIT_TABLE}"])
-        row = cursor.fetchone()
-        if not (row and row[0]):
-            return None
-        cursor.execute(
-            sql.render(
-                connection, f"SELECT role, max_leases, max_tenures_per_key FROM {{schema}}.{LIMIT_TABLE} ORDER BY role"
-            )
-        )
-        return {role: (leases, tenures) for role, leases, tenures in cursor.fetchall()}
+    if not run.one(connection, statements.RELATION_EXISTS, [f"{sql.schema(connection)}.{LIMIT_TABLE}"]):
+        return None
+    return {role: (leases, tenures) for role, leases, tenures in run.rows(connection, statements.ROLE_LIMITS)}
 
 
 def sync_role_limits(using: str = DEFAULT_DB_ALIAS) -> bool:
@@ -495,30 +359,17 @@ def sync_role_limits(using: str = DEFAULT_DB_ALIAS) -> bool:
     if stored == wanted:
         return False
     connection = connections[using]
-    with transaction.atomic(using=using), connection.cursor() as cursor:
-        cursor.execute(sql.render(connection, f"DELETE FROM {{schema}}.{LIMIT_TABLE}"))
+    limits = [list(wanted), [leases for leases, _ in wanted.values()], [kept for _, kept in wanted.values()]]
+    with transaction.atomic(using=using):
+        run.run(connection, statements.ROLE_LIMITS_CLEAR)
         if wanted:
-            cursor.execute(
-                sql.render(
-                    connection,
-                    f"INSERT INTO {{schema}}.{LIMIT_TABLE} (role, max_leases, max_tenures_per_key) "
-                    "SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::int[]), "
-                    "pg_catalog.unnest(%s::int[]))",
-                ),
-                [list(wanted), [leases for leases, _ in wanted.values()], [kept for _, kept in wanted.values()]],
-            )
+            run.run(connection, statements.ROLE_LIMITS_ADD, limits)
     return True
 
 
 def absent_roles(names: list[str], using: str = DEFAULT_DB_ALIAS) -> list[str]:
     """Which of ``names`` are no role of database ``using``'s cluster (a typo, a rename, a drop)."""
-    with connections[using].cursor() as cursor:
-        cursor.execute(
-            "SELECT n FROM pg_catalog.unnest(%s::text[]) n "
-            "WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = n) ORDER BY n",
-            [names],
-        )
-        return [row[0] for row in cursor.fetchall()]
+    return run.rows(connections[using], statements.ABSENT_ROLES, [names])
 
 
 def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:

@@ -31,6 +31,7 @@ from django.db.models.lookups import In
 
 from . import sql as lease_sql
 from .display import LeaseRow
+from .sql import run, statements
 from .status import LeaseStatus
 
 if TYPE_CHECKING:
@@ -243,10 +244,7 @@ class LeaseQuerySet(QuerySet["Lease"]):
 
 
 def _server_time(connection: BaseDatabaseWrapper) -> str:
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT to_char(clock_timestamp() AT TIME ZONE 'UTC', {_ISO})")
-        (server_time,) = cursor.fetchone()
-    return str(server_time)
+    return run.one(connection, statements.SERVER_NOW_TEXT)
 
 
 def prefix_upper_bound(prefix: str) -> str | None:
@@ -307,22 +305,7 @@ def key_collation(connection: BaseDatabaseWrapper, table: str) -> dict[str, Any]
     "default" means the database's. to_jsonb() reads pg_database whatever columns this server
     version has (datlocprovider appeared in 15).
     """
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            SELECT CASE WHEN c.collname = 'default'
-                        THEN (SELECT jsonb_build_object('provider', coalesce(to_jsonb(d)->>'datlocprovider', 'c'),
-                                                        'collate', d.datcollate)
-                                FROM pg_database d WHERE d.datname = current_database())
-                        ELSE jsonb_build_object('provider', c.collprovider::text, 'collate', c.collcollate)
-                   END
-              FROM pg_attribute a JOIN pg_collation c ON c.oid = a.attcollation
-             WHERE a.attrelid = %s::regclass AND a.attname = 'key'
-            """,
-            [table],
-        )
-        row = cursor.fetchone()
+    row = run.first(connection, statements.KEY_COLLATION, [table])
     if row is None:
         return {}
-    value = row[0]
-    return json.loads(value) if isinstance(value, str) else dict(value)
+    return json.loads(row) if isinstance(row, str) else dict(row)

@@ -28,6 +28,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from . import operations
 from .exceptions import LeaseLostError
 from .operations import Grant
+from .sql import run, statements
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,6 @@ SETTLE_WITHIN = 5.0
 # Cancels the interrupted attempt from another session while it still runs (its own client may no
 # longer be able to: a shut socket, a cancel request that arrived before the statement did), and
 # says whether it still does. Only a lease statement: behind PgBouncer the pid is not a server's.
-_CANCEL_ATTEMPT = (
-    "SELECT pg_catalog.pg_cancel_backend(pid) FROM pg_catalog.pg_stat_activity"
-    " WHERE pid = %s AND state = 'active' AND query LIKE '%%pg_lease_acquire%%'"
-)
 
 
 def attempt_backend(connection: BaseDatabaseWrapper) -> int:
@@ -185,8 +182,7 @@ def _release_within(connection: BaseDatabaseWrapper, key: str, owner: str, epoch
     A transaction on this very connection (not `transaction.atomic`, which takes the alias's
     connection of this thread: for a lease connection of hold() that is another one)."""
     connection.set_autocommit(False)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)", [f"{SETTLE_WITHIN}s"])
+    run.run(connection, statements.LOCK_TIMEOUT_LOCAL, [f"{SETTLE_WITHIN}s"])
     with suppress(LeaseLostError):
         operations.release(connection, key, owner, epoch)
     connection.commit()
@@ -262,12 +258,10 @@ def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: 
     if backend_pid is not None:
         deadline = time.monotonic() + SETTLE_WITHIN
         try:
-            with connection.cursor() as cursor:
-                while time.monotonic() < deadline:
-                    cursor.execute(_CANCEL_ATTEMPT, [backend_pid])
-                    if cursor.fetchone() is None:
-                        break
-                    time.sleep(0.01)
+            while time.monotonic() < deadline:
+                if run.first(connection, statements.CANCEL_ATTEMPT, [backend_pid]) is None:
+                    break
+                time.sleep(0.01)
         except Exception:  # not allowed to signal it (another role): read the key all the same
             logger.warning("cancelling an interrupted acquire of %r on the server failed", key, exc_info=True)
     state = operations.inspect(connection, key)

@@ -30,11 +30,13 @@ from django.db import DatabaseError, connections, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.base.creation import TEST_DATABASE_PREFIX
 from django.test.runner import DiscoverRunner
+from psycopg import sql as pgsql
 
 from .exceptions import NotOwnerError
 from .holds import lease_pool
 from .holds.lease import HeldLease
 from .managers import Grant, LeaseManager, LeaseState
+from .sql import run, statements
 
 __all__ = [
     "LeaseTestRunner",
@@ -117,11 +119,11 @@ def allow_truncate_on_test_databases(old_config: OldConfig, *, parallel: int = 0
 
 
 def _allow_truncate(connection: BaseDatabaseWrapper, name: str) -> None:
-    statement = f"ALTER DATABASE {connection.ops.quote_name(name)} SET {_SETTING} = on"
+    database = pgsql.Identifier(name)
     try:
-        with connection.cursor() as cursor:
-            cursor.execute(statement)
+        run.run(connection, statements.ALLOW_TRUNCATE, database=database)
     except DatabaseError as exc:
+        statement = statements.ALLOW_TRUNCATE.compose(None, database=database).as_string(None)
         exc.add_note(
             f"pg_lease_django could not let test database {name!r} be flushed; run `{statement}` as its owner, "
             "or run the tests as the role that creates the test database."

@@ -32,8 +32,9 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_safe
 
-from . import conf, sql
+from . import conf
 from .holds.scheduler import active_holds, scheduler_stalled
+from .sql import run, statements
 
 __all__ = ["health", "live", "ready"]
 
@@ -74,9 +75,8 @@ def _not_ready() -> str | None:
     connection = connections[alias]
     try:
         # A savepoint inside a request's transaction (ATOMIC_REQUESTS): a failed probe breaks nothing.
-        with transaction.atomic(using=alias), connection.cursor() as cursor:
-            cursor.execute(sql.render(connection, sql.READINESS))
-            row = cursor.fetchone()
+        with transaction.atomic(using=alias):
+            row = run.first(connection, statements.READINESS)
     except (DatabaseError, ImproperlyConfigured) as exc:
         return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     privileged, scope = row if row is not None else (False, None)

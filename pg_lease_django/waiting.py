@@ -284,7 +284,7 @@ async def _await_and_acquire(
                             row = await (await conn.execute(own.statement, params)).fetchone()
                         attempting = False
                         assert row is not None
-                        answer = operations.attempted(key, row)
+                        answer = operations.attempted(key, operations.Attempt(*row))
                     elif isinstance(step, ReadEpoch):
                         seen = await (await conn.execute(own.inspect, [key])).fetchone()
                         assert seen is not None

@@ -23,9 +23,9 @@ from typing import Any, TextIO
 
 from django.db import connections
 
-from . import sql as lease_sql
 from .display import LeaseRow, format_duration, printable
 from .querysets import glob_to_like
+from .sql import run, statements
 from .status import LeaseStatus
 
 __all__ = ["Frame", "Transition", "Watcher", "render_plain", "watch"]
@@ -33,23 +33,9 @@ __all__ = ["Frame", "Transition", "Watcher", "render_plain", "watch"]
 # Clear the screen and home the cursor: what the plain view redraws with on a terminal.
 _REDRAW = "\x1b[H\x1b[2J"
 
+
 # The recent grants and ends of the watched keys, newest first. Not an index scan: the history's
 # index is (key, epoch); a watch reads it once per refresh, an operator's tool.
-_TRANSITIONS = """
-SELECT to_char(e.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'), e.key, e.epoch, e.owner, e.event
-  FROM (SELECT t.granted_at AS at, t.key, t.epoch, t.owner, 'granted' AS event
-          FROM {schema}.pg_lease_django_tenure t
-         WHERE (%s::text IS NULL OR starts_with(t.key, %s::text)) AND (%s::text IS NULL OR t.key LIKE %s::text)
-        UNION ALL
-        SELECT t.ended_at, t.key, t.epoch, t.owner, coalesce(t.end_reason, 'ended')
-          FROM {schema}.pg_lease_django_tenure t
-         WHERE t.ended_at IS NOT NULL
-           AND (%s::text IS NULL OR starts_with(t.key, %s::text)) AND (%s::text IS NULL OR t.key LIKE %s::text)) e
- ORDER BY e.at DESC, e.epoch DESC
- LIMIT %s
-"""
-
-
 @dataclass(frozen=True)
 class Transition:
     """A grant or an end of a tenure (``event``: ``granted`` or an `EndReason` value)."""
@@ -130,12 +116,8 @@ class Watcher:
     def _read_transitions(self) -> list[Transition]:
         connection = connections[self.using]
         like = None if self.glob is None else glob_to_like(self.glob)[0]
-        filters = [self.prefix, self.prefix, like, like]
-        with connection.cursor() as cursor:
-            cursor.execute(
-                _TRANSITIONS.format(schema=lease_sql.schema(connection)), [*filters, *filters, self.transitions]
-            )
-            return [Transition(at, key, epoch, owner, event) for at, key, epoch, owner, event in cursor.fetchall()]
+        params = {"prefix": self.prefix, "like": like, "limit": self.transitions}
+        return [Transition(*row) for row in run.rows(connection, statements.TRANSITIONS, params)]
 
 
 def _since(seconds: float | None) -> str:

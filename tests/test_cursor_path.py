@@ -15,7 +15,9 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 
-from pg_lease_django import Lease, operations
+from pg_lease_django import Lease
+from pg_lease_django.sql import run as executor
+from pg_lease_django.sql import statements
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -26,8 +28,8 @@ connection = connections[DEFAULT_DB_ALIAS]
 def test_nothing_watching_takes_the_direct_path() -> None:
     with connection.cursor() as cursor:  # a statement: it drops the watch a rolled-back test left
         cursor.execute("SELECT 1")
-    assert operations._unwatched(connection)
-    assert operations._loads_in_django_time_zone(connection, connection.connection)
+    assert executor._unwatched(connection)
+    assert executor._loads_in_django_time_zone(connection, connection.connection)
 
 
 def test_a_rolled_back_transaction_leaves_no_watch_on_the_connection(key: str) -> None:
@@ -36,12 +38,12 @@ def test_a_rolled_back_transaction_leaves_no_watch_on_the_connection(key: str) -
     of slowing every statement of the connection until the next lease call."""
     with pytest.raises(RuntimeError), transaction.atomic():
         Lease.objects.acquire(key, "w1", 30)
-        assert not operations._unwatched(connection), "the caller's COMMIT is watched"
+        assert not executor._unwatched(connection), "the caller's COMMIT is watched"
         raise RuntimeError
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")
     assert connection.execute_wrappers == []
-    assert operations._unwatched(connection)
+    assert executor._unwatched(connection)
 
 
 def test_an_execute_wrapper_sees_every_lease_call(key: str) -> None:
@@ -52,7 +54,7 @@ def test_an_execute_wrapper_sees_every_lease_call(key: str) -> None:
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(wrapper):
-        assert not operations._unwatched(connection)
+        assert not executor._unwatched(connection)
         grant = Lease.objects.acquire(key, "w1", 30)
         assert grant is not None
         Lease.objects.renew(key, "w1", grant.epoch, 30)
@@ -82,22 +84,22 @@ def patched_cursor() -> Iterator[None]:
 
 
 def test_a_patched_connection_cursor_is_used(patched_cursor: None) -> None:
-    assert not operations._unwatched(connection)
+    assert not executor._unwatched(connection)
 
 
 def test_the_direct_path_refuses_a_broken_transaction_as_django_does(key: str) -> None:
     with transaction.atomic():
         with pytest.raises(DatabaseError), transaction.atomic(savepoint=False), connection.cursor() as cursor:
             cursor.execute("SELECT 1/0")
-        assert operations._unwatched(connection)
+        assert executor._unwatched(connection)
         with pytest.raises(TransactionManagementError):
             Lease.objects.inspect(key)
 
 
 def test_the_direct_path_wraps_database_errors_as_django_does(key: str) -> None:
-    assert operations._unwatched(connection)
+    assert executor._unwatched(connection)
     with pytest.raises(DatabaseError) as info:  # django.db's, not psycopg's
-        operations.call(connection, "SELECT 1/0 FROM {schema}.pg_lease_django_lease", [])
+        executor.one(connection, statements.INSPECT, ["x" * 300])  # invalid_input, raised by the function
     assert type(info.value).__module__ == "django.db.utils"
 
 
@@ -142,7 +144,7 @@ def test_timestamps_come_in_the_zone_djangos_cursor_would_use(
         cursor.execute("SELECT clock_timestamp()")
         django_zone = cursor.fetchone()[0].tzinfo
     assert str(django_zone) == database_time_zone_changed_after_connecting
-    assert not operations._loads_in_django_time_zone(connection, connection.connection)
+    assert not executor._loads_in_django_time_zone(connection, connection.connection)
     grant = Lease.objects.acquire(key, "w1", 30)
     assert grant is not None
     assert (grant.expires_at.tzinfo, grant.server_time.tzinfo) == (django_zone, django_zone)

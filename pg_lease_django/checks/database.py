@@ -9,6 +9,8 @@ from django.apps import apps
 from django.core import checks
 from django.db import DatabaseError, connections, router, transaction
 
+from pg_lease_django.sql import run, statements
+
 
 def check_lease_table_is_reachable(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
@@ -30,10 +32,7 @@ def check_lease_table_is_reachable(
         recorder = MigrationRecorder(connection)
         if not recorder.has_table() or not any(app == "pg_lease_django" for app, _ in recorder.applied_migrations()):
             continue
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_catalog.to_regclass('pg_lease_django_lease') IS NOT NULL")
-            (present,) = cursor.fetchone()
-        if not present:
+        if not run.one(connection, statements.LEASE_TABLE_VISIBLE):
             warnings.append(
                 checks.Warning(
                     f"pg_lease_django is migrated in database {alias!r}, but its lease table is not on the "
@@ -166,17 +165,9 @@ def check_fence_triggers_are_current(
             wanted = trigger.trigger_names()
             if not router.allow_migrate_model(alias, model):
                 continue
-            with connection.cursor() as cursor:
-                # One round trip: whether the table exists, and its fence triggers with their comments.
-                cursor.execute(
-                    "SELECT pg_catalog.to_regclass(%s) IS NOT NULL, pg_catalog.array_agg(t.tgname) FILTER (WHERE "
-                    "t.oid IS NOT NULL), pg_catalog.array_agg(coalesce(pg_catalog.obj_description(t.oid, "
-                    "'pg_trigger'), '')) FILTER (WHERE t.oid IS NOT NULL) FROM (SELECT 1) one "
-                    "LEFT JOIN pg_catalog.pg_trigger t "
-                    "ON t.tgrelid = pg_catalog.to_regclass(%s) AND t.tgname = ANY (%s)",
-                    [connection.ops.quote_name(model._meta.db_table)] * 2 + [list(wanted)],
-                )
-                table_exists, names, comments = cursor.fetchone()
+            # One round trip: whether the table exists, and its fence triggers with their comments.
+            table = connection.ops.quote_name(model._meta.db_table)
+            table_exists, names, comments = run.one(connection, statements.FENCE_TRIGGERS, [table, table, list(wanted)])
             installed = dict(zip(names or [], comments or [], strict=True))
             if not table_exists:
                 continue
@@ -272,7 +263,6 @@ def check_declared_roles_are_granted(
         except DatabaseError as exc:
             extra = []
             warnings.append(unread(alias, "which roles hold lease privileges", exc))
-        quote = connections[alias].ops.quote_name
         for role in sorted({g.role for g in extra}):
             held = [g for g in extra if g.role == role]
             objects = [f"{g.privilege} on {g.object}{' WITH GRANT OPTION' if g.grantable else ''}" for g in held]
@@ -282,7 +272,7 @@ def check_declared_roles_are_granted(
                     f"PG_LEASE_OPERATOR_ROLES and PG_LEASE_MONITOR_ROLES do not give it (or may pass them on): "
                     f"{', '.join(objects[:3])}{', ...' if len(objects) > 3 else ''}.",
                     hint="Declare the role (or make it a member of a declared role) if it should hold them; else "
-                    f"revoke them: {held[0].revoke(quote)}; ... (manage.py leases grant --check lists them all).",
+                    f"revoke them: {held[0].revoke()}; ... (manage.py leases grant --check lists them all).",
                     id="pg_lease_django.W008",
                 )
             )

@@ -19,6 +19,7 @@ from django.db.models.sql.compiler import SQLCompiler
 
 from pg_lease_django import metrics, sql
 from pg_lease_django.exceptions import REFUSED_WRITE_ERRORS, LeaseError
+from pg_lease_django.sql import run, statements
 
 from .resolution import FenceToken
 
@@ -34,7 +35,7 @@ class PresentFence(Expression):
         self.token = token
 
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
-        call = sql.render(connection, sql.CHECK_FENCE)
+        call = sql.render(connection, statements.FENCE_EXPRESSION)
         return f"(SELECT {call})", (self.token.key, self.token.owner, self.token.epoch)
 
 
@@ -51,11 +52,10 @@ class FencePresented(PresentFence):
 
 def _present(connection: BaseDatabaseWrapper, token: FenceToken | None) -> None:
     """Present ``token`` (or, for None, opt out) in the current transaction: one statement."""
-    with connection.cursor() as cursor:
-        if token is None:
-            cursor.execute(sql.render(connection, sql.ALLOW_UNFENCED))
-        else:
-            cursor.execute(f"SELECT {sql.render(connection, sql.CHECK_FENCE)}", [token.key, token.owner, token.epoch])
+    if token is None:
+        run.run(connection, statements.ALLOW_UNFENCED)
+    else:
+        run.run(connection, statements.PRESENT_FENCE, [token.key, token.owner, token.epoch])
 
 
 def _refusal(error: DatabaseError, action: str) -> LeaseError | None:
@@ -110,5 +110,4 @@ def in_one_transaction(using: str, token: FenceToken | None, *, present_first: b
         if present_first and token is None:
             # Always, not only inside an enclosing atomic(): with autocommit off, this block's
             # end commits nothing either, and the transaction goes on.
-            with connection.cursor() as cursor:
-                cursor.execute(sql.END_UNFENCED)
+            run.run(connection, statements.END_UNFENCED)

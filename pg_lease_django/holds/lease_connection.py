@@ -26,9 +26,10 @@ from psycopg import IsolationLevel
 from psycopg.pq import TransactionStatus
 
 from pg_lease_django import conf, operations, settling, waiting
-from pg_lease_django.commit_confirmation import confirmed_commit
 from pg_lease_django.exceptions import LeaseLostError, NotAcquirableError
 from pg_lease_django.operations import Grant
+from pg_lease_django.sql import run, statements
+from pg_lease_django.sql.confirmation import confirmed_commit
 
 logger = logging.getLogger(__name__)
 
@@ -304,15 +305,11 @@ class LeaseConnection:
 
     def _reset_timeout(self) -> None:
         if self.timeout_ms is not None and not self.per_transaction:
-            with self.wrapper.cursor() as cursor:
-                cursor.execute("RESET statement_timeout")
+            run.run(self.wrapper, statements.STATEMENT_TIMEOUT_RESET)
             self.timeout_ms = None
 
     def _check_not_listening(self) -> None:
-        with self.wrapper.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_listening_channels()")
-            row = cursor.fetchone()
-        if row is None or row[0]:
+        if run.one(self.wrapper, statements.LISTENING):
             raise RuntimeError("a LISTEN outlived the blocking acquire")  # discarded by the caller
 
     @contextmanager
@@ -326,8 +323,7 @@ class LeaseConnection:
                 # SET LOCAL (set_config(..., true)) in a transaction of its own: the timeout cannot
                 # leak into a pooled server session behind PgBouncer in transaction mode.
                 wrapper.set_autocommit(False)
-                with wrapper.cursor() as cursor:
-                    cursor.execute("SELECT set_config('statement_timeout', %s, true)", [f"{ms}ms"])
+                run.run(wrapper, statements.STATEMENT_TIMEOUT_LOCAL, [f"{ms}ms"])
                 try:
                     yield
                 except LeaseLostError:
@@ -339,8 +335,7 @@ class LeaseConnection:
                 wrapper.set_autocommit(True)
                 return
             if self.timeout_ms != ms:
-                with wrapper.cursor() as cursor:
-                    cursor.execute("SELECT set_config('statement_timeout', %s, false)", [f"{ms}ms"])
+                run.run(wrapper, statements.STATEMENT_TIMEOUT_SESSION, [f"{ms}ms"])
                 self.timeout_ms = ms
             yield
         except LeaseLostError:

@@ -1,21 +1,90 @@
-"""Every SQL call the package sends, written once: schema-qualified, each argument cast.
+"""The statement layer: every statement the package sends, in one home, and what runs them.
 
-Qualifying and casting closes the lookalike hole: PostgreSQL resolves an unqualified call to an
-exact-type match anywhere on the search_path before a function that needs a cast, so a role that
-may CREATE in an earlier (or the same) schema could otherwise answer for ``pg_lease_fence``.
-The schema is the one the lease table lives in (where the migrations installed the functions).
+``queries.sql`` holds each statement once, under its name; `Statement` is one of them as a value
+(its name, how many rows it answers, its row decoder, whether its commit must be confirmed), and
+``sql.statements`` lists them all. Two executors send them: ``sql.run`` on a Django connection (the
+notice handler and commit confirmation of ``sql.confirmation``, Django's error mapping) and
+``sql.arun`` on a psycopg async connection (the same handler); ``sql.run.on_psycopg`` serves the
+Patroni callback's plain psycopg connections. No other module calls ``execute()``.
+
+Every lease function is schema-qualified and each argument cast: PostgreSQL resolves an
+unqualified call to an exact-type match anywhere on the search_path before a function that needs a
+cast, so a role that may CREATE in an earlier (or the same) schema could otherwise answer for
+``pg_lease_fence``. The schema is the one the lease table lives in (where the migrations installed
+the functions); it, and every other identifier, is composed with psycopg.sql, never formatted in.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Generic, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.dispatch import receiver
+from psycopg import sql as pgsql
 
 from pg_lease_django import conf
+
+from . import files
+
+T = TypeVar("T")
+
+# procrastinate's file format: a line `-- name --`, its comment lines, then the statement.
+_HEADER = re.compile(r"^-- ([a-z0-9_]+) --$", re.MULTILINE)
+
+
+@cache
+def queries() -> dict[str, str]:
+    """Every statement of ``queries.sql`` by name, its comment lines left out (a fragment is
+    composed into other statements, where a comment would swallow the rest of the line)."""
+    text = files.read("queries.sql")
+    parts = _HEADER.split(text)[1:]
+    found: dict[str, str] = {}
+    for name, body in zip(parts[::2], parts[1::2], strict=True):
+        lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
+        found[name] = "\n".join(lines).strip()
+    return found
+
+
+def _whole_row(row: Sequence[Any], params: Sequence[Any] | dict[str, Any]) -> Any:
+    return tuple(row)
+
+
+@dataclass(frozen=True)
+class Statement(Generic[T]):
+    """A statement of ``queries.sql`` as a value.
+
+    Attributes:
+        name: its name in ``queries.sql``.
+        decode: each row's meaning, given the row and the parameters sent (a verdict that is an
+            error raises it); the whole row as a tuple by default.
+        confirms: a lease write whose commit must reach the synchronous standby: the executors turn
+            the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`.
+        parts: the names of the identifiers and fragments besides ``schema`` it is composed with.
+    """
+
+    name: str
+    decode: Callable[[Sequence[Any], Any], T] = field(default=_whole_row, compare=False)
+    confirms: bool = False
+    parts: tuple[str, ...] = ()
+
+    @property
+    def text(self) -> str:
+        """Its SQL, with ``{schema}`` and its parts unfilled."""
+        return queries()[self.name]
+
+    def compose(self, schema: str | None, **parts: pgsql.Composable) -> pgsql.Composed:
+        """Its SQL with ``schema`` (unquoted; None when it names none) and ``parts`` composed in."""
+        if schema is not None:
+            parts["schema"] = pgsql.Identifier(schema)
+        # The package's own SQL, from its own file: as safe as a literal in the code (procrastinate's vouch).
+        return pgsql.SQL(self.text).format(**parts)
+
 
 ACQUIRE = "SELECT * FROM {schema}.pg_lease_acquire(%s::text, %s::text, %s::interval)"
 #: A waiter's attempt while it LISTENs: ACQUIRE, and when refused, a registration that makes the next
@@ -60,17 +129,9 @@ UNLISTEN = f"UNLISTEN {NOTIFY_CHANNEL}"
 # The lease table's schema per database alias, looked up once per process (one catalog query).
 _schemas: dict[str, str] = {}
 
-#: Every schema of the search_path holding a table of that name: more than one is ambiguous (one of
-#: them may be a decoy another role created to capture the calls), so the lookup refuses to guess.
-SCHEMA_LOOKUP = (
-    "SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-    "WHERE c.relname = 'pg_lease_django_lease' AND c.relkind IN ('r', 'p') "
-    "AND n.nspname = ANY (pg_catalog.current_schemas(false))"
-)
 
-
-def schema(connection: BaseDatabaseWrapper) -> str:
-    """The quoted schema of the lease functions in ``connection``'s database.
+def schema_name(connection: BaseDatabaseWrapper) -> str:
+    """The schema of the lease functions in ``connection``'s database, unquoted.
 
     ``PG_LEASE_SCHEMA`` names it outright; otherwise it is the one schema of the search_path that
     has the ``pg_lease_django_lease`` table, looked up once per database alias.
@@ -82,7 +143,7 @@ def schema(connection: BaseDatabaseWrapper) -> str:
     name = conf.schema() or _schemas.get(connection.alias)
     if name is None:
         with connection.cursor() as cursor:
-            cursor.execute(SCHEMA_LOOKUP)
+            cursor.execute(queries()["schema_lookup"], ())
             found = [row[0] for row in cursor.fetchall()]
         if not found:
             raise ImproperlyConfigured(
@@ -96,10 +157,15 @@ def schema(connection: BaseDatabaseWrapper) -> str:
                 "`manage.py migrate` installed the lease functions in"
             )
         name = _schemas[connection.alias] = found[0]
-    return connection.ops.quote_name(name)
+    return name
 
 
-# Rendered statements per (alias, template): a call renders nothing after its first.
+def schema(connection: BaseDatabaseWrapper) -> str:
+    """`schema_name`, quoted (for the SQL the package writes into migrations: fence triggers)."""
+    return pgsql.Identifier(schema_name(connection)).as_string(None)
+
+
+# Rendered statements per (alias, name): a call renders nothing after its first.
 _rendered: dict[tuple[str, str], str] = {}
 
 
@@ -110,9 +176,19 @@ def _forget_rendered(*, setting: str, **kwargs: Any) -> None:
         _rendered.clear()
 
 
-def render(connection: BaseDatabaseWrapper, template: str) -> str:
-    """``template`` with ``{schema}`` filled in for ``connection``."""
-    statement = _rendered.get((connection.alias, template))
-    if statement is None:
-        statement = _rendered[connection.alias, template] = template.format(schema=schema(connection))
-    return statement
+def render(connection: BaseDatabaseWrapper, statement: Statement[Any] | str, **parts: pgsql.Composable) -> str:
+    """``statement``'s SQL for ``connection``: its schema and ``parts`` composed in (cached without parts)."""
+    if isinstance(statement, str):  # a template of the waiting module's, until it moves onto Statements
+        return statement.format(schema=schema(connection))
+    if parts:
+        return statement.compose(_schema_if_named(connection, statement), **parts).as_string(None)
+    found = _rendered.get((connection.alias, statement.name))
+    if found is None:
+        found = _rendered[connection.alias, statement.name] = statement.compose(
+            _schema_if_named(connection, statement)
+        ).as_string(None)
+    return found
+
+
+def _schema_if_named(connection: BaseDatabaseWrapper, statement: Statement[Any]) -> str | None:
+    return schema_name(connection) if "{schema}" in statement.text else None

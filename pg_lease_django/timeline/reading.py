@@ -18,6 +18,7 @@ from django.db.models import Case, Count, F, OuterRef, Q, Subquery, When, Window
 from pg_lease_django.display import format_duration
 from pg_lease_django.models import EndReason, Lease, LeaseTenure
 from pg_lease_django.querysets import ServerNow, StatusAt
+from pg_lease_django.sql import run, statements
 from pg_lease_django.status import LeaseStatus
 
 __all__ = ["History", "TenureRow", "read_history"]
@@ -209,8 +210,5 @@ def _settled(tenure: Any) -> TenureRow:
 
 
 def _server_now(alias: str) -> datetime:
-    with connections[alias].cursor() as cursor:
-        cursor.execute("SELECT clock_timestamp()")
-        (now,) = cursor.fetchone()
-    moment: datetime = now
+    moment: datetime = run.one(connections[alias], statements.SERVER_NOW)
     return moment

@@ -11,7 +11,6 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connections
 
 from pg_lease_django import conf, privileges
 from pg_lease_django.display import LeaseRow, format_duration, printable
@@ -167,7 +166,6 @@ class OperatingSubcommands(BaseCommand):
 
     def _grant(self, alias: str, options: dict[str, Any]) -> None:
         declared = privileges.declared()
-        quote = connections[alias].ops.quote_name
         if options.get("check"):
             absent, lacking = privileges.missing(alias)
             extra = privileges.undeclared(alias)
@@ -176,13 +174,9 @@ class OperatingSubcommands(BaseCommand):
             for role in absent:
                 self.stdout.write(f"role {printable(role)} does not exist")
             for needed in lacking:
-                self.stdout.write(printable(needed.statement(quote)))
+                self.stdout.write(printable(needed.statement()))
             for held in extra:
-                self.stdout.write(
-                    printable(
-                        f"REVOKE {held.privilege} ON {held.kind} {held.object} FROM {quote(held.role)}  -- not declared"
-                    )
-                )
+                self.stdout.write(printable(f"{held.revoke()}  -- not declared"))
             if scopes_differ:
                 self.stdout.write("the database's key scopes differ from PG_LEASE_KEY_SCOPES")
             if absent or lacking or extra or scopes_differ:
@@ -196,9 +190,10 @@ class OperatingSubcommands(BaseCommand):
             return
         granted = privileges.grant(alias)
         for needed in granted:
-            self.stdout.write(printable(needed.statement(quote)))
-        roles = ", ".join(f"{printable(role)} ({kind})" for role, kind in sorted(declared.items())) or (
-            "none (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES): only the lease functions' owner may use them"
+            self.stdout.write(printable(needed.statement()))
+        roles = ", ".join(f"{printable(role)} ({', '.join(kinds)})" for role, kinds in declared.items()) or (
+            "none (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES, PG_LEASE_MONITOR_ROLES): only the lease "
+            "functions' owner may use them"
         )
         self.stdout.write(self.style.SUCCESS(f"Granted {len(granted)} privilege(s); declared roles: {roles}."))
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from .exceptions import UnconfirmedCommitError
+from pg_lease_django.exceptions import UnconfirmedCommitError
 
 #: The server's answer to a commit whose wait for a synchronous standby was cancelled: a WARNING with
 #: this SQLSTATE (and "canceling wait for synchronous replication" as its, possibly translated, message).

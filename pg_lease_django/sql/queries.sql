@@ -1,0 +1,382 @@
+-- Every statement pg_lease_django sends, written once, each under its name (procrastinate's habit:
+-- a line `-- name --`, then comment lines, then the statement). `pg_lease_django.sql.statements`
+-- gives each its rows' decoder; `pg_lease_django.sql.run` (Django's connection) and
+-- `pg_lease_django.sql.arun` (psycopg's async connection) send them. `{schema}` is the quoted schema
+-- of the lease app and every `{name}` an identifier or a fragment the executor composes with
+-- psycopg.sql (never string formatting); `%s` are parameters. Literal braces are doubled.
+-- Every lease function is schema-qualified and every argument cast: PostgreSQL resolves an
+-- unqualified call to an exact-type match anywhere on the search_path, so a lookalike in an earlier
+-- schema could otherwise answer (docs/security.md, "Lookalike functions").
+
+-- acquire --
+-- One non-blocking acquire: granted, or refused naming who holds the key and until when.
+SELECT granted, key, owner, epoch, expires_at, server_time
+  FROM {schema}.pg_lease_acquire(%s::text, %s::text, %s::interval)
+
+-- acquire_or_register --
+-- A waiter's attempt while it LISTENs: acquire, and when refused, a registration that makes the next
+-- release of the key notify, until the waiter's next attempt is due (the last argument) plus a margin.
+SELECT granted, key, owner, epoch, expires_at, server_time
+  FROM {schema}.pg_lease_acquire_or_register(%s::text, %s::text, %s::interval, %s::interval)
+
+-- renew --
+-- A renewal that also says whether a hand-off was requested (pg_lease_renew without that column).
+SELECT outcome, expires_at, server_time, handoff_requested
+  FROM {schema}.pg_lease_heartbeat(%s::text, %s::text, %s::bigint, %s::interval)
+
+-- release --
+SELECT outcome, epoch, server_time FROM {schema}.pg_lease_release(%s::text, %s::text, %s::bigint)
+
+-- inspect --
+-- The columns the package reads (acquired_at left out: one timestamp fewer to parse per call).
+SELECT key, status, owner, epoch, expires_at, server_time FROM {schema}.pg_lease_inspect(%s::text)
+
+-- force_release --
+SELECT outcome, owner, epoch, server_time FROM {schema}.pg_lease_force_release(%s::text, %s::bigint, %s::text)
+
+-- request_handoff --
+-- Ask the holder to step down at its next renewal (advice: the grant is unchanged).
+SELECT outcome, owner, epoch, expires_at, requested_at, server_time
+  FROM {schema}.pg_lease_request_handoff(%s::text, %s::bigint)
+
+-- prune --
+SELECT key FROM {schema}.pg_lease_prune(%s::interval, %s::boolean)
+
+-- advance_epochs --
+-- Raise every epoch and the epoch floor by N (after an asynchronous failover; the owner's, or a runbook role's).
+SELECT leases, held, epoch_floor, max_epoch, server_time FROM {schema}.pg_lease_advance_epochs(%s::bigint, %s::boolean)
+
+-- present_fence --
+-- Present a fence for this transaction (raises PL001-PL003 when it does not hold); the epoch.
+SELECT {schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)
+
+-- fence_expression --
+-- The same as an expression, inside Django's own UPDATE or INSERT (fencing.statements).
+{schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)
+
+-- allow_unfenced --
+-- Opt this transaction out of fencing (operators: revoked from PUBLIC).
+SELECT {schema}.pg_lease_allow_unfenced()
+
+-- end_unfenced --
+-- End an opt-out before the transaction does (a built-in: nothing to qualify).
+SELECT pg_catalog.set_config('pg_lease.unfenced', 'off', true)
+
+-- listen --
+-- What a blocking acquire waits on between attempts (outside a transaction); the channel is the
+-- one the lease functions notify (pg_lease_wake_waiters).
+LISTEN pg_lease_django
+
+-- unlisten --
+UNLISTEN pg_lease_django
+
+-- listening --
+-- How many channels this session listens on (a pooled lease connection must listen on none).
+SELECT pg_catalog.count(*) FROM pg_catalog.pg_listening_channels()
+
+-- set_role --
+-- OPTIONS["assume_role"], on a connection of the package's own, as Django's backend sets it.
+SET ROLE {role}
+
+-- schema_lookup --
+-- Every schema of the search_path holding a lease table: more than one is ambiguous (one of them
+-- may be a decoy another role created to capture the calls), so the lookup refuses to guess.
+SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+ WHERE c.relname = 'pg_lease_django_lease' AND c.relkind IN ('r', 'p')
+   AND n.nspname = ANY (pg_catalog.current_schemas(false))
+
+-- server_now --
+SELECT pg_catalog.clock_timestamp()
+
+-- server_now_text --
+-- The server clock in UTC as ISO 8601 text, always with microseconds (the listings' stable form).
+SELECT pg_catalog.to_char(pg_catalog.clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
+
+-- key_collation --
+-- The collation of a table's key column as JSON {"provider", "collate"}. "default" means the
+-- database's; to_jsonb() reads pg_database whatever columns this server version has.
+SELECT CASE WHEN c.collname = 'default'
+            THEN (SELECT pg_catalog.jsonb_build_object('provider', coalesce(pg_catalog.to_jsonb(d) ->> 'datlocprovider', 'c'),
+                                                       'collate', d.datcollate)
+                    FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database())
+            ELSE pg_catalog.jsonb_build_object('provider', c.collprovider::text, 'collate', c.collcollate)
+       END
+  FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_collation c ON c.oid = a.attcollation
+ WHERE a.attrelid = %s::pg_catalog.regclass AND a.attname = 'key'
+
+-- readiness --
+-- Whether this role may run every function a worker needs (the app migrated, the grants made), and
+-- the key prefixes it may use (NULL: every key; an empty array: none, every call refused).
+SELECT coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 'EXECUTE')), false),
+       {schema}.pg_lease_session_scope()
+  FROM {schema}.pg_lease_privileges() p WHERE p.role = 'worker' AND p.kind = 'FUNCTION'
+
+-- lock_timeout_local --
+-- A lock timeout for this transaction only (settling a release: it must not wait forever).
+SELECT pg_catalog.set_config('lock_timeout', %s, true)
+
+-- statement_timeout_local --
+SELECT pg_catalog.set_config('statement_timeout', %s, true)
+
+-- statement_timeout_session --
+SELECT pg_catalog.set_config('statement_timeout', %s, false)
+
+-- statement_timeout_reset --
+RESET statement_timeout
+
+-- cancel_attempt --
+-- Cancel the acquire a server process still runs for an interrupted call (a row when it was running).
+SELECT pg_catalog.pg_cancel_backend(a.pid) FROM pg_catalog.pg_stat_activity a
+ WHERE a.pid = %s AND a.state = 'active' AND a.query LIKE '%%pg_lease_acquire%%'
+
+-- allow_truncate --
+-- Let a test database be flushed (TRUNCATE of the lease and fenced tables), for roles that may opt out.
+ALTER DATABASE {database} SET pg_lease.allow_truncate = on
+
+-- work_mem_room --
+-- Room for a hash of every key: the planner cannot estimate how many labels an expression yields,
+-- guesses a group per row and sorts every row without it. For this transaction only, never lowered.
+SELECT pg_catalog.set_config('work_mem', '32MB', true)
+ WHERE pg_catalog.pg_size_bytes(pg_catalog.current_setting('work_mem')) < 33554432
+
+-- metrics --
+-- The database's view for Prometheus by label (pg_lease_metrics: separator, label cap, history on).
+SELECT kind, label, state, count, oldest_lapse FROM {schema}.pg_lease_metrics(%s::text, %s::integer, %s::boolean)
+
+-- metrics_per_key --
+-- The same per key, for a label rule of Python's (a callable): the lease rows by key and state
+-- against one clock read, the waiters whose registration has not run out, and the ended tenures
+-- (only with history on: a constant false filter skips the scan). An operator's: it reads the tables.
+WITH now AS MATERIALIZED (SELECT pg_catalog.clock_timestamp() AS t)
+SELECT 'lease', l.key, {schema}.pg_lease_status(l.owner, l.expires_at, now.t),
+       count(*)::float8, max(extract(epoch FROM now.t - l.expires_at))::float8
+  FROM {schema}.pg_lease_django_lease l, now
+ GROUP BY 2, 3
+UNION ALL
+SELECT 'waiter', w.key, '', count(*)::float8, NULL
+  FROM {schema}.pg_lease_django_waiter w, now
+ WHERE w.until > now.t
+ GROUP BY 2
+UNION ALL
+SELECT 'tenure', t.key, t.end_reason, count(*)::float8, NULL
+  FROM {schema}.pg_lease_django_tenure t
+ WHERE %s::boolean AND t.end_reason IS NOT NULL
+ GROUP BY 2, 3
+
+-- transitions --
+-- The latest grants and ends of tenures under a prefix and a LIKE pattern (each NULL: any), newest first.
+SELECT pg_catalog.to_char(e.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'), e.key, e.epoch, e.owner, e.event
+  FROM (SELECT t.granted_at AS at, t.key, t.epoch, t.owner, 'granted' AS event
+          FROM {schema}.pg_lease_django_tenure t
+         WHERE (%(prefix)s::text IS NULL OR pg_catalog.starts_with(t.key, %(prefix)s::text))
+           AND (%(like)s::text IS NULL OR t.key LIKE %(like)s::text)
+        UNION ALL
+        SELECT t.ended_at, t.key, t.epoch, t.owner, coalesce(t.end_reason, 'ended')
+          FROM {schema}.pg_lease_django_tenure t
+         WHERE t.ended_at IS NOT NULL
+           AND (%(prefix)s::text IS NULL OR pg_catalog.starts_with(t.key, %(prefix)s::text))
+           AND (%(like)s::text IS NULL OR t.key LIKE %(like)s::text)) e
+ ORDER BY e.at DESC, e.epoch DESC
+ LIMIT %(limit)s
+
+-- ================================================================================================
+-- The catalog: migrations, scopes, privileges (checks, `migrate`, `manage.py leases grant`)
+-- ================================================================================================
+
+-- relation_exists --
+SELECT pg_catalog.to_regclass(%s) IS NOT NULL
+
+-- function_exists --
+SELECT pg_catalog.to_regprocedure(%s) IS NOT NULL
+
+-- history_scope --
+SELECT prefix FROM {schema}.pg_lease_django_history_scope ORDER BY prefix
+
+-- history_scope_keep --
+-- Keep only these prefixes (the scope table's trigger re-flags every lease row, whoever writes).
+DELETE FROM {schema}.pg_lease_django_history_scope WHERE NOT prefix = ANY (%s::text[])
+
+-- history_scope_add --
+INSERT INTO {schema}.pg_lease_django_history_scope (prefix) SELECT p FROM pg_catalog.unnest(%s::text[]) p
+ON CONFLICT DO NOTHING
+
+-- key_scopes --
+SELECT role, prefix FROM {schema}.pg_lease_django_key_scope ORDER BY role, prefix
+
+-- key_scopes_clear --
+DELETE FROM {schema}.pg_lease_django_key_scope
+
+-- key_scopes_add --
+-- The key scopes PG_LEASE_KEY_SCOPES says (the table's trigger compiles them, statement by statement).
+INSERT INTO {schema}.pg_lease_django_key_scope (role, prefix)
+SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::text[]))
+
+-- role_limits --
+SELECT role, max_leases, max_tenures_per_key FROM {schema}.pg_lease_django_role_limit ORDER BY role
+
+-- role_limits_clear --
+DELETE FROM {schema}.pg_lease_django_role_limit
+
+-- role_limits_add --
+INSERT INTO {schema}.pg_lease_django_role_limit (role, max_leases, max_tenures_per_key)
+SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::int[]), pg_catalog.unnest(%s::int[]))
+
+-- absent_roles --
+-- Which of these names are no role of the cluster (a typo, a rename, a drop).
+SELECT n FROM pg_catalog.unnest(%s::text[]) n
+ WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = n) ORDER BY n
+
+-- missing_grants --
+-- For each declared role (name, its kinds' tiers as 'worker,operator'), each privilege of
+-- pg_lease_privileges() of those tiers: whether the role exists, and whether it holds it.
+SELECT d.name, r.rolname IS NOT NULL, p.kind, p.object, p.privilege,
+       r.rolname IS NOT NULL AND CASE p.kind
+         WHEN 'FUNCTION' THEN pg_catalog.has_function_privilege(r.oid, p.object, p.privilege)
+         ELSE pg_catalog.has_table_privilege(r.oid, p.object, p.privilege) END
+  FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) AS d (name, tiers)
+  LEFT JOIN pg_catalog.pg_roles r ON r.rolname = d.name
+  JOIN {schema}.pg_lease_privileges() p ON p.role = ANY (pg_catalog.string_to_array(d.tiers, ','))
+ ORDER BY d.name, p.kind, p.object
+
+-- grant --
+-- One privilege of pg_lease_privileges() (its kind, object and privilege are that function's own
+-- text, composed as SQL; the role an identifier).
+GRANT {privilege} ON {kind} {object} TO {role}
+
+-- held_privileges --
+-- Who holds what on the package's objects, through every membership: per role (and PUBLIC), each
+-- privilege held, whether WITH GRANT OPTION, the tiers of pg_lease_privileges() that name it, and
+-- the tiers the role may hold through the declared roles it is a member of (itself included: a
+-- login role in a declared group role holds what the group is granted, as PostgreSQL means it).
+-- Privileges pg_read_all_data / pg_write_all_data explain are left to `bypasses` (their remedy is
+-- the membership, not the table). Roles are checked by OID: by name, a role dropped after this
+-- statement's snapshot is looked up in the current catalog and fails the whole read.
+WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c
+                WHERE c.oid = '{schema}."pg_lease_django_lease"'::pg_catalog.regclass),
+objects AS (
+  SELECT 'FUNCTION' AS kind, p.oid, p.oid::pg_catalog.regprocedure::text AS object FROM pg_catalog.pg_proc p
+   WHERE p.pronamespace = '{schema}'::pg_catalog.regnamespace AND p.proname LIKE 'pg\_lease\_%%'
+     AND p.prorettype <> 'pg_catalog.trigger'::pg_catalog.regtype
+  UNION ALL
+  SELECT 'TABLE', c.oid, c.oid::pg_catalog.regclass::text FROM pg_catalog.pg_class c
+   WHERE c.relnamespace = '{schema}'::pg_catalog.regnamespace AND c.relname LIKE 'pg\_lease\_django\_%%'
+     AND c.relkind IN ('r', 'p')),
+wanted AS (
+  SELECT w.role AS tier, w.privilege,
+         CASE w.kind WHEN 'FUNCTION' THEN w.object::pg_catalog.regprocedure::oid ELSE w.object::pg_catalog.regclass::oid END AS oid
+    FROM {schema}.pg_lease_privileges() w),
+declared AS (
+  SELECT r.oid, d.tiers FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) AS d (name, tiers)
+    JOIN pg_catalog.pg_roles r ON r.rolname = d.name),
+grantees AS (
+  SELECT r.rolname::text AS name, r.oid,
+         pg_catalog.string_to_array(pg_catalog.string_agg(d.tiers, ','), ',') AS allowed,
+         bool_or(pg_catalog.pg_has_role(r.oid, 'pg_read_all_data', 'USAGE')) AS reads_all,
+         bool_or(pg_catalog.pg_has_role(r.oid, 'pg_write_all_data', 'USAGE')) AS writes_all
+    FROM pg_catalog.pg_roles r CROSS JOIN owner LEFT JOIN declared d ON pg_catalog.pg_has_role(r.oid, d.oid, 'USAGE')
+   WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE')
+   GROUP BY r.rolname, r.oid
+  UNION ALL SELECT 'PUBLIC', NULL, NULL, false, false),
+privileges AS (
+  SELECT v.kind, v.privilege, v.privilege || ' WITH GRANT OPTION' AS passing
+    FROM (VALUES ('FUNCTION', 'EXECUTE'), ('TABLE', 'SELECT'), ('TABLE', 'INSERT'), ('TABLE', 'UPDATE'),
+                 ('TABLE', 'DELETE'), ('TABLE', 'TRUNCATE'), ('TABLE', 'REFERENCES'), ('TABLE', 'TRIGGER')) v (kind, privilege)),
+held AS (
+  SELECT g.name, o.kind, o.object, o.oid, v.privilege, g.allowed,
+         CASE WHEN g.oid IS NULL AND o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege('public', o.oid, v.passing)
+              WHEN g.oid IS NULL THEN pg_catalog.has_table_privilege('public', o.oid, v.passing)
+              WHEN o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege(g.oid, o.oid, v.passing)
+              ELSE pg_catalog.has_table_privilege(g.oid, o.oid, v.passing) END AS grantable
+    FROM grantees g CROSS JOIN objects o JOIN privileges v ON v.kind = o.kind
+   WHERE CASE WHEN g.oid IS NULL AND o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege('public', o.oid, v.privilege)
+              WHEN g.oid IS NULL THEN pg_catalog.has_table_privilege('public', o.oid, v.privilege)
+              WHEN o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege(g.oid, o.oid, v.privilege)
+              ELSE pg_catalog.has_table_privilege(g.oid, o.oid, v.privilege) END
+     AND NOT (o.kind = 'TABLE' AND v.privilege = 'SELECT' AND g.reads_all)
+     AND NOT (o.kind = 'TABLE' AND v.privilege IN ('INSERT', 'UPDATE', 'DELETE') AND g.writes_all))
+SELECT h.name, h.kind, h.object, h.privilege, h.grantable,
+       pg_catalog.array_agg(w.tier) FILTER (WHERE w.tier IS NOT NULL), h.allowed
+  FROM held h LEFT JOIN wanted w ON w.oid = h.oid AND w.privilege = h.privilege
+ GROUP BY 1, 2, 3, 4, 5, 7 ORDER BY 1, 2, 3, 4
+
+-- bypasses --
+-- Roles PostgreSQL lets around the lease rules, beside table and function grants: SET or ALTER
+-- SYSTEM on session_replication_role ({replica}: `replica_grants` from PostgreSQL 15 on, when
+-- parameter privileges arrived; else false), membership of pg_read_all_data, pg_write_all_data and
+-- pg_maintain (PostgreSQL 17+), and BYPASSRLS with a way to read the secret. Each reported where it
+-- was granted, not in every member that inherits it: revoking it there removes it from them all.
+-- Superusers and the owner's members are trusted and left out.
+WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c
+                WHERE c.oid = '{schema}."pg_lease_django_lease"'::pg_catalog.regclass),
+roles AS (
+  SELECT r.rolname::text AS name, r.oid, r.rolbypassrls FROM pg_catalog.pg_roles r, owner
+   WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE')),
+member_of AS (
+  SELECT m.member, m.roleid::pg_catalog.regrole::text AS predefined FROM pg_catalog.pg_auth_members m
+   WHERE m.roleid::pg_catalog.regrole::text IN ('pg_read_all_data', 'pg_write_all_data', 'pg_maintain'))
+SELECT r.name, {replica},
+       EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_read_all_data'),
+       EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_write_all_data'),
+       EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_maintain'),
+       r.rolbypassrls AND (pg_catalog.pg_has_role(r.oid, 'pg_read_all_data', 'USAGE')
+                           OR pg_catalog.has_table_privilege(r.oid, '{schema}."pg_lease_django_secret"', 'SELECT'))
+  FROM roles r ORDER BY r.name
+
+-- replica_grants --
+-- Granted SET or ALTER SYSTEM on session_replication_role by name (pg_parameter_acl, PostgreSQL 15+).
+EXISTS (SELECT FROM pg_catalog.pg_parameter_acl p, pg_catalog.aclexplode(p.paracl) a
+         WHERE p.parname = 'session_replication_role' AND a.grantee = r.oid)
+
+-- unscoped --
+-- Roles that may call a lease function taking a key (the array) while key scopes are configured,
+-- and that no scope applies to (their own, or a group's they are a member of). Reads the scope table.
+WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c
+                WHERE c.oid = '{schema}."pg_lease_django_lease"'::pg_catalog.regclass)
+SELECT r.rolname::text FROM pg_catalog.pg_roles r, owner
+ WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE')
+   AND EXISTS (SELECT FROM {schema}."pg_lease_django_key_scope")
+   AND NOT EXISTS (SELECT FROM {schema}."pg_lease_django_key_scope" s
+                    WHERE pg_catalog.pg_has_role(r.oid, pg_catalog.to_regrole(pg_catalog.quote_ident(s.role)), 'MEMBER'))
+   AND EXISTS (SELECT FROM pg_catalog.unnest(%s::text[]) f
+                WHERE pg_catalog.has_function_privilege(r.oid, f::pg_catalog.regprocedure, 'EXECUTE'))
+ ORDER BY 1
+
+-- lease_table_visible --
+-- Whether the connection's search_path reaches a lease table (check W002).
+SELECT pg_catalog.to_regclass('pg_lease_django_lease') IS NOT NULL
+
+-- fence_triggers --
+-- Whether a table exists, and its fence triggers of these names with their comments (check W006).
+SELECT pg_catalog.to_regclass(%s) IS NOT NULL,
+       pg_catalog.array_agg(t.tgname) FILTER (WHERE t.oid IS NOT NULL),
+       pg_catalog.array_agg(coalesce(pg_catalog.obj_description(t.oid, 'pg_trigger'), '')) FILTER (WHERE t.oid IS NOT NULL)
+  FROM (SELECT 1) one
+  LEFT JOIN pg_catalog.pg_trigger t ON t.tgrelid = pg_catalog.to_regclass(%s) AND t.tgname = ANY (%s)
+
+-- ================================================================================================
+-- A server, not a database: the Patroni callback (pg_lease_django.patroni)
+-- ================================================================================================
+
+-- recovery_state --
+-- Whether the server is in recovery, its WAL received and replayed, its data directory and WAL segment size.
+SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_last_wal_receive_lsn()::text,
+       pg_catalog.pg_last_wal_replay_lsn()::text, pg_catalog.current_setting('data_directory'),
+       (SELECT s.setting::bigint FROM pg_catalog.pg_settings s WHERE s.name = 'wal_segment_size')
+
+-- in_recovery --
+SELECT pg_catalog.pg_is_in_recovery()
+
+-- read_only_gate --
+SHOW default_transaction_read_only
+
+-- close_read_only_gate --
+ALTER SYSTEM SET default_transaction_read_only = on
+
+-- open_read_only_gate --
+ALTER SYSTEM RESET default_transaction_read_only
+
+-- reload_configuration --
+SELECT pg_catalog.pg_reload_conf()
+
+-- databases --
+SELECT datname FROM pg_catalog.pg_database WHERE datallowconn AND NOT datistemplate

@@ -1,0 +1,214 @@
+"""The rows of the lease statements, typed: what each answer means, and its verdict as an error.
+
+Each decoder takes a statement's row and the parameters it was sent (``sql.statements`` pairs them
+with their statements): the one place a row is read by position. `Grant`, `LeaseState` and
+`EpochAdvance` are public (``pg_lease_django`` and ``pg_lease_django.managers`` re-export them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, NamedTuple, NoReturn
+
+from pg_lease_django.exceptions import (
+    LOST_ERRORS,
+    AlreadyFreeError,
+    EpochMismatchError,
+    LapsedError,
+    NeverAcquiredError,
+)
+from pg_lease_django.status import LeaseStatus
+
+Params = Sequence[Any]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A successful acquire.
+
+    Attributes:
+        key: the lease key.
+        owner: the owner identity it was granted to.
+        epoch: the fencing token; present it to renew, release and guarded writes.
+        expires_at: server time at which the lease lapses unless renewed.
+        server_time: the server clock at the grant (``expires_at - server_time`` is the TTL).
+    """
+
+    key: str
+    owner: str
+    epoch: int
+    expires_at: datetime
+    server_time: datetime
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """What `LeaseManager.inspect` saw, computed from the server clock.
+
+    Attributes:
+        key: the lease key.
+        status: ``"free"``, ``"held"`` or ``"lapsed"`` (expired, not yet taken over): a `LeaseStatus` value.
+        owner: the holder; the former holder when lapsed; None when free.
+        epoch: the current epoch (0 for a key never acquired).
+        expires_at: expiry of the current or lapsed grant; None when free.
+        server_time: the server clock when the state was read.
+    """
+
+    key: str
+    status: Literal["free", "held", "lapsed"]
+    owner: str | None
+    epoch: int
+    expires_at: datetime | None
+    server_time: datetime
+
+    @property
+    def held(self) -> bool:
+        """True when someone holds the lease at ``server_time``."""
+        return self.status == LeaseStatus.HELD.value
+
+
+class Attempt(NamedTuple):
+    """A ``pg_lease_acquire`` row: granted, or refused naming who holds the key and until when."""
+
+    granted: bool
+    key: str
+    owner: str  # the grantee; when refused, the holder
+    epoch: int  # the grant's epoch; when refused, the holder's
+    expires_at: datetime  # the grant's expiry; when refused, the holder's
+    server_time: datetime
+
+    def grant(self, key: str) -> Grant | None:
+        """The `Grant` of ``key`` this attempt obtained, or None when refused."""
+        return Grant(key, self.owner, self.epoch, self.expires_at, self.server_time) if self.granted else None
+
+
+@dataclass(frozen=True)
+class EpochAdvance:
+    """What `LeaseManager.advance_epochs` did (or, dry run, would do).
+
+    Attributes:
+        by: how much every epoch and the epoch floor went up.
+        leases: the lease rows advanced.
+        held: of those, the ones held then: their holders are fenced (``epoch_mismatch``) and must re-acquire.
+        epoch_floor: the new epoch floor: a key without a row starts above it.
+        max_epoch: the new highest epoch (the floor when there are no rows).
+        server_time: the server clock when it was done.
+        dry_run: nothing was changed.
+    """
+
+    by: int
+    leases: int
+    held: int
+    epoch_floor: int
+    max_epoch: int
+    server_time: datetime
+    dry_run: bool
+
+
+class Renewal(NamedTuple):
+    """A renewal that succeeded: the new expiry, and whether someone asked the holder to step down."""
+
+    expires_at: datetime
+    handoff_requested: bool
+
+
+@dataclass(frozen=True)
+class HandoffRequest:
+    """A hand-off request recorded on a held lease (`LeaseManager.request_handoff`).
+
+    Attributes:
+        key: the lease key.
+        owner: the holder asked to step down.
+        epoch: its epoch.
+        expires_at: its expiry when asked.
+        requested_at: when the hand-off was first requested during this grant (server clock).
+        server_time: the server clock when this request was made.
+    """
+
+    key: str
+    owner: str
+    epoch: int
+    expires_at: datetime
+    requested_at: datetime
+    server_time: datetime
+
+
+def attempt(row: Params, params: Params) -> Attempt:
+    """An acquire's row (``pg_lease_acquire``, ``pg_lease_acquire_or_register``)."""
+    return Attempt(*row)
+
+
+def state(row: Params, params: Params) -> LeaseState:
+    """An inspect's row (the key is the one sent)."""
+    _key, status, owner, epoch, expires_at, server_time = row
+    return LeaseState(params[0], status, owner, epoch, expires_at, server_time)
+
+
+def renewal(row: Params, params: Params) -> Renewal:
+    """A renewal's row (sent: key, owner, epoch, ttl), or the `LeaseLostError` of its verdict."""
+    outcome, expires_at, _server_time, handoff_requested = row
+    _raise_unless_ok(outcome, "renew", *params[:3])
+    return Renewal(expires_at, bool(handoff_requested))
+
+
+def released(row: Params, params: Params) -> None:
+    """A release's row (sent: key, owner, epoch), or the `LeaseLostError` of its verdict."""
+    _raise_unless_ok(row[0], "release", *params[:3])
+
+
+def forced(row: Params, params: Params) -> int:
+    """A force release's row (sent: key, expected epoch, operator): the new epoch, or why nothing was freed."""
+    outcome, owner, current_epoch, _server_time = row
+    if outcome == "ok":
+        return int(current_epoch)
+    _raise_not_held(outcome, params[0], owner, current_epoch, params[1], "nothing to release")
+
+
+def handoff(row: Params, params: Params) -> HandoffRequest:
+    """A hand-off request's row (sent: key, epoch): the request, or why nobody can be asked."""
+    outcome, owner, current_epoch, expires_at, requested_at, server_time = row
+    if outcome == "ok":
+        return HandoffRequest(params[0], owner, current_epoch, expires_at, requested_at, server_time)
+    _raise_not_held(outcome, params[0], owner, current_epoch, params[1], "nobody holds it to hand it off")
+
+
+def advance(row: Params, params: Params) -> EpochAdvance:
+    """An epoch advance's row (sent: by, dry run)."""
+    leases, held, epoch_floor, max_epoch, server_time = row
+    return EpochAdvance(params[0], leases, held, epoch_floor, max_epoch, server_time, params[1])
+
+
+def scalar(row: Params, params: Any) -> Any:
+    """The first column."""
+    return row[0]
+
+
+def _raise_unless_ok(outcome: str, operation: str, key: str, owner: str, epoch: int) -> None:
+    if outcome == "ok":
+        return
+    error = LOST_ERRORS[outcome]
+    raise error(
+        f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch
+    )
+
+
+def _raise_not_held(outcome: str, key: str, owner: str | None, current: int, epoch: int | None, so: str) -> NoReturn:
+    """The error of an operator's call on ``key`` that found nobody holding it at ``epoch`` (``so``: what follows)."""
+    if outcome == "epoch_mismatch":
+        raise EpochMismatchError(
+            f"lease {key!r} has moved on: its epoch is {current} (held by {owner!r}), not {epoch}",
+            key=key,
+            owner=owner,
+            epoch=epoch,
+        )
+    if outcome == "not_found":
+        raise NeverAcquiredError(f"no lease with key {key!r} (never acquired): {so}", key=key, epoch=epoch)
+    if outcome == "lapsed":
+        raise LapsedError(
+            f"lease {key!r} lapsed (owner {owner!r}, epoch {current}): {so}", key=key, owner=owner, epoch=current
+        )
+    raise AlreadyFreeError(
+        f"lease {key!r} is already free (epoch {current}): {so}", key=key, epoch=epoch, current_epoch=current
+    )

@@ -1,0 +1,149 @@
+"""The sync executor: a `Statement` on a Django connection (and, for the Patroni callback, on a psycopg one).
+
+`one`, `first`, `rows` and `run` send a statement and decode its rows (``sql.rows``). A statement
+that ``confirms`` (a lease operation) goes the hot path: the notice handler kept on the connection
+turns the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError` (at once, or out
+of the caller's ``atomic()``), and it is sent on a cursor of the psycopg connection itself when
+nothing but Django watches it (`_unwatched`). Every other statement goes through Django's cursor.
+Errors are Django's (``DatabaseError`` and its subclasses), as for any ORM call.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import psycopg
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.postgresql.base import DatabaseWrapper as PostgreSQLDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
+from psycopg import sql as pgsql
+
+from . import Statement, render
+from .confirmation import UnconfirmedCommitNotices, watch_caller_commit
+
+T = TypeVar("T")
+Params = Sequence[Any] | dict[str, Any]
+
+
+def one(connection: BaseDatabaseWrapper, statement: Statement[T], params: Params = (), **parts: pgsql.Composable) -> T:
+    """Send ``statement``; its one row, decoded."""
+    found = first(connection, statement, params, **parts)
+    return found  # type: ignore[return-value]  # a statement `one` is used for answers a row
+
+
+def first(
+    connection: BaseDatabaseWrapper, statement: Statement[T], params: Params = (), **parts: pgsql.Composable
+) -> T | None:
+    """Send ``statement``; its first row decoded, or None when it answers none."""
+    if statement.confirms:
+        row = _confirmed(connection, render(connection, statement), params, all_rows=False)
+        return None if row is None else statement.decode(row, params)
+    with connection.cursor() as cursor:
+        cursor.execute(render(connection, statement, **parts), params)
+        row = cursor.fetchone()
+    return None if row is None else statement.decode(row, params)
+
+
+def rows(
+    connection: BaseDatabaseWrapper, statement: Statement[T], params: Params = (), **parts: pgsql.Composable
+) -> list[T]:
+    """Send ``statement``; every row, decoded."""
+    if statement.confirms:
+        found = _confirmed(connection, render(connection, statement), params, all_rows=True)
+        return [statement.decode(row, params) for row in found]
+    with connection.cursor() as cursor:
+        cursor.execute(render(connection, statement, **parts), params)
+        return [statement.decode(row, params) for row in cursor.fetchall()]
+
+
+def run(
+    connection: BaseDatabaseWrapper, statement: Statement[Any], params: Params = (), **parts: pgsql.Composable
+) -> None:
+    """Send ``statement``, which answers nothing worth reading."""
+    with connection.cursor() as cursor:
+        cursor.execute(render(connection, statement, **parts), params)
+
+
+def on_psycopg(
+    conn: psycopg.Connection[Any],
+    statement: Statement[T],
+    params: Params = (),
+    *,
+    schema: str | None = None,
+    **parts: pgsql.Composable,
+) -> list[T]:
+    """Send ``statement`` on a plain psycopg connection (no Django: the Patroni callback); its rows,
+    decoded (none for a statement that returns nothing). ``schema``: the lease app's, when it names it."""
+    cursor = conn.execute(statement.compose(schema, **parts), params)
+    return [statement.decode(row, params) for row in cursor.fetchall()] if cursor.description else []
+
+
+def _confirmed(connection: BaseDatabaseWrapper, statement: str, params: Params, *, all_rows: bool) -> Any:
+    """Send a lease statement: the hot path, with its commit confirmed (``sql.confirmation``).
+
+    Inside the caller's ``atomic()`` the statement does not commit: the caller's COMMIT is checked
+    instead, after it returns, by an ``on_commit`` hook that raises out of ``atomic()``.
+    """
+    # kept_on runs Django's health check and connects: once a call.
+    notices = UnconfirmedCommitNotices.kept_on(connection)
+    raw = connection.connection
+    notices.seen.clear()
+    found = _send(connection, raw, statement, params, all_rows)
+    notices.raise_if_unconfirmed()
+    watch_caller_commit(connection)
+    return found
+
+
+def _send(
+    connection: BaseDatabaseWrapper, raw: psycopg.Connection[Any], statement: str, params: Params, all_rows: bool
+) -> Any:
+    """Send ``statement`` on ``raw`` (``connection``'s psycopg connection, open and health-checked), the
+    cheapest way Django's connection allows.
+
+    Through Django's cursor whenever anything may watch or change what it sends (`_unwatched`);
+    otherwise on a cursor of ``raw``, after the checks Django's cursor makes (thread, broken
+    transaction) and with its error wrapping: the same session, the same cursor class and binding,
+    ~10 µs less Python per call (docs/performance.md).
+    """
+    if _unwatched(connection) and _loads_in_django_time_zone(connection, raw):
+        connection.validate_thread_sharing()
+        connection.validate_no_broken_transaction()
+        with connection.wrap_database_errors, raw.cursor() as cursor:
+            cursor.execute(statement, params)
+            return cursor.fetchall() if all_rows else cursor.fetchone()
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        return cursor.fetchall() if all_rows else cursor.fetchone()
+
+
+_TIMESTAMPTZ = psycopg.adapters.types["timestamptz"].oid
+
+
+def _loads_in_django_time_zone(connection: BaseDatabaseWrapper, raw: psycopg.Connection[Any]) -> bool:
+    """Whether ``raw`` loads timestamps in the zone Django's cursor would: it sets its own loader on
+    each cursor when the database's time zone setting changed after connecting. Remembered per
+    psycopg connection and zone (Django registers a connection's loader only when it connects)."""
+    zone = connection.timezone
+    known = connection.__dict__.get("_pg_lease_zone")
+    if known is not None and known[0]() is raw and known[1] is zone:
+        return bool(known[2])
+    loader = raw.adapters.get_loader(_TIMESTAMPTZ, psycopg.pq.Format.TEXT)
+    agrees = loader is not None and getattr(loader, "timezone", None) == zone
+    connection._pg_lease_zone = (weakref.ref(raw), zone, agrees)  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute)
+    return agrees
+
+
+def _unwatched(connection: BaseDatabaseWrapper) -> bool:
+    """Whether nothing but Django's own code stands between a call and psycopg: Django's PostgreSQL
+    backend itself (a subclass may set a search_path or instrument its cursors), no execute wrapper
+    (another app's, or `CallerCommitWatch`), no query log (``DEBUG``, ``assertNumQueries``), no patched
+    ``connection.cursor`` (django-debug-toolbar) and an unpatched ``CursorWrapper`` (APM agents)."""
+    return (
+        type(connection) is PostgreSQLDatabaseWrapper
+        and not connection.execute_wrappers
+        and not connection.queries_logged
+        and "cursor" not in vars(connection)
+        and CursorWrapper.execute.__module__ == CursorWrapper.__module__
+    )

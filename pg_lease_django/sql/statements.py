@@ -1,0 +1,90 @@
+"""Every statement of ``queries.sql`` as a value: its name, its rows' decoder, whether it confirms its commit.
+
+The executors (``sql.run``, ``sql.arun``) take these; nothing else in the package spells a statement.
+A statement's parameters are what its decoder is given besides the row (``sql.rows``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import Statement, rows
+
+# ---- the lease operations (confirmed: a lease write's commit must reach the synchronous standby) ----
+
+ACQUIRE: Statement[rows.Attempt] = Statement("acquire", rows.attempt, confirms=True)
+ACQUIRE_OR_REGISTER: Statement[rows.Attempt] = Statement("acquire_or_register", rows.attempt, confirms=True)
+RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True)
+RELEASE: Statement[None] = Statement("release", rows.released, confirms=True)
+INSPECT: Statement[rows.LeaseState] = Statement("inspect", rows.state, confirms=True)
+FORCE_RELEASE: Statement[int] = Statement("force_release", rows.forced, confirms=True)
+REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement("request_handoff", rows.handoff, confirms=True)
+PRUNE: Statement[str] = Statement("prune", rows.scalar, confirms=True)
+ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement("advance_epochs", rows.advance, confirms=True)
+
+# ---- fencing ---------------------------------------------------------------------------------------
+
+PRESENT_FENCE: Statement[int] = Statement("present_fence", rows.scalar)
+#: An expression inside Django's own UPDATE or INSERT (never sent alone).
+FENCE_EXPRESSION: Statement[Any] = Statement("fence_expression")
+ALLOW_UNFENCED: Statement[Any] = Statement("allow_unfenced")
+END_UNFENCED: Statement[Any] = Statement("end_unfenced")
+
+# ---- sessions: waiting, the lease connections, settling ----------------------------------------------
+
+LISTEN: Statement[Any] = Statement("listen")
+UNLISTEN: Statement[Any] = Statement("unlisten")
+LISTENING: Statement[int] = Statement("listening", rows.scalar)
+SET_ROLE: Statement[Any] = Statement("set_role", parts=("role",))
+LOCK_TIMEOUT_LOCAL: Statement[Any] = Statement("lock_timeout_local")
+STATEMENT_TIMEOUT_LOCAL: Statement[Any] = Statement("statement_timeout_local")
+STATEMENT_TIMEOUT_SESSION: Statement[Any] = Statement("statement_timeout_session")
+STATEMENT_TIMEOUT_RESET: Statement[Any] = Statement("statement_timeout_reset")
+CANCEL_ATTEMPT: Statement[Any] = Statement("cancel_attempt", rows.scalar)
+
+# ---- reading: the server clock, listings, the operators' views, probes, metrics ----------------------
+
+SCHEMA_LOOKUP: Statement[str] = Statement("schema_lookup", rows.scalar)
+SERVER_NOW: Statement[Any] = Statement("server_now", rows.scalar)
+SERVER_NOW_TEXT: Statement[str] = Statement("server_now_text", rows.scalar)
+KEY_COLLATION: Statement[Any] = Statement("key_collation", rows.scalar)
+READINESS: Statement[tuple[Any, ...]] = Statement("readiness")
+WORK_MEM_ROOM: Statement[Any] = Statement("work_mem_room")
+METRICS: Statement[tuple[Any, ...]] = Statement("metrics")
+METRICS_PER_KEY: Statement[tuple[Any, ...]] = Statement("metrics_per_key")
+TRANSITIONS: Statement[tuple[Any, ...]] = Statement("transitions")
+
+# ---- the catalog: migrations, scopes, limits, privileges ---------------------------------------------
+
+RELATION_EXISTS: Statement[bool] = Statement("relation_exists", rows.scalar)
+FUNCTION_EXISTS: Statement[bool] = Statement("function_exists", rows.scalar)
+LEASE_TABLE_VISIBLE: Statement[bool] = Statement("lease_table_visible", rows.scalar)
+FENCE_TRIGGERS: Statement[tuple[Any, ...]] = Statement("fence_triggers")
+HISTORY_SCOPE: Statement[str] = Statement("history_scope", rows.scalar)
+HISTORY_SCOPE_KEEP: Statement[Any] = Statement("history_scope_keep")
+HISTORY_SCOPE_ADD: Statement[Any] = Statement("history_scope_add")
+KEY_SCOPES: Statement[tuple[Any, ...]] = Statement("key_scopes")
+KEY_SCOPES_CLEAR: Statement[Any] = Statement("key_scopes_clear")
+KEY_SCOPES_ADD: Statement[Any] = Statement("key_scopes_add")
+ROLE_LIMITS: Statement[tuple[Any, ...]] = Statement("role_limits")
+ROLE_LIMITS_CLEAR: Statement[Any] = Statement("role_limits_clear")
+ROLE_LIMITS_ADD: Statement[Any] = Statement("role_limits_add")
+ABSENT_ROLES: Statement[str] = Statement("absent_roles", rows.scalar)
+MISSING_GRANTS: Statement[tuple[Any, ...]] = Statement("missing_grants")
+GRANT: Statement[Any] = Statement("grant", parts=("privilege", "kind", "object", "role"))
+HELD_PRIVILEGES: Statement[tuple[Any, ...]] = Statement("held_privileges")
+BYPASSES: Statement[tuple[Any, ...]] = Statement("bypasses", parts=("replica",))
+#: A fragment of BYPASSES from PostgreSQL 15 on (parameter privileges arrived then).
+REPLICA_GRANTS: Statement[Any] = Statement("replica_grants")
+UNSCOPED: Statement[str] = Statement("unscoped", rows.scalar)
+ALLOW_TRUNCATE: Statement[Any] = Statement("allow_truncate", parts=("database",))
+
+# ---- a server, not a database: the Patroni callback ------------------------------------------------------
+
+RECOVERY_STATE: Statement[tuple[Any, ...]] = Statement("recovery_state")
+IN_RECOVERY: Statement[bool] = Statement("in_recovery", rows.scalar)
+READ_ONLY_GATE: Statement[str] = Statement("read_only_gate", rows.scalar)
+CLOSE_READ_ONLY_GATE: Statement[Any] = Statement("close_read_only_gate")
+OPEN_READ_ONLY_GATE: Statement[Any] = Statement("open_read_only_gate")
+RELOAD_CONFIGURATION: Statement[Any] = Statement("reload_configuration")
+DATABASES: Statement[str] = Statement("databases", rows.scalar)
