@@ -68,8 +68,9 @@ def wait_and_acquire(
         except BaseException:
             # An attempt whose answer never came (interrupted, cancelled) may have committed a grant,
             # and a grant answered but not returned (interrupted while leaving LISTEN) is nobody's:
-            # settle either before the exception goes on. Inside a transaction the attempt went with
-            # it; a lost connection is the plan's to report: nothing to settle.
+            # settle either before the exception goes on. A grant answered with an unconfirmed commit
+            # (UnconfirmedCommitError leaves in_flight set) is settled too. Inside a transaction the
+            # attempt went with it; a lost connection is the plan's to report: nothing to settle.
             if own_commit and (waiter.in_flight is not None or waiter.granted is not None):
                 settle(connection, key, owner, waiter.in_flight)
             raise
