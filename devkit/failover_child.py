@@ -8,7 +8,8 @@ every connection it opens, Django's own and ``hold()``'s heartbeat connections, 
 whichever server accepts writes. It answers one JSON command per stdin line with one JSON reply
 per stdout line (:class:`Child` is the parent's side).
 
-Commands (``op``): ``migrate``; ``acquire`` (key, owner, ttl); ``inspect`` (key); ``hold`` (key,
+Commands (``op``): ``migrate``; ``acquire`` (key, owner, ttl; optional ``blocking``, ``timeout``, and
+``asynchronous``: ``aacquire`` in an event loop of its own); ``inspect`` (key); ``hold`` (key,
 ttl, owner: enter ``hold()`` in a thread of its own, reply once it holds); ``held`` (how the hold
 sees itself now); ``unhold`` (leave the hold, reply how it ended); ``leases`` (args: run ``manage.py
 leases ARGS``, as an operator would, reply its output and exit code); ``elect`` (key, ttl, owner: campaign
@@ -22,6 +23,7 @@ an unknown outcome) and closes Django's connection, so the next call reconnects.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -156,6 +158,19 @@ def lease_state(lease: Any, ttl: float) -> dict[str, Any]:
     }
 
 
+def acquire(command: dict[str, Any]) -> Any:
+    """``Lease.objects.acquire`` (``blocking``, ``timeout`` if given), or with ``asynchronous``
+    ``aacquire`` run in an event loop of its own (``asyncio.run``)."""
+    from pg_lease_django import Lease
+
+    options: dict[str, Any] = {"ttl": command["ttl"]}
+    if command.get("blocking"):
+        options.update(blocking=True, timeout=command.get("timeout"))
+    if command.get("asynchronous"):
+        return asyncio.run(Lease.objects.aacquire(command["key"], command["owner"], **options))
+    return Lease.objects.acquire(command["key"], command["owner"], **options)
+
+
 def serve() -> None:
     from io import StringIO
 
@@ -181,7 +196,7 @@ def serve() -> None:
                 call_command("migrate", "pg_lease_django", verbosity=0)
                 reply({"ok": True})
             elif op == "acquire":
-                grant = Lease.objects.acquire(command["key"], command["owner"], ttl=command["ttl"])
+                grant = acquire(command)
                 port = connection.connection.info.port if connection.connection is not None else None
                 reply({"ok": True, "granted": grant is not None, "epoch": grant and grant.epoch, "port": port})
             elif op == "inspect":

@@ -90,6 +90,9 @@ class LeaseManager(models.Manager["Lease"]):
         Raises:
             InvalidInputError: bad argument; nothing was sent.
             LeaseTimeoutError: ``blocking=True`` and ``timeout`` passed.
+            UnconfirmedCommitError: the grant committed on the primary, but the synchronous standby did not
+                confirm it (a ``django.db.OperationalError``: outcome unknown); with ``blocking=True`` the
+                waiter released it first. Act on no grant: acquire again.
         """
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         if not blocking:
@@ -267,6 +270,9 @@ class LeaseManager(models.Manager["Lease"]):
         Raises:
             InvalidInputError: bad argument; nothing was sent.
             LeaseTimeoutError: ``blocking=True`` and ``timeout`` passed.
+            UnconfirmedCommitError: the grant committed on the primary, but the synchronous standby did not
+                confirm it (a ``django.db.OperationalError``: outcome unknown); with ``blocking=True`` the
+                waiter released it first. Act on no grant: acquire again.
             asyncio.CancelledError: the task was cancelled while waiting; the attempt in flight is
                 cancelled on the server and the waiter's connection (and its LISTEN) closed.
         """

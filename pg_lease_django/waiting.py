@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import aclosing, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +29,7 @@ from django.db.utils import DatabaseErrorWrapper
 from psycopg.sql import SQL, Identifier
 
 from . import conf, metrics, operations, sql
+from .sql.confirmation import UnconfirmedCommitNotices
 from .operations import Attempt, Grant
 from .settling import abandon_statement, attempt_backend, commits_on_its_own, granted_unseen, settle
 from .wait_plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
@@ -67,8 +68,9 @@ def wait_and_acquire(
         except BaseException:
             # An attempt whose answer never came (interrupted, cancelled) may have committed a grant,
             # and a grant answered but not returned (interrupted while leaving LISTEN) is nobody's:
-            # settle either before the exception goes on. Inside a transaction the attempt went with
-            # it; a lost connection is the plan's to report: nothing to settle.
+            # settle either before the exception goes on. A grant answered with an unconfirmed commit
+            # (UnconfirmedCommitError leaves in_flight set) is settled too. Inside a transaction the
+            # attempt went with it; a lost connection is the plan's to report: nothing to settle.
             if own_commit and (waiter.in_flight is not None or waiter.granted is not None):
                 settle(connection, key, owner, waiter.in_flight)
             raise
@@ -239,6 +241,14 @@ async def await_and_acquire(
 
     ``connection_of`` returns the caller's connection; it is called in Django's thread for sync code
     (``sync_to_async``), where that is the connection the caller's other ORM calls use.
+
+    Raises:
+        UnconfirmedCommitError: an attempt's grant committed on the primary, but the server could not
+            confirm it reached the synchronous standby (the WARNING of `commit_confirmation`, on any
+            statement of the wait). As `wait_and_acquire` does, the waiter has released that grant
+            (nobody received it) before raising; that release may be unconfirmed too. The outcome is
+            unknown, as for a lost connection: the caller holds nothing it may act on; acquire again
+            (a grant that survives a failover is fenced by the next one).
     """
     with metrics.waiting(key):
         return await _await_and_acquire(connection_of, key, owner, ttl, wait)
@@ -261,6 +271,7 @@ async def _await_and_acquire(
     attempting = False  # an attempt's statement is in flight: its outcome unknown if interrupted
     with own.errors:
         conn: psycopg.AsyncConnection[Any] | None = None
+        notices: UnconfirmedCommitNotices | None = None  # conn's handler: every statement goes through _one_row
         try:
             step = advance(plan, None)
             while not isinstance(step, Granted):
@@ -274,21 +285,20 @@ async def _await_and_acquire(
                 attempting = False
                 answer: Any
                 try:
-                    if conn is None:
+                    if conn is None or notices is None:
                         conn = await psycopg.AsyncConnection.connect(**own.connect)
+                        notices = UnconfirmedCommitNotices(conn)
                         await _start_session(conn, own)
                     if isinstance(step, TryOnce):
                         params: list[Any] = [key, owner, ttl, step.register_for][: 4 if own.listen else 3]
                         attempting = True
                         with operations.quota_refusals(key):
-                            row = await (await conn.execute(own.statement, params)).fetchone()
+                            # An unconfirmed grant raises here, the attempt still "in flight": settled below.
+                            row = await _one_row(conn, notices, own.statement, params)
                         attempting = False
-                        assert row is not None
                         answer = operations.attempted(key, operations.Attempt(*row))
                     elif isinstance(step, ReadEpoch):
-                        seen = await (await conn.execute(own.inspect, [key])).fetchone()
-                        assert seen is not None
-                        answer = seen[3]
+                        answer = (await _one_row(conn, notices, own.inspect, [key]))[3]
                     else:
                         if own.listen and step.wakeable:
                             await _await_release(conn, key, step.seconds)
@@ -304,10 +314,12 @@ async def _await_and_acquire(
         except BaseException:
             # Cancelled (or timed out by asyncio.timeout) during an attempt: psycopg cancelled the
             # statement and read out its result, which may have been a committed grant: settle it
-            # before the cancellation goes on (a second cancellation would cut this short).
-            if attempting and conn is not None and not conn.closed:
+            # before the cancellation goes on (a second cancellation would cut this short). So is an
+            # attempt answered with an unconfirmed commit (UnconfirmedCommitError), as the sync wait
+            # settles it: its grant is nobody's.
+            if attempting and conn is not None and notices is not None and not conn.closed:
                 try:
-                    await asettle(conn, own, key, owner)
+                    await asettle(conn, notices, own, key, owner)
                 except Exception:
                     logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
             raise
@@ -343,16 +355,29 @@ async def _start_session(conn: psycopg.AsyncConnection[Any], own: _OwnWait) -> N
         await conn.execute(sql.LISTEN)
 
 
-async def asettle(conn: psycopg.AsyncConnection[Any], own: _OwnWait, key: str, owner: str) -> None:
+async def asettle(
+    conn: psycopg.AsyncConnection[Any], notices: UnconfirmedCommitNotices, own: _OwnWait, key: str, owner: str
+) -> None:
     """`settle` on an async waiter's own connection, after psycopg has cancelled and read out the attempt."""
-    row = await (await conn.execute(own.inspect, [key])).fetchone()
-    assert row is not None
-    _key, status, holder, epoch, _expires_at, _server_time = row
+    _key, status, holder, epoch, _expires_at, _server_time = await _one_row(conn, notices, own.inspect, [key])
     if granted_unseen(status, holder, owner):
-        outcome = (await (await conn.execute(own.release, [key, owner, epoch])).fetchone() or ("?",))[0]
+        (outcome, *_rest) = await _one_row(conn, notices, own.release, [key, owner, epoch])
         if outcome == "ok":
             metrics.release_confirmed(key)  # as the sync settling's release is
         logger.warning("an interrupted acquire of %r had been granted (epoch %s): release %s", key, epoch, outcome)
+
+
+async def _one_row(
+    conn: psycopg.AsyncConnection[Any], notices: UnconfirmedCommitNotices, statement: str, params: Sequence[Any]
+) -> tuple[Any, ...]:
+    """Send one lease statement on a waiter's own connection (``notices``: its handler) and return its
+    row. Every lease statement of the async wait goes through here (attempt, inspect, the settling
+    release), as every one of the sync wait goes through `operations.call`, with its rule: a commit
+    the synchronous standby did not confirm raises `UnconfirmedCommitError`."""
+    with notices.confirmed():
+        row = await (await conn.execute(statement, params)).fetchone()
+    assert row is not None
+    return tuple(row)
 
 
 def _attempt_on(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta) -> Attempt:

@@ -6,7 +6,10 @@ failover the write may be lost. `pg_lease_django.operations` sends each lease st
 notice handler kept on the connection (`UnconfirmedCommitNotices`) and turns that WARNING into
 `UnconfirmedCommitError`: at once for a statement that committed on its own, or out of the caller's
 ``atomic()`` for one inside it (`CallerCommitWatch`). `confirmed_commit` does the same around any
-block (``prune``, a renewal's own ``COMMIT`` behind a transaction pooler). See docs/FAILURE-MODEL.md.
+block (``prune``, a renewal's own ``COMMIT`` behind a transaction pooler). The handler itself takes
+any psycopg connection, sync or async: the async blocking wait (`waiting`), which sends its
+statements on an ``AsyncConnection`` of its own, applies the same rule with it
+(`UnconfirmedCommitNotices.confirmed`). See docs/FAILURE-MODEL.md.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ UNCONFIRMED_COMMIT_SQLSTATE = "01000"
 
 
 class UnconfirmedCommitNotices:
-    """A notice handler on a psycopg connection keeping the WARNINGs of SQLSTATE ``01000`` it sees."""
+    """A notice handler on a psycopg connection (sync or async) keeping the WARNINGs of SQLSTATE ``01000`` it sees."""
 
     def __init__(self, raw: Any) -> None:
         self.raw = weakref.ref(raw)  # the connection holds its handler: no cycle through it
@@ -50,6 +53,14 @@ class UnconfirmedCommitNotices:
         # A Diagnostic is valid only inside the handler: keep its fields.
         if diagnostic.sqlstate == UNCONFIRMED_COMMIT_SQLSTATE and diagnostic.severity_nonlocalized == "WARNING":
             self.seen.append((diagnostic.severity, diagnostic.message_primary, diagnostic.message_detail))
+
+    @contextmanager
+    def confirmed(self) -> Iterator[None]:
+        """Raise `UnconfirmedCommitError` after the block if the connection got the WARNING meanwhile
+        (the block ran: what it committed is on the primary, its result not returned)."""
+        self.seen.clear()
+        yield
+        self.raise_if_unconfirmed()
 
     def remove(self) -> None:
         raw = self.raw()
@@ -78,10 +89,8 @@ def confirmed_commit(connection: BaseDatabaseWrapper) -> Iterator[None]:
     and taking a confirmed write for an unconfirmed one only costs a retry. Python only: a handler
     kept on the open psycopg connection (`UnconfirmedCommitNotices.kept_on`) is read, no round trip.
     """
-    notices = UnconfirmedCommitNotices.kept_on(connection)
-    notices.seen.clear()
-    yield
-    notices.raise_if_unconfirmed()
+    with UnconfirmedCommitNotices.kept_on(connection).confirmed():
+        yield
 
 
 class CallerCommitWatch:
