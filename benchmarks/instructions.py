@@ -35,7 +35,7 @@ from floor import FLOOR_ACQUIRE_ON, FLOOR_INSPECT_ON, FLOOR_RELEASE_ON, FLOOR_RE
 from psycopg import sql as psql
 
 from devkit.dbserver import LocalServer, throwaway_datadir
-from pg_lease_django import sql
+from pg_lease_django.sql import statements
 from pg_lease_django.sql.files import read, render
 
 TTL = timedelta(seconds=30)
@@ -55,7 +55,10 @@ def floor(template: str, table: str, *params: Any) -> str:
 def workloads(n: int) -> dict[str, list[str]]:
     """Statements of each workload, ``n`` operations each (an acquire+release pair is one)."""
     plain_pairs = []
-    lease_table_pairs = [literal(sql.ACQUIRE, "lt", "o", timedelta(milliseconds=1)), "SELECT pg_sleep(0.01)"]
+    lease_table_pairs = [
+        literal(statements.ACQUIRE.text, "lt", "o", timedelta(milliseconds=1)),
+        "SELECT pg_sleep(0.01)",
+    ]
     function_pairs = []
     for i in range(n):
         plain_pairs += [
@@ -66,16 +69,21 @@ def workloads(n: int) -> dict[str, list[str]]:
             floor(FLOOR_ACQUIRE_ON, TABLE, "o", TTL, "lt", "o"),
             floor(FLOOR_RELEASE_ON, TABLE, "lt", "o", 2 * i + 2),
         ]
-        function_pairs += [literal(sql.ACQUIRE, "f", "o", TTL), literal(sql.RELEASE, "f", "o", 2 * i + 1)]
+        function_pairs += [
+            literal(statements.ACQUIRE.text, "f", "o", TTL),
+            literal(statements.RELEASE.text, "f", "o", 2 * i + 1),
+        ]
     return {
         "floor: acquire+release (plain table)": plain_pairs,
         "  the same UPDATEs on the lease table": lease_table_pairs,
         "SQL functions: acquire+release": function_pairs,
         "floor: renew (plain table)": [floor(FLOOR_ACQUIRE_ON, PLAIN_TABLE, "o", TTL, "r", "o")]
         + [floor(FLOOR_RENEW_ON, PLAIN_TABLE, TTL, "r", "o", 1)] * n,
-        "SQL function: heartbeat": [literal(sql.ACQUIRE, "r", "o", TTL)] + [literal(sql.RENEW, "r", "o", 1, TTL)] * n,
+        "SQL function: heartbeat": [literal(statements.ACQUIRE.text, "r", "o", TTL)]
+        + [literal(statements.RENEW.text, "r", "o", 1, TTL)] * n,
         "floor: inspect (plain table)": [floor(FLOOR_INSPECT_ON, PLAIN_TABLE, "k")] * n,
-        "SQL function: inspect": [literal(sql.ACQUIRE, "i", "o", timedelta(days=1))] + [literal(sql.INSPECT, "i")] * n,
+        "SQL function: inspect": [literal(statements.ACQUIRE.text, "i", "o", timedelta(days=1))]
+        + [literal(statements.INSPECT.text, "i")] * n,
     }
 
 

@@ -317,7 +317,7 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]
             started = time.perf_counter()
             families = list(collector.collect())
             times.append((time.perf_counter() - started) * 1000)
-    series = sum(len(family.samples) for family in families)
+    junk_series = sum(len(family.samples) for family in families)
     p50, p99 = percentile(times, 0.5), percentile(times, 0.99)
     report.add(
         Row(
@@ -327,11 +327,11 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]
             p50,
             p99,
             target=f"< {SERIES_TARGET} series",
-            met=series < SERIES_TARGET,
-            note=f"{series} series" + (f"; rows made in {filled:.1f} s" if filled else ""),
+            met=junk_series < SERIES_TARGET,
+            note=f"{junk_series} series" + (f"; rows made in {filled:.1f} s" if filled else ""),
         )
     )
-    figures["junk_scrape_series"] = series
+    figures["junk_scrape_series"] = junk_series
     figures["junk_scrape_ms_p50"] = round(p50, 2)
     connection.close()
     return figures

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from contextlib import aclosing, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,12 +26,13 @@ from asgiref.sync import sync_to_async
 from django.db import InterfaceError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper
-from psycopg.sql import SQL, Identifier
 
 from . import conf, metrics, operations, sql
-from .sql.confirmation import UnconfirmedCommitNotices
+from .exceptions import LeaseLostError
 from .operations import Attempt, Grant
 from .settling import abandon_statement, attempt_backend, commits_on_its_own, granted_unseen, settle
+from .sql import run, statements
+from .sql.arun import Session
 from .wait_plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
 
 logger = logging.getLogger(__name__)
@@ -172,8 +173,7 @@ def _listening(connection: BaseDatabaseWrapper, listen: bool, session: _Session)
     """
     try:
         if listen:
-            with connection.cursor() as cursor:
-                cursor.execute(sql.LISTEN)
+            run.run(connection, statements.LISTEN)
         yield
     except BaseException:
         raw = connection.connection
@@ -195,8 +195,7 @@ def _unlisten(connection: BaseDatabaseWrapper) -> None:
             connection.close()
         return
     try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql.UNLISTEN)
+        run.run(connection, statements.UNLISTEN)
     except Exception:
         # Closing the session is the only other way to be sure no LISTEN outlives the wait;
         # a grant already obtained stays valid.
@@ -225,9 +224,7 @@ def _wait_for_release(connection: BaseDatabaseWrapper, key: str, seconds: float)
 class _OwnWait:
     """What an async blocking acquire takes from the caller's connection to wait on one of its own."""
 
-    statement: str  # sql.ACQUIRE_OR_REGISTER when it listens, else sql.ACQUIRE, rendered for that database
-    inspect: str  # sql.INSPECT, rendered: after losing the connection during an attempt
-    release: str  # sql.RELEASE, rendered: settling an attempt interrupted in flight
+    schema: str  # the lease app's schema in that database
     connect: dict[str, Any]  # psycopg.AsyncConnection.connect() arguments
     role: str | None  # OPTIONS["assume_role"], set as Django's backend sets it on its connections
     listen: bool
@@ -268,45 +265,43 @@ async def _await_and_acquire(
     # LISTEN and attempts share one session: a release committed while an attempt is in flight
     # is queued there, not missed. A lost connection (the server crashed, a failover) is opened again.
     plan = wait_plan(key, owner, wait, rejoin=True)
+    attempt = statements.ACQUIRE_OR_REGISTER if own.listen else statements.ACQUIRE
     attempting = False  # an attempt's statement is in flight: its outcome unknown if interrupted
     with own.errors:
-        conn: psycopg.AsyncConnection[Any] | None = None
-        notices: UnconfirmedCommitNotices | None = None  # conn's handler: every statement goes through _one_row
+        session: Session | None = None
         try:
             step = advance(plan, None)
             while not isinstance(step, Granted):
                 if isinstance(step, Reconnect):
-                    if conn is not None:
-                        await conn.close()
-                        conn = None
+                    if session is not None:
+                        await session.close()
+                        session = None
                     await asyncio.sleep(step.seconds)
                     step = advance(plan, None)
                     continue
                 attempting = False
                 answer: Any
                 try:
-                    if conn is None or notices is None:
-                        conn = await psycopg.AsyncConnection.connect(**own.connect)
-                        notices = UnconfirmedCommitNotices(conn)
-                        await _start_session(conn, own)
+                    if session is None:
+                        session = await Session.connect(own.connect, own.schema, role=own.role, listen=own.listen)
                     if isinstance(step, TryOnce):
                         params: list[Any] = [key, owner, ttl, step.register_for][: 4 if own.listen else 3]
                         attempting = True
                         with operations.quota_refusals(key):
                             # An unconfirmed grant raises here, the attempt still "in flight": settled below.
-                            row = await _one_row(conn, notices, own.statement, params)
+                            tried = await session.one(attempt, params)
                         attempting = False
-                        answer = operations.attempted(key, operations.Attempt(*row))
+                        answer = operations.attempted(key, tried)
                     elif isinstance(step, ReadEpoch):
-                        answer = (await _one_row(conn, notices, own.inspect, [key]))[3]
+                        answer = (await session.one(statements.INSPECT, [key])).epoch
                     else:
                         if own.listen and step.wakeable:
-                            await _await_release(conn, key, step.seconds)
+                            await _await_release(session.conn, key, step.seconds)
                         else:
                             await asyncio.sleep(step.seconds)
                         answer = None
                 except psycopg.Error as exc:
-                    if not (conn is None or conn.closed):
+                    if not (session is None or session.closed):
                         raise  # an error of the statement, the connection is fine
                     answer = Lost(exc, sent=attempting)
                 step = advance(plan, answer)
@@ -317,17 +312,17 @@ async def _await_and_acquire(
             # before the cancellation goes on (a second cancellation would cut this short). So is an
             # attempt answered with an unconfirmed commit (UnconfirmedCommitError), as the sync wait
             # settles it: its grant is nobody's.
-            if attempting and conn is not None and notices is not None and not conn.closed:
+            if attempting and session is not None and not session.closed:
                 try:
-                    await asettle(conn, notices, own, key, owner)
+                    await asettle(session, key, owner)
                 except Exception:
                     logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
             raise
         finally:
             # Ending the session ends its LISTEN; no statement runs any more (psycopg has already
             # cancelled and waited out one interrupted by a cancellation).
-            if conn is not None:
-                await conn.close()
+            if session is not None:
+                await session.close()
 
 
 async def _poll_in_transaction(
@@ -348,36 +343,19 @@ async def _poll_in_transaction(
     return step.grant
 
 
-async def _start_session(conn: psycopg.AsyncConnection[Any], own: _OwnWait) -> None:
-    if own.role:
-        await conn.execute(SQL("SET ROLE {}").format(Identifier(own.role)))
-    if own.listen:
-        await conn.execute(sql.LISTEN)
-
-
-async def asettle(
-    conn: psycopg.AsyncConnection[Any], notices: UnconfirmedCommitNotices, own: _OwnWait, key: str, owner: str
-) -> None:
-    """`settle` on an async waiter's own connection, after psycopg has cancelled and read out the attempt."""
-    _key, status, holder, epoch, _expires_at, _server_time = await _one_row(conn, notices, own.inspect, [key])
-    if granted_unseen(status, holder, owner):
-        (outcome, *_rest) = await _one_row(conn, notices, own.release, [key, owner, epoch])
-        if outcome == "ok":
-            metrics.release_confirmed(key)  # as the sync settling's release is
-        logger.warning("an interrupted acquire of %r had been granted (epoch %s): release %s", key, epoch, outcome)
-
-
-async def _one_row(
-    conn: psycopg.AsyncConnection[Any], notices: UnconfirmedCommitNotices, statement: str, params: Sequence[Any]
-) -> tuple[Any, ...]:
-    """Send one lease statement on a waiter's own connection (``notices``: its handler) and return its
-    row. Every lease statement of the async wait goes through here (attempt, inspect, the settling
-    release), as every one of the sync wait goes through `operations.call`, with its rule: a commit
-    the synchronous standby did not confirm raises `UnconfirmedCommitError`."""
-    with notices.confirmed():
-        row = await (await conn.execute(statement, params)).fetchone()
-    assert row is not None
-    return tuple(row)
+async def asettle(session: Session, key: str, owner: str) -> None:
+    """`settle` on an async waiter's own session, after psycopg has cancelled and read out the attempt."""
+    state = await session.one(statements.INSPECT, [key])
+    if granted_unseen(state.status, state.owner, owner):
+        try:
+            await session.one(statements.RELEASE, [key, owner, state.epoch])
+        except LeaseLostError as exc:
+            logger.warning(
+                "an interrupted acquire of %r had been granted (epoch %s): release %s", key, state.epoch, exc.code
+            )
+            return
+        metrics.release_confirmed(key)  # as the sync settling's release is
+        logger.warning("an interrupted acquire of %r had been granted (epoch %s): released it", key, state.epoch)
 
 
 def _attempt_on(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta) -> Attempt:
@@ -404,9 +382,7 @@ def _own_wait(connection_of: Callable[[], BaseDatabaseWrapper], owner: str) -> _
     )
     listen = conf.listen_enabled()
     return _OwnWait(
-        statement=sql.render(connection, sql.ACQUIRE_OR_REGISTER if listen else sql.ACQUIRE),
-        inspect=sql.render(connection, sql.INSPECT),
-        release=sql.render(connection, sql.RELEASE),
+        schema=sql.schema_name(connection),
         connect=params,
         role=connection.settings_dict["OPTIONS"].get("assume_role"),
         listen=listen,

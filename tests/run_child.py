@@ -36,7 +36,10 @@ _GRANDCHILD = (
 
 
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    """One ``os.write`` per line: a signal handler's line (two SIGTERMs, the platform's and the one
+    ``leases run`` passes on, can land in one another's handler) never splits another line in two,
+    as ``print``'s separate writes of the text and its newline would."""
+    os.write(sys.stdout.fileno(), (json.dumps({"event": event, **fields}) + "\n").encode())
 
 
 def _ready() -> None:

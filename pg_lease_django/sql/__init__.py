@@ -86,45 +86,10 @@ class Statement(Generic[T]):
         return pgsql.SQL(self.text).format(**parts)
 
 
-ACQUIRE = "SELECT * FROM {schema}.pg_lease_acquire(%s::text, %s::text, %s::interval)"
-#: A waiter's attempt while it LISTENs: ACQUIRE, and when refused, a registration that makes the next
-#: release of the key notify, until the waiter's next attempt is due (the last argument) plus a margin.
-ACQUIRE_OR_REGISTER = (
-    "SELECT * FROM {schema}.pg_lease_acquire_or_register(%s::text, %s::text, %s::interval, %s::interval)"
-)
-#: A renewal that also says whether a hand-off was requested (pg_lease_renew without that fourth column).
-RENEW = "SELECT * FROM {schema}.pg_lease_heartbeat(%s::text, %s::text, %s::bigint, %s::interval)"
-RELEASE = "SELECT * FROM {schema}.pg_lease_release(%s::text, %s::text, %s::bigint)"
-#: The columns the package reads (acquired_at left out: one timestamp fewer to parse per call).
-INSPECT = "SELECT key, status, owner, epoch, expires_at, server_time FROM {schema}.pg_lease_inspect(%s::text)"
-FORCE_RELEASE = "SELECT * FROM {schema}.pg_lease_force_release(%s::text, %s::bigint, %s::text)"
-#: Ask the holder to step down at its next renewal (advice: the grant is unchanged).
-REQUEST_HANDOFF = "SELECT * FROM {schema}.pg_lease_request_handoff(%s::text, %s::bigint)"
-PRUNE = "SELECT key FROM {schema}.pg_lease_prune(%s::interval, %s::boolean)"
-#: Raise every epoch and the epoch floor by N (after an asynchronous failover; operators only).
-ADVANCE_EPOCHS = "SELECT * FROM {schema}.pg_lease_advance_epochs(%s::bigint, %s::boolean)"
-#: Present a fence for this transaction (raises PL001-PL003 when it does not hold); returns the epoch.
-CHECK_FENCE = "{schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)"
-#: Opt this transaction out of fencing (operators: revoked from PUBLIC).
-ALLOW_UNFENCED = "SELECT {schema}.pg_lease_allow_unfenced()"
-#: Readiness: whether this role may run every function a worker needs (the app migrated, the grants
-#: made), and the key prefixes it may use (NULL: every key; an empty array: none, every call refused).
-READINESS = (
-    "SELECT coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 'EXECUTE')), false), "
-    "{schema}.pg_lease_session_scope() FROM {schema}.pg_lease_privileges() p "
-    "WHERE p.role = 'worker' AND p.kind = 'FUNCTION'"
-)
-#: The database's view for Prometheus: counts by key label (separator, label cap, history on).
-METRICS = "SELECT * FROM {schema}.pg_lease_metrics(%s::text, %s::integer, %s::boolean)"
-#: End an opt-out before the transaction does (a built-in: nothing to qualify).
-END_UNFENCED = "SELECT pg_catalog.set_config('pg_lease.unfenced', 'off', true)"
-
-#: The channel release and force release notify, with the key as payload, when a waiter registered for the key
-#: (ACQUIRE_OR_REGISTER); spelled in the migrations' SQL too.
+#: The channel release and force release notify, with the key as payload, when a waiter registered for
+#: the key (``acquire_or_register``); spelled in the SQL functions (pg_lease_wake_waiters) and in the
+#: ``listen`` statement too.
 NOTIFY_CHANNEL = "pg_lease_django"
-#: What a blocking acquire waits on between attempts (outside a transaction).
-LISTEN = f"LISTEN {NOTIFY_CHANNEL}"
-UNLISTEN = f"UNLISTEN {NOTIFY_CHANNEL}"
 
 # The lease table's schema per database alias, looked up once per process (one catalog query).
 _schemas: dict[str, str] = {}
@@ -176,10 +141,8 @@ def _forget_rendered(*, setting: str, **kwargs: Any) -> None:
         _rendered.clear()
 
 
-def render(connection: BaseDatabaseWrapper, statement: Statement[Any] | str, **parts: pgsql.Composable) -> str:
+def render(connection: BaseDatabaseWrapper, statement: Statement[Any], **parts: pgsql.Composable) -> str:
     """``statement``'s SQL for ``connection``: its schema and ``parts`` composed in (cached without parts)."""
-    if isinstance(statement, str):  # a template of the waiting module's, until it moves onto Statements
-        return statement.format(schema=schema(connection))
     if parts:
         return statement.compose(_schema_if_named(connection, statement), **parts).as_string(None)
     found = _rendered.get((connection.alias, statement.name))
