@@ -148,8 +148,8 @@ def _run_sql_files() -> list[tuple[str, files.RunSQLFile]]:
 
 
 def test_each_migration_runs_the_file_it_was_written_with() -> None:
-    """A migration's SQL never changes. When this fails for 0001_baseline because schema.sql changed,
-    freeze the baseline first (docs/architecture.md, "Changing the SQL")."""
+    """A migration's SQL never changes: a change goes in schema.sql and a new migration
+    (``make sql-change``; docs/architecture.md, "Changing the SQL")."""
     operations = _run_sql_files()
     assert operations
     for name, operation in operations:
