@@ -150,7 +150,10 @@ def test_the_migrations_replayed_state_what_schema_sql_states() -> None:
     """On the repository as it is, the command finds nothing to do (and writes nothing)."""
     package = Package(REPO / "pg_lease_django")
     result = plan(package.built_by(package.chain()), package.stated())
-    assert (result.changes, result.refusals) == ([], [])
+    assert (result.changes, result.refusals) == ([], []), (
+        "sql/schema.sql states what no migration makes: `make sql-change NAME=...` writes the migration "
+        '(docs/architecture.md, "Changing the SQL")'
+    )
 
     output = io.StringIO()
     assert main(["anything", "--package", str(package.root)], stdout=output) == 0
@@ -414,6 +417,27 @@ SCENARIOS: dict[str, tuple[list[tuple[str, str]], str, list[str], list[str]]] = 
         [
             "FUNCTION @extschema@.pg_lease_fence_outcome(p_key text, p_owner text, p_epoch bigint)",
             "REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_fence_outcome(text, text, bigint) FROM PUBLIC;",
+        ],
+    ),
+    "a function's new signature, a REVOKE gone": (
+        [
+            (
+                "CREATE FUNCTION @extschema@.pg_lease_check_epoch(p_epoch bigint)",
+                "CREATE FUNCTION @extschema@.pg_lease_check_epoch(p_epoch bigint, p_kind text DEFAULT 'epoch')",
+            ),
+            ("'@extschema@.pg_lease_check_epoch(bigint)'", "'@extschema@.pg_lease_check_epoch(bigint, text)'"),
+            ("REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_waiter_lock(text) FROM PUBLIC;\n", ""),
+        ],
+        "",
+        [
+            "CREATE FUNCTION @extschema@.pg_lease_check_epoch(p_epoch bigint, p_kind text DEFAULT 'epoch')",
+            "DROP FUNCTION @extschema@.pg_lease_check_epoch(bigint);",
+            "GRANT EXECUTE ON FUNCTION @extschema@.pg_lease_waiter_lock(text) TO PUBLIC;",
+        ],
+        [
+            "CREATE FUNCTION @extschema@.pg_lease_check_epoch(p_epoch bigint)",
+            "DROP FUNCTION @extschema@.pg_lease_check_epoch(bigint, text);",
+            "REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_waiter_lock(text) FROM PUBLIC;",
         ],
     ),
     "objects of every other kind": (
