@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from devkit.sqlchange.objects import GRANTABLE, GRANTED, REVOKED, Schema, SqlObject
+from devkit.sqlchange.text import normal_form
 
 _CREATE_FUNCTION = re.compile(r"^CREATE\s+(?:OR\s+REPLACE\s+)?FUNCTION\b", re.IGNORECASE)
 
@@ -112,7 +113,7 @@ def _differences(old: SqlObject, new: SqlObject) -> tuple[str, ...]:
             after.options,
         ):
             aspects.append("columns")
-        if [row.text for row in before.rows] != [row.text for row in after.rows]:
+        if [normal_form(row.tokens) for row in before.rows] != [normal_form(row.tokens) for row in after.rows]:
             aspects.append("rows")
         if before.row_security != after.row_security:
             aspects.append("row security")
