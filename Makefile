@@ -59,6 +59,12 @@ migrations-check: venv
 
 check: lint type migrations-check test
 
+## make sql-change NAME=heartbeat_ttl_limit: the next migration from an edit of pg_lease_django/sql/schema.sql (its delta, its reverse and the Django migration pinning the delta's SHA-256; devkit/sqlchange); nothing to do after no edit, a refusal naming what to write by hand.
+.PHONY: sql-change
+sql-change: venv
+	@test -n "$(NAME)" || { echo 'make sql-change NAME=what_the_change_does (the migration name: lower case, digits, underscores)'; exit 2; }
+	$(BIN)/python -m devkit.sqlchange $(NAME) $(SQL_CHANGE_ARGS)
+
 ## make tox: tox.ini's environments, from a virtualenv of its own (.venvs/tox); e.g. TOX_ARGS='-e type' or TOX_ARGS='-- tests/test_manager.py'.
 # The Django 6 environments need python3.12 and python3.13 on PATH. With pyenv, its shims answer for
 # several versions at once when PYENV_VERSION lists them: the current one first, then every 3.12 / 3.13.

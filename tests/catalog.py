@@ -4,7 +4,9 @@ Two databases built two ways (the migrations, or ``schema.sql`` applied by hand)
 snapshots: every function as ``pg_get_functiondef`` prints it, every table's columns, constraints,
 indexes, triggers, options, row-level security and policies, every comment and every privilege. The
 schema's name is replaced by ``@extschema@`` and the role that ran the build by ``OWNER``, so builds in
-different schemas, or by different roles, compare equal when they installed the same thing.
+different schemas, or by different roles, compare equal when they installed the same thing. An ACL's
+items are sorted: PostgreSQL keeps them in the order the grants were made (a function whose PUBLIC
+EXECUTE was revoked and granted again lists it last), which changes no privilege.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def snapshot(conn: psycopg.Connection[Any], schema: str = "public") -> dict[str,
     found: dict[str, Any] = {"functions": {}, "tables": {}}
     with conn.cursor() as cursor:
         for signature, definition, acl, comment in cursor.execute(_FUNCTIONS, {"schema": schema}).fetchall():
-            found["functions"][signature] = normalise({"definition": definition, "privileges": acl, "comment": comment})
+            function = normalise({"definition": definition, "privileges": acl, "comment": comment})
+            found["functions"][signature] = {**function, "privileges": _acl_items(function["privileges"])}
         for oid, name, kind, persistence, options, rls, forced_rls, acl, comment in cursor.execute(
             _TABLES, {"schema": schema}
         ).fetchall():
@@ -100,7 +103,8 @@ def snapshot(conn: psycopg.Connection[Any], schema: str = "public") -> dict[str,
             if name in _SCHEMA_ROWS:
                 quoted = f"{_quote(schema)}.{_quote(name)}"
                 table["rows"] = sorted(cursor.execute(f"SELECT * FROM {quoted}").fetchall())
-            found["tables"][name] = normalise(table)
+            table = normalise(table)
+            found["tables"][name] = {**table, "privileges": _acl_items(table["privileges"])}
     return found
 
 
@@ -118,6 +122,11 @@ def differences(left: dict[str, Any], right: dict[str, Any], path: str = "") -> 
                 lines.extend(differences(left[name], right[name], where))
         return lines
     return [] if left == right else [f"{path}:\n  first:  {left!r}\n  second: {right!r}"]
+
+
+def _acl_items(acl: str) -> list[str]:
+    """The items of an ACL (``{a=r/b,"c d"=r/b}``, its roles already normalised), in a fixed order."""
+    return sorted(re.findall(r'(?:"(?:[^"\\]|\\.)*"|[^,{}])+', acl))
 
 
 def _quote(name: str) -> str:

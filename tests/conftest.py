@@ -129,3 +129,25 @@ def trio(key: str) -> dict[str, str]:
     held(keys["held"], "worker-1")
     lapsed(keys["lapsed"], "worker-2")
     return keys
+
+
+_databases = itertools.count()
+
+
+@pytest.fixture
+def new_database() -> Iterator[Callable[[], str]]:
+    """Make empty databases on the test server (dropped afterwards); returns each one's name."""
+    made: list[str] = []
+    admin = psycopg.connect(conninfo(), autocommit=True)
+
+    def make() -> str:
+        name = f"pg_lease_src_{os.getpid()}_{next(_databases)}"
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.close()

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -21,6 +25,9 @@ from django.db import connections, transaction
 
 from devkit import dbserver
 from pg_lease_django import Lease
+from tests.catalog import snapshot
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def conninfo(alias: str = "default") -> str:
@@ -218,3 +225,60 @@ def in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
             connections.close_all()
 
     return run
+
+
+# Throwaway databases on the test server (the ``new_database`` fixture makes them), built in real
+# processes: ``python -m django`` and psql.
+
+
+def database_url(dbname: str) -> str:
+    """The URL of database ``dbname`` on the test server (straight to it behind a pooler)."""
+    params: dict[str, str] = dict(psycopg.conninfo.conninfo_to_dict(conninfo()))  # type: ignore[arg-type]
+    user = quote(params.get("user") or "postgres")
+    password = f":{quote(params['password'])}" if params.get("password") else ""
+    host = params.get("host") or "127.0.0.1"
+    if host.startswith("/"):
+        return f"postgresql://{user}{password}@/{dbname}?host={quote(host)}&port={params.get('port') or 5432}"
+    return f"postgresql://{user}{password}@{host}:{params.get('port') or 5432}/{dbname}"
+
+
+def manage(dbname: str, *args: str, cwd: Path = REPO) -> str:
+    """``python -m django ARGS`` against ``dbname``, in a process of its own; its output.
+
+    ``cwd`` comes first on the process's path: a directory holding a copy of ``pg_lease_django``
+    runs that copy (the repository stays on the path for the tests' settings and ``devkit``).
+    """
+    env = {**os.environ, "DATABASE_URL": database_url(dbname), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop("DIRECT_DATABASE_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "django", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def psql(dbname: str, script: str) -> None:
+    """Run ``script`` with psql on ``dbname``, in one transaction, stopping at the first error."""
+    binary = shutil.which("psql")
+    assert binary, "psql (the PostgreSQL client) is needed: apt-get install postgresql-client"
+    done = subprocess.run(
+        [binary, "-X", "-q", "-v", "ON_ERROR_STOP=1", "--single-transaction", "-d", database_url(dbname)],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def catalog(dbname: str) -> dict[str, Any]:
+    """What the lease app installed in ``dbname``'s public schema (``tests/catalog.py``)."""
+    with psycopg.connect(database_url(dbname)) as conn:
+        return snapshot(conn)
+
+
+def sql(dbname: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+    """The rows of ``query`` run on ``dbname``."""
+    with psycopg.connect(database_url(dbname), autocommit=True) as conn:
+        return conn.execute(query, params).fetchall()

@@ -16,17 +16,10 @@ from __future__ import annotations
 
 import ast
 import io
-import itertools
-import os
-import shutil
 import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote
 
-import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection
@@ -36,85 +29,14 @@ from django.db.migrations.operations.fields import FieldOperation
 from django.db.migrations.operations.models import ModelOperation
 
 from pg_lease_django.sql import files
-from tests.catalog import differences, snapshot
-from tests.helpers import conninfo
+from tests.catalog import differences
+from tests.helpers import catalog, manage, psql, sql
 
 REPO = Path(__file__).resolve().parent.parent
 MIGRATIONS = REPO / "pg_lease_django" / "migrations"
 CHAIN_0010 = Path(__file__).resolve().parent / "fixtures" / "pg_lease_django_0010.sql"
 
 pytestmark = pytest.mark.django_db
-
-_names = itertools.count()
-
-
-def _settings() -> dict[str, str]:
-    """Where the test database lives (straight to the server behind a pooler: CREATE DATABASE)."""
-    return dict(psycopg.conninfo.conninfo_to_dict(conninfo()))  # type: ignore[arg-type]
-
-
-def _url(dbname: str) -> str:
-    params = _settings()
-    user = quote(params.get("user") or "postgres")
-    password = f":{quote(params['password'])}" if params.get("password") else ""
-    host = params.get("host") or "127.0.0.1"
-    if host.startswith("/"):
-        return f"postgresql://{user}{password}@/{dbname}?host={quote(host)}&port={params.get('port') or 5432}"
-    return f"postgresql://{user}{password}@{host}:{params.get('port') or 5432}/{dbname}"
-
-
-@pytest.fixture
-def new_database() -> Iterator[Callable[[], str]]:
-    """Make empty databases on the test server (dropped afterwards); returns each one's name."""
-    made: list[str] = []
-    admin = psycopg.connect(conninfo(), autocommit=True)
-
-    def make() -> str:
-        name = f"pg_lease_src_{os.getpid()}_{next(_names)}"
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
-        made.append(name)
-        return name
-
-    yield make
-    for name in made:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    admin.close()
-
-
-def manage(dbname: str, *args: str) -> str:
-    """``python -m django ARGS`` against ``dbname``, in a process of its own; its output."""
-    env = {**os.environ, "DATABASE_URL": _url(dbname), "DJANGO_SETTINGS_MODULE": "tests.settings"}
-    env.pop("DIRECT_DATABASE_URL", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "django", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
-def psql(dbname: str, script: str) -> None:
-    """Run ``script`` with psql, in one transaction, stopping at the first error."""
-    binary = shutil.which("psql")
-    assert binary, "psql (the PostgreSQL client) is needed: apt-get install postgresql-client"
-    done = subprocess.run(
-        [binary, "-X", "-q", "-v", "ON_ERROR_STOP=1", "--single-transaction", "-d", _url(dbname)],
-        input=script,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-def catalog(dbname: str) -> dict[str, Any]:
-    with psycopg.connect(_url(dbname)) as conn:
-        return snapshot(conn)
-
-
-def sql(dbname: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(_url(dbname), autocommit=True) as conn:
-        return conn.execute(query, params).fetchall()
 
 
 def test_a_database_of_the_development_chain_carries_on(new_database: Callable[[], str]) -> None:
@@ -226,8 +148,8 @@ def _run_sql_files() -> list[tuple[str, files.RunSQLFile]]:
 
 
 def test_each_migration_runs_the_file_it_was_written_with() -> None:
-    """A migration's SQL never changes. When this fails for 0001_baseline because schema.sql changed,
-    freeze the baseline first (docs/architecture.md, "Changing the SQL")."""
+    """A migration's SQL never changes: a change goes in schema.sql and a new migration
+    (``make sql-change``; docs/architecture.md, "Changing the SQL")."""
     operations = _run_sql_files()
     assert operations
     for name, operation in operations:
