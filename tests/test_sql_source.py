@@ -156,14 +156,22 @@ def test_each_migration_runs_the_file_it_was_written_with() -> None:
         assert files.digest(operation.forward) == operation.sha256, (
             f"{name} runs {operation.forward}, which changed since the migration was written"
         )
-        assert (files.DIRECTORY / operation.reverse).is_file(), name
+        assert files.digest(operation.reverse) == operation.reverse_sha256, (
+            f"{name} runs {operation.reverse} backwards, which changed since the migration was written"
+        )
+        assert operation.sql == files.read(operation.forward), name  # the SQL, not a file's name
 
 
-def test_a_migration_refuses_a_file_that_changed() -> None:
-    operation = files.RunSQLFile("schema.sql", "migrations/0001_baseline_reverse.sql", sha256="0" * 64)
+@pytest.mark.parametrize("direction", ["forwards", "backwards"])
+def test_a_migration_refuses_a_file_that_changed(direction: str) -> None:
+    """Either way: the reverse file is pinned as the forward one is."""
+    reverse = "migrations/0001_baseline_reverse.sql"
+    pins = {"sha256": files.digest("schema.sql"), "reverse_sha256": files.digest(reverse)}
+    pins["sha256" if direction == "forwards" else "reverse_sha256"] = "0" * 64
+    operation = files.RunSQLFile("schema.sql", reverse, **pins)
     editor = connection.schema_editor(collect_sql=True)
     with editor, pytest.raises(ValueError, match="never changes"):
-        operation.database_forwards("pg_lease_django", editor, None, None)  # type: ignore[arg-type]
+        getattr(operation, f"database_{direction}")("pg_lease_django", editor, None, None)
     assert editor.collected_sql == []
 
 

@@ -32,8 +32,9 @@ from pg_lease_django.sql import files
 from tests.catalog import differences
 from tests.helpers import REPO, catalog, manage, psql
 
-LAST = "0007_tenants_apart"
-NEXT = "0008"
+#: The repository's last migration, and the number the command gives the next one.
+LAST = sorted(path.stem for path in (REPO / "pg_lease_django" / "migrations").glob("[0-9][0-9][0-9][0-9]_*.py"))[-1]
+NEXT = f"{int(LAST[:4]) + 1:04d}"
 
 
 # -- the splitter -------------------------------------------------------------------------------
@@ -484,8 +485,10 @@ def test_the_written_migration_builds_what_schema_sql_states_and_its_reverse_res
         assert part in delta
     for part in in_reverse:
         assert part in reverse
-    [(forward_file, _, pinned)] = package.chain()[-1].sql_files
+    [(forward_file, reverse_file, pinned)] = package.chain()[-1].sql_files
     assert pinned == hashlib.sha256((package.sql / forward_file).read_bytes()).hexdigest()
+    module = (package.migrations / f"{NEXT}_the_change.py").read_text()
+    assert f'reverse_sha256="{hashlib.sha256((package.sql / reverse_file).read_bytes()).hexdigest()}"' in module
 
     migrated, by_hand = new_database(), new_database()
     root = package.root.parent  # the copy comes first on the migrating process's path

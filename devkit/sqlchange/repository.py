@@ -117,11 +117,13 @@ class Package:
             f"-- what {stem} made dropped.\n\n" + "\n\n".join(plan.reverse) + "\n",
             encoding="utf-8",
         )
-        module.write_text(_django_migration(stem, chain[-1].name, plan, _sha256(forward)), encoding="utf-8")
+        module.write_text(
+            _django_migration(stem, chain[-1].name, plan, _sha256(forward), _sha256(reverse)), encoding="utf-8"
+        )
         return [forward, reverse, module]
 
 
-def _django_migration(stem: str, previous: str, plan: Plan, sha256: str) -> str:
+def _django_migration(stem: str, previous: str, plan: Plan, sha256: str, reverse_sha256: str) -> str:
     title = stem[5:].replace("_", " ").capitalize()
     summary = " ".join(
         f"{verb.capitalize()}: {', '.join(change.key for change in plan.changes if change.verb == verb)}."
@@ -149,6 +151,7 @@ class Migration(migrations.Migration):
             "migrations/{stem}.sql",
             "migrations/{stem}_reverse.sql",
             sha256="{sha256}",
+            reverse_sha256="{reverse_sha256}",
         )
     ]
 '''

@@ -45,6 +45,7 @@ class Migration(migrations.Migration):
                     "migrations/0001_baseline.sql",
                     "migrations/0001_baseline_reverse.sql",
                     sha256="acb1cedb56e3894c17447e70a4d87113a3581b9058be9961c4f3f5324918dd85",
+                    reverse_sha256="25e8e7dfa900ed3c15fbf66c6356980ab71c6d5e6109ea0608085432f548a423",
                 )
             ],
             state_operations=[

@@ -20,6 +20,7 @@ class Migration(migrations.Migration):
                     "migrations/0002_triggers_off_the_common_path.sql",
                     "migrations/0002_triggers_off_the_common_path_reverse.sql",
                     sha256="84f6503f9d4319ea1505339dca65f8cc585934fcf69200224147a58b8a1f397e",
+                    reverse_sha256="54dc36fc9ecbb95e9e3ab609b4f088072e4710844b73ac10b922fabef7b109d8",
                 )
             ],
             state_operations=[

@@ -20,5 +20,6 @@ class Migration(migrations.Migration):
             "migrations/0003_least_privilege.sql",
             "migrations/0003_least_privilege_reverse.sql",
             sha256="08761ccd38664369676c0c8508f6caa4a60135f38e0aff4966f8e7fd61547772",
+            reverse_sha256="68c3a53637febf3faf94f502dd535a07980048ab89046ceb65e4040a64212f9b",
         )
     ]

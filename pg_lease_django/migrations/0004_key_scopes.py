@@ -19,6 +19,7 @@ class Migration(migrations.Migration):
                     "migrations/0004_key_scopes.sql",
                     "migrations/0004_key_scopes_reverse.sql",
                     sha256="e17d6e4417ef5ba814fb52826c1555893432c61da17bff3383ea71a7be877053",
+                    reverse_sha256="7d9f9aa417d1096306dd030b8ad8082b23bc678528a2d04c7db3f9da04688380",
                 )
             ],
             state_operations=[

@@ -18,5 +18,6 @@ class Migration(migrations.Migration):
             "migrations/0005_one_update_trigger.sql",
             "migrations/0005_one_update_trigger_reverse.sql",
             sha256="b7a0b17351c52d64dd7694c6ca7152b0dbda29e18c1ef10f1cbb3059866aa37f",
+            reverse_sha256="3d701bcc59e1b112d89143ac71b4e43e2dc70c33ee608d7db131074d33514e4e",
         )
     ]

@@ -18,5 +18,6 @@ class Migration(migrations.Migration):
             "migrations/0006_triggers_without_when.sql",
             "migrations/0006_triggers_without_when_reverse.sql",
             sha256="c2b69649941451296a6920f71fbdaa005205f0aed751405cfb24ae6df6472311",
+            reverse_sha256="38932b082eb096d3943d3a634d2704f2636ecf5c9b3db002ddae1ea2cd5ff60c",
         )
     ]

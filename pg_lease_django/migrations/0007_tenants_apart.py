@@ -19,5 +19,6 @@ class Migration(migrations.Migration):
             "migrations/0007_tenants_apart.sql",
             "migrations/0007_tenants_apart_reverse.sql",
             sha256="3fba2c9eca35e617002c489143f4b844401cf5b95429a3573652a46782c4c361",
+            reverse_sha256="502257675eb99a7379be5a7f21cc752b4878aaceb770dd664f0fa930d3888ebb",
         )
     ]

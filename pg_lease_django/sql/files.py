@@ -52,22 +52,28 @@ def current_schema(connection: BaseDatabaseWrapper) -> str:
 class RunSQLFile(migrations.RunSQL):
     """Run a file of this directory forwards (and another backwards), rendered for the current schema.
 
-    ``sha256`` pins the forward file: a migration runs what it was written with, or refuses to run
-    (the file changed after the migration was released: restore it, and put the change in a new
-    migration). ``sqlmigrate`` prints the rendered SQL.
+    ``sha256`` pins the forward file and ``reverse_sha256`` the reverse one: a migration runs what it
+    was written with, either way, or refuses to run (the file changed after the migration was
+    released: restore it, and put the change in a new migration). ``sql`` and ``reverse_sql`` hold
+    the files' text (the schema still a placeholder); ``sqlmigrate`` prints it rendered.
     """
 
-    def __init__(self, forward: str, reverse: str, *, sha256: str, **kwargs: Any) -> None:
+    def __init__(self, forward: str, reverse: str, *, sha256: str, reverse_sha256: str, **kwargs: Any) -> None:
         self.forward = forward
         self.reverse = reverse
         self.sha256 = sha256
-        super().__init__(sql=forward, reverse_sql=reverse, **kwargs)
+        self.reverse_sha256 = reverse_sha256
+        super().__init__(sql=read(forward), reverse_sql=read(reverse), **kwargs)
 
     def deconstruct(self) -> tuple[str, list[Any], dict[str, Any]]:
         return (
             f"{type(self).__module__}.{type(self).__qualname__}",
             [self.forward, self.reverse],
-            {"sha256": self.sha256, **({"hints": self.hints} if self.hints else {})},
+            {
+                "sha256": self.sha256,
+                "reverse_sha256": self.reverse_sha256,
+                **({"hints": self.hints} if self.hints else {}),
+            },
         )
 
     def describe(self) -> str:
@@ -77,23 +83,23 @@ class RunSQLFile(migrations.RunSQL):
         self, app_label: str, schema_editor: BaseDatabaseSchemaEditor, from_state: ProjectState, to_state: ProjectState
     ) -> None:
         if router.allow_migrate(schema_editor.connection.alias, app_label, **self.hints):
-            found = digest(self.forward)
-            if found != self.sha256:
-                raise ValueError(
-                    f"{DIRECTORY / self.forward} is not the file this migration was written with "
-                    f"(SHA-256 {found}, expected {self.sha256}): a migration's SQL never changes; "
-                    "restore the file and write the change as a new migration (docs/architecture.md)"
-                )
-            self._run_file(schema_editor, self.forward)
+            self._run_file(schema_editor, self.forward, self.sha256)
 
     def database_backwards(
         self, app_label: str, schema_editor: BaseDatabaseSchemaEditor, from_state: ProjectState, to_state: ProjectState
     ) -> None:
         if router.allow_migrate(schema_editor.connection.alias, app_label, **self.hints):
-            self._run_file(schema_editor, self.reverse)
+            self._run_file(schema_editor, self.reverse, self.reverse_sha256)
 
     @staticmethod
-    def _run_file(schema_editor: BaseDatabaseSchemaEditor, name: str) -> None:
+    def _run_file(schema_editor: BaseDatabaseSchemaEditor, name: str, sha256: str) -> None:
+        found = digest(name)
+        if found != sha256:
+            raise ValueError(
+                f"{DIRECTORY / name} is not the file this migration was written with "
+                f"(SHA-256 {found}, expected {sha256}): a migration's SQL never changes; "
+                "restore the file and write the change as a new migration (docs/architecture.md)"
+            )
         # One execute, no parameters: the file's % signs (RAISE formats) stay literal, and the
         # dollar-quoted bodies are never split by Django's statement splitter.
         sql = render(read(name), current_schema(schema_editor.connection))
