@@ -16,8 +16,9 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import suppress
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -25,10 +26,12 @@ import psycopg
 from asgiref.sync import sync_to_async
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import operations
+from . import metrics, operations
 from .exceptions import LeaseLostError
 from .operations import Grant
+from .plans import adrive, drive
 from .sql import run, statements
+from .sql.arun import Session
 
 logger = logging.getLogger(__name__)
 
@@ -108,26 +111,23 @@ async def aacquire_once(
             if started:
                 await loop.run_in_executor(None, _cancel_statement, started[0])
             await asyncio.wait({running}, timeout=0.05)
-        if running.done() and not running.cancelled() and running.exception() is None:
-            grant = running.result()
-            if grant is not None:
-                await sync_to_async(_give_back)(connection_of, grant)
+        if running.done() and not running.cancelled():
+            running.exception()  # its own outcome (a grant, QueryCanceled) is the settling's to judge
+            if started and None not in started:
+                # Its statement has ended (cancelled, or answered before the cancel came): settled
+                # as every interrupted attempt is, in Django's thread, with nothing left to wait out.
+                await sync_to_async(_settle_answered)(connection_of, key, owner)
         raise
+
+
+def _settle_answered(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str) -> None:
+    settle(connection_of(), key, owner, None)
 
 
 def _cancel_statement(raw: Any) -> None:
     # A cancel request that arrives while the session is idle is ignored by the server.
     with suppress(Exception):
         raw.cancel_safe(timeout=SETTLE_WITHIN)
-
-
-def _give_back(connection_of: Callable[[], BaseDatabaseWrapper], grant: Grant) -> None:
-    try:
-        release_once(connection_of(), grant.key, grant.owner, grant.epoch)
-    except Exception:
-        logger.warning("releasing the grant of a cancelled acquire of %r failed", grant.key, exc_info=True)
-    else:
-        logger.warning("a cancelled acquire of %r had been granted (epoch %s): released it", grant.key, grant.epoch)
 
 
 def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
@@ -176,17 +176,21 @@ def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epo
         raise
 
 
-def _release_within(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
+def _release_within(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> bool:
     """Release ``(owner, epoch)`` in a transaction of its own on ``connection`` that waits
-    `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``); a lease no longer held is no error.
+    `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``); False for a lease no longer held.
     A transaction on this very connection (not `transaction.atomic`, which takes the alias's
     connection of this thread: for a lease connection of hold() that is another one)."""
     connection.set_autocommit(False)
     run.run(connection, statements.LOCK_TIMEOUT_LOCAL, [f"{SETTLE_WITHIN}s"])
-    with suppress(LeaseLostError):
+    released = True
+    try:
         operations.release(connection, key, owner, epoch)
+    except LeaseLostError:
+        released = False
     connection.commit()
     connection.set_autocommit(True)
+    return released
 
 
 def _drop(connection: BaseDatabaseWrapper) -> None:
@@ -255,19 +259,102 @@ def _settle_on_fresh_session(connection: BaseDatabaseWrapper, key: str, owner: s
 
 
 def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
+    drive(settling_plan(key, owner, backend_pid), functools.partial(_do, connection))
+
+
+def _do(connection: BaseDatabaseWrapper, step: SettlingStep) -> Any:
+    if isinstance(step, CancelAttempt):
+        return run.first(connection, statements.CANCEL_ATTEMPT, [step.backend_pid]) is not None
+    if isinstance(step, PauseFor):
+        time.sleep(step.seconds)
+        return None
+    if isinstance(step, Inspect):
+        return operations.inspect(connection, step.key)
+    return _release_within(connection, step.key, step.owner, step.epoch)
+
+
+async def asettle(session: Session, key: str, owner: str) -> None:
+    """`settle` on an async waiter's own session, after psycopg has cancelled and read out the
+    attempt (nothing left to wait out): the same plan, each step awaited."""
+
+    async def do(step: SettlingStep) -> Any:
+        if isinstance(step, Inspect):
+            return await session.one(statements.INSPECT, [step.key])
+        assert isinstance(step, ReleaseWithin), step  # no backend to cancel, so no pause
+        return await _arelease_within(session, step.key, step.owner, step.epoch)
+
+    await adrive(settling_plan(key, owner, None), do)
+
+
+async def _arelease_within(session: Session, key: str, owner: str, epoch: int) -> bool:
+    """`_release_within` on a `Session`: its own transaction, a row lock waited for `SETTLE_WITHIN` s at most."""
+    try:
+        async with session.conn.transaction():
+            await session.run(statements.LOCK_TIMEOUT_LOCAL, [f"{SETTLE_WITHIN}s"])
+            await session.one(statements.RELEASE, [key, owner, epoch])
+    except LeaseLostError:
+        return False
+    metrics.release_confirmed(key)  # counted where the sync one is: operations.release
+    return True
+
+
+# ---- the settling of an interrupted attempt, written once: what to send, not how ---------------
+
+
+@dataclass(frozen=True)
+class CancelAttempt:
+    """Cancel the attempt still running in server process ``backend_pid``; answered: whether it still runs."""
+
+    backend_pid: int
+
+
+@dataclass(frozen=True)
+class PauseFor:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Inspect:
+    """Read the lease (`LeaseState`)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class ReleaseWithin:
+    """Release ``(owner, epoch)`` waiting `SETTLE_WITHIN` s at most for the row lock; answered:
+    whether it released (False: lapsed or taken meanwhile, nothing to give back)."""
+
+    key: str
+    owner: str
+    epoch: int
+
+
+SettlingStep = CancelAttempt | PauseFor | Inspect | ReleaseWithin
+
+
+def settling_plan(
+    key: str, owner: str, backend_pid: int | None, clock: Callable[[], float] = time.monotonic
+) -> Generator[SettlingStep, Any, None]:
+    """What settling an interrupted attempt of ``owner`` does, for both drivers (`_settle` on Django's
+    connection, `asettle` on an async `Session`): cancel the attempt still running in ``backend_pid``
+    and wait it out (`SETTLE_WITHIN` s at most), then release a grant found in the owner's name."""
     if backend_pid is not None:
-        deadline = time.monotonic() + SETTLE_WITHIN
+        deadline = clock() + SETTLE_WITHIN
         try:
-            while time.monotonic() < deadline:
-                if run.first(connection, statements.CANCEL_ATTEMPT, [backend_pid]) is None:
-                    break
-                time.sleep(0.01)
+            while clock() < deadline and (yield CancelAttempt(backend_pid)):
+                yield PauseFor(0.01)
         except Exception:  # not allowed to signal it (another role): read the key all the same
             logger.warning("cancelling an interrupted acquire of %r on the server failed", key, exc_info=True)
-    state = operations.inspect(connection, key)
+    state = yield Inspect(key)
     if granted_unseen(state.status, state.owner, owner):
-        _release_within(connection, key, owner, state.epoch)  # lapsed or taken meanwhile: nothing to give back
-        logger.warning("an interrupted acquire of %r had been granted (epoch %s): released it", key, state.epoch)
+        released = yield ReleaseWithin(key, owner, state.epoch)
+        logger.warning(
+            "an interrupted acquire of %r had been granted (epoch %s): %s",
+            key,
+            state.epoch,
+            "released it" if released else "lapsed or taken meanwhile",
+        )
 
 
 def granted_unseen(status: str, holder: str | None, owner: str) -> bool:

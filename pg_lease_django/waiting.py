@@ -28,9 +28,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper
 
 from . import conf, metrics, operations, sql
-from .exceptions import LeaseLostError
 from .operations import Attempt, Grant
-from .settling import abandon_statement, attempt_backend, commits_on_its_own, granted_unseen, settle
+from .settling import abandon_statement, asettle, attempt_backend, commits_on_its_own, settle
 from .sql import run, statements
 from .sql.arun import Session
 from .wait_plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
@@ -341,21 +340,6 @@ async def _poll_in_transaction(
             await asyncio.sleep(step.seconds)
             step = advance(plan, None)
     return step.grant
-
-
-async def asettle(session: Session, key: str, owner: str) -> None:
-    """`settle` on an async waiter's own session, after psycopg has cancelled and read out the attempt."""
-    state = await session.one(statements.INSPECT, [key])
-    if granted_unseen(state.status, state.owner, owner):
-        try:
-            await session.one(statements.RELEASE, [key, owner, state.epoch])
-        except LeaseLostError as exc:
-            logger.warning(
-                "an interrupted acquire of %r had been granted (epoch %s): release %s", key, state.epoch, exc.code
-            )
-            return
-        metrics.release_confirmed(key)  # as the sync settling's release is
-        logger.warning("an interrupted acquire of %r had been granted (epoch %s): released it", key, state.epoch)
 
 
 def _attempt_on(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta) -> Attempt:

@@ -31,7 +31,7 @@ KNOWN_CYCLES: list[set[str]] = []
 #: an entry covers its submodules (``holds`` is every module of ``holds/``); ``__init__`` is the
 #: package's root module, which re-exports the public API and so sits on top.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"conf", "exceptions", "exit_codes", "status", "owners", "signals", "tracing"}),
+    ("leaves", {"conf", "exceptions", "exit_codes", "status", "owners", "signals", "tracing", "plans"}),
     (
         "input rules, statements, SQL files",
         {"validation", "sql", "migrations", "sigterm", "metrics", "metrics_push"},

@@ -14,7 +14,7 @@ import contextvars
 import functools
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Generator
 from contextlib import suppress
 from contextvars import Token
 from types import TracebackType
@@ -25,6 +25,7 @@ from asgiref.sync import iscoroutinefunction
 from pg_lease_django import sigterm
 from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
 from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.plans import adrive, drive
 from pg_lease_django.signals import lease_skipped
 from pg_lease_django.validation import Seconds, check_name
 
@@ -325,46 +326,61 @@ def wrap(func: Callable[P, Any], holding_for: Callable[[Any, Any], Holding], on_
     """``func`` (sync or async), each call run inside the `Holding` that ``holding_for(args, kwargs)`` makes.
 
     When the lease cannot be had, the call raises (``on_busy="raise"``), or is skipped and returns None
-    (``"skip"``) or raises ``SystemExit`` (``"exit"``).
+    (``"skip"``) or raises ``SystemExit`` (``"exit"``). What a call does is `_held_call`, written once;
+    each wrapper only performs its steps.
     """
     if iscoroutinefunction(func):
 
         @functools.wraps(func)
         async def run_async(*args: P.args, **kwargs: P.kwargs) -> Any:
             holding = holding_for(args, kwargs)
-            try:
-                await holding.__aenter__()
-            except _BUSY as exc:
-                if on_busy == "raise":
-                    raise
-                _skipped(func, holding, exc, on_busy)
-                return None
-            try:
-                result = await func(*args, **kwargs)
-            except BaseException as exc:
-                await holding.__aexit__(type(exc), exc, exc.__traceback__)
-                raise
-            await holding.__aexit__(None, None, None)
-            return result
+
+            async def do(step: _Step) -> Any:
+                if step is _ENTER:
+                    return await holding.__aenter__()
+                if step is _CALL:
+                    return await func(*args, **kwargs)
+                return await holding.__aexit__(*step)  # type: ignore[misc]  # an exit step: __exit__'s arguments
+
+            return await adrive(_held_call(func, holding, on_busy), do)
 
         return run_async
 
     @functools.wraps(func)
     def run(*args: P.args, **kwargs: P.kwargs) -> Any:
         holding = holding_for(args, kwargs)
-        try:
-            holding.__enter__()
-        except _BUSY as exc:
-            if on_busy == "raise":
-                raise
-            _skipped(func, holding, exc, on_busy)
-            return None
-        try:
-            result = func(*args, **kwargs)
-        except BaseException as exc:
-            holding.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        holding.__exit__(None, None, None)
-        return result
+
+        def do(step: _Step) -> Any:
+            if step is _ENTER:
+                return holding.__enter__()
+            if step is _CALL:
+                return func(*args, **kwargs)
+            return holding.__exit__(*step)  # type: ignore[misc]  # an exit step: __exit__'s arguments
+
+        return drive(_held_call(func, holding, on_busy), do)
 
     return run
+
+
+#: The steps of `_held_call`: enter the hold, call the function, or exit the hold with these
+#: ``__exit__`` arguments.
+_ENTER, _CALL = object(), object()
+_Step = object
+
+
+def _held_call(func: Callable[..., Any], holding: Holding, on_busy: OnBusy) -> Generator[_Step, Any, Any]:
+    """One call of a ``@leased`` function: enter, call, exit with the call's exception (if any)."""
+    try:
+        yield _ENTER
+    except _BUSY as exc:
+        if on_busy == "raise":
+            raise
+        _skipped(func, holding, exc, on_busy)
+        return None
+    try:
+        result = yield _CALL
+    except BaseException as exc:
+        yield (type(exc), exc, exc.__traceback__)
+        raise
+    yield (None, None, None)
+    return result
