@@ -17,17 +17,17 @@ from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
 from . import conf, sql
 from .sql import run, statements
 
-SCOPE_TABLE = "pg_lease_django_history_scope"
+HISTORY_SCOPE_TABLE = "pg_lease_django_history_scope"
 
 
 def _has_scope_table(using: str) -> bool:
     """Whether database ``using`` has the history scope table (migrated that far)."""
     connection = connections[using]
     try:
-        table = f"{sql.schema(connection)}.{SCOPE_TABLE}"
+        schema = sql.schema_name(connection)
     except ImproperlyConfigured:
         return False  # no lease table: not migrated (or migrated to zero)
-    return bool(run.one(connection, statements.RELATION_EXISTS, [table]))
+    return bool(run.one(connection, statements.RELATION_EXISTS, [schema, HISTORY_SCOPE_TABLE]))
 
 
 def recorded_prefixes(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...] | None:

@@ -1,7 +1,7 @@
 """LeaseManager: the operations on the caller's connection, each one call of a SQL function in one round trip.
 
 The statements and their results are `pg_lease_django.operations`; the blocking wait is
-`pg_lease_django.waiting`. This module checks the arguments and picks the connection.
+`pg_lease_django.wait`. This module checks the arguments and picks the connection.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import metrics, operations, settling, waiting
+from . import metrics, operations
 from .exceptions import InvalidInputError, LeaseLostError
 from .operations import EpochAdvance, Grant, HandoffRequest, LeaseState
 from .sql import NOTIFY_CHANNEL
@@ -28,6 +28,7 @@ from .validation import (
     check_wait,
     to_timedelta,
 )
+from .wait import async_driver, settling, sync_driver
 
 if TYPE_CHECKING:
     from .models import Lease  # noqa: F401  (named in the Manager["Lease"] base)
@@ -97,7 +98,7 @@ class LeaseManager(models.Manager["Lease"]):
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         if not blocking:
             return settling.acquire_once(self._connection(), key, owner, ttl_delta)
-        return waiting.wait_and_acquire(self._connection(), key, owner, ttl_delta, wait)
+        return sync_driver.wait_and_acquire(self._connection(), key, owner, ttl_delta, wait)
 
     @staticmethod
     def _check_acquire(
@@ -279,7 +280,7 @@ class LeaseManager(models.Manager["Lease"]):
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         if not blocking:
             return await settling.aacquire_once(self._connection, key, owner, ttl_delta)
-        return await waiting.await_and_acquire(self._connection, key, owner, ttl_delta, wait)
+        return await async_driver.await_and_acquire(self._connection, key, owner, ttl_delta, wait)
 
     async def arenew(self, key: str, owner: str, epoch: int, ttl: Seconds) -> datetime:
         """Async `renew`: the same arguments, result and errors (the statement runs via ``sync_to_async``).

@@ -22,7 +22,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
 from psycopg import sql as pgsql
 
 from . import conf, sql
-from .sql import run, statements
+from .sql import Statement, run, statements
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,8 @@ class Grant:
 
     def revoke(self) -> str:
         """The statement that takes it back (only the grant option, when that is what is extra): text to print."""
-        option = "GRANT OPTION FOR " if self.grantable else ""
-        parts = self.parts()
-        kind, obj, privilege = (parts[name].as_string(None) for name in ("kind", "object", "privilege"))
-        return f"REVOKE {option}{privilege} ON {kind} {obj} FROM {parts['role'].as_string(None)}"
+        revoke = statements.REVOKE_GRANT_OPTION if self.grantable else statements.REVOKE
+        return revoke.compose(None, **self.parts()).as_string(None)
 
 
 #: The tiers of ``pg_lease_privileges()`` each kind of declared role is granted.
@@ -193,7 +191,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     "may SET session_replication_role: replica mode turns off every trigger not fired ALWAYS "
                     "(the lease triggers are; fence triggers older than this version, check W006, and your "
                     "own are not)",
-                    f"REVOKE SET, ALTER SYSTEM ON PARAMETER session_replication_role FROM {name}",
+                    _printed(statements.REVOKE_REPLICA_MODE, name),
                 )
             )
         if reads_secret:
@@ -202,7 +200,8 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     name,
                     "bypasses row-level security and may read pg_lease_django_secret: it can mint any role's "
                     "opt-out of fencing",
-                    f"ALTER ROLE {name} NOBYPASSRLS (and REVOKE pg_read_all_data FROM {name})",
+                    f"{_printed(statements.NO_BYPASS_RLS, name)} "
+                    f"(and {_printed(statements.REVOKE_MEMBERSHIP, name, 'pg_read_all_data')})",
                     error=True,
                 )
             )
@@ -212,7 +211,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     name,
                     "is a member of pg_read_all_data: it reads every tenant's lease, history and key scope "
                     "rows (keys, owners, epochs; never the opt-out's secret, which row-level security keeps)",
-                    f"REVOKE pg_read_all_data FROM {name}",
+                    _printed(statements.REVOKE_MEMBERSHIP, name, "pg_read_all_data"),
                 )
             )
         if writes_all:
@@ -222,7 +221,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     "is a member of pg_write_all_data: it may write the lease, epoch floor, waiter and history "
                     "tables as a grant of INSERT, UPDATE and DELETE on them would (extend or end any lease; "
                     "row-level security keeps the key scopes, limits and secret)",
-                    f"REVOKE pg_write_all_data FROM {name}",
+                    _printed(statements.REVOKE_MEMBERSHIP, name, "pg_write_all_data"),
                 )
             )
         if maintains:
@@ -231,10 +230,18 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     name,
                     "is a member of pg_maintain: it may LOCK, VACUUM FULL or CLUSTER the lease table, "
                     "stalling every lease call of every tenant",
-                    f"REVOKE pg_maintain FROM {name}",
+                    _printed(statements.REVOKE_MEMBERSHIP, name, "pg_maintain"),
                 )
             )
     return found
+
+
+def _printed(statement: Statement[Any], role: str, predefined: str | None = None) -> str:
+    """A remedy to print: ``statement`` for ``role`` (and the predefined role it is a member of)."""
+    parts = {"role": pgsql.Identifier(role)}
+    if predefined is not None:
+        parts["predefined"] = pgsql.Identifier(predefined)
+    return statement.compose(None, **parts).as_string(None)
 
 
 def unscoped(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
@@ -290,13 +297,13 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     return lacking
 
 
-SCOPE_TABLE = "pg_lease_django_key_scope"
+KEY_SCOPE_TABLE = "pg_lease_django_key_scope"
 
 
 def stored_key_scopes(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[str, ...]] | None:
     """The key scopes database ``using`` enforces, as ``PG_LEASE_KEY_SCOPES`` spells them; None before 0004."""
     connection = connections[using]
-    if not run.one(connection, statements.RELATION_EXISTS, [f"{sql.schema(connection)}.{SCOPE_TABLE}"]):
+    if not run.one(connection, statements.RELATION_EXISTS, [sql.schema_name(connection), KEY_SCOPE_TABLE]):
         return None
     scopes: dict[str, list[str]] = {}
     for role, prefix in run.rows(connection, statements.KEY_SCOPES):
@@ -330,13 +337,13 @@ def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
     return True
 
 
-LIMIT_TABLE = "pg_lease_django_role_limit"
+ROLE_LIMIT_TABLE = "pg_lease_django_role_limit"
 
 
 def stored_role_limits(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[int | None, int | None]] | None:
     """The per-role limits database ``using`` enforces, as `conf.role_limits` returns them; None before 0007."""
     connection = connections[using]
-    if not run.one(connection, statements.RELATION_EXISTS, [f"{sql.schema(connection)}.{LIMIT_TABLE}"]):
+    if not run.one(connection, statements.RELATION_EXISTS, [sql.schema_name(connection), ROLE_LIMIT_TABLE]):
         return None
     return {role: (leases, tenures) for role, leases, tenures in run.rows(connection, statements.ROLE_LIMITS)}
 

@@ -28,7 +28,7 @@ connection = connections[DEFAULT_DB_ALIAS]
 def test_nothing_watching_takes_the_direct_path() -> None:
     with connection.cursor() as cursor:  # a statement: it drops the watch a rolled-back test left
         cursor.execute("SELECT 1")
-    assert executor._unwatched(connection)
+    assert executor._nothing_in_between(connection)
     assert executor._loads_in_django_time_zone(connection, connection.connection)
 
 
@@ -38,12 +38,12 @@ def test_a_rolled_back_transaction_leaves_no_watch_on_the_connection(key: str) -
     of slowing every statement of the connection until the next lease call."""
     with pytest.raises(RuntimeError), transaction.atomic():
         Lease.objects.acquire(key, "w1", 30)
-        assert not executor._unwatched(connection), "the caller's COMMIT is watched"
+        assert not executor._nothing_in_between(connection), "the caller's COMMIT is watched"
         raise RuntimeError
     with connection.cursor() as cursor:
         cursor.execute("SELECT 1")
     assert connection.execute_wrappers == []
-    assert executor._unwatched(connection)
+    assert executor._nothing_in_between(connection)
 
 
 def test_an_execute_wrapper_sees_every_lease_call(key: str) -> None:
@@ -54,7 +54,7 @@ def test_an_execute_wrapper_sees_every_lease_call(key: str) -> None:
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(wrapper):
-        assert not executor._unwatched(connection)
+        assert not executor._nothing_in_between(connection)
         grant = Lease.objects.acquire(key, "w1", 30)
         assert grant is not None
         Lease.objects.renew(key, "w1", grant.epoch, 30)
@@ -84,20 +84,20 @@ def patched_cursor() -> Iterator[None]:
 
 
 def test_a_patched_connection_cursor_is_used(patched_cursor: None) -> None:
-    assert not executor._unwatched(connection)
+    assert not executor._nothing_in_between(connection)
 
 
 def test_the_direct_path_refuses_a_broken_transaction_as_django_does(key: str) -> None:
     with transaction.atomic():
         with pytest.raises(DatabaseError), transaction.atomic(savepoint=False), connection.cursor() as cursor:
             cursor.execute("SELECT 1/0")
-        assert executor._unwatched(connection)
+        assert executor._nothing_in_between(connection)
         with pytest.raises(TransactionManagementError):
             Lease.objects.inspect(key)
 
 
 def test_the_direct_path_wraps_database_errors_as_django_does(key: str) -> None:
-    assert executor._unwatched(connection)
+    assert executor._nothing_in_between(connection)
     with pytest.raises(DatabaseError) as info:  # django.db's, not psycopg's
         executor.one(connection, statements.INSPECT, ["x" * 300])  # invalid_input, raised by the function
     assert type(info.value).__module__ == "django.db.utils"

@@ -360,8 +360,8 @@ def test_wrap_database_errors_maps_psycopg_errors_to_djangos(
 
 
 def test_an_execute_wrapper_is_listed_in_execute_wrappers_while_installed() -> None:
-    """`operations._unwatched` takes the direct path only when ``execute_wrappers`` is empty;
-    `CallerCommitWatch` appends to it and removes itself."""
+    """`sql.run._nothing_in_between` takes the direct path only when ``execute_wrappers`` is empty;
+    `CallerCommitCheck` appends to it and removes itself."""
     with leaning_on("DatabaseWrapper.execute_wrappers"):
         wrapper = fresh_wrapper()
 
@@ -383,7 +383,7 @@ def test_queries_logged_says_whether_djangos_cursor_logs() -> None:
 
 
 def test_djangos_cursor_is_a_method_of_the_class_and_its_wrapper_unpatched() -> None:
-    """`operations._unwatched`: a ``cursor`` in the instance's ``__dict__`` is a patch
+    """`sql.run._nothing_in_between`: a ``cursor`` in the instance's ``__dict__`` is a patch
     (django-debug-toolbar); ``CursorWrapper.execute`` defined elsewhere than its module, an APM agent."""
     with leaning_on("DatabaseWrapper.cursor / CursorWrapper.execute"):
         assert "cursor" in vars(BaseDatabaseWrapper)
@@ -430,7 +430,7 @@ def test_the_attributes_we_set_on_djangos_objects_are_ours(
 
 @pytest.mark.django_db
 def test_on_commit_hooks_are_kept_as_savepoints_function_robust_inside_atomic() -> None:
-    """`CallerCommitWatch` finds its hook in ``run_on_commit`` as ``entry[1]``, and watches only
+    """`CallerCommitCheck` finds its hook in ``run_on_commit`` as ``entry[1]``, and watches only
     while ``in_atomic_block`` (settling, lease_connection, heartbeat and the checks read it too)."""
     with leaning_on("DatabaseWrapper.run_on_commit / in_atomic_block"):
 

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         {"validation", "sql", "migrations", "sigterm", "metrics", "metrics_push"},
     ),
     ("one call", {"commit_confirmation", "operations", "display"}),
-    ("the blocking wait", {"wait_plan", "settling", "waiting"}),
+    ("the blocking wait", {"wait"}),
     ("the manager and the model", {"managers", "querysets", "models"}),
     ("holding for a job", {"holds"}),
     ("fencing", {"fencing"}),
@@ -49,7 +49,6 @@ LAYERS: list[tuple[str, set[str]]] = [
             "admin_writes",
             "history",
             "timeline",
-            "watch",
             "supervisor",
             "child_process",
             "wait_status",
@@ -75,6 +74,9 @@ HOLDS_ORDER = [
     "holding",
     "jobs",
 ]
+
+#: wait/, lowest first: the plan, the settling of interrupted calls, the plan's two drivers.
+WAIT_ORDER = ["plan", "settling", "sync_driver", "async_driver"]
 
 #: fencing/, lowest first; the package's ``__init__`` re-exports the public face and not the admin.
 FENCING_ORDER = ["resolution", "schema", "statements", "model", "__init__", "admin"]
@@ -252,14 +254,17 @@ def test_nothing_low_imports_something_high() -> None:
     assert not upward, "\n".join(upward)
 
 
-@pytest.mark.parametrize(("package", "order"), [("holds", HOLDS_ORDER), ("fencing", FENCING_ORDER)])
+@pytest.mark.parametrize(
+    ("package", "order"), [("holds", HOLDS_ORDER), ("wait", WAIT_ORDER), ("fencing", FENCING_ORDER)]
+)
 def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     """holds/: context → lease → lease_pool → scheduler → heartbeat → session → holding → jobs;
-    fencing/: resolution → schema → statements → model → the package → its admin."""
+    wait/: plan → settling → sync_driver → async_driver; fencing/: resolution → schema → statements →
+    model → the package → its admin."""
     members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
     position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}
-    if package == "holds":
-        position[package] = -1  # holds/__init__ imports nothing: below everything it holds
+    if package in ("holds", "wait"):
+        position[package] = -1  # its __init__ imports nothing: below everything it holds
     assert members == set(position), f"list every module of {package}/ in its order"
     backward = [
         f"{name} imports {target}"
@@ -270,9 +275,11 @@ def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     assert not backward, backward
 
 
-def test_holds_package_module_imports_nothing() -> None:
-    """``holds/__init__`` imports nothing, so that importing ``holds.context`` loads no more of it."""
-    assert _graph()["holds"] == frozenset()
+@pytest.mark.parametrize("package", ["holds", "wait"])
+def test_a_package_module_that_imports_nothing(package: str) -> None:
+    """``holds/__init__`` and ``wait/__init__`` import nothing, so that importing ``holds.context``
+    or ``wait.plan`` loads no more of the package."""
+    assert _graph()[package] == frozenset()
 
 
 def test_fencing_reads_only_the_context_of_holds() -> None:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import pytest
 
 from pg_lease_django.operations import LeaseState
-from pg_lease_django.settling import (
+from pg_lease_django.wait.settling import (
     SETTLE_WITHIN,
     CancelAttempt,
     Inspect,

@@ -30,7 +30,7 @@ from psycopg import sql as pgsql
 from devkit.testapp.models import Invoice
 from pg_lease_django import InvalidInputError, Lease, QuotaExceededError, UnfencedWriteError, conf, history, privileges
 from pg_lease_django.checks import check_declared_roles_are_granted
-from pg_lease_django.wait_plan import WAKE_BURST, WAKE_RATE
+from pg_lease_django.wait.plan import WAKE_BURST, WAKE_RATE
 from tests.helpers import conninfo, refused, wait_until_blocked
 
 # Cluster-wide roles: tests that make a role a bypass (pg_read_all_data, a parameter grant) and tests
@@ -343,7 +343,7 @@ def test_a_pg_read_all_data_member_reads_no_secret_and_forges_no_opt_out(tenants
     assert amount(tenants.admin, invoice_id)[0] == 0
     found = check_declared_roles_are_granted(databases=["default"])
     [warning] = [m for m in found if "pg_read_all_data" in m.msg]
-    assert tenants.role("b") in warning.msg and warning.hint == f"REVOKE pg_read_all_data FROM {tenants.role('b')}"
+    assert tenants.role("b") in warning.msg and warning.hint == f'REVOKE "pg_read_all_data" FROM "{tenants.role("b")}"'
     assert not [m for m in found if "pg_lease_django_secret" in m.msg]  # the wrong remedy is gone
 
 

@@ -33,7 +33,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from pg_lease_django.display import printable
-from pg_lease_django.watch import Frame, Watcher, watch
+from pg_lease_django.management.leases.live_view import Frame, Watcher, watch
 
 pytestmark = pytest.mark.django_db
 

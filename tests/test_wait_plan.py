@@ -18,7 +18,7 @@ from django.db import OperationalError
 
 from pg_lease_django.exceptions import LeaseTimeoutError
 from pg_lease_django.operations import Attempt, Grant
-from pg_lease_django.wait_plan import (
+from pg_lease_django.wait.plan import (
     REJOIN_PAUSES,
     REJOIN_WITHIN,
     WAKE_BURST,

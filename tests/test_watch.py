@@ -20,7 +20,7 @@ from django.test import override_settings
 
 from pg_lease_django import Lease
 from pg_lease_django.history import sync_scope
-from pg_lease_django.watch import Watcher
+from pg_lease_django.management.leases.live_view import Watcher
 from tests.helpers import held, lapsed, url_of_test_database
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -79,7 +79,7 @@ def _in_own_thread(fn: Callable[[], R], name: str) -> asyncio.Future[R]:
     future: asyncio.Future[R] = loop.create_future()
     context = contextvars.copy_context()
 
-    def settle(outcome: Callable[[], None]) -> None:  # the event loop's thread
+    def deliver(outcome: Callable[[], None]) -> None:  # the event loop's thread
         if not future.done():
             outcome()
 
@@ -91,7 +91,7 @@ def _in_own_thread(fn: Callable[[], R], name: str) -> asyncio.Future[R]:
         else:
             outcome = functools.partial(future.set_result, result)
         with suppress(RuntimeError):  # the loop is closed: nobody awaits the outcome any more
-            loop.call_soon_threadsafe(settle, outcome)
+            loop.call_soon_threadsafe(deliver, outcome)
 
     threading.Thread(target=run, name=name[:100], daemon=True).start()
     return future

@@ -25,11 +25,12 @@ from django.db.utils import load_backend
 from psycopg import IsolationLevel
 from psycopg.pq import TransactionStatus
 
-from pg_lease_django import conf, operations, settling, waiting
+from pg_lease_django import conf, operations
 from pg_lease_django.exceptions import LeaseLostError, NotAcquirableError
 from pg_lease_django.operations import Grant
 from pg_lease_django.sql import run, statements
 from pg_lease_django.sql.confirmation import confirmed_commit
+from pg_lease_django.wait import settling, sync_driver
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class LeaseConnection:
         try:
             self._reset_timeout()
             if blocking:
-                grant = waiting.wait_and_acquire(
+                grant = sync_driver.wait_and_acquire(
                     self.wrapper, key, owner, ttl, wait, before_attempt=sending, interrupted=interrupted
                 )
                 if attempts > 1 and conf.listen_enabled():

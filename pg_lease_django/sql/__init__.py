@@ -79,9 +79,11 @@ class Statement(Generic[T]):
         return queries()[self.name]
 
     def compose(self, schema: str | None, **parts: pgsql.Composable) -> pgsql.Composed:
-        """Its SQL with ``schema`` (unquoted; None when it names none) and ``parts`` composed in."""
+        """Its SQL with ``schema`` (unquoted; None when it names none) and ``parts`` composed in:
+        ``{schema}`` as an identifier, ``{schema_name}`` as a string literal (for the catalogs)."""
         if schema is not None:
             parts["schema"] = pgsql.Identifier(schema)
+            parts["schema_name"] = pgsql.Literal(schema)
         # The package's own SQL, from its own file: as safe as a literal in the code (procrastinate's vouch).
         return pgsql.SQL(self.text).format(**parts)
 
@@ -154,4 +156,4 @@ def render(connection: BaseDatabaseWrapper, statement: Statement[Any], **parts: 
 
 
 def _schema_if_named(connection: BaseDatabaseWrapper, statement: Statement[Any]) -> str | None:
-    return schema_name(connection) if "{schema}" in statement.text else None
+    return schema_name(connection) if "{schema" in statement.text else None

@@ -5,9 +5,9 @@ PostgreSQL has committed locally and answers success with a WARNING of SQLSTATE 
 failover the write may be lost. `pg_lease_django.operations` sends each lease statement with a
 notice handler kept on the connection (`UnconfirmedCommitNotices`) and turns that WARNING into
 `UnconfirmedCommitError`: at once for a statement that committed on its own, or out of the caller's
-``atomic()`` for one inside it (`CallerCommitWatch`). `confirmed_commit` does the same around any
+``atomic()`` for one inside it (`CallerCommitCheck`). `confirmed_commit` does the same around any
 block (``prune``, a renewal's own ``COMMIT`` behind a transaction pooler). The handler itself takes
-any psycopg connection, sync or async: the async blocking wait (`waiting`), which sends its
+any psycopg connection, sync or async: the async blocking wait (`wait.async_driver`), which sends its
 statements on an ``AsyncConnection`` of its own, applies the same rule with it
 (`UnconfirmedCommitNotices.confirmed`). See docs/FAILURE-MODEL.md.
 """
@@ -39,7 +39,7 @@ class UnconfirmedCommitNotices:
     @classmethod
     def kept_on(cls, connection: BaseDatabaseWrapper) -> UnconfirmedCommitNotices:
         """The handler kept on ``connection``'s psycopg connection for its life, connecting first if
-        need be (so a new connection's first statement is watched too). Added on first use: adding
+        need be (so a new connection's first statement is checked too). Added on first use: adding
         and removing one around every call costs more than the call's own Python."""
         connection.close_if_health_check_failed()  # reconnects now, not between here and the statement
         connection.ensure_connection()
@@ -93,7 +93,7 @@ def confirmed_commit(connection: BaseDatabaseWrapper) -> Iterator[None]:
         yield
 
 
-class CallerCommitWatch:
+class CallerCommitCheck:
     """Inside the caller's ``atomic()``, the caller's COMMIT is what waits for the synchronous standby.
 
     From the first lease call of a transaction to its end, a notice handler keeps the WARNINGs of
@@ -101,7 +101,7 @@ class CallerCommitWatch:
     of the COMMIT count (a trigger's ``RAISE WARNING`` in a statement does not); an ``on_commit`` hook
     raises `UnconfirmedCommitError` out of the caller's ``atomic()`` when there is one. Like any
     failing hook, it keeps the hooks registered after it from running: the transaction may be lost.
-    One watch per transaction; a rolled-back transaction's is dropped by the next statement.
+    One check per transaction; a rolled-back transaction's is dropped by the next statement.
     """
 
     def __init__(self, connection: BaseDatabaseWrapper, raw: Any) -> None:
@@ -110,7 +110,7 @@ class CallerCommitWatch:
         connection.execute_wrappers.append(self.forget_statement_notices)
 
     def forget_statement_notices(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
-        if not self.watching():  # rolled back: its hook was dropped, nothing would remove this wrapper
+        if not self.may_commit():  # rolled back: its hook was dropped, nothing would remove this wrapper
             self.end()
             return execute(sql, params, many, context)
         try:
@@ -118,7 +118,7 @@ class CallerCommitWatch:
         finally:
             self.notices.seen.clear()
 
-    def watching(self) -> bool:
+    def may_commit(self) -> bool:
         """Whether the transaction may still commit: it is open, or its hooks, ours among them, are running."""
         return self.connection.in_atomic_block or any(entry[1] == self.check for entry in self.connection.run_on_commit)
 
@@ -134,24 +134,24 @@ class CallerCommitWatch:
         self.notices.raise_if_unconfirmed()
 
     @classmethod
-    def watch(cls, connection: BaseDatabaseWrapper) -> None:
-        current: CallerCommitWatch | None = getattr(connection, "_pg_lease_caller_commit", None)
+    def arm(cls, connection: BaseDatabaseWrapper) -> None:
+        current: CallerCommitCheck | None = getattr(connection, "_pg_lease_caller_commit", None)
         if current is not None:
             if any(entry[1] == current.check for entry in connection.run_on_commit):
-                return  # this transaction is watched already
+                return  # this transaction's COMMIT is checked already
             current.end()  # a transaction that rolled back (its hooks were dropped)
         raw = connection.connection
         if raw is None:
             return
-        watch = cls(connection, raw)
-        connection._pg_lease_caller_commit = watch  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute)
-        connection.on_commit(watch.check)
+        check = cls(connection, raw)
+        connection._pg_lease_caller_commit = check  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute)
+        connection.on_commit(check.check)
 
 
-def watch_caller_commit(connection: BaseDatabaseWrapper) -> None:
-    """After a lease statement: inside the caller's ``atomic()``, watch its COMMIT (once per
-    transaction); outside, drop the watch of a transaction that rolled back."""
+def check_caller_commit(connection: BaseDatabaseWrapper) -> None:
+    """After a lease statement: inside the caller's ``atomic()``, check its COMMIT (armed once per
+    transaction); outside, drop the check of a transaction that rolled back."""
     if connection.in_atomic_block:
-        CallerCommitWatch.watch(connection)
+        CallerCommitCheck.arm(connection)
     elif (stale := connection.__dict__.get("_pg_lease_caller_commit")) is not None:
         stale.end()

@@ -2,7 +2,7 @@
 -- a line `-- name --`, then comment lines, then the statement). `pg_lease_django.sql.statements`
 -- gives each its rows' decoder; `pg_lease_django.sql.run` (Django's connection) and
 -- `pg_lease_django.sql.arun` (psycopg's async connection) send them. `{schema}` is the quoted schema
--- of the lease app and every `{name}` an identifier or a fragment the executor composes with
+-- of the lease app, `{schema_name}` its name as a string literal, and every `{name}` an identifier or a fragment the executor composes with
 -- psycopg.sql (never string formatting); `%s` are parameters. Literal braces are doubled.
 -- Every lease function is schema-qualified and every argument cast: PostgreSQL resolves an
 -- unqualified call to an exact-type match anywhere on the search_path, so a lookalike in an earlier
@@ -184,7 +184,10 @@ SELECT pg_catalog.to_char(e.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+
 -- ================================================================================================
 
 -- relation_exists --
-SELECT pg_catalog.to_regclass(%s) IS NOT NULL
+SELECT EXISTS (
+  SELECT FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+   WHERE n.nspname = %s AND c.relname = %s
+)
 
 -- function_exists --
 SELECT pg_catalog.to_regprocedure(%s) IS NOT NULL
@@ -243,6 +246,26 @@ SELECT d.name, r.rolname IS NOT NULL, p.kind, p.object, p.privilege,
 -- text, composed as SQL; the role an identifier).
 GRANT {privilege} ON {kind} {object} TO {role}
 
+-- revoke --
+-- What takes a grant back: printed by `manage.py leases grant --check`, never sent.
+REVOKE {privilege} ON {kind} {object} FROM {role}
+
+-- revoke_grant_option --
+-- The same, when only the grant option is extra.
+REVOKE GRANT OPTION FOR {privilege} ON {kind} {object} FROM {role}
+
+-- revoke_replica_mode --
+-- The remedies `privileges.bypasses` prints (never sent): a role that may turn triggers off,
+REVOKE SET, ALTER SYSTEM ON PARAMETER session_replication_role FROM {role}
+
+-- no_bypass_rls --
+-- one that bypasses row-level security,
+ALTER ROLE {role} NOBYPASSRLS
+
+-- revoke_membership --
+-- one that a predefined role ({predefined}) lets around the rules.
+REVOKE {predefined} FROM {role}
+
 -- held_privileges --
 -- Who holds what on the package's objects, through every membership: per role (and PUBLIC), each
 -- privilege held, whether WITH GRANT OPTION, the tiers of pg_lease_privileges() that name it, and
@@ -251,15 +274,16 @@ GRANT {privilege} ON {kind} {object} TO {role}
 -- Privileges pg_read_all_data / pg_write_all_data explain are left to `bypasses` (their remedy is
 -- the membership, not the table). Roles are checked by OID: by name, a role dropped after this
 -- statement's snapshot is looked up in the current catalog and fails the whole read.
-WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c
-                WHERE c.oid = '{schema}."pg_lease_django_lease"'::pg_catalog.regclass),
+WITH lease_schema AS (SELECT n.oid FROM pg_catalog.pg_namespace n WHERE n.nspname = {schema_name}),
+owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c, lease_schema s
+           WHERE c.relnamespace = s.oid AND c.relname = 'pg_lease_django_lease'),
 objects AS (
   SELECT 'FUNCTION' AS kind, p.oid, p.oid::pg_catalog.regprocedure::text AS object FROM pg_catalog.pg_proc p
-   WHERE p.pronamespace = '{schema}'::pg_catalog.regnamespace AND p.proname LIKE 'pg\_lease\_%%'
+   WHERE p.pronamespace = (SELECT s.oid FROM lease_schema s) AND p.proname LIKE 'pg\_lease\_%%'
      AND p.prorettype <> 'pg_catalog.trigger'::pg_catalog.regtype
   UNION ALL
   SELECT 'TABLE', c.oid, c.oid::pg_catalog.regclass::text FROM pg_catalog.pg_class c
-   WHERE c.relnamespace = '{schema}'::pg_catalog.regnamespace AND c.relname LIKE 'pg\_lease\_django\_%%'
+   WHERE c.relnamespace = (SELECT s.oid FROM lease_schema s) AND c.relname LIKE 'pg\_lease\_django\_%%'
      AND c.relkind IN ('r', 'p')),
 wanted AS (
   SELECT w.role AS tier, w.privilege,
@@ -306,8 +330,9 @@ SELECT h.name, h.kind, h.object, h.privilege, h.grantable,
 -- pg_maintain (PostgreSQL 17+), and BYPASSRLS with a way to read the secret. Each reported where it
 -- was granted, not in every member that inherits it: revoking it there removes it from them all.
 -- Superusers and the owner's members are trusted and left out.
-WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c
-                WHERE c.oid = '{schema}."pg_lease_django_lease"'::pg_catalog.regclass),
+WITH lease_schema AS (SELECT n.oid FROM pg_catalog.pg_namespace n WHERE n.nspname = {schema_name}),
+owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c, lease_schema s
+           WHERE c.relnamespace = s.oid AND c.relname = 'pg_lease_django_lease'),
 roles AS (
   SELECT r.rolname::text AS name, r.oid, r.rolbypassrls FROM pg_catalog.pg_roles r, owner
    WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE')),
@@ -319,8 +344,10 @@ SELECT r.name, {replica},
        EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_write_all_data'),
        EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_maintain'),
        r.rolbypassrls AND (pg_catalog.pg_has_role(r.oid, 'pg_read_all_data', 'USAGE')
-                           OR pg_catalog.has_table_privilege(r.oid, '{schema}."pg_lease_django_secret"', 'SELECT'))
-  FROM roles r ORDER BY r.name
+                           OR pg_catalog.has_table_privilege(r.oid, secret.oid, 'SELECT'))
+  FROM roles r, (SELECT c.oid FROM pg_catalog.pg_class c, lease_schema s
+                  WHERE c.relnamespace = s.oid AND c.relname = 'pg_lease_django_secret') secret
+ ORDER BY r.name
 
 -- replica_grants --
 -- Granted SET or ALTER SYSTEM on session_replication_role by name (pg_parameter_acl, PostgreSQL 15+).
@@ -330,8 +357,9 @@ EXISTS (SELECT FROM pg_catalog.pg_parameter_acl p, pg_catalog.aclexplode(p.parac
 -- unscoped --
 -- Roles that may call a lease function taking a key (the array) while key scopes are configured,
 -- and that no scope applies to (their own, or a group's they are a member of). Reads the scope table.
-WITH owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c
-                WHERE c.oid = '{schema}."pg_lease_django_lease"'::pg_catalog.regclass)
+WITH lease_schema AS (SELECT n.oid FROM pg_catalog.pg_namespace n WHERE n.nspname = {schema_name}),
+owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c, lease_schema s
+           WHERE c.relnamespace = s.oid AND c.relname = 'pg_lease_django_lease')
 SELECT r.rolname::text FROM pg_catalog.pg_roles r, owner
  WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE')
    AND EXISTS (SELECT FROM {schema}."pg_lease_django_key_scope")

@@ -4,7 +4,7 @@
 that ``confirms`` (a lease operation) goes the hot path: the notice handler kept on the connection
 turns the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError` (at once, or out
 of the caller's ``atomic()``), and it is sent on a cursor of the psycopg connection itself when
-nothing but Django watches it (`_unwatched`). Every other statement goes through Django's cursor.
+nothing but Django stands in between (`_nothing_in_between`). Every other statement goes through Django's cursor.
 Errors are Django's (``DatabaseError`` and its subclasses), as for any ORM call.
 """
 
@@ -21,7 +21,7 @@ from django.db.backends.utils import CursorWrapper
 from psycopg import sql as pgsql
 
 from . import Statement, render
-from .confirmation import UnconfirmedCommitNotices, watch_caller_commit
+from .confirmation import UnconfirmedCommitNotices, check_caller_commit
 
 T = TypeVar("T")
 Params = Sequence[Any] | dict[str, Any]
@@ -92,7 +92,7 @@ def _confirmed(connection: BaseDatabaseWrapper, statement: str, params: Params, 
     notices.seen.clear()
     found = _send(connection, raw, statement, params, all_rows)
     notices.raise_if_unconfirmed()
-    watch_caller_commit(connection)
+    check_caller_commit(connection)
     return found
 
 
@@ -102,12 +102,12 @@ def _send(
     """Send ``statement`` on ``raw`` (``connection``'s psycopg connection, open and health-checked), the
     cheapest way Django's connection allows.
 
-    Through Django's cursor whenever anything may watch or change what it sends (`_unwatched`);
+    Through Django's cursor whenever anything may see or change what it sends (`_nothing_in_between`);
     otherwise on a cursor of ``raw``, after the checks Django's cursor makes (thread, broken
     transaction) and with its error wrapping: the same session, the same cursor class and binding,
     ~10 µs less Python per call (docs/performance.md).
     """
-    if _unwatched(connection) and _loads_in_django_time_zone(connection, raw):
+    if _nothing_in_between(connection) and _loads_in_django_time_zone(connection, raw):
         connection.validate_thread_sharing()
         connection.validate_no_broken_transaction()
         with connection.wrap_database_errors, raw.cursor() as cursor:
@@ -135,10 +135,10 @@ def _loads_in_django_time_zone(connection: BaseDatabaseWrapper, raw: psycopg.Con
     return agrees
 
 
-def _unwatched(connection: BaseDatabaseWrapper) -> bool:
+def _nothing_in_between(connection: BaseDatabaseWrapper) -> bool:
     """Whether nothing but Django's own code stands between a call and psycopg: Django's PostgreSQL
     backend itself (a subclass may set a search_path or instrument its cursors), no execute wrapper
-    (another app's, or `CallerCommitWatch`), no query log (``DEBUG``, ``assertNumQueries``), no patched
+    (another app's, or `CallerCommitCheck`), no query log (``DEBUG``, ``assertNumQueries``), no patched
     ``connection.cursor`` (django-debug-toolbar) and an unpatched ``CursorWrapper`` (APM agents)."""
     return (
         type(connection) is PostgreSQLDatabaseWrapper

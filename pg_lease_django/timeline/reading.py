@@ -1,6 +1,6 @@
-"""A lease's history read for people: its tenures as rows, settled on the server clock.
+"""A lease's history read for people: its tenures as rows, each end worked out on the server clock.
 
-`read_history` reads the recorded tenures of one key (`LeaseTenure`) and settles the one still
+`read_history` reads the recorded tenures of one key (`LeaseTenure`) and works out the end of the one still
 open against the lease row, in one statement on the server clock: held until its expiry, or
 lapsed at it. ``manage.py leases history`` prints those rows and the admin draws them with
 `pg_lease_django.timeline.chart.render_timeline`, so both tell the same story.
@@ -45,7 +45,7 @@ _OUTCOME_TEXT = {
 
 @dataclass(frozen=True)
 class TenureRow:
-    """One tenure as people see it, its end settled on the server clock.
+    """One tenure as people see it, its end worked out on the server clock.
 
     Attributes:
         epoch: the epoch of the grant.
@@ -183,12 +183,12 @@ def read_history(key: str, *, using: str | None = None, limit: int | None = None
     found = list(tenures if limit is None else tenures[:limit])
     if not found:
         return History(key, [], 0, _server_now(alias))
-    rows = [_settled(tenure) for tenure in reversed(found)]
+    rows = [_with_its_end(tenure) for tenure in reversed(found)]
     first: Any = found[0]
     return History(key, rows, first.total, first.server_time)
 
 
-def _settled(tenure: Any) -> TenureRow:
+def _with_its_end(tenure: Any) -> TenureRow:
     """A tenure row with its end: recorded, or read from the lease row when still open."""
     row = TenureRow(
         tenure.epoch,

@@ -1,16 +1,17 @@
 """``manage.py leases``: see who holds what, and break a stuck lease safely.
 
-Subcommands: ``list`` (the default), ``show KEY``, ``watch`` (a live view, `pg_lease_django.watch`),
+Subcommands: ``list`` (the default), ``show KEY``, ``watch`` (a live view, `management.leases.live_view`),
 ``release KEY --force [--operator NAME]``,
 ``handoff KEY`` (ask the holder to step down at its next renewal), ``history KEY`` (the recorded
 tenures of a key, `pg_lease_django.timeline`), ``prune-history [--older-than 30d]``,
 ``prune --free-for 30d`` (delete rows of leases free that long; epochs never go back),
 ``advance-epochs --by N`` (after a failover to a standby that may have missed lease writes: raise
-every epoch and the epoch floor by N, fencing current holders), and
-``run KEY --ttl SECONDS -- COMMAND``, which runs a command while holding a lease (``flock(1)`` for a
-whole cluster; see `pg_lease_django.supervisor`). Every state shown is computed in SQL from the
-database server's clock with ``pg_lease_status`` (the rule the lease functions use), in one
-statement, whatever the number of leases (`LeaseQuerySet.listing`).
+every epoch and the epoch floor by N, fencing current holders), ``grant [--check]`` (the declared
+roles' lease privileges, as ``migrate`` grants them), and ``run KEY --ttl SECONDS -- COMMAND``,
+which runs a command while holding a lease (``flock(1)`` for a whole cluster; see
+`pg_lease_django.supervisor`). Every state shown is computed in SQL from the database server's clock
+with ``pg_lease_status`` (the rule the lease functions use), in one statement, whatever the number
+of leases (`LeaseQuerySet.listing`).
 
 This module dispatches: the arguments are declared in `pg_lease_django.management.leases.arguments`,
 and each group of subcommands is a module there (`reading`, `operating`, `running`); reading is
@@ -49,14 +50,14 @@ it), or with one of these, kept clear of 0-6 above and of the shell's 126, 127 a
 
 
 class Command(ReadingSubcommands, OperatingSubcommands, RunSubcommand):
-    """``manage.py leases [list|show|watch|history|handoff|release|prune|prune-history|advance-epochs|run] ...``:
+    """``manage.py leases [list|show|watch|history|handoff|release|prune|prune-history|advance-epochs|grant|run] ...``:
     the operators' view of the lease table."""
 
     help = (
         "Inspect leases, break stuck ones, run a command under a lease. Subcommands: list (default), "
         "show KEY, watch [--prefix P | --glob G], history KEY, handoff KEY, release KEY --force, "
         "prune --free-for AGE, prune-history, "
-        "advance-epochs --by N, run KEY --ttl SECONDS -- COMMAND. "
+        "advance-epochs --by N, grant [--check], run KEY --ttl SECONDS -- COMMAND. "
         f"Exit codes: {ExitCode.summary(run=False)}; run: COMMAND's status, {ExitCode.summary(run=True)}."
     )
     # An operator's tool, also for incidents: no other app's system-check error may stop it, and its

@@ -23,11 +23,11 @@ from pg_lease_django.management.leases.common import (
     seconds,
     shown,
 )
+from pg_lease_django.management.leases.live_view import Watcher, watch
 from pg_lease_django.models import Lease
 from pg_lease_django.status import LeaseStatus
 from pg_lease_django.timeline import History, read_history
 from pg_lease_django.validation import check_name
-from pg_lease_django.watch import Watcher, watch
 
 
 class ReadingSubcommands(BaseCommand):

@@ -23,10 +23,10 @@ from typing import Any, TextIO
 
 from django.db import connections
 
-from .display import LeaseRow, format_duration, printable
-from .querysets import glob_to_like
-from .sql import run, statements
-from .status import LeaseStatus
+from pg_lease_django.display import LeaseRow, format_duration, printable
+from pg_lease_django.querysets import glob_to_like
+from pg_lease_django.sql import run, statements
+from pg_lease_django.status import LeaseStatus
 
 __all__ = ["Frame", "Transition", "Watcher", "render_plain", "watch"]
 
@@ -87,7 +87,7 @@ class Watcher:
 
     def read(self) -> Frame:
         """One refresh (two statements)."""
-        from .models import Lease
+        from pg_lease_django.models import Lease
 
         listing = Lease.objects.db_manager(self.using).matching(prefix=self.prefix, glob=self.glob).listing(self.limit)
         now = datetime.fromisoformat(listing.server_time)

@@ -7,7 +7,7 @@ cancelled on the server and waited out, a grant found in the owner's name is rel
 sent again (`settle`, `complete_release`, both run `to_the_end` although interrupted again). Inside
 the caller's transaction, that transaction owns them. The one-attempt and one-release calls of
 `Lease.objects` (`acquire_once`, `aacquire_once`, `release_once`) are here, as the blocking wait
-(`waiting`) and the hold's connection (`holds.lease_connection`) use these rules.
+(`wait.sync_driver`, `wait.async_driver`) and the hold's connection (`holds.lease_connection`) use these rules.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import psycopg
 from asgiref.sync import sync_to_async
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import metrics, operations
-from .exceptions import LeaseLostError
-from .operations import Grant
-from .plans import adrive, drive
-from .sql import run, statements
-from .sql.arun import Session
+from pg_lease_django import metrics, operations
+from pg_lease_django.exceptions import LeaseLostError
+from pg_lease_django.operations import Grant
+from pg_lease_django.plans import adrive, drive
+from pg_lease_django.sql import run, statements
+from pg_lease_django.sql.arun import Session
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@
 `Reconnect`) and is sent the step's answer: the attempt's row, the key's epoch, None, or `Lost`
 when the connection was lost while the step ran. It returns the grant or raises: the timeout
 (`LeaseTimeoutError`), a lost connection it gives up on, or ``OperationalError`` when a lost attempt
-may have been granted unseen. Two drivers run it: `waiting.wait_and_acquire` on the caller's Django
-connection (blocking) and `waiting.await_and_acquire` on a psycopg async connection (the event
+may have been granted unseen. Two drivers run it: `sync_driver.wait_and_acquire` on the caller's Django
+connection (blocking) and `async_driver.await_and_acquire` on a psycopg async connection (the event
 loop); what they share (the deadline, the pause after a refusal, the rejoin after a lost connection,
 the check of an attempt whose answer was lost) lives here only, and is tested with a fake clock
 (tests/test_wait_plan.py). This is psycopg's habit for its protocol (generators that yield what to
@@ -32,10 +32,10 @@ from typing import Any
 
 from django.db import OperationalError
 
-from . import conf
-from .exceptions import LeaseTimeoutError
-from .operations import Attempt, Grant
-from .validation import MAX_WAIT, describe_seconds
+from pg_lease_django import conf
+from pg_lease_django.exceptions import LeaseTimeoutError
+from pg_lease_django.operations import Attempt, Grant
+from pg_lease_django.validation import MAX_WAIT, describe_seconds
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,199 @@
+"""The blocking acquire on the event loop: `wait.plan` driven on an async psycopg connection (``aacquire``).
+
+Nothing here is public API (see docs/async.md). No thread is held while waiting: the waiter opens a
+connection of its own from the caller's database settings (a `sql.arun.Session`), attempts and
+LISTENs there, and closes it when the call returns, raises or is cancelled. When the caller's
+connection is in a transaction, the attempts run there instead and the waiter polls. An attempt
+cut short by a cancellation is settled (`wait.settling.asettle`) before the cancellation goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from asgiref.sync import sync_to_async
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.utils import DatabaseErrorWrapper
+
+from pg_lease_django import conf, metrics, operations, sql
+from pg_lease_django.operations import Attempt, Grant
+from pg_lease_django.sql import statements
+from pg_lease_django.sql.arun import Session
+
+from .plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, TryOnce, advance, wait_plan
+from .settling import asettle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _OwnWait:
+    """What an async blocking acquire takes from the caller's connection to wait on one of its own."""
+
+    schema: str  # the lease app's schema in that database
+    connect: dict[str, Any]  # psycopg.AsyncConnection.connect() arguments
+    role: str | None  # OPTIONS["assume_role"], set as Django's backend sets it on its connections
+    listen: bool
+    errors: DatabaseErrorWrapper  # Django's mapping of psycopg's errors, as for every other call
+
+
+async def await_and_acquire(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, wait: timedelta | None
+) -> Grant:
+    """`wait_and_acquire` for the event loop: the same plan, and no thread held while waiting.
+
+    ``connection_of`` returns the caller's connection; it is called in Django's thread for sync code
+    (``sync_to_async``), where that is the connection the caller's other ORM calls use.
+
+    Raises:
+        UnconfirmedCommitError: an attempt's grant committed on the primary, but the server could not
+            confirm it reached the synchronous standby (the WARNING of `commit_confirmation`, on any
+            statement of the wait). As `wait_and_acquire` does, the waiter has released that grant
+            (nobody received it) before raising; that release may be unconfirmed too. The outcome is
+            unknown, as for a lost connection: the caller holds nothing it may act on; acquire again
+            (a grant that survives a failover is fenced by the next one).
+    """
+    with metrics.waiting(key):
+        return await _await_and_acquire(connection_of, key, owner, ttl, wait)
+
+
+async def _await_and_acquire(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, wait: timedelta | None
+) -> Grant:
+    own = await sync_to_async(_own_wait)(connection_of, owner)
+    if own is None:
+        return await _poll_in_transaction(connection_of, key, owner, ttl, wait)
+    # Each attempt is one statement (ACQUIRE, or ACQUIRE_OR_REGISTER when it listens) on the
+    # waiter's own connection rather than an attempt in a thread: a thread cannot be interrupted,
+    # so an attempt stuck behind a row lock when the task is cancelled would run on and could
+    # commit a grant nobody receives, while psycopg cancels a statement in flight on cancellation
+    # and waits for it to end. No thread is taken even for the attempts, and, as in acquire(),
+    # LISTEN and attempts share one session: a release committed while an attempt is in flight
+    # is queued there, not missed. A lost connection (the server crashed, a failover) is opened again.
+    plan = wait_plan(key, owner, wait, rejoin=True)
+    attempt = statements.ACQUIRE_OR_REGISTER if own.listen else statements.ACQUIRE
+    attempting = False  # an attempt's statement is in flight: its outcome unknown if interrupted
+    with own.errors:
+        session: Session | None = None
+        try:
+            step = advance(plan, None)
+            while not isinstance(step, Granted):
+                if isinstance(step, Reconnect):
+                    if session is not None:
+                        await session.close()
+                        session = None
+                    await asyncio.sleep(step.seconds)
+                    step = advance(plan, None)
+                    continue
+                attempting = False
+                answer: Any
+                try:
+                    if session is None:
+                        session = await Session.connect(own.connect, own.schema, role=own.role, listen=own.listen)
+                    if isinstance(step, TryOnce):
+                        params: list[Any] = [key, owner, ttl, step.register_for][: 4 if own.listen else 3]
+                        attempting = True
+                        with operations.quota_refusals(key):
+                            # An unconfirmed grant raises here, the attempt still "in flight": settled below.
+                            tried = await session.one(attempt, params)
+                        attempting = False
+                        answer = operations.attempted(key, tried)
+                    elif isinstance(step, ReadEpoch):
+                        answer = (await session.one(statements.INSPECT, [key])).epoch
+                    else:
+                        if own.listen and step.wakeable:
+                            await _await_release(session.conn, key, step.seconds)
+                        else:
+                            await asyncio.sleep(step.seconds)
+                        answer = None
+                except psycopg.Error as exc:
+                    if not (session is None or session.closed):
+                        raise  # an error of the statement, the connection is fine
+                    answer = Lost(exc, sent=attempting)
+                step = advance(plan, answer)
+            return step.grant
+        except BaseException:
+            # Cancelled (or timed out by asyncio.timeout) during an attempt: psycopg cancelled the
+            # statement and read out its result, which may have been a committed grant: settle it
+            # before the cancellation goes on (a second cancellation would cut this short). So is an
+            # attempt answered with an unconfirmed commit (UnconfirmedCommitError), as the sync wait
+            # settles it: its grant is nobody's.
+            if attempting and session is not None and not session.closed:
+                try:
+                    await asettle(session, key, owner)
+                except Exception:
+                    logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
+            raise
+        finally:
+            # Ending the session ends its LISTEN; no statement runs any more (psycopg has already
+            # cancelled and waited out one interrupted by a cancellation).
+            if session is not None:
+                await session.close()
+
+
+async def _poll_in_transaction(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, wait: timedelta | None
+) -> Grant:
+    """The caller's connection is in a transaction: the grant must belong to it, so the attempts run
+    there (in its thread) and the waiter polls, as acquire() does there. An attempt in flight when
+    the task is cancelled finishes in that thread. A lost connection took the transaction: raised."""
+    plan = wait_plan(key, owner, wait, rejoin=False)
+    step = advance(plan, None)
+    while not isinstance(step, Granted):
+        if isinstance(step, TryOnce):
+            step = advance(plan, await sync_to_async(_attempt_on)(connection_of, key, owner, ttl))
+        else:
+            assert isinstance(step, PauseFor)
+            await asyncio.sleep(step.seconds)
+            step = advance(plan, None)
+    return step.grant
+
+
+def _attempt_on(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta) -> Attempt:
+    return operations.attempt(connection_of(), key, owner, ttl)
+
+
+def _own_wait(connection_of: Callable[[], BaseDatabaseWrapper], owner: str) -> _OwnWait | None:
+    """How an async blocking acquire waits on a connection of its own; None when the caller's is in a transaction."""
+    connection = connection_of()
+    # Asked without opening the caller's connection: the attempts will not run on it.
+    opened = connection.connection is not None
+    if not (connection.get_autocommit() if opened else connection.settings_dict["AUTOCOMMIT"]):
+        return None
+    # Django's own translation of the alias's settings into connect() arguments (the test
+    # database's name during tests; OPTIONS["pool"] and "isolation_level" left out), as the
+    # heartbeat's LeaseConnection gets through its wrapper. Django's cursor classes are sync:
+    # use psycopg's async class with the same (client- or server-side) parameter binding.
+    params = connection.get_connection_params()
+    client_side = issubclass(params.pop("cursor_factory", psycopg.ClientCursor), psycopg.ClientCursor)
+    params.update(
+        autocommit=True,
+        cursor_factory=psycopg.AsyncClientCursor if client_side else psycopg.AsyncCursor,
+        application_name=f"pg_lease_django wait {owner}"[:63],
+    )
+    listen = conf.listen_enabled()
+    return _OwnWait(
+        schema=sql.schema_name(connection),
+        connect=params,
+        role=connection.settings_dict["OPTIONS"].get("assume_role"),
+        listen=listen,
+        errors=connection.wrap_database_errors,
+    )
+
+
+async def _await_release(conn: psycopg.AsyncConnection[Any], key: str, seconds: float) -> None:
+    # As _wait_for_release: notifications that arrived during the attempt are yielded first.
+    deadline = time.monotonic() + seconds
+    while (remaining := deadline - time.monotonic()) > 0:
+        async with aclosing(conn.notifies(timeout=remaining, stop_after=1)) as notifies:
+            async for notify in notifies:
+                if notify.payload == key:
+                    return

@@ -1,0 +1,133 @@
+"""One home for statements: every statement the package sends is in ``sql/queries.sql``, named once.
+
+Read from the code (``ast``) and the SQL file: each named statement has one `Statement` value and each
+value a statement; no module outside ``pg_lease_django/sql/`` (migrations aside) calls ``.execute(``
+or spells a statement in a string; a statement's identifiers are composed (``{name}``), never quoted
+by hand inside a string literal. The statements' behaviour is the rest of the suite's.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from psycopg import sql as pgsql
+
+import pg_lease_django
+from pg_lease_django import sql
+from pg_lease_django.sql import Statement, statements
+
+PACKAGE = Path(pg_lease_django.__file__).parent
+
+#: The start of an SQL statement, as the package would spell one in a string (upper case).
+STATEMENT_START = re.compile(
+    r"^\s*\(?\s*(SELECT|INSERT|UPDATE|DELETE|WITH|CREATE|DROP|ALTER|GRANT|REVOKE|SET|RESET|LISTEN|UNLISTEN|"
+    r"NOTIFY|TRUNCATE|BEGIN|COMMIT|ROLLBACK|DO|PREPARE|COPY|LOCK|VACUUM|ANALYZE|COMMENT)\s+\S"
+)
+
+#: Strings outside sql/ that read like a statement and are not one the package sends, each with why.
+NOT_SENT = {
+    ("admin.py", "SELECT * FROM pg_lease_inspect("): "the admin's copy-and-paste snippet for people",
+    ("checks/database.py", "CREATE ROLE "): "a check's hint, for people",
+    ("checks/database.py", "WITH GRANT OPTION"): "a check's message, for people",
+    ("querysets.py", "(SELECT clock_timestamp())"): "a Func template: the ORM composes it into its own query",
+    ("wait/sync_driver.py", "LISTEN for the wait (if ``listen``)"): "a docstring",
+    ("wait/sync_driver.py", "UNLISTEN after a blocking acquire failed"): "a log message",
+}
+
+
+def _outside_sql() -> list[tuple[str, ast.Module]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if not name.startswith(("sql/", "migrations/")):
+            found.append((name, ast.parse(path.read_text(), name)))
+    return found
+
+
+def _strings(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, text) of each string of ``tree``: an f-string as one text, ``{}`` where it formats."""
+    found = []
+    inside_fstrings = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            found.append((node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in inside_fstrings:
+            found.append((node.lineno, node.value))
+    return found
+
+
+def _statement_like(text: str) -> bool:
+    match = STATEMENT_START.match(text)
+    return match is not None and match.group(1).isupper()
+
+
+def test_every_named_statement_has_one_value_and_every_value_a_statement() -> None:
+    values = [value for value in vars(statements).values() if isinstance(value, Statement)]
+    names = [value.name for value in values]
+    assert len(names) == len(set(names)), "two values name one statement"
+    assert set(names) == set(sql.queries()), (
+        f"in queries.sql only: {sorted(set(sql.queries()) - set(names))}; "
+        f"in statements.py only: {sorted(set(names) - set(sql.queries()))}"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(sql.queries()))
+def test_each_statement_composes_with_its_declared_parts_only(name: str) -> None:
+    """A ``{part}`` a statement does not declare (a typo, a part added in one place) fails here, not
+    at the first call; ``{schema}`` and ``{schema_name}`` are every statement's."""
+    [statement] = [v for v in vars(statements).values() if isinstance(v, Statement) and v.name == name]
+    used = set(re.findall(r"(?<!\{)\{([a-z_]+)\}(?!\})", statement.text)) - {"schema", "schema_name"}
+    assert used == set(statement.parts), f"{name}: composes {sorted(used)}, declares {sorted(statement.parts)}"
+    parts = {part: pgsql.Identifier(part) for part in statement.parts}
+    text = statement.compose('tenant "a"', **parts).as_string(None)
+    assert "{" not in text.replace("{{", "").replace("}}", "") or "'{" in text, text
+
+
+def test_no_identifier_is_quoted_by_hand_inside_a_string_literal() -> None:
+    """``'{schema}."t"'::regclass`` breaks (or worse) for a schema with a quote in its name: the
+    catalogs are asked by ``{schema_name}``, a literal psycopg quotes."""
+    for name, text in sql.queries().items():
+        literals = re.findall(r"'(?:[^']|'')*'", text)
+        inside = [literal for literal in literals if re.search(r"(?<!\{)\{[a-z_]+\}", literal)]
+        assert not inside, f"{name}: composed inside a string literal: {inside}"
+
+
+def test_a_schema_with_a_quote_in_its_name_is_quoted_everywhere() -> None:
+    for statement in (v for v in vars(statements).values() if isinstance(v, Statement)):
+        parts = {part: pgsql.Identifier(part) for part in statement.parts}
+        text = statement.compose("it's", **parts).as_string(None)
+        assert "it's" not in text.replace('"it\'s"', "").replace("'it''s'", ""), statement.name
+
+
+def test_no_module_outside_sql_calls_execute() -> None:
+    calls = [
+        f"{name}:{node.lineno}: {ast.unparse(node)[:80]}"
+        for name, tree in _outside_sql()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in {"execute", "executemany", "executescript"}
+    ]
+    assert not calls, "send statements through pg_lease_django.sql.run / sql.arun:\n" + "\n".join(calls)
+
+
+def test_no_module_outside_sql_spells_a_statement_in_a_string() -> None:
+    spelled = [
+        f"{name}:{line}: {text[:80]!r}"
+        for name, tree in _outside_sql()
+        for line, text in _strings(tree)
+        if _statement_like(text)
+        and not any(name == where and text.strip().startswith(start) for where, start in NOT_SENT)
+    ]
+    assert not spelled, "put the statement in sql/queries.sql:\n" + "\n".join(spelled)
+
+
+def test_the_scans_find_what_they_look_for() -> None:
+    """The two scans above would pass vacuously if they found nothing: they find these."""
+    tree = ast.parse('cursor.execute(f"SELECT {x} FROM t")\nQ = "DELETE FROM t"\nDOC = "Select a lease"\n')
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "execute"]
+    assert found
+    assert sorted(text for _, text in _strings(tree) if _statement_like(text)) == ["DELETE FROM t", "SELECT {} FROM t"]
