@@ -598,7 +598,7 @@ OPTIONS: list[tuple[str, Callable[[], bool]]] = [
 
 @pytest.mark.parametrize(("api", "holds"), OPTIONS, ids=[api for api, _ in OPTIONS])
 def test_the_model_options_we_read(api: str, holds: Callable[[], bool]) -> None:
-    """fencing.schema, fencing.model and checks.models read these undocumented attributes of ``_meta``."""
+    """fencing.schema, fencing.model and checks.project read these undocumented attributes of ``_meta``."""
     with leaning_on(api):
         assert holds()
 

@@ -228,7 +228,7 @@ def test_the_graph_is_read_from_the_source() -> None:
     graph = _graph()
     assert "fencing.resolution" in graph["fencing.statements"]  # from .resolution import ...
     assert "models" in graph["holds.session"]  # lazy, inside HoldSession.start
-    assert "fencing" in graph["checks.models"]  # lazy, inside the checks
+    assert "fencing" in graph["checks.project"]  # lazy, inside the checks
     assert "migrations.0001_baseline" in graph["checks.database"]  # import_module("...")
     assert "holds.lease" not in graph["holds.context"]  # only under TYPE_CHECKING there
 

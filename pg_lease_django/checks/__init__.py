@@ -1,7 +1,8 @@
 """System checks: configurations under which leases cannot keep their promises.
 
-`models` checks the code (fenced models, their admins, the engine, the metrics settings); `database`
-reads the lease database (``check --database``, and plain ``check`` when it answers at once).
+`project` checks the code and settings (fenced models, their admins, the engine, the metrics
+settings); `database` reads the lease database (``check --database``, and plain ``check`` when it
+answers at once).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pg_lease_django.checks.database import (
     check_lease_migrations_are_complete,
     check_lease_table_is_reachable,
 )
-from pg_lease_django.checks.models import (
+from pg_lease_django.checks.project import (
     check_database_is_postgresql,
     check_fenced_many_to_many,
     check_fenced_models_declare_their_key_fields,

@@ -1,4 +1,4 @@
-"""System checks of the code: fenced models, their admins, the lease database's engine, the metrics settings."""
+"""System checks of the project: fenced models, their admins, the lease database's engine, the metrics settings."""
 
 from __future__ import annotations
 
