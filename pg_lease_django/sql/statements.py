@@ -27,8 +27,9 @@ ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement("advance_epochs", rows.
 # ---- fencing ---------------------------------------------------------------------------------------
 
 PRESENT_FENCE: Statement[int] = Statement("present_fence", rows.scalar)
-#: An expression inside Django's own UPDATE or INSERT (never sent alone).
+#: An expression inside Django's own UPDATE or INSERT, and its WHERE-clause form (never sent alone).
 FENCE_EXPRESSION: Statement[Any] = Statement("fence_expression")
+FENCE_PRESENTED: Statement[Any] = Statement("fence_presented")
 ALLOW_UNFENCED: Statement[Any] = Statement("allow_unfenced")
 END_UNFENCED: Statement[Any] = Statement("end_unfenced")
 
@@ -71,6 +72,8 @@ WORK_MEM_ROOM: Statement[Any] = Statement("work_mem_room")
 METRICS: Statement[tuple[Any, ...]] = Statement("metrics")
 METRICS_PER_KEY: Statement[tuple[Any, ...]] = Statement("metrics_per_key")
 TRANSITIONS: Statement[tuple[Any, ...]] = Statement("transitions")
+#: A function's name, for a Django Func (never sent alone).
+STATUS_FUNCTION: Statement[Any] = Statement("status_function")
 
 # ---- the catalog: migrations, scopes, limits, privileges ---------------------------------------------
 
