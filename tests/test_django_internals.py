@@ -760,7 +760,9 @@ def test_schema_editor_execute_without_parameters_sends_percent_signs_as_they_ar
     with leaning_on("SchemaEditor.execute(sql, params=None) / RunSQL.hints"):
         with PostgreSQLSchemaEditor(connection) as editor:  # Django's own (pgtrigger's wraps it in the tests)
             editor.execute("DO $$ BEGIN RAISE NOTICE '% of %', 1, '100%'; END $$", params=None)
-        operation = RunSQLFile("schema.sql", "schema.sql", sha256="0" * 64, reverse_sha256="0" * 64, hints={"target": "x"})
+        operation = RunSQLFile(
+            "schema.sql", "schema.sql", sha256="0" * 64, reverse_sha256="0" * 64, hints={"target": "x"}
+        )
         assert operation.hints == {"target": "x"}
 
 
