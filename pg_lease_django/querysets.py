@@ -80,7 +80,7 @@ class StatusAt(Func):
     def as_postgresql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
     ) -> tuple[str, Any]:
-        function = f"{lease_sql.schema(connection)}.pg_lease_status"
+        function = lease_sql.render(connection, statements.STATUS_FUNCTION)
         return self.as_sql(compiler, connection, function=function, **extra_context)
 
 

@@ -1,6 +1,7 @@
 """A fenced table's triggers carry the version of their SQL, so an upgrade that changes it is seen.
 
-``FenceTrigger`` records `FENCE_TRIGGER_VERSION` (a hash of the triggers' SQL) in the migration
+``FenceTrigger`` records `FENCE_TRIGGER_VERSION` (a hash of the templates of
+``sql/fence_triggers.sql`` that say what a fenced table carries) in the migration
 ``makemigrations`` writes, and the installed triggers carry it in their comment: a release that
 changes the SQL makes ``makemigrations --check`` fail in every app with a fenced model until the
 migration that replaces them is written, and check W006 names every table whose installed
@@ -18,7 +19,8 @@ from django.db import connection, models
 
 from pg_lease_django.checks import check_fence_triggers_are_current
 from pg_lease_django.fencing import schema as fence_schema
-from pg_lease_django.fencing.schema import DERIVE_SQL, FENCE_TRIGGER_VERSION, TRIGGERS_SQL, FenceTrigger
+from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION, INSTALLED, FenceTrigger
+from pg_lease_django.sql import named
 
 pytestmark = pytest.mark.django_db
 
@@ -28,7 +30,12 @@ def fenced_models() -> list[type[models.Model]]:
 
 
 def test_the_version_is_a_hash_of_the_triggers_sql() -> None:
-    assert hashlib.sha256((TRIGGERS_SQL + DERIVE_SQL).encode()).hexdigest()[:12] == FENCE_TRIGGER_VERSION
+    """Of every template of the file but the drop (which installs nothing), in the file's order, their
+    comment lines left out (a comment changes no trigger)."""
+    templates = named("fence_triggers.sql")
+    assert [t.name for t in INSTALLED] == [name for name in templates if name != "fence_triggers_drop"]
+    hashed = "\n".join(text for name, text in templates.items() if name != "fence_triggers_drop")
+    assert hashlib.sha256(hashed.encode()).hexdigest()[:12] == FENCE_TRIGGER_VERSION
     assert {c.version for m in fenced_models() for c in m._meta.constraints if isinstance(c, FenceTrigger)} == {
         FENCE_TRIGGER_VERSION
     }
@@ -50,7 +57,7 @@ def test_installed_triggers_carry_the_version_and_the_check_passes() -> None:
 def triggers_sql_changed(monkeypatch: pytest.MonkeyPatch) -> str:
     """As after an upgrade whose fence triggers' SQL differs: the code's version and every fenced
     model's FenceTrigger (as class_prepared gives them) carry the new one."""
-    changed = hashlib.sha256((TRIGGERS_SQL + "\n-- changed").encode()).hexdigest()[:12]
+    changed = hashlib.sha256((FENCE_TRIGGER_VERSION + " changed").encode()).hexdigest()[:12]
     monkeypatch.setattr(fence_schema, "FENCE_TRIGGER_VERSION", changed)
     for model in fenced_models():
         for constraint in model._meta.constraints:

@@ -35,7 +35,7 @@ from pg_lease_django.checks import (
     check_fenced_models_have_fenced_parents,
     check_fenced_models_share_the_lease_database,
 )
-from pg_lease_django.fencing import FencedModel
+from pg_lease_django.fencing import FencedModel, FenceTrigger
 from tests.helpers import Background, in_thread, refused, wait_until, wait_until_blocked
 
 pytestmark = pytest.mark.django_db
@@ -196,6 +196,18 @@ def test_class_level_lease_key(key: str) -> None:
     with refused(NotOwnerError):
         Report.objects.fenced(g).update(title="late")
     assert Report.objects.get().title == "q1 final"
+
+
+def test_a_declared_key_is_derived_as_written_whatever_its_characters(key: str) -> None:
+    """The key's literal is compiled into the derive function's body, itself a literal: a quote, a
+    ``%`` (the DDL runs without parameters), a backslash or a dollar quote in it changes nothing."""
+    odd = f"{key} it's 100% $pg_lease$ \\ $$"
+    [installed] = [c for c in Report._meta.constraints if isinstance(c, FenceTrigger)]
+    with connection.schema_editor() as editor:  # inside the test's transaction: rolled back with it
+        editor.remove_constraint(Report, installed)
+        editor.add_constraint(Report, FenceTrigger(name=installed.name, key=models.Value(odd)))
+    report = Report.objects.unfenced().create(title="odd")  # stores Report.lease_key; the trigger derives
+    assert Report.objects.filter(pk=report.pk).values_list("lease_id", flat=True).get() == odd
 
 
 def test_a_fence_for_another_key_is_refused_before_sending_anything(key: str, django_assert_num_queries: Any) -> None:

@@ -19,7 +19,7 @@ class Migration(migrations.Migration):
         migrations.AddConstraint(
             model_name="jobcounter",
             constraint=pg_lease_django.fencing.FenceTrigger(
-                key=models.Value("demo:nightly-report"), name="pg_lease_fence_demo_jobcounter", version="5b2398234e72"
+                key=models.Value("demo:nightly-report"), name="pg_lease_fence_demo_jobcounter", version="dafe517fc1b4"
             ),
         ),
     ]

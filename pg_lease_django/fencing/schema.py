@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 from django.db import models
 from django.db.models.constraints import BaseConstraint
 from django.db.models.sql import Query
+from psycopg import sql as pgsql
 
 from pg_lease_django import sql
+from pg_lease_django.sql import statements
 
 if TYPE_CHECKING:
     from django.db.backends.base.schema import BaseDatabaseSchemaEditor
@@ -70,53 +72,25 @@ def fenced_root(model: type[models.Model]) -> type[models.Model]:
     return root._meta.concrete_model or root
 
 
-#: The triggers of a fenced table, as FenceTrigger installs them. ``{table}`` is the quoted table,
-#: ``{schema}`` the quoted schema of the lease functions, ``{guard}`` the guard function and its
-#: arguments, ``{version}`` FENCE_TRIGGER_VERSION. They fire ALWAYS: ``session_replication_role =
-#: replica`` (which PostgreSQL 15+ lets any role be granted) does not turn them off; the guard lets a
-#: trusted replication apply through (``pg_lease_replication_apply``). Changing this text changes
-#: the version, so ``makemigrations`` writes a migration in every app with a fenced model.
-TRIGGERS_SQL = """\
-CREATE TRIGGER pg_lease_fence_insert AFTER INSERT ON {table}
-  REFERENCING NEW TABLE AS pg_lease_new FOR EACH STATEMENT EXECUTE FUNCTION {guard};
-CREATE TRIGGER pg_lease_fence_update AFTER UPDATE ON {table}
-  REFERENCING OLD TABLE AS pg_lease_old NEW TABLE AS pg_lease_new FOR EACH STATEMENT EXECUTE FUNCTION {guard};
-CREATE TRIGGER pg_lease_fence_delete AFTER DELETE ON {table}
-  REFERENCING OLD TABLE AS pg_lease_old FOR EACH STATEMENT EXECUTE FUNCTION {guard};
-CREATE TRIGGER pg_lease_fence_truncate BEFORE TRUNCATE ON {table}
-  FOR EACH STATEMENT EXECUTE FUNCTION {schema}.pg_lease_guard_truncate();
-ALTER TABLE {table} ENABLE ALWAYS TRIGGER pg_lease_fence_insert, ENABLE ALWAYS TRIGGER pg_lease_fence_update,
-  ENABLE ALWAYS TRIGGER pg_lease_fence_delete, ENABLE ALWAYS TRIGGER pg_lease_fence_truncate;
-COMMENT ON TRIGGER pg_lease_fence_insert ON {table} IS 'pg_lease_django fence trigger {version}';
-COMMENT ON TRIGGER pg_lease_fence_update ON {table} IS 'pg_lease_django fence trigger {version}';
-COMMENT ON TRIGGER pg_lease_fence_delete ON {table} IS 'pg_lease_django fence trigger {version}';
-COMMENT ON TRIGGER pg_lease_fence_truncate ON {table} IS 'pg_lease_django fence trigger {version}'"""
+#: The templates of ``sql/fence_triggers.sql`` that say what a fenced table carries (its drop is left
+#: out: it installs nothing).
+INSTALLED = (
+    statements.FENCE_TRIGGERS_CREATE,
+    statements.FENCE_GUARD_ROWS,
+    statements.FENCE_GUARD_INHERITED_ROWS,
+    statements.FENCE_DERIVE_KEY,
+    statements.FENCE_DERIVE_KEY_BODY,
+)
 
-#: The lease key derived by the database, for a fenced table whose model declares its key
-#: (``lease_key_expression``, or a class-level ``lease_key``): before each row is inserted, and
-#: updated in a column the key is made of (or the key itself), ``lease_key`` is set to
-#: ``{expression}`` (the declaration compiled over the row, NEW), whatever the writer sent, ORM or raw
-#: SQL; rows already stored get their derived key first (``{stored}``: the same over the table),
-#: before the fence triggers exist. ``{function}`` is the table's own trigger function, which pins its
-#: search_path so that no writer's schema can answer for an operator or function of the expression.
-DERIVE_SQL = """\
-CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql
-SET search_path = pg_catalog, pg_temp
-AS $pg_lease$BEGIN NEW.lease_key := {expression}; RETURN NEW; END$pg_lease$;
-CREATE TRIGGER pg_lease_derive_key BEFORE INSERT OR UPDATE OF {columns} ON {table}
-  FOR EACH ROW EXECUTE FUNCTION {function}();
-ALTER TABLE {table} ENABLE ALWAYS TRIGGER pg_lease_derive_key;
-COMMENT ON TRIGGER pg_lease_derive_key ON {table} IS 'pg_lease_django fence trigger {version}';
-UPDATE {table} SET lease_key = lease_key WHERE lease_key IS DISTINCT FROM ({stored});
-"""
-
-#: The names of the triggers above, each commented with the version that installed it.
+#: The triggers of ``fence_triggers_create``, each commented with the version that installed it.
 TRIGGER_NAMES = ("pg_lease_fence_insert", "pg_lease_fence_update", "pg_lease_fence_delete", "pg_lease_fence_truncate")
 #: The trigger that derives the stored key (a table whose model declares its key has it too).
 DERIVE_TRIGGER = "pg_lease_derive_key"
 
-#: What users' migrations record of TRIGGERS_SQL and DERIVE_SQL, and the installed triggers' comments carry.
-FENCE_TRIGGER_VERSION = hashlib.sha256((TRIGGERS_SQL + DERIVE_SQL).encode()).hexdigest()[:12]
+#: A hash of the `INSTALLED` templates' text: what users' migrations record, and the installed
+#: triggers' comments carry. Changing a template changes it, so ``makemigrations`` writes a
+#: migration that replaces the triggers in every app with a fenced model.
+FENCE_TRIGGER_VERSION = hashlib.sha256("\n".join(template.text for template in INSTALLED).encode()).hexdigest()[:12]
 
 #: How an installed trigger's comment names its version (the comment is exactly this).
 VERSION_COMMENT = "pg_lease_django fence trigger {version}"
@@ -142,7 +116,8 @@ class FenceTrigger(BaseConstraint):
         super().__init__(name=name, **kwargs)
         self.version = version
         #: The lease key the database derives for each row (a Django expression over the row's
-        #: fields), or None: the key each writer stores is checked, not derived (see `DERIVE_SQL`).
+        #: fields), or None: the key each writer stores is checked, not derived (see ``fence_derive_key``
+        #: in ``sql/fence_triggers.sql``).
         self.key = key
 
     def trigger_names(self) -> tuple[str, ...]:
@@ -157,53 +132,64 @@ class FenceTrigger(BaseConstraint):
         schema_editor.deferred_sql.append(self.create_sql(model, schema_editor))
 
     def create_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
+        """The triggers' DDL (``sql/fence_triggers.sql``), and first the derive trigger's for a declared key."""
         assert model is not None and schema_editor is not None
-        quote = schema_editor.quote_name
-        schema = sql.schema(schema_editor.connection)
+        connection = schema_editor.connection
+        schema = sql.schema_name(connection)
         root = fenced_root(model)
         if root._meta.db_table == model._meta.db_table:
-            guard = f"{schema}.pg_lease_guard_rows()"
+            guard = statements.FENCE_GUARD_ROWS.compose(schema)
         else:
             # A multi-table child: its rows' keys live in the fenced ancestor's table.
-            ancestor = f"{schema}.{quote(root._meta.db_table)}"
-            args = ", ".join(f"'{value}'" for value in (ancestor, root._meta.pk.column, model._meta.pk.column))
-            guard = f"{schema}.pg_lease_guard_inherited_rows({args})"
-        table = quote(model._meta.db_table)
-        triggers = TRIGGERS_SQL.format(table=table, schema=schema, guard=guard, version=FENCE_TRIGGER_VERSION)
+            ancestor = pgsql.Identifier(schema, root._meta.db_table).as_string(None)
+            guard = statements.FENCE_GUARD_INHERITED_ROWS.compose(
+                schema,
+                ancestor=pgsql.Literal(ancestor),
+                ancestor_pk=pgsql.Literal(root._meta.pk.column),
+                child_pk=pgsql.Literal(model._meta.pk.column),
+            )
+        triggers = sql.render(
+            connection, statements.FENCE_TRIGGERS_CREATE, table=_table(model), guard=guard, comment=_comment()
+        )
         if self.key is None:
             return triggers
-        return self._derive_sql(model, schema_editor) + triggers
+        return self._derive_sql(model, schema_editor) + "\n" + triggers
 
     def _derive_sql(self, model: type[models.Model], schema_editor: BaseDatabaseSchemaEditor) -> str:
         connection = schema_editor.connection
-        quote = schema_editor.quote_name
 
-        def compiled(query: Query, resolved: Any) -> str:
+        def compiled(query: Query, resolved: Any) -> pgsql.SQL:
+            # The ORM's SQL for the expression, its parameters made literals as Django's own DDL does.
             text, params = connection.ops.compiler("SQLCompiler")(query, connection, using=None).compile(resolved)
-            return str(text % tuple(schema_editor.quote_value(p) for p in params))
+            return pgsql.SQL(str(text % tuple(schema_editor.quote_value(p) for p in params)))
 
         over_table = Query(model, alias_cols=False)
         stored = compiled(over_table, self.key.resolve_expression(over_table, allow_joins=False))
         over_row = Query(model)
         resolved = self.key.resolve_expression(over_row, allow_joins=False)
         expression = compiled(over_row, resolved.relabeled_clone({model._meta.db_table: "new"}))
-        read = {quote(col.target.column) for col in _columns(resolved) if col.target.column != KEY_COLUMN}
-        columns = [quote(KEY_COLUMN), *sorted(read)]
-        return DERIVE_SQL.format(
-            function=quote(_derive_function(model)),
-            expression=expression,
-            columns=", ".join(columns),
-            table=quote(model._meta.db_table),
-            version=FENCE_TRIGGER_VERSION,
+        body = sql.render(connection, statements.FENCE_DERIVE_KEY_BODY, expression=expression)
+        read = {col.target.column for col in _columns(resolved) if col.target.column != KEY_COLUMN}
+        columns = pgsql.SQL(", ").join(pgsql.Identifier(column) for column in [KEY_COLUMN, *sorted(read)])
+        return sql.render(
+            connection,
+            statements.FENCE_DERIVE_KEY,
+            function=pgsql.Identifier(_derive_function(model)),
+            body=pgsql.Literal(body),
+            columns=columns,
+            table=_table(model),
+            comment=_comment(),
             stored=stored,
         )
 
     def remove_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
         assert model is not None and schema_editor is not None
-        table = schema_editor.quote_name(model._meta.db_table)
-        drops = [f"DROP TRIGGER IF EXISTS {name} ON {table}" for name in (*TRIGGER_NAMES, DERIVE_TRIGGER)]
-        drops.append(f"DROP FUNCTION IF EXISTS {schema_editor.quote_name(_derive_function(model))}()")
-        return "; ".join(drops)
+        return sql.render(
+            schema_editor.connection,
+            statements.FENCE_TRIGGERS_DROP,
+            table=_table(model),
+            function=pgsql.Identifier(_derive_function(model)),
+        )
 
     def validate(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to validate in Python: the database checks every write."""
@@ -229,6 +215,16 @@ class FenceTrigger(BaseConstraint):
 
 #: The column a fenced row stores its lease key in.
 KEY_COLUMN = "lease_key"
+
+
+def _table(model: type[models.Model]) -> pgsql.Identifier:
+    """``model``'s table, unqualified as Django's own DDL names it (found on the search_path)."""
+    return pgsql.Identifier(model._meta.db_table)
+
+
+def _comment() -> pgsql.Literal:
+    """The comment each installed trigger carries: its version."""
+    return pgsql.Literal(VERSION_COMMENT.format(version=FENCE_TRIGGER_VERSION))
 
 
 def _derive_function(model: type[models.Model]) -> str:

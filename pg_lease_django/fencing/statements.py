@@ -29,25 +29,23 @@ class PresentFence(Expression):
     hold, and evaluates to its epoch. Uncorrelated, so PostgreSQL runs it once per statement."""
 
     output_field = models.BigIntegerField()
+    #: Its SQL (``queries.sql``).
+    statement: sql.Statement[Any] = statements.FENCE_EXPRESSION
 
     def __init__(self, token: FenceToken) -> None:
         super().__init__()
         self.token = token
 
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
-        call = sql.render(connection, statements.FENCE_EXPRESSION)
-        return f"(SELECT {call})", (self.token.key, self.token.owner, self.token.epoch)
+        return sql.render(connection, self.statement), (self.token.key, self.token.owner, self.token.epoch)
 
 
 class FencePresented(PresentFence):
-    """WHERE-clause form of `PresentFence`: a one-time filter evaluated before any row is read."""
+    """WHERE-clause form of `PresentFence` (``... IS NOT NULL``): a one-time filter evaluated before any row is read."""
 
     conditional = True
     output_field = models.BooleanField()  # type: ignore[assignment]
-
-    def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
-        presented, params = super().as_sql(compiler, connection)
-        return f"{presented} IS NOT NULL", params
+    statement = statements.FENCE_PRESENTED
 
 
 def _present(connection: BaseDatabaseWrapper, token: FenceToken | None) -> None:

@@ -1,6 +1,7 @@
 """The statement layer: every statement the package sends, in one home, and what runs them.
 
-``queries.sql`` holds each statement once, under its name; `Statement` is one of them as a value
+``queries.sql`` holds each statement once, under its name, and ``fence_triggers.sql`` the DDL a
+fenced table's ``FenceTrigger`` runs in users' migrations; `Statement` is one of them as a value
 (its name, how many rows it answers, its row decoder, whether its commit must be confirmed), and
 ``sql.statements`` lists them all. Two executors send them: ``sql.run`` on a Django connection (the
 notice handler and commit confirmation of ``sql.confirmation``, Django's error mapping) and
@@ -39,16 +40,22 @@ _HEADER = re.compile(r"^-- ([a-z0-9_]+) --$", re.MULTILINE)
 
 
 @cache
-def queries() -> dict[str, str]:
-    """Every statement of ``queries.sql`` by name, its comment lines left out (a fragment is
-    composed into other statements, where a comment would swallow the rest of the line)."""
-    text = files.read("queries.sql")
+def named(source: str) -> dict[str, str]:
+    """Every statement of the file ``source`` (``queries.sql``, ``fence_triggers.sql``) by name, its
+    comment lines left out (a fragment is composed into other statements, where a comment would
+    swallow the rest of the line)."""
+    text = files.read(source)
     parts = _HEADER.split(text)[1:]
     found: dict[str, str] = {}
     for name, body in zip(parts[::2], parts[1::2], strict=True):
         lines = [line for line in body.splitlines() if not line.lstrip().startswith("--")]
         found[name] = "\n".join(lines).strip()
     return found
+
+
+def queries() -> dict[str, str]:
+    """Every statement of ``queries.sql`` by name (`named`)."""
+    return named("queries.sql")
 
 
 def _whole_row(row: Sequence[Any], params: Sequence[Any] | dict[str, Any]) -> Any:
@@ -66,17 +73,19 @@ class Statement(Generic[T]):
         confirms: a lease write whose commit must reach the synchronous standby: the executors turn
             the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`.
         parts: the names of the identifiers and fragments besides ``schema`` it is composed with.
+        source: the file of this directory it is written in.
     """
 
     name: str
     decode: Callable[[Sequence[Any], Any], T] = field(default=_whole_row, compare=False)
     confirms: bool = False
     parts: tuple[str, ...] = ()
+    source: str = "queries.sql"
 
     @property
     def text(self) -> str:
         """Its SQL, with ``{schema}`` and its parts unfilled."""
-        return queries()[self.name]
+        return named(self.source)[self.name]
 
     def compose(self, schema: str | None, **parts: pgsql.Composable) -> pgsql.Composed:
         """Its SQL with ``schema`` (unquoted; None when it names none) and ``parts`` composed in:
@@ -128,12 +137,12 @@ def schema_name(connection: BaseDatabaseWrapper) -> str:
 
 
 def schema(connection: BaseDatabaseWrapper) -> str:
-    """`schema_name`, quoted (for the SQL the package writes into migrations: fence triggers)."""
+    """`schema_name`, quoted."""
     return pgsql.Identifier(schema_name(connection)).as_string(None)
 
 
-# Rendered statements per (alias, name): a call renders nothing after its first.
-_rendered: dict[tuple[str, str], str] = {}
+# Rendered statements per (alias, file, name): a call renders nothing after its first.
+_rendered: dict[tuple[str, str, str], str] = {}
 
 
 @receiver(setting_changed)
@@ -147,9 +156,9 @@ def render(connection: BaseDatabaseWrapper, statement: Statement[Any], **parts: 
     """``statement``'s SQL for ``connection``: its schema and ``parts`` composed in (cached without parts)."""
     if parts:
         return statement.compose(_schema_if_named(connection, statement), **parts).as_string(None)
-    found = _rendered.get((connection.alias, statement.name))
+    found = _rendered.get((connection.alias, statement.source, statement.name))
     if found is None:
-        found = _rendered[connection.alias, statement.name] = statement.compose(
+        found = _rendered[connection.alias, statement.source, statement.name] = statement.compose(
             _schema_if_named(connection, statement)
         ).as_string(None)
     return found

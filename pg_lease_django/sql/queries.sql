@@ -51,8 +51,14 @@ SELECT leases, held, epoch_floor, max_epoch, server_time FROM {schema}.pg_lease_
 SELECT {schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)
 
 -- fence_expression --
--- The same as an expression, inside Django's own UPDATE or INSERT (fencing.statements).
-{schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)
+-- The same as an expression, inside Django's own UPDATE or INSERT (fencing.statements): uncorrelated,
+-- so PostgreSQL runs it once per statement; the epoch.
+(SELECT {schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint))
+
+-- fence_presented --
+-- The same as a condition, in the WHERE clause of Django's own UPDATE or DELETE: evaluated once,
+-- before any row is read.
+(SELECT {schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)) IS NOT NULL
 
 -- allow_unfenced --
 -- Opt this transaction out of fencing (operators: revoked from PUBLIC).
@@ -162,6 +168,11 @@ SELECT 'tenure', t.key, t.end_reason, count(*)::float8, NULL
   FROM {schema}.pg_lease_django_tenure t
  WHERE %s::boolean AND t.end_reason IS NOT NULL
  GROUP BY 2, 3
+
+-- status_function --
+-- The lease functions' status rule, named for a Django Func over the lease table (querysets.StatusAt:
+-- the ORM writes its arguments, owner, expires_at and the server clock).
+{schema}.pg_lease_status
 
 -- transitions --
 -- The latest grants and ends of tenures under a prefix and a LIKE pattern (each NULL: any), newest first.

@@ -1,7 +1,9 @@
 """Every statement of ``queries.sql`` as a value: its name, its rows' decoder, whether it confirms its commit.
 
 The executors (``sql.run``, ``sql.arun``) take these; nothing else in the package spells a statement.
-A statement's parameters are what its decoder is given besides the row (``sql.rows``).
+A statement's parameters are what its decoder is given besides the row (``sql.rows``). The templates
+of ``fence_triggers.sql``, the DDL of users' fenced tables, are here too: `sql.render` composes them
+and Django's schema editor runs them (``FenceTrigger``).
 """
 
 from __future__ import annotations
@@ -25,10 +27,27 @@ ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement("advance_epochs", rows.
 # ---- fencing ---------------------------------------------------------------------------------------
 
 PRESENT_FENCE: Statement[int] = Statement("present_fence", rows.scalar)
-#: An expression inside Django's own UPDATE or INSERT (never sent alone).
+#: An expression inside Django's own UPDATE or INSERT, and its WHERE-clause form (never sent alone).
 FENCE_EXPRESSION: Statement[Any] = Statement("fence_expression")
+FENCE_PRESENTED: Statement[Any] = Statement("fence_presented")
 ALLOW_UNFENCED: Statement[Any] = Statement("allow_unfenced")
 END_UNFENCED: Statement[Any] = Statement("end_unfenced")
+
+# ---- users' fenced tables: the DDL FenceTrigger runs in their migrations (fence_triggers.sql) -------
+
+_FENCE = "fence_triggers.sql"
+FENCE_TRIGGERS_CREATE: Statement[Any] = Statement(
+    "fence_triggers_create", parts=("table", "guard", "comment"), source=_FENCE
+)
+FENCE_GUARD_ROWS: Statement[Any] = Statement("fence_guard_rows", source=_FENCE)
+FENCE_GUARD_INHERITED_ROWS: Statement[Any] = Statement(
+    "fence_guard_inherited_rows", parts=("ancestor", "ancestor_pk", "child_pk"), source=_FENCE
+)
+FENCE_DERIVE_KEY: Statement[Any] = Statement(
+    "fence_derive_key", parts=("function", "body", "columns", "table", "comment", "stored"), source=_FENCE
+)
+FENCE_DERIVE_KEY_BODY: Statement[Any] = Statement("fence_derive_key_body", parts=("expression",), source=_FENCE)
+FENCE_TRIGGERS_DROP: Statement[Any] = Statement("fence_triggers_drop", parts=("table", "function"), source=_FENCE)
 
 # ---- sessions: waiting, the lease connections, settling ----------------------------------------------
 
@@ -53,6 +72,8 @@ WORK_MEM_ROOM: Statement[Any] = Statement("work_mem_room")
 METRICS: Statement[tuple[Any, ...]] = Statement("metrics")
 METRICS_PER_KEY: Statement[tuple[Any, ...]] = Statement("metrics_per_key")
 TRANSITIONS: Statement[tuple[Any, ...]] = Statement("transitions")
+#: A function's name, for a Django Func (never sent alone).
+STATUS_FUNCTION: Statement[Any] = Statement("status_function")
 
 # ---- the catalog: migrations, scopes, limits, privileges ---------------------------------------------
 

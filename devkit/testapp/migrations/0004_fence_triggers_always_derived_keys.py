@@ -31,25 +31,25 @@ class Migration(migrations.Migration):
         migrations.AddConstraint(
             model_name="creditnote",
             constraint=pg_lease_django.fencing.FenceTrigger(
-                name="pg_lease_fence_testapp_creditnote", version="5b2398234e72"
+                name="pg_lease_fence_testapp_creditnote", version="dafe517fc1b4"
             ),
         ),
         migrations.AddConstraint(
             model_name="entry",
             constraint=pg_lease_django.fencing.FenceTrigger(
-                key=models.F("account"), name="pg_lease_fence_testapp_entry", version="5b2398234e72"
+                key=models.F("account"), name="pg_lease_fence_testapp_entry", version="dafe517fc1b4"
             ),
         ),
         migrations.AddConstraint(
             model_name="invoice",
             constraint=pg_lease_django.fencing.FenceTrigger(
-                key=models.F("account"), name="pg_lease_fence_testapp_invoice", version="5b2398234e72"
+                key=models.F("account"), name="pg_lease_fence_testapp_invoice", version="dafe517fc1b4"
             ),
         ),
         migrations.AddConstraint(
             model_name="report",
             constraint=pg_lease_django.fencing.FenceTrigger(
-                key=models.Value("testapp-reports"), name="pg_lease_fence_testapp_report", version="5b2398234e72"
+                key=models.Value("testapp-reports"), name="pg_lease_fence_testapp_report", version="dafe517fc1b4"
             ),
         ),
     ]

@@ -23,13 +23,13 @@ class Migration(migrations.Migration):
         migrations.AddConstraint(
             model_name="ledger",
             constraint=pg_lease_django.fencing.FenceTrigger(
-                name="pg_lease_fence_compatapp_ledger", version="5b2398234e72"
+                name="pg_lease_fence_compatapp_ledger", version="dafe517fc1b4"
             ),
         ),
         migrations.AddConstraint(
             model_name="vault",
             constraint=pg_lease_django.fencing.FenceTrigger(
-                key=models.Value("compat-vault"), name="pg_lease_fence_compatapp_vault", version="5b2398234e72"
+                key=models.Value("compat-vault"), name="pg_lease_fence_compatapp_vault", version="dafe517fc1b4"
             ),
         ),
     ]
