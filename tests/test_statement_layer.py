@@ -53,7 +53,9 @@ def _strings(tree: ast.Module) -> list[tuple[int, str]]:
     inside_fstrings = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
     for node in ast.walk(tree):
         if isinstance(node, ast.JoinedStr):
-            found.append((node.lineno, "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)))
+            found.append(
+                (node.lineno, "".join(str(v.value) if isinstance(v, ast.Constant) else "{}" for v in node.values))
+            )
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in inside_fstrings:
             found.append((node.lineno, node.value))
     return found
@@ -64,21 +66,26 @@ def _statement_like(text: str) -> bool:
     return match is not None and match.group(1).isupper()
 
 
+#: The files of named statements (procrastinate's format), each read by `sql.named`.
+SOURCES = ("queries.sql", "fence_triggers.sql")
+VALUES = [value for value in vars(statements).values() if isinstance(value, Statement)]
+NAMED = sorted((source, name) for source in SOURCES for name in sql.named(source))
+
+
 def test_every_named_statement_has_one_value_and_every_value_a_statement() -> None:
-    values = [value for value in vars(statements).values() if isinstance(value, Statement)]
-    names = [value.name for value in values]
-    assert len(names) == len(set(names)), "two values name one statement"
-    assert set(names) == set(sql.queries()), (
-        f"in queries.sql only: {sorted(set(sql.queries()) - set(names))}; "
-        f"in statements.py only: {sorted(set(names) - set(sql.queries()))}"
+    found = [(value.source, value.name) for value in VALUES]
+    assert len(found) == len(set(found)), "two values name one statement"
+    assert set(found) == set(NAMED), (
+        f"in the files only: {sorted(set(NAMED) - set(found))}; in statements.py only: {sorted(set(found) - set(NAMED))}"
     )
+    assert {path.name for path in (PACKAGE / "sql").glob("*.sql")} - {"schema.sql"} == set(SOURCES)
 
 
-@pytest.mark.parametrize("name", sorted(sql.queries()))
-def test_each_statement_composes_with_its_declared_parts_only(name: str) -> None:
+@pytest.mark.parametrize(("source", "name"), NAMED)
+def test_each_statement_composes_with_its_declared_parts_only(source: str, name: str) -> None:
     """A ``{part}`` a statement does not declare (a typo, a part added in one place) fails here, not
     at the first call; ``{schema}`` and ``{schema_name}`` are every statement's."""
-    [statement] = [v for v in vars(statements).values() if isinstance(v, Statement) and v.name == name]
+    [statement] = [v for v in VALUES if (v.source, v.name) == (source, name)]
     used = set(re.findall(r"(?<!\{)\{([a-z_]+)\}(?!\})", statement.text)) - {"schema", "schema_name"}
     assert used == set(statement.parts), f"{name}: composes {sorted(used)}, declares {sorted(statement.parts)}"
     parts = {part: pgsql.Identifier(part) for part in statement.parts}
@@ -89,14 +96,14 @@ def test_each_statement_composes_with_its_declared_parts_only(name: str) -> None
 def test_no_identifier_is_quoted_by_hand_inside_a_string_literal() -> None:
     """``'{schema}."t"'::regclass`` breaks (or worse) for a schema with a quote in its name: the
     catalogs are asked by ``{schema_name}``, a literal psycopg quotes."""
-    for name, text in sql.queries().items():
+    for name, text in (item for source in SOURCES for item in sql.named(source).items()):
         literals = re.findall(r"'(?:[^']|'')*'", text)
         inside = [literal for literal in literals if re.search(r"(?<!\{)\{[a-z_]+\}", literal)]
         assert not inside, f"{name}: composed inside a string literal: {inside}"
 
 
 def test_a_schema_with_a_quote_in_its_name_is_quoted_everywhere() -> None:
-    for statement in (v for v in vars(statements).values() if isinstance(v, Statement)):
+    for statement in VALUES:
         parts = {part: pgsql.Identifier(part) for part in statement.parts}
         text = statement.compose("it's", **parts).as_string(None)
         assert "it's" not in text.replace('"it\'s"', "").replace("'it''s'", ""), statement.name
