@@ -76,7 +76,8 @@ def test_every_named_statement_has_one_value_and_every_value_a_statement() -> No
     found = [(value.source, value.name) for value in VALUES]
     assert len(found) == len(set(found)), "two values name one statement"
     assert set(found) == set(NAMED), (
-        f"in the files only: {sorted(set(NAMED) - set(found))}; in statements.py only: {sorted(set(found) - set(NAMED))}"
+        f"in the files only: {sorted(set(NAMED) - set(found))}; "
+        f"in statements.py only: {sorted(set(found) - set(NAMED))}"
     )
     assert {path.name for path in (PACKAGE / "sql").glob("*.sql")} - {"schema.sql"} == set(SOURCES)
 
