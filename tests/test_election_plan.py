@@ -1,4 +1,4 @@
-"""The campaign's decisions between terms (`pg_lease_django.election_plan`), with a fake clock.
+"""The campaign's decisions between terms (`pg_lease_django.election.plan`), with a fake clock.
 
 No database and no threads: each test plays a driver, answering the plan's steps and moving the
 clock on by each `Rest`. What the drivers themselves do (the hold, the callback, ``stop()`` and
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pg_lease_django.election_plan import (
+from pg_lease_django.election.plan import (
     Announce,
     Campaign,
     CampaignFailed,

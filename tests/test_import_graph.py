@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the manager and the model", {"managers", "querysets", "models"}),
     ("holding for a job", {"holds"}),
     ("fencing", {"fencing"}),
-    ("leader election", {"election_plan", "election", "async_election"}),
+    ("leader election", {"election"}),
     (
         "operators",
         {
@@ -78,6 +78,9 @@ HOLDS_ORDER = [
 
 #: fencing/, lowest first; the package's ``__init__`` re-exports the public face and not the admin.
 FENCING_ORDER = ["resolution", "schema", "statements", "model", "__init__", "admin"]
+
+#: election/, lowest first: the plan (no I/O), then its drivers; the package's ``__init__`` re-exports them.
+ELECTION_ORDER = ["plan", "threaded", "aio", "__init__"]
 
 #: What a module of the foundation may import: nothing above it (sql/, status, exceptions, validation).
 FOUNDATION = {"conf", "exceptions", "status", "validation", "sql", "sql.files"}
@@ -252,10 +255,13 @@ def test_nothing_low_imports_something_high() -> None:
     assert not upward, "\n".join(upward)
 
 
-@pytest.mark.parametrize(("package", "order"), [("holds", HOLDS_ORDER), ("fencing", FENCING_ORDER)])
+@pytest.mark.parametrize(
+    ("package", "order"), [("holds", HOLDS_ORDER), ("fencing", FENCING_ORDER), ("election", ELECTION_ORDER)]
+)
 def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     """holds/: context → lease → lease_pool → scheduler → heartbeat → session → holding → jobs;
-    fencing/: resolution → schema → statements → model → the package → its admin."""
+    fencing/: resolution → schema → statements → model → the package → its admin;
+    election/: plan → its drivers → the package."""
     members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
     position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}
     if package == "holds":

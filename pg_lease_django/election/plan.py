@@ -26,7 +26,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from . import conf
+from pg_lease_django import conf
 
 Clock = Callable[[], float]
 

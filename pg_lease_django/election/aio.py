@@ -1,6 +1,6 @@
 """``aelect()``: an election's campaign driven by the event loop (`AsyncElection`).
 
-The campaign's decisions are `pg_lease_django.election_plan`'s, as for ``elect()``'s thread
+The campaign's decisions are `pg_lease_django.election.plan`'s, as for ``elect()``'s thread
 (`Election._run`); what is the event loop's own is here: a term's callback runs as a task,
 cancelled when the lease is lost, a hand-off is requested, or the campaign is cancelled, and the
 database calls run in worker threads (``hold()``'s ``async with``, ``ainspect``).
@@ -15,9 +15,12 @@ from typing import Any
 
 from asgiref.sync import iscoroutinefunction
 
-from . import metrics
-from .election import Election, logger
-from .election_plan import (
+from pg_lease_django import metrics
+from pg_lease_django.exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
+from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.validation import Seconds
+
+from .plan import (
     Announce,
     CampaignFailed,
     ReadLeader,
@@ -30,9 +33,7 @@ from .election_plan import (
     TermEnd,
     TermOutcome,
 )
-from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
-from .holds.lease import HeldLease
-from .validation import Seconds
+from .threaded import Election, logger
 
 __all__ = ["AsyncElection", "aelect"]
 
@@ -52,7 +53,7 @@ class AsyncElection(Election):
             metrics.campaigning(self.key, -1)
 
     async def _ado(self, step: Step) -> Any:
-        from .models import Lease
+        from pg_lease_django.models import Lease
 
         match step:
             case RunTerm():

@@ -1,7 +1,7 @@
 """Leader election on ``hold()``: campaign for a key, lead while the hold lasts, step down, campaign again.
 
 ``elect()`` runs the loop in a thread of its own and returns an `Election` handle; ``aelect()``
-(`pg_lease_django.async_election`) is the same loop as a coroutine. See docs/leader-election.md.
+(`pg_lease_django.election.aio`) is the same loop as a coroutine. See docs/leader-election.md.
 
 - **Campaigning** is a non-blocking ``hold()`` attempt every ``PG_LEASE_POLL_INTERVAL`` (0.5 s),
   sleeping on an event in between: a refused attempt is one cheap statement (no write, no lock)
@@ -12,7 +12,7 @@
   raises, the lease is lost, a hand-off is requested, or the election is stopped; then the hold
   is left (released, unless lost) and ``on_stopped_leading()`` is called.
 - **Resting** before the next campaign, and everything else decided between terms, is
-  `pg_lease_django.election_plan`: written once, run by the thread of ``elect()`` and the
+  `pg_lease_django.election.plan`: written once, run by the thread of ``elect()`` and the
   coroutine of ``aelect()`` (`Election._run`, `AsyncElection._acampaign`).
 """
 
@@ -28,8 +28,16 @@ from typing import Any
 
 from django.db import connections
 
-from . import metrics, sigterm
-from .election_plan import (
+from pg_lease_django import metrics, sigterm
+from pg_lease_django.exceptions import InvalidInputError, NotAcquirableError
+from pg_lease_django.holds.holding import Holding, hold, report_next_acquire_to
+from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.holds.lease_connection import InFlight
+from pg_lease_django.operations import LeaseState
+from pg_lease_django.owners import default_owner
+from pg_lease_django.validation import Seconds, check_new_name, check_ttl
+
+from .plan import (
     Announce,
     Campaign,
     CampaignFailed,
@@ -44,17 +52,11 @@ from .election_plan import (
     TermOutcome,
     term_end,
 )
-from .exceptions import InvalidInputError, NotAcquirableError
-from .holds.holding import Holding, hold, report_next_acquire_to
-from .holds.lease import HeldLease
-from .holds.lease_connection import InFlight
-from .operations import LeaseState
-from .owners import default_owner
-from .validation import Seconds, check_new_name, check_ttl
 
 __all__ = ["Election", "current_election", "elect"]
 
-logger = logging.getLogger(__name__)
+# The documented logger of elections (docs/leader-election.md), whichever module logs.
+logger = logging.getLogger("pg_lease_django.election")
 
 #: Seconds between the cancel request of a campaign attempt interrupted by `Election.stop` and
 #: shutting its socket (the attempt is settled on the server either way: `settling.settle`).
@@ -286,7 +288,7 @@ class Election:
             self._done.set()
 
     def _do(self, step: Step) -> Any:
-        from .models import Lease
+        from pg_lease_django.models import Lease
 
         match step:
             case RunTerm():
