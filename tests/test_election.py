@@ -373,6 +373,42 @@ def test_aelect_cancelled_while_campaigning_ends_at_once_without_stepping_down(k
     assert Lease.objects.inspect(key).owner == "incumbent"
 
 
+def test_aelect_cancelled_while_announcing_its_win_releases_without_leading(key: str) -> None:
+    """Cancelled in the term's first step (an async ``on_new_leader``): the callback never starts, so
+    there is no ``on_stopped_leading``; the hold is released and the CancelledError goes on."""
+    announced = asyncio.Event()
+    calls: list[str] = []
+
+    async def lead(lease: HeldLease) -> None:
+        calls.append("started")
+
+    async def new_leader(identity: str) -> None:
+        calls.append(f"leader {identity}")
+        announced.set()
+        await asyncio.Event().wait()
+
+    async def scenario() -> None:
+        campaign = asyncio.ensure_future(
+            aelect(
+                key,
+                ttl=TTL,
+                owner="me",
+                on_started_leading=lead,
+                on_stopped_leading=lambda: calls.append("stopped"),
+                on_new_leader=new_leader,
+            )
+        )
+        await asyncio.wait_for(announced.wait(), HANG)
+        assert (await Lease.objects.ainspect(key)).owner == "me"
+        campaign.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(campaign, HANG)
+
+    async_to_sync(scenario)()
+    assert calls == ["leader me"]
+    assert Lease.objects.inspect(key).status == "free"
+
+
 # ---- several processes ---------------------------------------------------------------------------
 
 
