@@ -79,8 +79,9 @@ HOLDS_ORDER = [
 #: fencing/, lowest first; the package's ``__init__`` re-exports the public face and not the admin.
 FENCING_ORDER = ["resolution", "schema", "statements", "model", "__init__", "admin"]
 
-#: election/, lowest first: the plan (no I/O), then its drivers; the package's ``__init__`` re-exports them.
-ELECTION_ORDER = ["plan", "threaded", "aio", "__init__"]
+#: election/, lowest first: the plan (no I/O), what its drivers share, the drivers (neither imports the
+#: other: `test_the_election_drivers_stand_apart`); the package's ``__init__`` re-exports them.
+ELECTION_ORDER = ["plan", "candidate", "threaded", "aio", "__init__"]
 
 #: What a module of the foundation may import: nothing above it (sql/, status, exceptions, validation).
 FOUNDATION = {"conf", "exceptions", "status", "validation", "sql", "sql.files"}
@@ -261,7 +262,7 @@ def test_nothing_low_imports_something_high() -> None:
 def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     """holds/: context → lease → lease_pool → scheduler → heartbeat → session → holding → jobs;
     fencing/: resolution → schema → statements → model → the package → its admin;
-    election/: plan → its drivers → the package."""
+    election/: plan → candidate → threaded, aio → the package."""
     members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
     position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}
     if package == "holds":
@@ -274,6 +275,19 @@ def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
         if position[target] >= position[name]
     ]
     assert not backward, backward
+
+
+def test_the_election_drivers_stand_apart() -> None:
+    """``aelect()``'s driver inherits nothing of ``elect()``'s thread, nor the other way round."""
+    assert "election.threaded" not in _graph()["election.aio"]
+    assert "election.aio" not in _graph()["election.threaded"]
+
+
+def test_the_election_plan_does_no_io() -> None:
+    """The plan imports nothing that blocks, awaits or reaches the database: only the settings."""
+    assert _graph()["election.plan"] <= {"conf"}
+    outside = {module.partition(".")[0] for module in _imported("election.plan")} - {ROOT}
+    assert outside <= {"__future__", "collections", "dataclasses", "enum", "time", "typing"}, outside
 
 
 def test_holds_package_module_imports_nothing() -> None:

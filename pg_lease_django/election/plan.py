@@ -1,15 +1,16 @@
-"""An election's campaign, written once: what to do between terms, as a generator that does no I/O.
+"""An election written once: what a campaign does, term after term, as a generator that does no I/O.
 
-`Campaign.plan` decides; a driver does. It yields the next step (`RunTerm`, `Rest`, `ReadLeader`,
-`Announce`, `StepDown`) and is sent the step's answer. Two drivers run it: `Election`'s thread
-(``elect()``, blocking, a `Rest` cut short by ``stop()``) and its coroutine (``aelect()``, a `Rest`
-cut short by cancellation). A term itself (the hold, the leader callback, ending it on a loss or a
-hand-off) is each driver's own, because a thread and a task are stopped differently; how a term
-ended is sent back as a `TermOutcome`, and everything after it is decided here: whom to announce,
-when to call ``on_stopped_leading``, how long to rest, the watch for a new leader after a hand-off.
-As in `wait_plan`, this is psycopg's habit (generators that yield what to wait for, run by a
-blocking and an async waiter), and it lets the rest and the watch be tested with a fake clock
-(tests/test_election_plan.py).
+`Campaign.plan` decides; a driver does. It yields the next step and is sent the step's answer. Two
+drivers run it: `Election`'s thread (``elect()``: blocking calls, a `Rest` cut short by ``stop()``)
+and `AsyncElection`'s task (``aelect()``: awaits, a `Rest` cut short by cancellation). The decisions
+are all here: campaign with one attempt at a time; after winning, announce this campaigner, lead,
+leave the hold, then call ``on_stopped_leading`` (only if the leader callback ran); how the term
+ended (`term_end`), how long to rest, the watch for a new leader after a hand-off, and which steps
+a stopped campaign no longer takes (`ENDED_BY_STOP`). What stays each driver's own is how a step is
+done: a thread's leader callback returns when told (``wait_stop``), a task's is cancelled; a stop
+is an event for one and a cancellation for the other. As in `pg_lease_django.wait_plan`, this is
+psycopg's habit (generators that yield what to wait for, run by a blocking and an async waiter),
+and it lets every decision be tested with a fake clock (tests/test_election_plan.py).
 
 Resting before the next campaign keeps a leader from taking its lease straight back: after a
 hand-off, until another leader is seen or one TTL has passed; after the callback raised (or the
@@ -38,11 +39,10 @@ class TermEnd(enum.Enum):
     FAILED = "failed"
     HANDOFF = "hand-off"
     LOST = "lost"
-    STOPPED = "stopped"
 
 
 def term_end(ended: TermEnd, *, lost: bool, handoff_requested: bool) -> TermEnd:
-    """What ended a term once its callback is done: a loss or a hand-off outrank a return."""
+    """What ended a term once its hold is left: a loss or a hand-off outrank a return."""
     if lost:
         return TermEnd.LOST
     if ended == TermEnd.RETURNED and handoff_requested:
@@ -50,54 +50,12 @@ def term_end(ended: TermEnd, *, lost: bool, handoff_requested: bool) -> TermEnd:
     return ended
 
 
-# ---- what the drivers report about one campaign attempt -------------------------------------------
-
-
-@dataclass(frozen=True)
-class Refused:
-    """The attempt was refused; ``holder`` is the leader it named (None: not named)."""
-
-    holder: str | None
-
-
-@dataclass(frozen=True)
-class CampaignFailed:
-    """The database failed the attempt (or the hold around a term); ``led``: a term had started."""
-
-    led: bool
-
-
-@dataclass(frozen=True)
-class Served:
-    """A term was won and its hold left; ``ended``: why (`term_end`). ``led``: its callback was
-    started (a lease lost before that ends the term with no ``on_stopped_leading``)."""
-
-    ended: TermEnd
-    led: bool = True
-
-
-TermOutcome = Refused | CampaignFailed | Served
-
-
 # ---- the steps ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class RunTerm:
-    """Campaign once and, when elected, serve the term; answer: its `TermOutcome`."""
-
-
-@dataclass(frozen=True)
-class Rest:
-    """Wait ``seconds`` (a blocking driver wakes on ``stop()`` and ends); answer: None."""
-
-    seconds: float
-
-
-@dataclass(frozen=True)
-class ReadLeader:
-    """Read who holds the key (``inspect``); answer: the holder, None when nobody holds it or the
-    read failed (the driver logs the failure)."""
+class Attempt:
+    """Campaign once: enter a hold of the key without waiting; answer: `Won`, `Refused` or `Failed`."""
 
 
 @dataclass(frozen=True)
@@ -108,15 +66,76 @@ class Announce:
 
 
 @dataclass(frozen=True)
+class Lead:
+    """Call ``on_started_leading`` with the term's lease and wait until the term must end.
+
+    Answer: `TermEnd.RETURNED`, or `TermEnd.FAILED` when the callback raised (the driver logged it)
+    or the term was failed (`fail_term`); None when the term was cut short before the callback could
+    start (a task cancelled while announcing).
+    """
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Leave the term's hold: release, unless the lease was lost; answer: `Left` or `Failed`."""
+
+
+@dataclass(frozen=True)
 class StepDown:
     """Call ``on_stopped_leading``: the term's hold has been left; answer: None."""
 
 
-Step = RunTerm | Rest | ReadLeader | Announce | StepDown
+@dataclass(frozen=True)
+class Rest:
+    """Wait ``seconds`` (cut short by a stop or a cancellation, which end the campaign); answer: None."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReadLeader:
+    """Read who holds the key (``inspect``); answer: the holder, None when nobody holds it or the
+    read failed (the driver logs the failure)."""
+
+
+Step = Attempt | Announce | Lead | Leave | StepDown | Rest | ReadLeader
+
+#: The steps a stopped campaign does not take: a driver ends when the plan comes to one once stopped
+#: (a thread returns, a task raises its CancelledError). A term in progress still ends as a term does
+#: (`Lead` returns, `Leave`, `StepDown`), and an announcement is still made.
+ENDED_BY_STOP = (Attempt, Rest, ReadLeader)
+
+
+# ---- the answers ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Won:
+    """The attempt won the lease: the term's hold is entered (the driver keeps it until `Leave`)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The attempt was refused; ``holder`` is the leader it named (None: not named)."""
+
+    holder: str | None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The database failed the attempt or the leaving of the hold (logged by the driver, unless stopped)."""
+
+
+@dataclass(frozen=True)
+class Left:
+    """The term's hold was left; what its lease said then."""
+
+    lost: bool
+    handoff_requested: bool
 
 
 class Campaign:
-    """The decisions of one election between its terms (its back-off is the only state kept)."""
+    """The decisions of one election (its back-off is the only state kept)."""
 
     def __init__(
         self,
@@ -133,24 +152,34 @@ class Campaign:
         self.failures = 0  # terms (or attempts) in a row that failed: the back-off
 
     def plan(self) -> Generator[Step, Any, None]:
-        """Campaign for ever: the driver stops sending when stopped (or cancelled)."""
+        """Campaign for ever: a driver stops at a step of `ENDED_BY_STOP` once stopped (or cancelled)."""
         while True:
-            outcome = yield RunTerm()
-            if isinstance(outcome, Refused):
-                if outcome.holder is not None:
-                    yield Announce(outcome.holder)
+            attempt = yield Attempt()
+            if isinstance(attempt, Won):
+                yield from self.term()
+            elif isinstance(attempt, Refused):
+                if attempt.holder is not None:
+                    yield Announce(attempt.holder)
                 yield Rest(self.poll_interval())
-            elif isinstance(outcome, CampaignFailed):
-                if outcome.led:
-                    yield StepDown()
-                yield Rest(self.rest(TermEnd.FAILED))
             else:
-                if outcome.led:
-                    yield StepDown()
-                if outcome.ended == TermEnd.HANDOFF:
-                    yield from self.watch(self.rest(TermEnd.HANDOFF))
-                else:
-                    yield Rest(self.rest(outcome.ended))
+                yield Rest(self.rest(TermEnd.FAILED))
+
+    def term(self) -> Generator[Step, Any, None]:
+        """A term won: announce this campaigner, lead, leave the hold, step down if the callback ran, rest."""
+        yield Announce(self.owner)
+        led: TermEnd | None = yield Lead()
+        left = yield Leave()
+        if led is not None:
+            yield StepDown()
+        if isinstance(left, Left):
+            returned = TermEnd.RETURNED if led is None else led
+            ended = term_end(returned, lost=left.lost, handoff_requested=left.handoff_requested)
+        else:
+            ended = TermEnd.FAILED
+        if ended == TermEnd.HANDOFF:
+            yield from self.watch(self.rest(ended))
+        else:
+            yield Rest(self.rest(ended))
 
     def rest(self, ended: TermEnd) -> float:
         """Seconds to wait before campaigning again after a term that ended so (module docstring)."""
