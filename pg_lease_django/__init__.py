@@ -9,8 +9,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from .async_election import aelect
-from .election import Election, current_election, elect
+from .election import Election, aelect, current_election, elect
 from .exceptions import (
     AlreadyFreeError,
     EpochMismatchError,

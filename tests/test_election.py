@@ -1,7 +1,8 @@
 """``elect()`` / ``aelect()``: leader election on ``hold()``.
 
 In this process: a term's life (callbacks and their order, release on stop), a stop while
-campaigning, a failing callback (step down, back off, campaign again), a hand-off, the async twin.
+campaigning, a failing callback (step down, back off, campaign again), a loss (no rest), a hand-off;
+the async twin's terms the same ways (a loss, a raise, a return, a hand-off, a cancellation).
 In several processes (tests/election_child.py): leaders killed (SIGKILL) and frozen (SIGSTOP past
 the TTL) and a hand-off, with the whole history checked: every leader writes fenced rows stamped
 with the server clock, and the terms must be disjoint with strictly increasing epochs.
@@ -255,6 +256,157 @@ def test_aelect_leads_in_a_task_cancelled_on_handoff_and_steps_down_on_cancellat
         ("stopped", "free"),
     ]
     assert second > first + 1
+
+
+def test_a_lost_lease_ends_the_term_and_the_campaign_goes_on_without_resting(key: str) -> None:
+    """A loss (here a force release, learned at the next renewal) wakes the leader, steps down, and the
+    next attempt follows at once: no rest after a loss (the poll interval is NEVER)."""
+    calls: list[tuple[Any, ...]] = []
+
+    def lead(lease: HeldLease) -> None:
+        calls.append(("started", lease.epoch))
+        leader_until_stopped(lease)
+        calls.append(("returned", lease.lost))
+
+    with (
+        override_settings(PG_LEASE_POLL_INTERVAL=NEVER),
+        elect(key, ttl=TTL, on_started_leading=lead, on_stopped_leading=lambda: calls.append(("stopped",))),
+    ):
+        wait_until(lambda: len(calls) == 1, timeout=HANG, what="the first term")
+        forced = Lease.objects.force_release(key)
+        wait_until(lambda: len(calls) == 4, timeout=HANG, what="the term after the loss")
+    first = calls[0][1]
+    assert calls[:4] == [("started", first), ("returned", True), ("stopped",), ("started", calls[3][1])]
+    assert calls[3][1] > forced > first
+    assert calls[4:] == [("returned", False), ("stopped",)]
+
+
+def test_aelect_steps_down_after_a_loss_a_failure_and_a_return_and_campaigns_again(
+    key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aelect's terms: a loss cancels the leader's task (no rest), a raise is logged and backs off, a
+    return rests one poll interval; async ``on_new_leader`` and ``on_stopped_leading`` are awaited,
+    and ``current_election()`` is None in the leader's task."""
+    events: list[tuple[Any, ...]] = []
+    seen: list[str] = []
+
+    async def lead(lease: HeldLease) -> None:
+        events.append(("started", lease.epoch, current_election(), time.monotonic()))
+        terms = sum(1 for event in events if event[0] == "started")
+        if terms == 1:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                events.append(("cancelled", lease.lost))
+                raise
+        if terms == 2:
+            raise RuntimeError("boom")
+        if terms == 4:
+            await asyncio.Event().wait()
+
+    async def new_leader(identity: str) -> None:
+        seen.append(identity)
+
+    async def stopped() -> None:
+        events.append(("stopped", time.monotonic()))
+
+    async def scenario() -> None:
+        campaign = asyncio.ensure_future(
+            aelect(
+                key, ttl=TTL, owner="me", on_started_leading=lead, on_stopped_leading=stopped, on_new_leader=new_leader
+            )
+        )
+        while len(events) < 1:
+            await asyncio.sleep(0.01)
+        await Lease.objects.aforce_release(key)
+        while sum(1 for event in events if event[0] == "started") < 4:
+            await asyncio.sleep(0.01)
+        campaign.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await campaign
+
+    with caplog.at_level(logging.ERROR, logger="pg_lease_django.election"):
+        async_to_sync(scenario)()
+    kinds = [event[0] for event in events]
+    assert kinds == ["started", "cancelled", "stopped", *["started", "stopped"] * 3]
+    assert events[1] == ("cancelled", True)
+    starts = [event for event in events if event[0] == "started"]
+    stops = [event[1] for event in events if event[0] == "stopped"]
+    assert all(start[2] is None for start in starts)
+    assert starts[0][1] < starts[1][1] < starts[2][1] < starts[3][1]
+    poll = conf.poll_interval()
+    assert starts[2][3] - stops[1] >= poll  # after the raise: the back-off (one poll interval)
+    assert starts[3][3] - stops[2] >= poll  # after the return: one poll interval
+    assert seen == ["me"]  # once per change
+    failures = [r for r in caplog.records if "on_started_leading failed" in r.getMessage()]
+    assert len(failures) == 1 and "boom" in failures[0].getMessage()
+    assert Lease.objects.inspect(key).status == "free"
+
+
+def test_aelect_cancelled_while_campaigning_ends_at_once_without_stepping_down(key: str) -> None:
+    held(key, "incumbent", ttl=300)
+    seen: list[str] = []
+    stopped: list[bool] = []
+
+    async def lead(lease: HeldLease) -> None:
+        raise AssertionError("never elected")
+
+    async def scenario() -> None:
+        with override_settings(PG_LEASE_POLL_INTERVAL=NEVER):
+            campaign = asyncio.ensure_future(
+                aelect(
+                    key,
+                    ttl=TTL,
+                    on_started_leading=lead,
+                    on_stopped_leading=lambda: stopped.append(True),
+                    on_new_leader=seen.append,
+                )
+            )
+            while not seen:
+                await asyncio.sleep(0.01)
+            campaign.cancel()  # resting: its next attempt is in NEVER seconds
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(campaign, HANG)
+
+    async_to_sync(scenario)()
+    assert seen == ["incumbent"] and not stopped
+    assert Lease.objects.inspect(key).owner == "incumbent"
+
+
+def test_aelect_cancelled_while_announcing_its_win_releases_without_leading(key: str) -> None:
+    """Cancelled in the term's first step (an async ``on_new_leader``): the callback never starts, so
+    there is no ``on_stopped_leading``; the hold is released and the CancelledError goes on."""
+    announced = asyncio.Event()
+    calls: list[str] = []
+
+    async def lead(lease: HeldLease) -> None:
+        calls.append("started")
+
+    async def new_leader(identity: str) -> None:
+        calls.append(f"leader {identity}")
+        announced.set()
+        await asyncio.Event().wait()
+
+    async def scenario() -> None:
+        campaign = asyncio.ensure_future(
+            aelect(
+                key,
+                ttl=TTL,
+                owner="me",
+                on_started_leading=lead,
+                on_stopped_leading=lambda: calls.append("stopped"),
+                on_new_leader=new_leader,
+            )
+        )
+        await asyncio.wait_for(announced.wait(), HANG)
+        assert (await Lease.objects.ainspect(key)).owner == "me"
+        campaign.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(campaign, HANG)
+
+    async_to_sync(scenario)()
+    assert calls == ["leader me"]
+    assert Lease.objects.inspect(key).status == "free"
 
 
 # ---- several processes ---------------------------------------------------------------------------

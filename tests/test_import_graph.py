@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the manager and the model", {"managers", "querysets", "models"}),
     ("holding for a job", {"holds"}),
     ("fencing", {"fencing"}),
-    ("leader election", {"election_plan", "election", "async_election"}),
+    ("leader election", {"election"}),
     (
         "operators",
         {
@@ -80,6 +80,10 @@ WAIT_ORDER = ["plan", "settling", "sync_driver", "async_driver"]
 
 #: fencing/, lowest first; the package's ``__init__`` re-exports the public face and not the admin.
 FENCING_ORDER = ["resolution", "schema", "statements", "model", "__init__", "admin"]
+
+#: election/, lowest first: the plan (no I/O), what its drivers share, the drivers (neither imports the
+#: other: `test_the_election_drivers_stand_apart`); the package's ``__init__`` re-exports them.
+ELECTION_ORDER = ["plan", "candidate", "threaded", "aio", "__init__"]
 
 #: What a module of the foundation may import: nothing above it (sql/, status, exceptions, validation).
 FOUNDATION = {"conf", "exceptions", "status", "validation", "sql", "sql.files"}
@@ -255,12 +259,13 @@ def test_nothing_low_imports_something_high() -> None:
 
 
 @pytest.mark.parametrize(
-    ("package", "order"), [("holds", HOLDS_ORDER), ("wait", WAIT_ORDER), ("fencing", FENCING_ORDER)]
+    ("package", "order"),
+    [("holds", HOLDS_ORDER), ("wait", WAIT_ORDER), ("fencing", FENCING_ORDER), ("election", ELECTION_ORDER)],
 )
 def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     """holds/: context → lease → lease_pool → scheduler → heartbeat → session → holding → jobs;
     wait/: plan → settling → sync_driver → async_driver; fencing/: resolution → schema → statements →
-    model → the package → its admin."""
+    model → the package → its admin; election/: plan → candidate → threaded, aio → the package."""
     members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
     position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}
     if package in ("holds", "wait"):
@@ -280,6 +285,19 @@ def test_a_package_module_that_imports_nothing(package: str) -> None:
     """``holds/__init__`` and ``wait/__init__`` import nothing, so that importing ``holds.context``
     or ``wait.plan`` loads no more of the package."""
     assert _graph()[package] == frozenset()
+
+
+def test_the_election_drivers_stand_apart() -> None:
+    """``aelect()``'s driver inherits nothing of ``elect()``'s thread, nor the other way round."""
+    assert "election.threaded" not in _graph()["election.aio"]
+    assert "election.aio" not in _graph()["election.threaded"]
+
+
+def test_the_election_plan_does_no_io() -> None:
+    """The plan imports nothing that blocks, awaits or reaches the database: only the settings."""
+    assert _graph()["election.plan"] <= {"conf"}
+    outside = {module.partition(".")[0] for module in _imported("election.plan")} - {ROOT}
+    assert outside <= {"__future__", "collections", "dataclasses", "enum", "time", "typing"}, outside
 
 
 def test_fencing_reads_only_the_context_of_holds() -> None:

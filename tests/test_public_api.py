@@ -158,6 +158,13 @@ DOCUMENTED_PATHS = [
 ]
 DOCUMENTED_MODULES = ["pg_lease_django.pytest_plugin", "pg_lease_django.sql.files"]
 
+# The election's hooks for ``leases run --campaign`` (`pg_lease_django.supervisor`): not public API, but
+# the contract between the two modules that docs/architecture.md names.
+ELECTION_HOOKS = {
+    "pg_lease_django.election.start": "(election: 'Election', *, wake: 'Callable[[], None]') -> 'Election'",
+    "pg_lease_django.election.fail_term": "(election: 'Election') -> 'None'",
+}
+
 _NOT_PINNED = {
     "HeldLease.__init__",
     "Holding.__init__",
@@ -224,3 +231,26 @@ def test_documented_paths_import(path: str) -> None:
 @pytest.mark.parametrize("module", DOCUMENTED_MODULES)
 def test_documented_modules_import(module: str) -> None:
     assert importlib.import_module(module) is not None
+
+
+@pytest.mark.parametrize("path", sorted(ELECTION_HOOKS))
+def test_the_election_hooks_of_the_supervisor_keep_their_paths_and_signatures(path: str) -> None:
+    assert str(inspect.signature(import_string(path))) == ELECTION_HOOKS[path]
+
+
+def test_an_election_handle_before_it_starts() -> None:
+    """The documented members of `Election` (docs/leader-election.md), read on a handle never started:
+    nothing is held, nothing seen, ``wait_stop`` does not block, and ``with`` stops it and joins."""
+    election = pg_lease_django.Election(
+        "api-pin", ttl=30, owner="me", on_started_leading=lambda lease: None, on_stopped_leading=lambda: None
+    )
+    assert (election.key, election.owner) == ("api-pin", "me")
+    assert (election.leading, election.leader, election.lease, election.stopping) == (False, None, None, False)
+    assert election.wait_stop(timeout=0) is True  # not leading: there is no term to wait for
+    assert repr(election) == "<Election key='api-pin' owner='me' leading=False leader=None>"
+    with election as entered:
+        assert entered is election
+    assert election.stopping and election.join(timeout=0)
+    assert pg_lease_django.current_election() is None  # not inside a leader callback
+    default = pg_lease_django.Election("api-pin", ttl=30, on_started_leading=print, on_stopped_leading=print)
+    assert default.owner.count(":") >= 2  # host:pid:random

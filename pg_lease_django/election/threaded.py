@@ -1,25 +1,24 @@
-"""Leader election on ``hold()``: campaign for a key, lead while the hold lasts, step down, campaign again.
+"""``elect()``: an election driven by a thread of its own, and `Election`, the handle it returns.
 
-``elect()`` runs the loop in a thread of its own and returns an `Election` handle; ``aelect()``
-(`pg_lease_django.async_election`) is the same loop as a coroutine. See docs/leader-election.md.
+The thread performs the steps of `pg_lease_django.election.plan` with blocking calls; every decision
+is the plan's. What is a thread's own is here:
 
 - **Campaigning** is a non-blocking ``hold()`` attempt every ``PG_LEASE_POLL_INTERVAL`` (0.5 s),
   sleeping on an event in between: a refused attempt is one cheap statement (no write, no lock)
-  that names the holder (``on_new_leader``), and ``stop()`` ends the sleep at once. Not
-  ``hold(blocking=True)``: its wait cannot be interrupted from another thread, and a wait that
-  times out closes its connection, so waiting in short slices would reconnect every slice.
-- **Leading** is the callback running inside the hold. A term ends when the callback returns or
-  raises, the lease is lost, a hand-off is requested, or the election is stopped; then the hold
-  is left (released, unless lost) and ``on_stopped_leading()`` is called.
-- **Resting** before the next campaign, and everything else decided between terms, is
-  `pg_lease_django.election_plan`: written once, run by the thread of ``elect()`` and the
-  coroutine of ``aelect()`` (`Election._run`, `AsyncElection._acampaign`).
+  that names the holder (``on_new_leader``), and ``stop()`` ends the sleep at once and interrupts
+  an attempt in flight on the server. Not ``hold(blocking=True)``: its wait cannot be interrupted
+  from another thread, and a wait that times out closes its connection, so waiting in short slices
+  would reconnect every slice.
+- **Leading** is the callback running in this thread inside the hold. It cannot be interrupted: it
+  returns when told, by `Election.wait_stop` (woken when the lease is lost, a hand-off is requested
+  or the election is stopped, through the hold's ``on_lost`` / ``on_handoff`` and ``stop()``).
+
+See docs/leader-election.md.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -28,47 +27,41 @@ from typing import Any
 
 from django.db import connections
 
-from . import metrics, sigterm
-from .election_plan import (
+from pg_lease_django import metrics, sigterm
+from pg_lease_django.holds.holding import report_next_acquire_to
+from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.holds.lease_connection import InFlight
+from pg_lease_django.validation import Seconds
+
+from .candidate import Candidate, Term, leader_in, logger
+from .plan import (
+    ENDED_BY_STOP,
     Announce,
-    Campaign,
-    CampaignFailed,
+    Attempt,
+    Failed,
+    Lead,
+    Leave,
+    Left,
     ReadLeader,
     Refused,
     Rest,
-    RunTerm,
-    Served,
     Step,
     StepDown,
     TermEnd,
-    TermOutcome,
-    term_end,
+    Won,
 )
-from .exceptions import InvalidInputError, NotAcquirableError
-from .holds.holding import Holding, hold, report_next_acquire_to
-from .holds.lease import HeldLease
-from .holds.lease_connection import InFlight
-from .operations import LeaseState
-from .owners import default_owner
-from .validation import Seconds, check_new_name, check_ttl
 
-__all__ = ["Election", "current_election", "elect"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["Election", "current_election", "elect", "fail_term", "start"]
 
 #: Seconds between the cancel request of a campaign attempt interrupted by `Election.stop` and
-#: shutting its socket (the attempt is settled on the server either way: `settling.settle`).
+#: shutting its socket (the attempt is settled on the server either way: `wait.settling.settle`).
 _INTERRUPT_GRACE = 1.0
 
 _current: ContextVar[Election | None] = ContextVar("pg_lease_current_election", default=None)
 
 
-#: Steps a stopped campaign does not take (``stop()`` ends it there); an announcement and a step-down still run.
-_ENDED_BY_STOP = (RunTerm, Rest, ReadLeader)
-
-
 def current_election() -> Election | None:
-    """The `Election` whose ``on_started_leading`` runs in this thread, or None (also under ``aelect``).
+    """The `Election` whose ``on_started_leading`` runs in this thread, or None (in ``aelect``'s task too).
 
     A sync leader callback uses it to watch ``stop()`` as well as its lease::
 
@@ -99,27 +92,20 @@ class Election:
         owner: str | None = None,
         using: str | None = None,
     ) -> None:
-        self.key = check_new_name("key", key)
-        self._ttl = check_ttl(ttl)
-        self.owner = check_new_name("owner", owner if owner is not None else default_owner())
-        for name, callback in (
-            ("on_started_leading", on_started_leading),
-            ("on_stopped_leading", on_stopped_leading),
-            ("on_new_leader", on_new_leader),
-        ):
-            if callback is not None and not callable(callback):
-                raise InvalidInputError(f"{name} must be callable, not {type(callback).__name__}")
-        if using is not None and not isinstance(using, str):
-            raise InvalidInputError(f"using must be a database alias, not {type(using).__name__}")
-        self._on_started_leading = on_started_leading
-        self._on_stopped_leading = on_stopped_leading
-        self._on_new_leader = on_new_leader
-        self._using = using
+        self._candidate = Candidate(
+            key,
+            ttl=ttl,
+            on_started_leading=on_started_leading,
+            on_stopped_leading=on_stopped_leading,
+            on_new_leader=on_new_leader,
+            owner=owner,
+            using=using,
+        )
+        self.key = self._candidate.key
+        self.owner = self._candidate.owner
         self._stop = threading.Event()
         self._term_ends = threading.Event()  # set when the current term must end: lost, hand-off, stop
-        self._lease: HeldLease | None = None
-        self._leader: str | None = None
-        self._campaign = Campaign(self.owner, self._ttl.total_seconds())
+        self._term: Term | None = None  # entered by the plan's Attempt, left by its Leave
         self._term_failed = False  # `fail_term`: the term ends as failed (backs off) without raising
         self._thread: threading.Thread | None = None
         self._sigterm = False  # `with` in the main thread counted in sigterm.enter()
@@ -140,18 +126,18 @@ class Election:
         False from the instant the lease is lost (the holder's trust window, a verdict), even before
         the callback returns: two campaigners never both say True at one instant of the holder's clock.
         """
-        lease = self._lease
+        lease = self._candidate.lease
         return lease is not None and not lease.lost
 
     @property
     def leader(self) -> str | None:
         """The last leader identity observed (``owner`` when this campaigner won), or None."""
-        return self._leader
+        return self._candidate.leader
 
     @property
     def lease(self) -> HeldLease | None:
         """The `HeldLease` of the current term, or None when not leading."""
-        return self._lease
+        return self._candidate.lease
 
     @property
     def stopping(self) -> bool:
@@ -164,7 +150,7 @@ class Election:
         True if it must end. What a sync leader callback waits on between steps (``lease.wait_stop()``
         does not wake on `stop`).
         """
-        lease = self._lease
+        lease = self._candidate.lease
         if self._stop.is_set() or lease is None or lease.lost or lease.handoff_requested:
             return True
         return self._term_ends.wait(timeout)
@@ -210,8 +196,6 @@ class Election:
         finally:
             sigterm.leave(counted)
 
-    # ---- shared by both drivers ------------------------------------------------------------------
-
     def _end_term(self, ends: threading.Event | None = None) -> None:
         # on_lost / on_handoff of a term's hold (a heartbeat worker thread; ``ends``: that term's
         # event, so a late call about an earlier term ends nothing), and stop().
@@ -222,47 +206,7 @@ class Election:
             except Exception:
                 logger.exception("waking the leader of election %r failed", self.key)
 
-    def _start_term(self, lease: HeldLease) -> None:
-        self._term_failed = False
-        self._lease = lease
-        metrics.leading(lease)
-        if self._stop.is_set():  # stop() came while acquiring: the callback must see it at once
-            self._term_ends.set()
-
-    def _served(self, lease: HeldLease, ended: TermEnd) -> Served:
-        return Served(term_end(ended, lost=lease.lost, handoff_requested=lease.handoff_requested))
-
-    def _call(self, callback: Callable[..., Any] | None, *args: Any) -> Any:
-        """Call one of the user's callbacks; an exception from it is logged, never raised. Returns its result
-        (an awaitable for the async driver to `_finish`)."""
-        if callback is None:
-            return None
-        try:
-            return callback(*args)
-        except Exception as exc:
-            self._log_failure(getattr(callback, "__name__", "a callback"), exc)
-            return None
-
-    def _announce(self, identity: str) -> Any:
-        """Record ``identity`` as the leader; on a change, call on_new_leader (`_call`'s result)."""
-        if identity == self._leader:
-            return None
-        self._leader = identity
-        return self._call(self._on_new_leader, identity)
-
-    def _holder(self, state: LeaseState) -> str | None:
-        return state.owner if state.held and state.owner else None
-
-    def _log_failure(self, what: str, exc: BaseException) -> None:
-        logger.error("election %r (%s): %s failed: %r", self.key, self.owner, what, exc, exc_info=exc)
-
-    def _log_campaign_failure(self, exc: BaseException) -> None:
-        logger.warning("election %r (%s): campaigning failed: %r", self.key, self.owner, exc)
-
-    def _hold(self, on_lost: Callable[[HeldLease], Any] | None, on_handoff: Callable[[HeldLease], Any]) -> Holding:
-        return hold(self.key, self._ttl, owner=self.owner, on_lost=on_lost, on_handoff=on_handoff, using=self._using)
-
-    # ---- the thread of elect() -------------------------------------------------------------------
+    # ---- the thread of elect(): the plan's steps, blocking -----------------------------------------
 
     def _start(self) -> Election:
         self._thread = threading.Thread(target=self._run, name=f"pg_lease election {self.key}"[:100], daemon=True)
@@ -270,77 +214,103 @@ class Election:
         return self
 
     def _run(self) -> None:
-        """The blocking driver of the campaign's plan, until stopped."""
+        """Perform the plan's steps until stopped."""
         _current.set(self)
         metrics.campaigning(self.key, 1)
         try:
-            plan = self._campaign.plan()
+            plan = self._candidate.campaign.plan()
             step = next(plan)
-            while not (self._stop.is_set() and isinstance(step, _ENDED_BY_STOP)):
-                step = plan.send(self._do(step))
-        except BaseException:
-            logger.exception("election %r (%s) crashed; it no longer campaigns", self.key, self.owner)
+            while not (self._stop.is_set() and isinstance(step, ENDED_BY_STOP)):
+                step = plan.send(self._perform(step))
+        except BaseException as exc:
+            self._abandon_term(exc)
+            logger.error("election %r (%s) crashed; it no longer campaigns", self.key, self.owner, exc_info=exc)
         finally:
             metrics.campaigning(self.key, -1)
             connections.close_all()  # this thread's own (callbacks', and the watch after a hand-off)
             self._done.set()
 
-    def _do(self, step: Step) -> Any:
-        from .models import Lease
+    def _perform(self, step: Step) -> Any:
+        from pg_lease_django.models import Lease
 
+        candidate = self._candidate
         match step:
-            case RunTerm():
-                return self._term()
+            case Attempt():
+                return self._attempt()
+            case Announce(identity):
+                candidate.announce(identity)
+            case Lead():
+                return self._lead()
+            case Leave():
+                return self._leave()
+            case StepDown():
+                candidate.call(candidate.on_stopped_leading)
             case Rest(seconds):
                 self._stop.wait(seconds)
             case ReadLeader():
                 try:
-                    return self._holder(Lease.objects.db_manager(self._using).inspect(self.key))
+                    return leader_in(Lease.objects.db_manager(candidate.using).inspect(self.key))
                 except Exception as exc:
-                    logger.warning("election %r: reading the lease failed: %r", self.key, exc)
-            case Announce(identity):
-                self._announce(identity)
-            case StepDown():
-                self._call(self._on_stopped_leading)
+                    candidate.log_read_failure(exc)
         return None
 
-    def _term(self) -> TermOutcome:
-        """One campaign attempt, and the term it wins, in this thread."""
+    def _attempt(self) -> Won | Refused | Failed:
+        """Enter a hold of the key without waiting; ``stop()`` interrupts the attempt on the server."""
         ends = self._term_ends = threading.Event()  # this term's: set by its hold's callbacks and by stop()
 
         def end_term(lease: HeldLease) -> None:
             self._end_term(ends)
 
-        holding = self._hold(end_term, end_term)
+        holding = self._candidate.hold(end_term, end_term)
         self._acquiring = InFlight()
         report_next_acquire_to(holding, self._acquiring)
         if self._stop.is_set():  # stop() may have read the previous attempt's handle
             self._acquiring.interrupt(grace=_INTERRUPT_GRACE)
-        led = False
         try:
-            with holding as lease:
-                self._start_term(lease)
-                self._announce(self.owner)
-                led = True
-                try:
-                    self._on_started_leading(lease)
-                    ended = TermEnd.STOPPED if self._stop.is_set() else TermEnd.RETURNED
-                    if self._term_failed and ended == TermEnd.RETURNED:
-                        ended = TermEnd.FAILED
-                except Exception as exc:
-                    self._log_failure("on_started_leading", exc)
-                    ended = TermEnd.FAILED
-                finally:
-                    self._lease = None
-        except NotAcquirableError as busy:
-            return Refused(busy.holder)
-        except Exception as exc:  # the database, while acquiring or leaving: keep campaigning, backing off
-            if not self._stop.is_set():  # else: the attempt was interrupted by stop(), and settled
-                self._log_campaign_failure(exc)
-            return CampaignFailed(led=led)
+            lease = holding.__enter__()
+        except Exception as exc:  # refused, or the database (or interrupted by stop(), and settled)
+            return self._candidate.refused_or_failed(exc, stopping=self._stop.is_set())
         finally:
             self._acquiring = None
-        return self._served(lease, ended)
+        self._term = Term(holding, lease)
+        self._term_failed = False
+        self._candidate.begin_term(lease)
+        if self._stop.is_set():  # stop() came while acquiring: the callback must see it at once
+            ends.set()
+        return Won()
+
+    def _lead(self) -> TermEnd:
+        """Run the leader callback in this thread: it returns when told (`wait_stop`)."""
+        candidate, term = self._candidate, self._term
+        assert term is not None  # the plan leads only after a won attempt
+        try:
+            candidate.on_started_leading(term.lease)
+        except Exception as exc:
+            candidate.log_failure("on_started_leading", exc)
+            return TermEnd.FAILED
+        finally:
+            candidate.lease = None
+        return TermEnd.FAILED if self._term_failed else TermEnd.RETURNED
+
+    def _leave(self) -> Left | Failed:
+        """Leave the term's hold: release, unless lost."""
+        term, self._term = self._term, None
+        assert term is not None  # the plan leaves only after a won attempt
+        try:
+            term.holding.__exit__(None, None, None)
+        except Exception as exc:  # the database: keep campaigning, backing off
+            return self._candidate.failed(exc, stopping=self._stop.is_set())
+        return Left(lost=term.lease.lost, handoff_requested=term.lease.handoff_requested)
+
+    def _abandon_term(self, exc: BaseException) -> None:
+        """Leave the hold of a term that ``exc`` (raised through a step, ending the thread) cut short."""
+        term, self._term = self._term, None
+        self._candidate.lease = None
+        if term is not None:
+            try:
+                term.holding.__exit__(type(exc), exc, exc.__traceback__)
+            except Exception as error:
+                self._candidate.log_campaign_failure(error)
 
 
 # ---- for pg_lease_django.supervisor (``leases run --campaign``): hooks, not public API ------------

@@ -1,0 +1,205 @@
+"""An election written once: what a campaign does, term after term, as a generator that does no I/O.
+
+`Campaign.plan` decides; a driver does. It yields the next step and is sent the step's answer. Two
+drivers run it: `Election`'s thread (``elect()``: blocking calls, a `Rest` cut short by ``stop()``)
+and `AsyncElection`'s task (``aelect()``: awaits, a `Rest` cut short by cancellation). The decisions
+are all here: campaign with one attempt at a time; after winning, announce this campaigner, lead,
+leave the hold, then call ``on_stopped_leading`` (only if the leader callback ran); how the term
+ended (`term_end`), how long to rest, the watch for a new leader after a hand-off, and which steps
+a stopped campaign no longer takes (`ENDED_BY_STOP`). What stays each driver's own is how a step is
+done: a thread's leader callback returns when told (``wait_stop``), a task's is cancelled; a stop
+is an event for one and a cancellation for the other. As in `pg_lease_django.wait.plan`, this is
+psycopg's habit (generators that yield what to wait for, run by a blocking and an async waiter),
+and it lets every decision be tested with a fake clock (tests/test_election_plan.py).
+
+Resting before the next campaign keeps a leader from taking its lease straight back: after a
+hand-off, until another leader is seen or one TTL has passed; after the callback raised (or the
+term was failed by `pg_lease_django.election.fail_term`), a back-off doubling from the poll interval
+up to one TTL; after the callback returned, one poll interval (the others try in the meantime).
+After a loss there is no rest: the lease is someone else's, or nobody's.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+from pg_lease_django import conf
+
+Clock = Callable[[], float]
+
+
+class TermEnd(enum.Enum):
+    """Why a term ended: it decides the rest before the next campaign."""
+
+    RETURNED = "returned"
+    FAILED = "failed"
+    HANDOFF = "hand-off"
+    LOST = "lost"
+
+
+def term_end(ended: TermEnd, *, lost: bool, handoff_requested: bool) -> TermEnd:
+    """What ended a term once its hold is left: a loss or a hand-off outrank a return."""
+    if lost:
+        return TermEnd.LOST
+    if ended == TermEnd.RETURNED and handoff_requested:
+        return TermEnd.HANDOFF
+    return ended
+
+
+# ---- the steps ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Campaign once: enter a hold of the key without waiting; answer: `Won`, `Refused` or `Failed`."""
+
+
+@dataclass(frozen=True)
+class Announce:
+    """``identity`` was seen leading: record it and call ``on_new_leader`` if it is a change; answer: None."""
+
+    identity: str
+
+
+@dataclass(frozen=True)
+class Lead:
+    """Call ``on_started_leading`` with the term's lease and wait until the term must end.
+
+    Answer: `TermEnd.RETURNED`, or `TermEnd.FAILED` when the callback raised (the driver logged it)
+    or the term was failed (`fail_term`); None when the term was cut short before the callback could
+    start (a task cancelled while announcing).
+    """
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Leave the term's hold: release, unless the lease was lost; answer: `Left` or `Failed`."""
+
+
+@dataclass(frozen=True)
+class StepDown:
+    """Call ``on_stopped_leading``: the term's hold has been left; answer: None."""
+
+
+@dataclass(frozen=True)
+class Rest:
+    """Wait ``seconds`` (cut short by a stop or a cancellation, which end the campaign); answer: None."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReadLeader:
+    """Read who holds the key (``inspect``); answer: the holder, None when nobody holds it or the
+    read failed (the driver logs the failure)."""
+
+
+Step = Attempt | Announce | Lead | Leave | StepDown | Rest | ReadLeader
+
+#: The steps a stopped campaign does not take: a driver ends when the plan comes to one once stopped
+#: (a thread returns, a task raises its CancelledError). A term in progress still ends as a term does
+#: (`Lead` returns, `Leave`, `StepDown`), and an announcement is still made.
+ENDED_BY_STOP = (Attempt, Rest, ReadLeader)
+
+
+# ---- the answers ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Won:
+    """The attempt won the lease: the term's hold is entered (the driver keeps it until `Leave`)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The attempt was refused; ``holder`` is the leader it named (None: not named)."""
+
+    holder: str | None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The database failed the attempt or the leaving of the hold (logged by the driver, unless stopped)."""
+
+
+@dataclass(frozen=True)
+class Left:
+    """The term's hold was left; what its lease said then."""
+
+    lost: bool
+    handoff_requested: bool
+
+
+class Campaign:
+    """The decisions of one election (its back-off is the only state kept)."""
+
+    def __init__(
+        self,
+        owner: str,
+        ttl: float,
+        *,
+        poll_interval: Callable[[], float] = conf.poll_interval,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.owner = owner
+        self.ttl = ttl
+        self.poll_interval = poll_interval
+        self.clock = clock
+        self.failures = 0  # terms (or attempts) in a row that failed: the back-off
+
+    def plan(self) -> Generator[Step, Any, None]:
+        """Campaign for ever: a driver stops at a step of `ENDED_BY_STOP` once stopped (or cancelled)."""
+        while True:
+            attempt = yield Attempt()
+            if isinstance(attempt, Won):
+                yield from self.term()
+            elif isinstance(attempt, Refused):
+                if attempt.holder is not None:
+                    yield Announce(attempt.holder)
+                yield Rest(self.poll_interval())
+            else:
+                yield Rest(self.rest(TermEnd.FAILED))
+
+    def term(self) -> Generator[Step, Any, None]:
+        """A term won: announce this campaigner, lead, leave the hold, step down if the callback ran, rest."""
+        yield Announce(self.owner)
+        led: TermEnd | None = yield Lead()
+        left = yield Leave()
+        if led is not None:
+            yield StepDown()
+        if isinstance(left, Left):
+            returned = TermEnd.RETURNED if led is None else led
+            ended = term_end(returned, lost=left.lost, handoff_requested=left.handoff_requested)
+        else:
+            ended = TermEnd.FAILED
+        if ended == TermEnd.HANDOFF:
+            yield from self.watch(self.rest(ended))
+        else:
+            yield Rest(self.rest(ended))
+
+    def rest(self, ended: TermEnd) -> float:
+        """Seconds to wait before campaigning again after a term that ended so (module docstring)."""
+        poll = self.poll_interval()
+        if ended == TermEnd.FAILED:
+            self.failures += 1
+            return float(min(self.ttl, poll * 2 ** min(self.failures - 1, 16)))
+        self.failures = 0
+        if ended == TermEnd.HANDOFF:
+            return self.ttl
+        return poll if ended == TermEnd.RETURNED else 0.0
+
+    def watch(self, seconds: float) -> Generator[Step, Any, None]:
+        """After a hand-off: rest until another leader is seen (announced) or ``seconds`` pass."""
+        deadline = self.clock() + seconds
+        while (remaining := deadline - self.clock()) > 0:
+            yield Rest(min(self.poll_interval(), remaining))
+            if self.clock() >= deadline:
+                return
+            holder = yield ReadLeader()
+            if holder is not None and holder != self.owner:
+                yield Announce(holder)
+                return
