@@ -15,7 +15,6 @@ from typing import Any
 
 from asgiref.sync import iscoroutinefunction
 
-from . import metrics
 from .election import Election, logger
 from .election_plan import (
     Announce,
@@ -32,6 +31,7 @@ from .election_plan import (
 )
 from .exceptions import InvalidInputError, LeaseLostError, NotAcquirableError
 from .holds.lease import HeldLease
+from .metrics import hooks as metrics
 from .validation import Seconds
 
 __all__ = ["AsyncElection", "aelect"]

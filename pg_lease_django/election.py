@@ -28,7 +28,7 @@ from typing import Any
 
 from django.db import connections
 
-from . import metrics, sigterm
+from . import sigterm
 from .election_plan import (
     Announce,
     Campaign,
@@ -48,6 +48,7 @@ from .exceptions import InvalidInputError, NotAcquirableError
 from .holds.holding import Holding, hold, report_next_acquire_to
 from .holds.lease import HeldLease
 from .holds.lease_connection import InFlight
+from .metrics import hooks as metrics
 from .operations import LeaseState
 from .owners import default_owner
 from .validation import Seconds, check_new_name, check_ttl

@@ -26,8 +26,9 @@ import psycopg
 from asgiref.sync import sync_to_async
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import metrics, operations
+from . import operations
 from .exceptions import LeaseLostError
+from .metrics import hooks as metrics
 from .operations import Grant
 from .plans import adrive, drive
 from .sql import run, statements

@@ -27,7 +27,8 @@ from django.db import InterfaceError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper
 
-from . import conf, metrics, operations, sql
+from . import conf, operations, sql
+from .metrics import hooks as metrics
 from .operations import Attempt, Grant
 from .settling import abandon_statement, asettle, attempt_backend, commits_on_its_own, settle
 from .sql import run, statements

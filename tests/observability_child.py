@@ -51,11 +51,12 @@ def main() -> None:
         import django
 
         django.setup()
-        from pg_lease_django import hold, metrics, watch
+        from pg_lease_django import hold, watch
+        from pg_lease_django.metrics import hooks
 
         with hold(key, ttl=5) as lease:
             epoch = lease.epoch
-        print(json.dumps({"metrics": metrics.installed(), "rich": watch.rich_available(), "epoch": epoch}))
+        print(json.dumps({"metrics": hooks.installed(), "rich": watch.rich_available(), "epoch": epoch}))
         return
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider

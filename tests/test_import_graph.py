@@ -31,10 +31,10 @@ KNOWN_CYCLES: list[set[str]] = []
 #: an entry covers its submodules (``holds`` is every module of ``holds/``); ``__init__`` is the
 #: package's root module, which re-exports the public API and so sits on top.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"conf", "exceptions", "exit_codes", "status", "owners", "signals", "tracing", "plans"}),
+    ("leaves", {"conf", "exceptions", "exit_codes", "status", "owners", "signals", "plans"}),
     (
-        "input rules, statements, SQL files",
-        {"validation", "sql", "migrations", "sigterm", "metrics", "metrics_push"},
+        "input rules, statements, SQL files, the process's metrics",
+        {"validation", "sql", "migrations", "sigterm", "metrics"},
     ),
     ("one call", {"commit_confirmation", "operations", "display"}),
     ("the blocking wait", {"wait_plan", "settling", "waiting"}),
@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "wait_status",
             "management",
             "views",
-            "metrics_db",
+            "metrics.database_view",
             "privileges",
             "patroni",
         },

@@ -34,14 +34,16 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import conf, tracing
-from .exceptions import LeaseTimeoutError, NotAcquirableError
-from .signals import lease_acquired, lease_handoff_requested, lease_lost, lease_released
+from pg_lease_django import conf
+from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
+from pg_lease_django.signals import lease_acquired, lease_handoff_requested, lease_lost, lease_released
+
+from . import tracing
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from .holds.lease import HeldLease
+    from pg_lease_django.holds.lease import HeldLease
 
 __all__ = [
     "METRICS",

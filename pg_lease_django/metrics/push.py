@@ -21,7 +21,9 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from . import conf, metrics
+from pg_lease_django import conf
+
+from . import hooks as metrics
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
