@@ -79,6 +79,10 @@ HOLDS_ORDER = [
 #: fencing/, lowest first; the package's ``__init__`` re-exports the public face and not the admin.
 FENCING_ORDER = ["resolution", "schema", "statements", "model", "__init__", "admin"]
 
+#: metrics/, lowest first: the package itself holds the key-label rules every other module reads;
+#: the database's view (``database_view``), a layer above the rest, is last.
+METRICS_ORDER = ["__init__", "tracing", "instruments", "hooks", "push", "database_view"]
+
 #: What a module of the foundation may import: nothing above it (sql/, status, exceptions, validation).
 FOUNDATION = {"conf", "exceptions", "status", "validation", "sql", "sql.files"}
 
@@ -252,10 +256,13 @@ def test_nothing_low_imports_something_high() -> None:
     assert not upward, "\n".join(upward)
 
 
-@pytest.mark.parametrize(("package", "order"), [("holds", HOLDS_ORDER), ("fencing", FENCING_ORDER)])
+@pytest.mark.parametrize(
+    ("package", "order"), [("holds", HOLDS_ORDER), ("fencing", FENCING_ORDER), ("metrics", METRICS_ORDER)]
+)
 def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     """holds/: context → lease → lease_pool → scheduler → heartbeat → session → holding → jobs;
-    fencing/: resolution → schema → statements → model → the package → its admin."""
+    fencing/: resolution → schema → statements → model → the package → its admin;
+    metrics/: the package (the label rules) → tracing → instruments → hooks → push → database_view."""
     members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
     position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}
     if package == "holds":

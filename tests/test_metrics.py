@@ -44,10 +44,11 @@ from pg_lease_django import (
     NotAcquirableError,
     conf,
     hold,
+    metrics,
 )
 from pg_lease_django.checks import check_metrics_settings
 from pg_lease_django.history import sync_scope
-from pg_lease_django.metrics import database_view, hooks, push
+from pg_lease_django.metrics import database_view, hooks, instruments, push
 from tests.helpers import Background, held, lapsed, url_of_test_database, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -253,9 +254,9 @@ def test_a_bad_key_label_setting_is_a_system_check_error(bad: object) -> None:
 def test_the_default_label_is_the_text_before_the_first_colon() -> None:
     assert hooks.key_label("billing:acme:42") == "billing"
     # Keys without the separator share one label: a tenant's junk keys cannot make a series each.
-    assert hooks.key_label("nightly-billing") == hooks.NO_PREFIX_LABEL == "(none)"
+    assert hooks.key_label("nightly-billing") == metrics.NO_PREFIX_LABEL == "(none)"
     assert hooks.key_label("invoice-81723") == "(none)"
-    assert hooks.OTHER_LABEL == "(other)"
+    assert metrics.OTHER_LABEL == "(other)"
 
 
 @pytest.fixture
@@ -641,7 +642,7 @@ def test_multiprocess_mode_sums_two_worker_processes(tmp_path: Path, prefix: str
 def _declared() -> dict[str, tuple[str, ...]]:
     """Every series name the code exports (histograms with their three suffixes) -> its labels."""
     names: dict[str, tuple[str, ...]] = {}
-    for name, (kind, labels) in {**hooks.METRICS, **database_view.DATABASE_METRICS}.items():
+    for name, (kind, labels) in {**instruments.METRICS, **database_view.DATABASE_METRICS}.items():
         names[name] = labels
         if kind == "histogram":
             names[f"{name}_bucket"] = (*labels, "le")
@@ -651,14 +652,14 @@ def _declared() -> dict[str, tuple[str, ...]]:
 
 def test_the_declared_metrics_are_the_ones_registered_with_those_labels() -> None:
     exposition = prometheus_client.generate_latest().decode()
-    for name, (kind, _labels) in hooks.METRICS.items():
+    for name, (kind, _labels) in instruments.METRICS.items():
         assert f"# TYPE {name} {kind}\n" in exposition
     registered = {
         collector._name: tuple(collector._labelnames)  # type: ignore[attr-defined]
         for collector in list(prometheus_client.REGISTRY._collector_to_names)
         if getattr(collector, "_name", "").startswith("pg_lease_")
     }
-    declared = {name.removesuffix("_total"): labels for name, (_kind, labels) in hooks.METRICS.items()}
+    declared = {name.removesuffix("_total"): labels for name, (_kind, labels) in instruments.METRICS.items()}
     assert registered == declared
 
 
@@ -696,12 +697,12 @@ def test_every_dashboard_query_names_an_exported_metric_with_labels_it_has() -> 
         assert labels <= allowed, f"{expression!r} uses labels {labels - allowed} its metrics do not have"
         used.update(name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for name in names)
     # And the dashboard shows every metric (a new one gets a panel, or this fails).
-    assert used == set(hooks.METRICS) | set(database_view.DATABASE_METRICS)
+    assert used == set(instruments.METRICS) | set(database_view.DATABASE_METRICS)
 
 
 def test_the_observability_page_explains_every_metric_and_setting() -> None:
     page = (REPO / "docs" / "observability.md").read_text()
-    for name in {**hooks.METRICS, **database_view.DATABASE_METRICS}:
+    for name in {**instruments.METRICS, **database_view.DATABASE_METRICS}:
         assert f"`{name}`" in page, f"docs/observability.md does not explain {name}"
     for setting in (
         "PG_LEASE_METRICS",
@@ -824,7 +825,7 @@ def test_the_database_view_works_for_a_monitoring_role_and_stays_small_over_junk
     series = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert len(series) < 200, len(series)
     labels = {dict(pairs)["prefix"] for name, pairs in samples if name == "pg_lease_db_leases"}
-    assert len(labels) <= 17 and {hooks.OTHER_LABEL, hooks.NO_PREFIX_LABEL} <= labels
+    assert len(labels) <= 17 and {metrics.OTHER_LABEL, metrics.NO_PREFIX_LABEL} <= labels
     # Another role, granted nothing, reads nothing: db_up says so, and the scrape goes on.
     import psycopg
     from psycopg import sql as pgsql
@@ -852,8 +853,8 @@ def test_the_database_and_the_process_label_a_key_alike(key: str) -> None:
         wide = {row[0] for row in cursor.fetchall()}
         cursor.execute(query, [1])
         narrow = {row[0] for row in cursor.fetchall()}
-    assert hooks.NO_PREFIX_LABEL in wide and key in wide
-    assert len(narrow) == 2 and hooks.OTHER_LABEL in narrow
+    assert metrics.NO_PREFIX_LABEL in wide and key in wide
+    assert len(narrow) == 2 and metrics.OTHER_LABEL in narrow
     label = hooks.key_label
     with override_settings(PG_LEASE_METRICS_MAX_LABELS=1_000_000):
-        assert label("no-separator") == hooks.NO_PREFIX_LABEL and label(f"{key}:x") == key
+        assert label("no-separator") == metrics.NO_PREFIX_LABEL and label(f"{key}:x") == key

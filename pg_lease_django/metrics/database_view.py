@@ -25,7 +25,7 @@ from django.db import connections, router, transaction
 from pg_lease_django import conf
 from pg_lease_django.sql import run, statements
 
-from .hooks import OTHER_LABEL
+from . import OTHER_LABEL
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -35,7 +35,7 @@ __all__ = ["DATABASE_METRICS", "DatabaseCollector", "register"]
 
 logger = logging.getLogger(__name__)
 
-#: Every metric of the database's view: name, type, labels (checked like `metrics.METRICS`).
+#: Every metric of the database's view: name, type, labels (checked like `instruments.METRICS`).
 DATABASE_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pg_lease_db_up": ("gauge", ()),
     "pg_lease_db_leases": ("gauge", ("prefix", "state")),
