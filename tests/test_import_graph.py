@@ -50,9 +50,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "history",
             "timeline",
             "watch",
-            "supervisor",
-            "child_process",
-            "wait_status",
+            "run",
             "management",
             "views",
             "metrics.database_view",
@@ -82,6 +80,9 @@ FENCING_ORDER = ["resolution", "schema", "statements", "model", "__init__", "adm
 #: metrics/, lowest first: the package itself holds the key-label rules every other module reads;
 #: the database's view (``database_view``), a layer above the rest, is last.
 METRICS_ORDER = ["__init__", "tracing", "instruments", "hooks", "push", "database_view"]
+
+#: run/ (``leases run``), lowest first; its ``__init__`` imports none of them (a docstring only).
+RUN_ORDER = ["__init__", "child_process", "status_line", "supervisor"]
 
 #: What a module of the foundation may import: nothing above it (sql/, status, exceptions, validation).
 FOUNDATION = {"conf", "exceptions", "status", "validation", "sql", "sql.files"}
@@ -257,12 +258,14 @@ def test_nothing_low_imports_something_high() -> None:
 
 
 @pytest.mark.parametrize(
-    ("package", "order"), [("holds", HOLDS_ORDER), ("fencing", FENCING_ORDER), ("metrics", METRICS_ORDER)]
+    ("package", "order"),
+    [("holds", HOLDS_ORDER), ("fencing", FENCING_ORDER), ("metrics", METRICS_ORDER), ("run", RUN_ORDER)],
 )
 def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     """holds/: context → lease → lease_pool → scheduler → heartbeat → session → holding → jobs;
     fencing/: resolution → schema → statements → model → the package → its admin;
-    metrics/: the package (the label rules) → tracing → instruments → hooks → push → database_view."""
+    metrics/: the package (the label rules) → tracing → instruments → hooks → push → database_view;
+    run/: child_process → status_line → supervisor."""
     members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
     position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}
     if package == "holds":

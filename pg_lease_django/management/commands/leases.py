@@ -8,7 +8,7 @@ tenures of a key, `pg_lease_django.timeline`), ``prune-history [--older-than 30d
 ``advance-epochs --by N`` (after a failover to a standby that may have missed lease writes: raise
 every epoch and the epoch floor by N, fencing current holders), and
 ``run KEY --ttl SECONDS -- COMMAND``, which runs a command while holding a lease (``flock(1)`` for a
-whole cluster; see `pg_lease_django.supervisor`). Every state shown is computed in SQL from the
+whole cluster; see `pg_lease_django.run`). Every state shown is computed in SQL from the
 database server's clock with ``pg_lease_status`` (the rule the lease functions use), in one
 statement, whatever the number of leases (`LeaseQuerySet.listing`).
 

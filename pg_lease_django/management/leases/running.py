@@ -10,10 +10,11 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from pg_lease_django import sql as lease_sql
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     seconds,
 )
-from pg_lease_django.supervisor import DEFAULT_GRACE, ExitCode, RunError, Supervisor
+from pg_lease_django.run.supervisor import DEFAULT_GRACE, RunError, Supervisor
 from pg_lease_django.validation import MAX_TTL, MAX_WAIT, MIN_TTL, check_name
 
 RUN_USAGE = "leases run KEY --ttl SECONDS -- COMMAND [ARGS ...]"

@@ -14,8 +14,8 @@ campaigns again when COMMAND exits or the lease is lost or handed off, until a s
 COMMAND's group is SIGKILLed ``grace`` seconds after the first, then the lease is released, before
 the platform's own SIGKILL would end the supervisor too and leave the lease to lapse.
 
-`ExitCode` (`pg_lease_django.exit_codes`, re-exported here) is the exit-code table of the whole
-``manage.py leases`` command; ``run``'s own codes are the supervisor's outcomes.
+`ExitCode` (`pg_lease_django.exit_codes`) is the exit-code table of the whole ``manage.py leases``
+command; ``run``'s own codes are the supervisor's outcomes, raised as `RunError`.
 """
 
 from __future__ import annotations
@@ -36,18 +36,19 @@ from typing import Any
 from django.core.management.base import OutputWrapper
 from django.db import connections, router
 
-from . import election as elections
-from .child_process import Child, describe_exit, signal_name, terminal_foreground
-from .display import LeaseRow, printable
-from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
-from .exit_codes import ExitCode, RunError
-from .holds.holding import hold
-from .holds.lease import HeldLease
-from .models import Lease
-from .status import LeaseStatus
-from .wait_status import WaitStatus
+from pg_lease_django import election as elections
+from pg_lease_django.display import LeaseRow, printable
+from pg_lease_django.exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
+from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.holds.holding import hold
+from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.models import Lease
+from pg_lease_django.status import LeaseStatus
 
-__all__ = ["DEFAULT_GRACE", "FORWARDED_SIGNALS", "ExitCode", "RunError", "Supervisor"]
+from .child_process import Child, describe_exit, signal_name, terminal_foreground
+from .status_line import StatusLine
+
+__all__ = ["DEFAULT_GRACE", "FORWARDED_SIGNALS", "RunError", "Supervisor"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,19 @@ DEFAULT_GRACE = 10.0
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 #: Of those, the ones that also end a campaign (``--campaign``): COMMAND is not restarted after them.
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class RunError(Exception):
+    """The run ended without COMMAND's status deciding it: busy, lost, timed out, or COMMAND not runnable.
+
+    Attributes:
+        exit_code: what to exit with (`ExitCode.BUSY`, ``LOST``, ``TIMED_OUT``, ``CANNOT_EXECUTE``
+            or ``COMMAND_NOT_FOUND``).
+    """
+
+    def __init__(self, message: str, exit_code: ExitCode) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _quoted(text: str) -> str:
@@ -235,9 +249,9 @@ class Supervisor:
             on_lost=self._wake,
             using=self.using,
         )
-        status: WaitStatus | None = None
+        status: StatusLine | None = None
         if self.wait is not None and self.stderr.isatty():
-            status = WaitStatus(self.key, self.read_lease, self.stderr, self.wait)
+            status = StatusLine(self.key, self.read_lease, self.stderr, self.wait)
             status.start()
         try:
             with holding as lease:
