@@ -82,7 +82,7 @@ FENCING_ORDER = ["resolution", "schema", "statements", "model", "__init__", "adm
 METRICS_ORDER = ["__init__", "tracing", "instruments", "hooks", "push", "database_view"]
 
 #: run/ (``leases run``), lowest first; its ``__init__`` imports none of them (a docstring only).
-RUN_ORDER = ["__init__", "child_process", "status_line", "supervisor"]
+RUN_ORDER = ["__init__", "child_process", "status_line", "supervisor", "campaign"]
 
 #: What a module of the foundation may import: nothing above it (sql/, status, exceptions, validation).
 FOUNDATION = {"conf", "exceptions", "status", "validation", "sql", "sql.files"}
@@ -265,7 +265,7 @@ def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     """holds/: context → lease → lease_pool → scheduler → heartbeat → session → holding → jobs;
     fencing/: resolution → schema → statements → model → the package → its admin;
     metrics/: the package (the label rules) → tracing → instruments → hooks → push → database_view;
-    run/: child_process → status_line → supervisor."""
+    run/: child_process → status_line → supervisor → campaign."""
     members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
     position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}
     if package == "holds":
