@@ -46,7 +46,6 @@ LAYERS: list[tuple[str, set[str]]] = [
         "operators",
         {
             "admin",
-            "admin_writes",
             "history",
             "timeline",
             "watch",
@@ -83,6 +82,9 @@ METRICS_ORDER = ["__init__", "tracing", "instruments", "hooks", "push", "databas
 
 #: run/ (``leases run``), lowest first; its ``__init__`` imports none of them (a docstring only).
 RUN_ORDER = ["__init__", "child_process", "status_line", "supervisor", "campaign"]
+
+#: admin/, lowest first; the package's ``__init__`` registers the two admins and re-exports them.
+ADMIN_ORDER = ["cells", "usage", "writes", "lease", "tenure", "__init__"]
 
 #: What a module of the foundation may import: nothing above it (sql/, status, exceptions, validation).
 FOUNDATION = {"conf", "exceptions", "status", "validation", "sql", "sql.files"}
@@ -259,13 +261,20 @@ def test_nothing_low_imports_something_high() -> None:
 
 @pytest.mark.parametrize(
     ("package", "order"),
-    [("holds", HOLDS_ORDER), ("fencing", FENCING_ORDER), ("metrics", METRICS_ORDER), ("run", RUN_ORDER)],
+    [
+        ("holds", HOLDS_ORDER),
+        ("fencing", FENCING_ORDER),
+        ("metrics", METRICS_ORDER),
+        ("run", RUN_ORDER),
+        ("admin", ADMIN_ORDER),
+    ],
 )
 def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     """holds/: context → lease → lease_pool → scheduler → heartbeat → session → holding → jobs;
     fencing/: resolution → schema → statements → model → the package → its admin;
     metrics/: the package (the label rules) → tracing → instruments → hooks → push → database_view;
-    run/: child_process → status_line → supervisor → campaign."""
+    run/: child_process → status_line → supervisor → campaign;
+    admin/: cells → usage → writes → lease → tenure → the package."""
     members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
     position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}
     if package == "holds":
