@@ -1,14 +1,14 @@
 """Stage ``metrics``: what the Prometheus metrics cost, and what one scrape of the database's view costs.
 
 * Side by side on Django's connection, in interleaved blocks: a ``Lease.objects`` acquire + release
-  pair and a ``hold()`` enter + exit, with the metrics installed (`pg_lease_django.metrics.install`)
+  pair and a ``hold()`` enter + exit, with the metrics installed (`pg_lease_django.metrics.hooks.install`)
   against the same with them uninstalled (target: at most 1.03x the time). A pair counts a grant and
   a release, where ``operations`` reads their rows; a hold counts the same, plus its signals.
 * The client CPU of a pair (this thread's CPU time, which the server's work and other processes'
   load do not add to), metrics on against off, in alternated blocks: what the two counts cost.
-* One scrape of the database's view (`pg_lease_django.metrics_db.DatabaseCollector`, one statement)
-  with 100,000 lease rows under 50 key labels (a third each held, lapsed and free), made once by
-  the SQL functions and kept (rows are never deleted): the median and p99 of 30 scrapes.
+* One scrape of the database's view (`pg_lease_django.metrics.database_view.DatabaseCollector`, one
+  statement) with 100,000 lease rows under 50 key labels (a third each held, lapsed and free), made
+  once by the SQL functions and kept (rows are never deleted): the median and p99 of 30 scrapes.
 
 Runs in ``benchmarks/bench.py`` (``--only metrics``), or alone: ``python benchmarks/observability.py``.
 Needs prometheus_client (the ``metrics`` extra).
@@ -177,8 +177,9 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]
     """The metrics' cost (installed vs not) on a pair and on hold(); the scrape with 100k rows."""
     from django.db import connection
 
-    from pg_lease_django import Lease, hold, metrics
-    from pg_lease_django.metrics_db import DatabaseCollector
+    from pg_lease_django import Lease, hold
+    from pg_lease_django.metrics import hooks as metrics
+    from pg_lease_django.metrics.database_view import DatabaseCollector
 
     section = "metrics"
     was_installed = metrics.installed()

@@ -13,7 +13,8 @@ class PgLeaseConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_migrate
 
-        from . import checks, conf, history, metrics, metrics_push, privileges
+        from . import checks, conf, history, privileges
+        from .metrics import hooks, push
 
         checks.register()
         checks.register_without_database_option()
@@ -21,10 +22,10 @@ class PgLeaseConfig(AppConfig):
         post_migrate.connect(privileges.grant_after_migrate, sender=self, dispatch_uid="pg_lease_django.privileges")
         # Lazily: nothing of prometheus_client is imported unless it is installed and PG_LEASE_METRICS is on.
         # A bad PG_LEASE_METRICS_KEY_LABEL is reported by check pg_lease_django.E005, not here.
-        metrics.install_tracing()  # spans where opentelemetry-api is installed
-        if metrics.install_quietly():
-            metrics_push.arm()  # at exit: pushed (PG_LEASE_METRICS_PUSHGATEWAY), or marked dead (multiprocess)
+        hooks.install_tracing()  # spans where opentelemetry-api is installed
+        if hooks.install_quietly():
+            push.arm()  # at exit: pushed (PG_LEASE_METRICS_PUSHGATEWAY), or marked dead (multiprocess)
             if conf.metrics_database_view():
-                from . import metrics_db
+                from .metrics import database_view
 
-                metrics_db.register()
+                database_view.register()

@@ -346,7 +346,7 @@ def metrics_pushgateway() -> str | None:
     """``PG_LEASE_METRICS_PUSHGATEWAY`` (str URL or ``None``, default ``None``): where short-lived processes push.
 
     A process with the metrics on pushes them to this Prometheus Pushgateway when it exits
-    (`pg_lease_django.metrics_push.push`): for ``leases run`` and cron-started ``@leased`` commands, which
+    (`pg_lease_django.metrics.push.push`): for ``leases run`` and cron-started ``@leased`` commands, which
     no server scrapes. ``None`` pushes nothing. Read at exit.
 
     Raises:

@@ -1,9 +1,9 @@
-"""The exit codes of ``manage.py leases`` (`ExitCode`), and `RunError`, how ``leases run`` ends with one of its own.
+"""The exit codes of ``manage.py leases`` (`ExitCode`).
 
 Written here once: the command's help, its docstring and ``run``'s description are generated from
-`ExitCode`; every subcommand and the supervisor (`pg_lease_django.supervisor`) exit with them, and
-so does a job skipped by ``@leased(..., on_busy="exit")`` (``BUSY``, ``TIMED_OUT``). A leaf: it
-imports nothing of the package.
+`ExitCode`; every subcommand and ``leases run`` (`pg_lease_django.run`, whose `RunError` carries
+one) exit with them, and so does a job skipped by ``@leased(..., on_busy="exit")`` (``BUSY``,
+``TIMED_OUT``). A leaf: it imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import textwrap
 from enum import IntEnum
 
-__all__ = ["ExitCode", "RunError"]
+__all__ = ["ExitCode"]
 
 
 class ExitCode(IntEnum):
@@ -91,16 +91,3 @@ class ExitCode(IntEnum):
             lines.append(f"{code.value:<{digits}}  {first}")
             lines += [f"{'':<{digits}}  {line}" for line in more]
         return "\n".join([*lines, rule])
-
-
-class RunError(Exception):
-    """The run ended without COMMAND's status deciding it: busy, lost, timed out, or COMMAND not runnable.
-
-    Attributes:
-        exit_code: what to exit with (`ExitCode.BUSY`, ``LOST``, ``TIMED_OUT``, ``CANNOT_EXECUTE``
-            or ``COMMAND_NOT_FOUND``).
-    """
-
-    def __init__(self, message: str, exit_code: ExitCode) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code

@@ -13,8 +13,9 @@ from asgiref.sync import sync_to_async
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import metrics, operations
+from . import operations
 from .exceptions import InvalidInputError, LeaseLostError
+from .metrics import hooks as metrics
 from .operations import EpochAdvance, Grant, HandoffRequest, LeaseState
 from .sql import NOTIFY_CHANNEL
 from .validation import (

@@ -20,8 +20,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, DataError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import metrics
 from .exceptions import InvalidInputError, NotAcquirableError, QuotaExceededError
+from .metrics import hooks as metrics
 from .sql import run, statements
 from .sql.rows import Attempt, EpochAdvance, Grant, HandoffRequest, LeaseState, Renewal
 

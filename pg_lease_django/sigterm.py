@@ -17,7 +17,8 @@ import signal
 import threading
 from types import FrameType
 
-from . import conf, metrics_push
+from . import conf
+from .metrics import push
 
 _depth = 0  # active scopes that counted (main thread only: no lock needed)
 _received = False
@@ -58,5 +59,5 @@ def leave(counted: bool) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _received:
         _received = False
-        metrics_push.exiting()  # the signal ends the process without atexit: its metrics leave first
+        push.exiting()  # the signal ends the process without atexit: its metrics leave first
         signal.raise_signal(signal.SIGTERM)  # the default disposition: the process ends by SIGTERM

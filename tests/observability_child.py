@@ -51,12 +51,13 @@ def main() -> None:
         import django
 
         django.setup()
-        from pg_lease_django import hold, metrics
+        from pg_lease_django import hold
         from pg_lease_django.management.leases import live_view
+        from pg_lease_django.metrics import hooks
 
         with hold(key, ttl=5) as lease:
             epoch = lease.epoch
-        print(json.dumps({"metrics": metrics.installed(), "rich": live_view.rich_available(), "epoch": epoch}))
+        print(json.dumps({"metrics": hooks.installed(), "rich": live_view.rich_available(), "epoch": epoch}))
         return
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider

@@ -32,8 +32,8 @@ from pg_lease_django import (
     querysets,
 )
 from pg_lease_django.display import describe_expiry, format_duration
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.managers import NOTIFY_CHANNEL
-from pg_lease_django.supervisor import ExitCode
 from tests.helpers import free, held, lapsed, url_of_test_database, wait_until
 
 pytestmark = pytest.mark.django_db

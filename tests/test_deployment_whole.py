@@ -167,9 +167,9 @@ print(json.dumps({{"pk": pk, "epoch": epoch, "probes": probes}}))
 SCRAPE = """
 import prometheus_client
 from prometheus_client import CollectorRegistry
-from pg_lease_django import metrics_db
+from pg_lease_django.metrics import database_view
 registry = CollectorRegistry()
-metrics_db.register(registry)
+database_view.register(registry)
 text = prometheus_client.generate_latest(registry).decode()
 series = [line for line in text.splitlines() if line and not line.startswith("#")]
 print(json.dumps({"up": [s for s in series if s.startswith("pg_lease_db_up")], "series": len(series), "text": text}))

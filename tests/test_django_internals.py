@@ -280,7 +280,7 @@ def test_signature_of_each_internal_we_call_or_override(
 
 @pytest.mark.django_db
 def test_the_connection_attribute_is_the_psycopg_connection_or_none() -> None:
-    """operations, settling, waiting, commit_confirmation, lease_connection, checks and metrics_db
+    """operations, settling, waiting, commit_confirmation, lease_connection, checks and metrics.database_view
     read ``connection.connection`` (None: not connected); lease_connection sets it to None."""
     with leaning_on("DatabaseWrapper.connection"):
         wrapper = fresh_wrapper()

@@ -24,9 +24,9 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from pg_lease_django import Lease
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.history import sync_scope
 from pg_lease_django.models import LeaseTenure
-from pg_lease_django.supervisor import ExitCode
 from pg_lease_django.timeline import History, TenureRow, read_history, render_timeline
 from tests.helpers import free, held, lapsed
 from tests.history_story import STORY, recording, tell

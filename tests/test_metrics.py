@@ -1,4 +1,4 @@
-"""Prometheus metrics (pg_lease_django.metrics, .metrics_db): scraped over real HTTP after real holds.
+"""Prometheus metrics (`pg_lease_django.metrics`): scraped over real HTTP after real holds.
 
 Each test labels its keys with a prefix of its own, so the series it reads start at zero whatever
 else this process held before: every count asserted is exactly what the scenario implies.
@@ -45,11 +45,10 @@ from pg_lease_django import (
     conf,
     hold,
     metrics,
-    metrics_db,
-    metrics_push,
 )
 from pg_lease_django.checks import check_metrics_settings
 from pg_lease_django.history import sync_scope
+from pg_lease_django.metrics import database_view, hooks, instruments, push
 from tests.helpers import Background, held, lapsed, url_of_test_database, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -85,7 +84,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 @pytest.fixture
 def served() -> Iterator[Callable[[], Samples]]:
     """prometheus_client's own HTTP server on an ephemeral port, serving the default registry."""
-    assert metrics.installed(), "the app's ready() registers the metrics when prometheus_client is installed"
+    assert hooks.installed(), "the app's ready() registers the metrics when prometheus_client is installed"
     server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1")
     url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
     yield lambda: parse(scrape_text(url))
@@ -224,7 +223,7 @@ def test_a_callable_label_groups_the_database_view_the_same_way(prefix: str) -> 
     held(f"{prefix}/y:2")
     registry = CollectorRegistry()
     with override_settings(PG_LEASE_METRICS_KEY_LABEL="tests.test_metrics.slash_label"):
-        metrics_db.register(registry)
+        database_view.register(registry)
         samples = parse(prometheus_client.generate_latest(registry).decode())
     assert value(samples, "pg_lease_db_leases", prefix=prefix, state="held") == 2
 
@@ -235,7 +234,7 @@ def slash_label(key: str) -> str:
 
 def test_a_database_that_cannot_be_read_is_reported_not_raised() -> None:
     registry = CollectorRegistry()
-    metrics_db.register(registry, using="other")  # a database alias without the lease table
+    database_view.register(registry, using="other")  # a database alias without the lease table
     samples = parse(prometheus_client.generate_latest(registry).decode())
     assert value(samples, "pg_lease_db_up") == 0
 
@@ -253,10 +252,10 @@ def test_a_bad_key_label_setting_is_a_system_check_error(bad: object) -> None:
 
 
 def test_the_default_label_is_the_text_before_the_first_colon() -> None:
-    assert metrics.key_label("billing:acme:42") == "billing"
+    assert hooks.key_label("billing:acme:42") == "billing"
     # Keys without the separator share one label: a tenant's junk keys cannot make a series each.
-    assert metrics.key_label("nightly-billing") == metrics.NO_PREFIX_LABEL == "(none)"
-    assert metrics.key_label("invoice-81723") == "(none)"
+    assert hooks.key_label("nightly-billing") == metrics.NO_PREFIX_LABEL == "(none)"
+    assert hooks.key_label("invoice-81723") == "(none)"
     assert metrics.OTHER_LABEL == "(other)"
 
 
@@ -265,16 +264,16 @@ def reinstalled() -> Iterator[Callable[[], CollectorRegistry]]:
     """Install the metrics afresh (no label seen yet) in a registry of the test's own; the default one after."""
 
     def install() -> CollectorRegistry:
-        metrics.uninstall()
+        hooks.uninstall()
         registry = CollectorRegistry()
-        assert metrics.install(registry)
+        assert hooks.install(registry)
         return registry
 
     try:
         yield install
     finally:
-        metrics.uninstall()
-        metrics.install()
+        hooks.uninstall()
+        hooks.install()
 
 
 def _pair(key: str, owner: str = "w1") -> None:
@@ -549,12 +548,12 @@ def test_push_sends_one_group_per_label_and_nothing_when_nothing_was_counted(
     url, received = pushgateway
     reinstalled()
     with override_settings(PG_LEASE_METRICS_PUSHGATEWAY=url):
-        assert metrics_push.push()
+        assert push.push()
         assert received == []  # nothing counted: nothing to push
         _pair(f"{prefix}a:1")
         _pair(f"{prefix}a:2")
         _pair(f"{prefix}b:1")
-        assert metrics_push.push()
+        assert push.push()
     by_path = {path.rsplit("/", 1)[1]: parse(body) for _method, path, body in received}
     assert set(by_path) == {f"{prefix}a", f"{prefix}b"}
     assert value(by_path[f"{prefix}a"], "pg_lease_grants_total", prefix=f"{prefix}a") == 2
@@ -570,16 +569,16 @@ def test_a_push_that_fails_is_logged_never_raised_and_bounded_by_its_timeout(
 ) -> None:
     reinstalled()
     _pair(f"{prefix}:job")
-    caplog.set_level(logging.WARNING, logger="pg_lease_django.metrics_push")
+    caplog.set_level(logging.WARNING, logger="pg_lease_django.metrics.push")
     with override_settings(PG_LEASE_METRICS_PUSHGATEWAY=f"http://127.0.0.1:{free_port()}"):  # nothing listens
-        assert metrics_push.push() is False
+        assert push.push() is False
     # A gateway that accepts the connection and never answers: the push gives up at its timeout.
-    monkeypatch.setattr(metrics_push, "PUSH_TIMEOUT", 0.5)
+    monkeypatch.setattr(push, "PUSH_TIMEOUT", 0.5)
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         with override_settings(PG_LEASE_METRICS_PUSHGATEWAY=f"http://127.0.0.1:{silent.getsockname()[1]}"):
-            pushing = Background(metrics_push.push)
+            pushing = Background(push.push)
             pushing.start()
             assert pushing.outcome(timeout=60) is False
     assert len([r for r in caplog.records if "pushing the lease metrics" in r.getMessage()]) == 2
@@ -643,7 +642,7 @@ def test_multiprocess_mode_sums_two_worker_processes(tmp_path: Path, prefix: str
 def _declared() -> dict[str, tuple[str, ...]]:
     """Every series name the code exports (histograms with their three suffixes) -> its labels."""
     names: dict[str, tuple[str, ...]] = {}
-    for name, (kind, labels) in {**metrics.METRICS, **metrics_db.DATABASE_METRICS}.items():
+    for name, (kind, labels) in {**instruments.METRICS, **database_view.DATABASE_METRICS}.items():
         names[name] = labels
         if kind == "histogram":
             names[f"{name}_bucket"] = (*labels, "le")
@@ -653,24 +652,24 @@ def _declared() -> dict[str, tuple[str, ...]]:
 
 def test_the_declared_metrics_are_the_ones_registered_with_those_labels() -> None:
     exposition = prometheus_client.generate_latest().decode()
-    for name, (kind, _labels) in metrics.METRICS.items():
+    for name, (kind, _labels) in instruments.METRICS.items():
         assert f"# TYPE {name} {kind}\n" in exposition
     registered = {
         collector._name: tuple(collector._labelnames)  # type: ignore[attr-defined]
         for collector in list(prometheus_client.REGISTRY._collector_to_names)
         if getattr(collector, "_name", "").startswith("pg_lease_")
     }
-    declared = {name.removesuffix("_total"): labels for name, (_kind, labels) in metrics.METRICS.items()}
+    declared = {name.removesuffix("_total"): labels for name, (_kind, labels) in instruments.METRICS.items()}
     assert registered == declared
 
 
 def test_the_database_view_exports_what_it_declares(prefix: str) -> None:
     held(f"{prefix}:x")
     registry = CollectorRegistry()
-    metrics_db.register(registry)
+    database_view.register(registry)
     families = {family.name: family for family in registry.collect()}
-    assert set(families) == set(metrics_db.DATABASE_METRICS)
-    for name, (kind, labels) in metrics_db.DATABASE_METRICS.items():
+    assert set(families) == set(database_view.DATABASE_METRICS)
+    for name, (kind, labels) in database_view.DATABASE_METRICS.items():
         assert families[name].type == kind
         # Waiters and ended tenures appear only when there are some (history is off here).
         assert families[name].samples or name in ("pg_lease_db_waiters", "pg_lease_db_tenures_ended"), name
@@ -698,12 +697,12 @@ def test_every_dashboard_query_names_an_exported_metric_with_labels_it_has() -> 
         assert labels <= allowed, f"{expression!r} uses labels {labels - allowed} its metrics do not have"
         used.update(name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count") for name in names)
     # And the dashboard shows every metric (a new one gets a panel, or this fails).
-    assert used == set(metrics.METRICS) | set(metrics_db.DATABASE_METRICS)
+    assert used == set(instruments.METRICS) | set(database_view.DATABASE_METRICS)
 
 
 def test_the_observability_page_explains_every_metric_and_setting() -> None:
     page = (REPO / "docs" / "observability.md").read_text()
-    for name in {**metrics.METRICS, **metrics_db.DATABASE_METRICS}:
+    for name in {**instruments.METRICS, **database_view.DATABASE_METRICS}:
         assert f"`{name}`" in page, f"docs/observability.md does not explain {name}"
     for setting in (
         "PG_LEASE_METRICS",
@@ -792,7 +791,7 @@ def scrape_as(role: str, **settings: Any) -> str:
     try:
         registry = CollectorRegistry()
         with override_settings(**settings):
-            metrics_db.register(registry, using=alias)
+            database_view.register(registry, using=alias)
             return prometheus_client.generate_latest(registry).decode()
     finally:
         connections[alias].close()
@@ -856,6 +855,6 @@ def test_the_database_and_the_process_label_a_key_alike(key: str) -> None:
         narrow = {row[0] for row in cursor.fetchall()}
     assert metrics.NO_PREFIX_LABEL in wide and key in wide
     assert len(narrow) == 2 and metrics.OTHER_LABEL in narrow
-    label = metrics.key_label
+    label = hooks.key_label
     with override_settings(PG_LEASE_METRICS_MAX_LABELS=1_000_000):
         assert label("no-separator") == metrics.NO_PREFIX_LABEL and label(f"{key}:x") == key

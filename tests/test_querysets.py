@@ -12,9 +12,9 @@ from django.core.management import CommandError, call_command
 from django.db.models import QuerySet
 
 from pg_lease_django import Lease, LeaseManager, NeverAcquiredError
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.querysets import LeaseQuerySet
 from pg_lease_django.status import LeaseStatus
-from pg_lease_django.supervisor import ExitCode
 
 pytestmark = pytest.mark.django_db
 

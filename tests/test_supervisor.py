@@ -22,12 +22,13 @@ from django.core.management.base import OutputWrapper
 from django.db import connections
 
 from pg_lease_django import Lease
-from pg_lease_django.child_process import Child
 from pg_lease_django.display import LeaseRow
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.commands.leases import Command
+from pg_lease_django.run.child_process import Child
+from pg_lease_django.run.status_line import StatusLine
+from pg_lease_django.run.supervisor import RunError, Supervisor
 from pg_lease_django.status import LeaseStatus
-from pg_lease_django.supervisor import ExitCode, RunError, Supervisor
-from pg_lease_django.wait_status import WaitStatus
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -178,7 +179,7 @@ def test_the_wait_status_line_shows_the_holder_escaped() -> None:
         server_time="2026-01-01T00:00:01.000000+00:00",
     )
     stderr = StringIO()
-    status = WaitStatus(row.key, lambda: row, OutputWrapper(stderr), wait=30)
+    status = StatusLine(row.key, lambda: row, OutputWrapper(stderr), wait=30)
     status.start()
     wait_until(lambda: "waited" in stderr.getvalue(), timeout=30, what="the status line")
     status.stop()

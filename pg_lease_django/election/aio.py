@@ -18,9 +18,9 @@ from typing import Any
 
 from asgiref.sync import iscoroutinefunction
 
-from pg_lease_django import metrics
 from pg_lease_django.exceptions import InvalidInputError, LeaseLostError
 from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.validation import Seconds
 
 from .candidate import Candidate, Term, leader_in

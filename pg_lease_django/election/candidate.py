@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pg_lease_django import metrics
 from pg_lease_django.exceptions import InvalidInputError, NotAcquirableError
 from pg_lease_django.holds.holding import Holding, hold
 from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import LeaseState
 from pg_lease_django.owners import default_owner
 from pg_lease_django.validation import Seconds, check_new_name, check_ttl

@@ -27,10 +27,11 @@ from typing import Any
 
 from django.db import connections
 
-from pg_lease_django import metrics, sigterm
+from pg_lease_django import sigterm
 from pg_lease_django.holds.holding import report_next_acquire_to
 from pg_lease_django.holds.lease import HeldLease
 from pg_lease_django.holds.lease_connection import InFlight
+from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.validation import Seconds
 
 from .candidate import Candidate, Term, leader_in, logger

@@ -17,8 +17,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Expression
 from django.db.models.sql.compiler import SQLCompiler
 
-from pg_lease_django import metrics, sql
+from pg_lease_django import sql
 from pg_lease_django.exceptions import REFUSED_WRITE_ERRORS, LeaseError
+from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.sql import run, statements
 
 from .resolution import FenceToken

@@ -26,8 +26,8 @@ from typing import Literal
 
 from django.db import connections
 
-from pg_lease_django import metrics
 from pg_lease_django.exceptions import HeartbeatFailedError, LeaseLostError
+from pg_lease_django.metrics import hooks as metrics
 
 from . import lease_connection, lease_pool
 from .lease import Tenure

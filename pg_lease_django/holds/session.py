@@ -17,8 +17,9 @@ from datetime import timedelta
 
 from django.db import router
 
-from pg_lease_django import conf, metrics
+from pg_lease_django import conf
 from pg_lease_django.exceptions import InvalidInputError, NotAcquirableError
+from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Grant
 from pg_lease_django.owners import default_owner
 from pg_lease_django.signals import lease_acquired, lease_released

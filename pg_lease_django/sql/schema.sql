@@ -1745,7 +1745,7 @@ ALTER TABLE @extschema@."pg_lease_django_history_scope" ENABLE ALWAYS TRIGGER pg
 -- Monitoring
 -- ================================================================================================
 
--- The database's view for Prometheus (pg_lease_django.metrics_db), in one statement: counts by key
+-- The database's view for Prometheus (pg_lease_django.metrics.database_view), in one statement: counts by key
 -- label, never a key, an owner or an epoch, for monitoring roles granted nothing else. A key's
 -- label is its part before p_separator, or '(none)' when it has none; the p_max_labels labels with
 -- the most lease rows keep their own, the rest are counted as '(other)': a scrape has a bounded

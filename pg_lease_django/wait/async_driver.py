@@ -23,7 +23,8 @@ from asgiref.sync import sync_to_async
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper
 
-from pg_lease_django import conf, metrics, operations, sql
+from pg_lease_django import conf, operations, sql
+from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Attempt, Grant
 from pg_lease_django.sql import statements
 from pg_lease_django.sql.arun import Session

@@ -26,8 +26,9 @@ import psycopg
 from asgiref.sync import sync_to_async
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from pg_lease_django import metrics, operations
+from pg_lease_django import operations
 from pg_lease_django.exceptions import LeaseLostError
+from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Grant
 from pg_lease_django.plans import adrive, drive
 from pg_lease_django.sql import run, statements

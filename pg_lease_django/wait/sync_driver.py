@@ -23,7 +23,8 @@ from typing import Any
 from django.db import InterfaceError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from pg_lease_django import conf, metrics, operations
+from pg_lease_django import conf, operations
+from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Grant
 from pg_lease_django.sql import run, statements
 

@@ -1,4 +1,4 @@
-"""``manage.py leases run``: parse its arguments and hand COMMAND to `Supervisor`."""
+"""``manage.py leases run``: parse its arguments and hand COMMAND to `Supervisor` (`Campaign` with ``--campaign``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from pg_lease_django import sql as lease_sql
+from pg_lease_django.exceptions import InvalidInputError
+from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     seconds,
 )
-from pg_lease_django.supervisor import DEFAULT_GRACE, ExitCode, RunError, Supervisor
+from pg_lease_django.run.campaign import Campaign
+from pg_lease_django.run.supervisor import DEFAULT_GRACE, RunError, Supervisor
 from pg_lease_django.validation import MAX_TTL, MAX_WAIT, MIN_TTL, check_name
 
 RUN_USAGE = "leases run KEY --ttl SECONDS -- COMMAND [ARGS ...]"
@@ -52,19 +55,22 @@ class RunSubcommand(BaseCommand):
         # An unmigrated database in one line, before anything starts: a campaign would otherwise
         # retry its failing attempts until stopped (a configuration error is not a transient one).
         lease_sql.schema(connections[alias])
-        supervisor = Supervisor(
-            key,
-            command,
-            ttl=ttl,
-            wait=wait or None,
-            grace=grace,
-            owner=owner,
-            using=alias,
-            verbosity=options.get("verbosity", 1),
-            stdout=self.stdout,
-            stderr=self.stderr,
-            campaign=bool(options.get("campaign")),
-        )
+        common: dict[str, Any] = {
+            "ttl": ttl,
+            "grace": grace,
+            "owner": owner,
+            "using": alias,
+            "verbosity": options.get("verbosity", 1),
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+        }
+        supervisor: Supervisor
+        if options.get("campaign"):
+            if wait:
+                raise InvalidInputError("--campaign waits for the lease as long as it takes: leave out --wait")
+            supervisor = Campaign(key, command, **common)
+        else:
+            supervisor = Supervisor(key, command, wait=wait or None, **common)
         try:
             status = supervisor.run()
         except RunError as exc:

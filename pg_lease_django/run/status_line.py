@@ -1,4 +1,4 @@
-"""The line ``leases run --wait`` shows on a terminal while it waits for the lease (`WaitStatus`)."""
+"""The line ``leases run --wait`` shows on a terminal while it waits for the lease (`StatusLine`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from datetime import timedelta
 from django.core.management.base import OutputWrapper
 from django.db import connections
 
-from .display import LeaseRow, format_duration, printable
-from .status import LeaseStatus
+from pg_lease_django.display import LeaseRow, format_duration, printable
+from pg_lease_django.status import LeaseStatus
 
-__all__ = ["WaitStatus"]
+__all__ = ["StatusLine"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _STATUS_REFRESH = 0.25
 
 
-class WaitStatus(threading.Thread):
+class StatusLine(threading.Thread):
     """On a terminal: one line on stderr, rewritten in place, while ``--wait`` waits for the lease.
 
     Reads the lease as ``leases show`` does, on a connection of this thread's own (the waiting

@@ -1,6 +1,6 @@
 """The Lease admin's two writes: force release and hand-off requests, each at the epoch the user saw.
 
-`pg_lease_django.admin.LeaseAdmin` offers them (its actions, the hand-off button) and checks the
+`pg_lease_django.admin.lease.LeaseAdmin` offers them (its actions, the hand-off button) and checks the
 permission; here they are done: the epochs the page posted read back (a malformed one is a bad
 request, never a write), each lease written through the manager only if its epoch is still the one
 shown, every outcome reported to the user and each write recorded as a LogEntry on the lease.
@@ -15,9 +15,15 @@ from django.core.exceptions import BadRequest
 from django.db import router
 from django.http import HttpRequest
 
-from .exceptions import AlreadyFreeError, EpochMismatchError, InvalidInputError, LapsedError, NeverAcquiredError
-from .models import Lease
-from .validation import check_epoch
+from pg_lease_django.exceptions import (
+    AlreadyFreeError,
+    EpochMismatchError,
+    InvalidInputError,
+    LapsedError,
+    NeverAcquiredError,
+)
+from pg_lease_django.models import Lease
+from pg_lease_django.validation import check_epoch
 
 if TYPE_CHECKING:
     from django.contrib.admin import ModelAdmin

@@ -21,7 +21,9 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from . import conf, metrics
+from pg_lease_django import conf
+
+from . import hooks
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -53,7 +55,7 @@ def push() -> bool:
         True when every label was pushed (or nothing was counted); False when the metrics are not
         installed, the setting is not set, or the push failed.
     """
-    if not metrics.installed():
+    if not hooks.installed():
         return False
     gateway = None
     try:
@@ -70,7 +72,7 @@ def push() -> bool:
 def _push(gateway: str) -> None:
     from prometheus_client import push_to_gateway
 
-    families = [family for collector in metrics.collectors() for family in collector.collect()]
+    families = [family for collector in hooks.collectors() for family in collector.collect()]
     labels = sorted({sample.labels["prefix"] for family in families for sample in family.samples})
     instance = socket.gethostname()
     deadline = time.monotonic() + PUSH_TIMEOUT

@@ -2,7 +2,7 @@
 
 A no-op otherwise (nothing imported after the first look). With the API but no SDK configured,
 OpenTelemetry's own no-op tracer answers. Spans (tracer ``pg_lease_django``), each with the
-attributes ``pg_lease.prefix`` (the key's label, `pg_lease_django.metrics.key_label`'s rule),
+attributes ``pg_lease.prefix`` (the key's label, `pg_lease_django.metrics.hooks.key_label`'s rule),
 ``pg_lease.outcome`` and, once known, ``pg_lease.epoch``:
 
 - ``pg_lease.acquire``: a hold's acquire, blocking wait included; outcome ``granted``, ``busy``,
@@ -11,13 +11,19 @@ attributes ``pg_lease.prefix`` (the key's label, `pg_lease_django.metrics.key_la
 - ``pg_lease.release`` / ``pg_lease.lost``: the end of a hold (no duration: the signal that says so
   comes after it); outcome ``freed`` / ``kept``, or the loss's error code.
 
-Called by `pg_lease_django.metrics`' hooks and receivers; nothing here is public API.
+Called by `pg_lease_django.metrics.hooks`' hooks and receivers (`TracedAcquire` around a hold's
+acquire); nothing here is public API.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
+
+from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
+
+logger = logging.getLogger(__name__)
 
 _UNKNOWN: Any = object()
 _tracer: Any = _UNKNOWN
@@ -64,3 +70,36 @@ def record(name: str, prefix: str, outcome: str, epoch: int | None, *, began_sec
     if epoch is not None:
         attributes["pg_lease.epoch"] = epoch
     found.start_span(name, attributes=attributes, start_time=start_ns).end()
+
+
+class TracedAcquire:
+    """Around one acquire of a hold: its span (outcome, epoch)."""
+
+    __slots__ = ("epoch", "prefix", "span")
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.epoch: int | None = None
+        self.span: Any = None
+
+    def granted(self, epoch: int) -> None:
+        """The acquire was granted at ``epoch`` (for its span)."""
+        self.epoch = epoch
+
+    def __enter__(self) -> TracedAcquire:
+        self.span = start("pg_lease.acquire", self.prefix)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is None:
+            outcome = "granted"
+        elif issubclass(exc_type, NotAcquirableError):
+            outcome = "busy"
+        elif issubclass(exc_type, LeaseTimeoutError):
+            outcome = "timeout"
+        else:
+            outcome = "error"  # interrupted, or the database failed: neither a grant nor a refusal
+        try:
+            finish(self.span, outcome, self.epoch)
+        except Exception:
+            logger.exception("tracing an acquire failed")

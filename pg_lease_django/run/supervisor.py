@@ -6,23 +6,21 @@ leases run`` is its command line; it needs nothing from the command and can be d
 
     status = Supervisor("jobs:reindex", ["./reindex.sh"], ttl=30).run()  # raises RunError for 75-77, 126, 127
 
-With ``campaign=True`` (``leases run --campaign``) it keeps COMMAND running on exactly one
-machine of many: it campaigns with `pg_lease_django.elect`, runs COMMAND while it leads, and
-campaigns again when COMMAND exits or the lease is lost or handed off, until a signal stops it.
+`pg_lease_django.run.campaign.Campaign` (``leases run --campaign``), a `Supervisor` too, keeps
+COMMAND running on exactly one machine of many.
 
 ``grace`` bounds every SIGTERM, the one sent on a loss and a deploy's (systemd, the kubelet):
 COMMAND's group is SIGKILLed ``grace`` seconds after the first, then the lease is released, before
 the platform's own SIGKILL would end the supervisor too and leave the lease to lapse.
 
-`ExitCode` (`pg_lease_django.exit_codes`, re-exported here) is the exit-code table of the whole
-``manage.py leases`` command; ``run``'s own codes are the supervisor's outcomes.
+`ExitCode` (`pg_lease_django.exit_codes`) is the exit-code table of the whole ``manage.py leases``
+command; ``run``'s own codes are the supervisor's outcomes, raised as `RunError`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import selectors
 import signal
 import sys
@@ -36,18 +34,18 @@ from typing import Any
 from django.core.management.base import OutputWrapper
 from django.db import connections, router
 
-from . import election as elections
-from .child_process import Child, describe_exit, signal_name, terminal_foreground
-from .display import LeaseRow, printable
-from .exceptions import InvalidInputError, LeaseTimeoutError, NotAcquirableError
-from .exit_codes import ExitCode, RunError
-from .holds.holding import hold
-from .holds.lease import HeldLease
-from .models import Lease
-from .status import LeaseStatus
-from .wait_status import WaitStatus
+from pg_lease_django.display import LeaseRow, printable
+from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
+from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.holds.holding import hold
+from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.models import Lease
+from pg_lease_django.status import LeaseStatus
 
-__all__ = ["DEFAULT_GRACE", "FORWARDED_SIGNALS", "ExitCode", "RunError", "Supervisor"]
+from .child_process import Child, describe_exit, signal_name, terminal_foreground
+from .status_line import StatusLine
+
+__all__ = ["DEFAULT_GRACE", "FORWARDED_SIGNALS", "RunError", "Supervisor", "quoted"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +54,22 @@ logger = logging.getLogger(__name__)
 DEFAULT_GRACE = 10.0
 #: Signals the supervisor passes on to COMMAND.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-#: Of those, the ones that also end a campaign (``--campaign``): COMMAND is not restarted after them.
-STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def _quoted(text: str) -> str:
+class RunError(Exception):
+    """The run ended without COMMAND's status deciding it: busy, lost, timed out, or COMMAND not runnable.
+
+    Attributes:
+        exit_code: what to exit with (`ExitCode.BUSY`, ``LOST``, ``TIMED_OUT``, ``CANNOT_EXECUTE``
+            or ``COMMAND_NOT_FOUND``).
+    """
+
+    def __init__(self, message: str, exit_code: ExitCode) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def quoted(text: str) -> str:
     """A key, an owner: chosen by others, shown quoted and escaped (`printable`), never obeyed by a terminal."""
     return f"'{printable(text)}'"
 
@@ -95,7 +104,6 @@ class Supervisor:
         using: the database alias; default where the router sends writes of leases.
         verbosity: 0 says nothing, 1 reports signals and losses, 2 the grant and the release too.
         stdout, stderr: where the messages go (stderr) and what to flush before COMMAND starts.
-        campaign: keep COMMAND running on one machine of many (see `_campaign`); not with ``wait``.
     """
 
     def __init__(
@@ -111,14 +119,9 @@ class Supervisor:
         verbosity: int = 1,
         stdout: OutputWrapper | None = None,
         stderr: OutputWrapper | None = None,
-        campaign: bool = False,
     ) -> None:
-        if campaign and wait is not None:
-            raise InvalidInputError("--campaign waits for the lease as long as it takes: leave out --wait")
-        self.campaign = campaign
-        self._election: elections.Election | None = None
         self.key, self.argv = key, list(argv)
-        self._key = _quoted(key)  # as messages show it
+        self._key = quoted(key)  # as messages show it
         self.using = using or router.db_for_write(Lease)
         self.verbosity = verbosity
         self.ttl, self.wait, self.grace, self.owner = ttl, wait, grace, owner
@@ -151,11 +154,6 @@ class Supervisor:
     # -- signals -------------------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._election is not None:
-            if signum not in STOPPING_SIGNALS and not self._started:
-                return  # campaigning, COMMAND not running: SIGUSR1/SIGUSR2 have no one to go to
-            if signum in STOPPING_SIGNALS:
-                self._election.stop()  # no new term after this one
         if not self._started:
             if not self._interrupted:
                 self._interrupted = True
@@ -210,12 +208,9 @@ class Supervisor:
                 previous[signum] = handler
                 signal.signal(signum, self._on_signal)
             try:
-                return self._campaign() if self.campaign else self._hold_and_run()
+                return self._main()
             except _Interrupted as exc:
-                if self.campaign:
-                    self._say(f"{signal_name(exc.signum)} while {self._name} was not running: stopped campaigning")
-                else:
-                    self._say(f"{signal_name(exc.signum)} before {self._name} started: not run, lease not held")
+                self._say(self._not_run(exc.signum))
                 return 128 + exc.signum
         finally:
             for number, handler in previous.items():
@@ -224,6 +219,14 @@ class Supervisor:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_r = self._wake_w = -1
+
+    def _main(self) -> int:
+        """The run, its signal handlers in place: hold the lease, run COMMAND once (`Campaign`: per term)."""
+        return self._hold_and_run()
+
+    def _not_run(self, signum: int) -> str:
+        """What to say when signal ``signum`` stopped the run while COMMAND was not running."""
+        return f"{signal_name(signum)} before {self._name} started: not run, lease not held"
 
     def _hold_and_run(self) -> int:
         holding = hold(
@@ -235,9 +238,9 @@ class Supervisor:
             on_lost=self._wake,
             using=self.using,
         )
-        status: WaitStatus | None = None
+        status: StatusLine | None = None
         if self.wait is not None and self.stderr.isatty():
-            status = WaitStatus(self.key, self.read_lease, self.stderr, self.wait)
+            status = StatusLine(self.key, self.read_lease, self.stderr, self.wait)
             status.start()
         try:
             with holding as lease:
@@ -276,7 +279,7 @@ class Supervisor:
         connections[self.using].close()  # no idle connection left behind by a status query
         if row is None or row.state != LeaseStatus.HELD or row.owner is None:
             return f"lease {self._key} was held by another owner"
-        return f"lease {self._key} is held by {_quoted(row.owner)} (epoch {row.epoch}, expires {row.expiry})"
+        return f"lease {self._key} is held by {quoted(row.owner)} (epoch {row.epoch}, expires {row.expiry})"
 
     def _supervise(self, lease: HeldLease) -> int:
         """Start COMMAND and wait for it, signalling it if the lease is lost; its Popen return code."""
@@ -292,7 +295,7 @@ class Supervisor:
             "PG_LEASE_EPOCH": str(lease.epoch),
         }
         self._say(
-            f"acquired {self._key} as {_quoted(lease.owner)} at epoch {lease.epoch}; running {self._name}", level=2
+            f"acquired {self._key} as {quoted(lease.owner)} at epoch {lease.epoch}; running {self._name}", level=2
         )
         connections.close_all()  # the hold has a connection of its own: keep no idle one for COMMAND's lifetime
         self.stdout.flush()
@@ -364,96 +367,14 @@ class Supervisor:
         return child.popen.returncode
 
     def _why_stop(self, lease: HeldLease) -> str | None:
-        """Why COMMAND must stop now (the lease was lost; campaigning, a hand-off was asked for), or None."""
+        """Why COMMAND must stop now (the lease was lost; `Campaign`: or a hand-off was asked for), or None."""
         error = lease.error
         if error is not None:
             self._terminated_at_loss = True
             return f"lease {self._key} lost ({error.code})"
-        if self.campaign and lease.handoff_requested:
-            return f"hand-off of {self._key} requested"
         return None
 
     def _kill_report(self, returncode: int) -> str:
         killed = self.child is not None and self.child.killed
         sent = f"sent {self._name} SIGTERM" + (f", then SIGKILL after {self.grace:g}s" if killed else "")
         return f"{sent}; it {describe_exit(returncode)}"
-
-    # -- run --campaign ------------------------------------------------------------------------------
-
-    def _campaign(self) -> int:
-        """Campaign; run COMMAND for each term; campaign again when it ends. Returns once a signal stops it.
-
-        The election runs in its thread (`pg_lease_django.elect`). Its leader callback hands each
-        term's lease to this (the main) thread, which starts, watches and signals COMMAND as a
-        plain ``run`` does, then lets the callback return: the election releases the lease (unless
-        lost) and campaigns again. A signal that arrives while COMMAND runs is passed on, and
-        SIGTERM, SIGINT or SIGHUP also stop the campaign (COMMAND is not restarted; the status is
-        COMMAND's); one that arrives between terms stops at once (128 + N). COMMAND ending with an
-        error makes the election back off before the next term (doubling up to one TTL); after a
-        hand-off it rests until another campaigner leads (or one TTL).
-        """
-        terms: queue.Queue[HeldLease] = queue.Queue()
-        term_over = threading.Event()
-
-        def lead(lease: HeldLease) -> None:  # the election's thread
-            term_over.clear()
-            terms.put(lease)
-            # A signal between terms stops the election, then sets term_over: if that set() came
-            # before the clear() above (the term was won just as the signal arrived), waiting
-            # would never end, and neither would join(). Stopped: give the lease back at once.
-            if election.stopping:
-                return
-            term_over.wait()
-
-        election = elections.Election(
-            self.key,
-            ttl=self.ttl,
-            on_started_leading=lead,
-            on_stopped_leading=lambda: None,
-            on_new_leader=lambda identity: self._say(f"{self._key} is led by {_quoted(identity)}", level=2),
-            owner=self.owner,
-            using=self.using,
-        )
-        self._election = election
-        elections.start(election, wake=self._wake)
-        try:
-            while True:
-                lease = terms.get()  # a signal here raises _Interrupted: stop campaigning
-                try:
-                    returncode = self._term(lease)
-                finally:
-                    term_over.set()
-                if election.stopping:
-                    if returncode is None:
-                        return int(ExitCode.LOST)
-                    return returncode if returncode >= 0 else 128 - returncode
-        finally:
-            election.stop()
-            term_over.set()
-            election.join()
-
-    def _term(self, lease: HeldLease) -> int | None:
-        """COMMAND for one term: its Popen return code (None when the lease was lost before it started)."""
-        self.child, self._pending, self._sigterm_at = None, [], None
-        self._terminated_at_loss = False
-        try:
-            returncode = self._supervise(lease)
-        except RunError as exc:
-            if exc.exit_code != ExitCode.LOST:
-                raise  # COMMAND cannot be run: no point in campaigning for it
-            self._say(f"{exc}; campaigning again")
-            return None
-        finally:
-            self._started = False  # from here a signal stops the campaign at once
-        ended = f"{self._name} {describe_exit(returncode)}"
-        if self._terminated_at_loss:
-            self._say(f"lease {self._key} (epoch {lease.epoch}) was lost: {self._kill_report(returncode)}")
-        elif lease.handoff_requested:
-            self._say(f"stepped down from {self._key} (epoch {lease.epoch}) for a hand-off; {ended}")
-        elif self._election is not None and not self._election.stopping:
-            self._say(f"{ended}; stepping down from {self._key} (epoch {lease.epoch}), campaigning again")
-            if returncode != 0:
-                elections.fail_term(self._election)  # back off before the next term
-        else:
-            self._say(f"{ended}; releasing {self._key} (epoch {lease.epoch}), stopped campaigning", level=2)
-        return returncode

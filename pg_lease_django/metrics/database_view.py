@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 from django.db import connections, router, transaction
 
-from . import conf
-from .metrics import OTHER_LABEL
-from .sql import run, statements
+from pg_lease_django import conf
+from pg_lease_django.sql import run, statements
+
+from . import OTHER_LABEL
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -34,7 +35,7 @@ __all__ = ["DATABASE_METRICS", "DatabaseCollector", "register"]
 
 logger = logging.getLogger(__name__)
 
-#: Every metric of the database's view: name, type, labels (checked like `metrics.METRICS`).
+#: Every metric of the database's view: name, type, labels (checked like `instruments.METRICS`).
 DATABASE_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pg_lease_db_up": ("gauge", ()),
     "pg_lease_db_leases": ("gauge", ("prefix", "state")),
@@ -83,7 +84,7 @@ class DatabaseCollector:
 
     def read(self) -> list[tuple[str, str, str, float, float | None]]:
         """The view's rows, labelled: (kind, prefix, state or reason, count, oldest lapse in seconds)."""
-        from .models import Lease
+        from pg_lease_django.models import Lease
 
         alias = self.using or router.db_for_write(Lease)
         connection = connections[alias]
@@ -132,7 +133,7 @@ def _regroup(
 def _families(rows: list[tuple[str, str, str, float, float | None]]) -> Iterator[Metric]:
     from prometheus_client.core import GaugeMetricFamily
 
-    from .status import LeaseStatus
+    from pg_lease_django.status import LeaseStatus
 
     leases = GaugeMetricFamily(
         "pg_lease_db_leases", "Lease rows by key label and state (server clock).", labels=["prefix", "state"]

@@ -1,26 +1,18 @@
-"""The Lease admin: read-only, states from the server clock, a lease's history, and two guarded writes.
+"""The Lease admin (`LeaseAdmin`): read-only, states from the server clock, a lease's history, two guarded writes.
 
 Nobody edits a lease by hand (an owner, epoch or expiry typed into a form would break fencing).
 The writes go through the manager: "Force release" (`LeaseManager.force_release`: the epoch goes
 up and the holder is fenced; the user is recorded as the operator) and "Request hand-off"
-(`LeaseManager.request_handoff`: advice the holder reads at its next renewal). States are read with
+(`LeaseManager.request_handoff`: advice the holder reads at its next renewal); this module offers
+them and checks the permission, `writes` does them. States are read with
 `LeaseQuerySet.with_state`; a lease's page also draws its recorded tenures
-(`pg_lease_django.timeline`). `LeaseTenureAdmin` lists the tenures, read-only. What the two writes
-do is `pg_lease_django.admin_writes`; `FencedModelAdmin`, for users' fenced models, is
-`pg_lease_django.fencing.admin`, re-exported here (the path the documentation names).
-
-Keys, owners and operators are other roles' data: Django escapes their HTML, and every page here
-also shows them through `printable`, since a bidi override or a control character survives HTML
-escaping and reorders or hides the text beside it. The snippets of "how to use this key" spell an
-unusual key with escapes its language reads back exactly.
+(`pg_lease_django.timeline`) and says how to use its key (`usage`). Keys, owners and operators are
+shown through `cells`, escaped.
 """
 
 from __future__ import annotations
 
-import json
-import shlex
-from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -38,15 +30,17 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 from django.views.decorators.http import require_POST
 
-from .admin_writes import force_release_confirmed, posted_epoch, request_handoffs
-from .display import describe_expiry, format_duration, printable
-from .fencing.admin import UNFENCED_NOTE, FencedModelAdmin
-from .models import Lease, LeaseTenure
-from .querysets import LeaseQuerySet
-from .status import LeaseStatus
-from .timeline import read_history, render_timeline
+from pg_lease_django.display import describe_expiry, format_duration, printable
+from pg_lease_django.models import Lease, LeaseTenure
+from pg_lease_django.querysets import LeaseQuerySet
+from pg_lease_django.status import LeaseStatus
+from pg_lease_django.timeline import read_history, render_timeline
 
-__all__ = ["UNFENCED_NOTE", "FencedModelAdmin", "LeaseAdmin", "LeaseTenureAdmin", "StateFilter"]
+from .cells import nowrap, utc, wrapping
+from .usage import usage_snippet
+from .writes import force_release_confirmed, posted_epoch, request_handoffs
+
+__all__ = ["HISTORY_LIMIT", "LeaseAdmin", "StateFilter"]
 
 #: How many of a lease's tenures its page draws and lists (the newest; the tenure list has all).
 HISTORY_LIMIT = 20
@@ -60,10 +54,8 @@ _BADGE_COLOURS: dict[str, tuple[str, str]] = {
 
 if TYPE_CHECKING:
     _LeaseModelAdmin = admin.ModelAdmin[Lease]
-    _TenureModelAdmin = admin.ModelAdmin[LeaseTenure]
 else:  # ModelAdmin is generic only in django-stubs
     _LeaseModelAdmin = admin.ModelAdmin
-    _TenureModelAdmin = admin.ModelAdmin
 
 
 class StateFilter(admin.SimpleListFilter):
@@ -81,24 +73,6 @@ class StateFilter(admin.SimpleListFilter):
         if self.value() in LeaseStatus.values:
             return queryset.filter(state=self.value())
         return queryset
-
-
-def _wrapping(text: str, min_width: str = "6em") -> SafeString:
-    """A cell of other roles' data (a key, an owner), escaped (`printable`), broken anywhere when long
-    (keys and owners have no spaces to break at), yet at least ``min_width`` wide, so that a long one
-    is a few lines, not a column of syllables."""
-    text = printable(text)
-    return format_html(
-        '<span style="display:inline-block;min-width:min({},{}ch);overflow-wrap:anywhere">{}</span>',
-        min_width,
-        len(text),
-        text,
-    )
-
-
-def _nowrap(text: str, title: str = "") -> SafeString:
-    """A changelist cell on one line (at 1280 px the default wrapping cut or tripled the row)."""
-    return format_html('<span style="white-space:nowrap" title="{}">{}</span>', title, text)
 
 
 @admin.register(Lease)
@@ -163,17 +137,17 @@ class LeaseAdmin(_LeaseModelAdmin):
     @admin.display(description="key", ordering="key")
     def key_display(self, obj: Lease) -> SafeString:
         """The key, broken anywhere when long (a 150-character key would push every other column off-screen)."""
-        return _wrapping(obj.key)
+        return wrapping(obj.key)
 
     @admin.display(description="acquired at")
     def acquired_at_display(self, obj: Lease) -> str:
         """The current grant's time, UTC, to the millisecond (Django's format stops at the minute)."""
-        return _utc(obj.acquired_at)
+        return utc(obj.acquired_at)
 
     @admin.display(description="expires at")
     def expires_at_display(self, obj: Lease) -> str:
         """The expiry, UTC, to the millisecond: a 0.5 s lease's grant and expiry differ."""
-        return _utc(obj.expires_at)
+        return utc(obj.expires_at)
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Lease) -> SafeString:
@@ -193,12 +167,12 @@ class LeaseAdmin(_LeaseModelAdmin):
     def expires_in_display(self, obj: Lease) -> str:
         """When the lease lapses, relative to the server clock (``in 29s``, ``lapsed 3m 05s ago``)."""
         expires_in: timedelta | None = getattr(obj, "expires_in", None)
-        return _nowrap(describe_expiry(str(getattr(obj, "state", None) or LeaseStatus.FREE), expires_in))
+        return nowrap(describe_expiry(str(getattr(obj, "state", None) or LeaseStatus.FREE), expires_in))
 
     @admin.display(description="owner", ordering="owner")
     def owner_display(self, obj: Lease) -> str:
         """The holder, broken anywhere when long (identities like ``host:pid:random`` have no spaces)."""
-        return "-" if obj.owner is None else _wrapping(obj.owner)
+        return "-" if obj.owner is None else wrapping(obj.owner)
 
     @admin.display(description="acquired at", ordering="acquired_at")
     def acquired_display(self, obj: Lease) -> str:
@@ -206,28 +180,12 @@ class LeaseAdmin(_LeaseModelAdmin):
         held_for: timedelta | None = getattr(obj, "held_for", None)
         if obj.acquired_at is None or held_for is None:
             return "-"
-        return _nowrap(f"{format_duration(held_for)} ago", obj.acquired_at.astimezone(UTC).isoformat(sep=" "))
+        return nowrap(f"{format_duration(held_for)} ago", obj.acquired_at.astimezone(UTC).isoformat(sep=" "))
 
     @admin.display(description="how to use this key")
     def usage(self, obj: Lease) -> SafeString:
-        """Snippets that use this key from Python, the shell and SQL."""
-        python_key = _spelled(json.dumps(obj.key, ensure_ascii=False), _unicode_escape)
-        if _plain(obj.key):
-            shell_key, sql_key = shlex.quote(obj.key), "'" + obj.key.replace("'", "''") + "'"
-        else:  # bash's ANSI-C quoting and PostgreSQL's escape strings read the escapes back exactly
-            shell_key = "$'" + _spelled(obj.key.replace("\\", "\\\\").replace("'", "\\'"), _c_escape) + "'"
-            sql_key = "E'" + _spelled(obj.key.replace("\\", "\\\\").replace("'", "''"), _c_escape) + "'"
-        snippet = (
-            "from pg_lease_django import Lease\n\n"
-            f'grant = Lease.objects.acquire({python_key}, "my-worker-id", ttl=30)\n'
-            "if grant is not None:  # None: another owner holds it\n"
-            "    ...  # pass grant.epoch to guarded writes: obj.save(fence=grant)\n"
-            "    Lease.objects.release(grant.key, grant.owner, grant.epoch)\n\n"
-            f"$ python manage.py leases show {shell_key}\n"
-            f"$ python manage.py leases release {shell_key} --force --epoch {obj.epoch}\n\n"
-            f"SELECT * FROM pg_lease_inspect({sql_key});"
-        )
-        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', snippet)
+        """Snippets that use this key from Python, the shell and SQL (`usage_snippet`)."""
+        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', usage_snippet(obj.key, obj.epoch))
 
     # -- history and hand-off ------------------------------------------------------------------------
 
@@ -260,8 +218,8 @@ class LeaseAdmin(_LeaseModelAdmin):
                     "row": row,
                     "owner": printable(row.owner),
                     "ended_by": printable(row.ended_by or "-"),
-                    "granted_at": _utc(row.granted_at),
-                    "ended_at": _utc(row.ended_at),
+                    "granted_at": utc(row.granted_at),
+                    "ended_at": utc(row.ended_at),
                     "outcome": printable(row.describe(now)),
                     "duration": format_duration(row.duration(now)),
                 }
@@ -366,92 +324,3 @@ class LeaseAdmin(_LeaseModelAdmin):
                 "media": self.media,
             },
         )
-
-
-def _plain(text: str) -> bool:
-    """Whether ``text`` has no character a browser or a terminal acts on (`printable` leaves it be)."""
-    return printable(text) == text
-
-
-def _spelled(literal: str, escape: Callable[[int], str]) -> str:
-    """``literal`` with each character a browser or a terminal acts on written as ``escape(code)``."""
-    return "".join(char if char == "\\" or _plain(char) else escape(ord(char)) for char in literal)
-
-
-def _unicode_escape(code: int) -> str:
-    """Python's escape of a character (JSON's for the BMP): ``\\u202e``, ``\\U0001d173``."""
-    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
-
-
-def _c_escape(code: int) -> str:
-    """The escape bash's ``$'...'`` and PostgreSQL's ``E'...'`` both read: ``\\x1b``, ``\\u202e``."""
-    return f"\\x{code:02x}" if code < 0x80 else _unicode_escape(code)
-
-
-def _utc(moment: datetime | None) -> str:
-    """A server time for a table cell: UTC, to the millisecond."""
-    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-@admin.register(LeaseTenure)
-class LeaseTenureAdmin(_TenureModelAdmin):
-    """The recorded tenures, read-only: written by the database's triggers, deleted by ``prune-history``.
-
-    Newest first, times in UTC to the millisecond. The ``ended at`` of a tenure still open says
-    "open"; a lease's own page says whether it is held or lapsed (`pg_lease_django.timeline.read_history`).
-    """
-
-    list_display = (
-        "key_display",
-        "epoch",
-        "owner_display",
-        "granted_at_display",
-        "ended_at_display",
-        "end_reason",
-        "ended_by_display",
-    )
-    list_display_links = ("key_display",)
-    list_filter = ("end_reason",)
-    search_fields = ("key", "owner", "ended_by")
-    ordering = ("-granted_at",)
-    list_per_page = 100
-    show_full_result_count = False
-
-    @admin.display(description="key", ordering="key")
-    def key_display(self, obj: LeaseTenure) -> SafeString:
-        """The key, broken anywhere when long."""
-        return _wrapping(obj.key)
-
-    @admin.display(description="owner", ordering="owner")
-    def owner_display(self, obj: LeaseTenure) -> SafeString:
-        """The holder, broken anywhere when long."""
-        return _wrapping(obj.owner)
-
-    @admin.display(description="granted", ordering="granted_at")
-    def granted_at_display(self, obj: LeaseTenure) -> str:
-        """The grant's time, UTC, to the millisecond (date and time may wrap onto two lines)."""
-        return _utc(obj.granted_at)
-
-    @admin.display(description="ended", ordering="ended_at")
-    def ended_at_display(self, obj: LeaseTenure) -> str:
-        """The end's time, UTC, to the millisecond; "open" while the tenure has not ended."""
-        return "open" if obj.ended_at is None else _utc(obj.ended_at)
-
-    @admin.display(description="by", ordering="ended_by")
-    def ended_by_display(self, obj: LeaseTenure) -> SafeString | str:
-        """Who ended it: "holder" (its owner, shown beside it), or an operator, broken anywhere when long."""
-        if not obj.ended_by:
-            return "-"
-        return "holder" if obj.ended_by == obj.owner else _wrapping(obj.ended_by)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        """Never: the database records tenures."""
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: LeaseTenure | None = None) -> bool:
-        """Never: a history edited by hand tells nothing."""
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: LeaseTenure | None = None) -> bool:
-        """Never here: ``manage.py leases prune-history`` deletes by age."""
-        return False
