@@ -8,15 +8,22 @@ plus the floor's plain table, on a throwaway server (the embedded binaries, or `
 ``fsync=off`` (the flush is the kernel's time, which callgrind does not count anyway).
 
     python benchmarks/instructions.py [--bindir /usr/lib/postgresql/15/bin] [--setup extra.sql]
+    python benchmarks/instructions.py --check    # CI's guard: fails on a rise over the baseline
+    python benchmarks/instructions.py --record   # a new baseline, in a commit that says why
 
 ``--setup`` runs a file of SQL (``@extschema@`` as in the schema) after the schema: a variant to
 compare, such as a migration's reverse file (``--setup pg_lease_django/sql/migrations/0006_*_reverse.sql``
 counts what 0005 left). Needs valgrind.
+
+The baseline (``instructions-baseline.json``, beside this file) holds each workload's count on the
+embedded server, whose binaries the wheel pins; ``--check`` fails when a workload costs more than
+`TOLERANCE` over it, or when the server is not the one it was recorded on (record again, saying why).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -39,6 +46,9 @@ from pg_lease_django.sql import statements
 from pg_lease_django.sql.files import read, render
 
 TTL = timedelta(seconds=30)
+BASELINE = Path(__file__).resolve().parent / "instructions-baseline.json"
+#: How much more than the baseline a workload may cost before --check fails.
+TOLERANCE = 0.03
 
 
 def literal(template: str, *params: Any) -> str:
@@ -146,25 +156,70 @@ def instructions(server: LocalServer, statements: list[str]) -> int:
         return int(summary.group(1))
 
 
+def server_version(server: LocalServer) -> str:
+    done = subprocess.run([str(server.bindir / "postgres"), "--version"], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def measure(server: LocalServer, setup: str) -> dict[str, int]:
+    """Instructions per operation of each workload: (300 operations - 100 operations) / 200."""
+    prepare(server, setup)
+    few, many = workloads(100), workloads(300)
+    return {name: (instructions(server, many[name]) - instructions(server, few[name])) // 200 for name in few}
+
+
+def check(per_op: dict[str, int], version: str) -> list[str]:
+    """What rose more than TOLERANCE over the baseline (or why the baseline does not apply)."""
+    baseline = json.loads(BASELINE.read_text())
+    if baseline["server"] != version:
+        return [
+            f"the baseline was recorded on {baseline['server']!r}, this server is {version!r}: "
+            "record it again (--record) in a commit that says why"
+        ]
+    rises = []
+    for name, count in per_op.items():
+        recorded = baseline["per_op"].get(name)
+        if recorded is None:
+            rises.append(f"{name.strip()}: no baseline (record one with --record)")
+        elif count > recorded * (1 + TOLERANCE):
+            rises.append(f"{name.strip()}: {count:,} instructions, {count / recorded - 1:+.1%} over {recorded:,}")
+    return rises
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bindir", type=Path, default=None, help="PostgreSQL's binaries (default: the embedded ones)")
     parser.add_argument("--setup", type=Path, default=None, help="SQL to run after the schema (a variant)")
+    guard = parser.add_mutually_exclusive_group()
+    guard.add_argument(
+        "--check", action="store_true", help=f"fail on a rise over the baseline of more than {TOLERANCE:.0%}"
+    )
+    guard.add_argument("--record", action="store_true", help="write these counts as the baseline")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is needed (apt-get install valgrind)")
+    if (args.check or args.record) and (args.bindir or args.setup):
+        sys.exit("--check and --record measure the schema as it is, on the embedded server")
     setup = args.setup.read_text() if args.setup else ""
     server = LocalServer(throwaway_datadir("instructions"), args.bindir)
     try:
-        prepare(server, setup)
-        few, many = workloads(100), workloads(300)
-        per_op = {name: (instructions(server, many[name]) - instructions(server, few[name])) // 200 for name in few}
+        version = server_version(server)
+        per_op = measure(server, setup)
     finally:
         server.destroy()
+    print(version)
     print(f"{'workload':44} {'instructions/op':>16} {'vs floor':>9}")
     for name, count in per_op.items():
         against = f"{count / per_op[AGAINST[name]]:.2f}x" if name in AGAINST else ""
         print(f"{name:44} {count:>16,} {against:>9}")
+    if args.record:
+        BASELINE.write_text(json.dumps({"server": version, "per_op": per_op}, indent=2) + "\n")
+        print(f"recorded in {BASELINE.name}")
+    if args.check:
+        rises = check(per_op, version)
+        if rises:
+            sys.exit("instructions over the baseline:\n  " + "\n  ".join(rises))
+        print(f"within {TOLERANCE:.0%} of the baseline ({BASELINE.name})")
 
 
 if __name__ == "__main__":

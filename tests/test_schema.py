@@ -118,7 +118,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_waiter_lock",
         "pg_lease_wake_waiters",  # every release; revoked from PUBLIC
         "pg_lease_guard_update",  # every acquire and release; names every built-in and operator with its schema
-        "pg_lease_check_key_scope",  # every operation; revoked from PUBLIC, called under the callers' path
+        "pg_lease_key_allowed",  # every operation, inlined; revoked from PUBLIC, names every built-in with its schema
         "pg_lease_unshown_characters",  # a constant, inlined into acquire's input condition
         "pg_lease_presented_fences",  # every fenced write; names every built-in with its schema
     }
@@ -129,11 +129,11 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         if name not in inlinable:
             assert any(c.startswith("search_path=pg_catalog,") for c in config or []), name
     # Without a pinned search_path, only the lease functions (its owner's) may call it.
-    [(public_may_call,)] = fetch(
-        "SELECT has_function_privilege('public', "
-        "format('%%I.pg_lease_wake_waiters(text)', current_schema()), 'EXECUTE')"
-    )
-    assert not public_may_call
+    for helper in ("pg_lease_wake_waiters(text)", "pg_lease_key_allowed(text)"):
+        [(public_may_call,)] = fetch(
+            "SELECT has_function_privilege('public', format('%%I.%%s', current_schema(), %s), 'EXECUTE')", [helper]
+        )
+        assert not public_may_call, helper
 
 
 def test_migrations_are_in_sync_with_models() -> None:

@@ -194,12 +194,11 @@ def written(package: Package) -> set[str]:
 
 # The docs' example (docs/architecture.md, "Changing the SQL"): renewals refuse a TTL over one hour.
 HEARTBEAT_TTL_LIMIT = (
-    "    PERFORM @extschema@.pg_lease_ttl(p_ttl);\n  END IF;\n  PERFORM @extschema@.pg_lease_check_key_scope(p_key);\n"
-    "  ttl := make_interval",
-    "    PERFORM @extschema@.pg_lease_ttl(p_ttl);\n  END IF;\n"
+    "  END IF;\n  LOOP  -- again only if the row turned valid",
+    "  END IF;\n"
     "  IF p_ttl > interval '1 hour' THEN\n"
     "    RAISE EXCEPTION 'invalid_input: a renewal may not exceed one hour' USING ERRCODE = '22023';\n"
-    "  END IF;\n  PERFORM @extschema@.pg_lease_check_key_scope(p_key);\n  ttl := make_interval",
+    "  END IF;\n  LOOP  -- again only if the row turned valid",
 )
 
 

@@ -178,6 +178,33 @@ def test_a_login_member_of_a_scoped_group_role_is_held_to_the_groups_scope(tenan
     assert check_declared_roles_are_granted(databases=["default"]) == []
 
 
+def test_a_scope_change_reaches_a_session_whose_plans_inlined_the_old_scope(tenants: Tenants) -> None:
+    """The scope is an SQL predicate inlined into each lease function's cached plans (a constant
+    `true` when no scope is configured). Changing the scope table replaces it, and every session's
+    plans that inlined it are made again before their next call: no session keeps an old scope, in
+    either direction, whether it had no scope at all or a narrower one."""
+    a = tenants.connect("a_login")
+    elsewhere = tenants.prefix("b") + "x"
+    with override_settings(PG_LEASE_KEY_SCOPES={}):
+        privileges.sync_key_scopes()
+        for _ in range(3):  # plans cached with the scope inlined as `true`
+            assert a.execute(INSPECT, [elsewhere]).fetchone() == ("free", None, 0)
+    privileges.sync_key_scopes()  # the tenants' scopes again (the fixture's settings)
+    for statement, params in ((INSPECT, [elsewhere]), (ACQUIRE, [elsewhere, "a1", "60 seconds"])):
+        with fails_with("42501"):
+            a.execute(statement, params)
+    mine = tenants.prefix("a") + "x"
+    assert a.execute(ACQUIRE, [mine, "a1", "60 seconds"]).fetchone() == (True, 1)
+    widened = {**tenants.settings["PG_LEASE_KEY_SCOPES"], tenants.role("a"): [tenants.prefix("a"), tenants.prefix("b")]}
+    with override_settings(PG_LEASE_KEY_SCOPES=widened):
+        privileges.sync_key_scopes()
+        assert a.execute(INSPECT, [elsewhere]).fetchone() == ("free", None, 0)
+    privileges.sync_key_scopes()
+    with fails_with("42501"):
+        a.execute(INSPECT, [elsewhere])
+    assert a.execute(RELEASE, [mine, "a1", 1]).fetchone() == ("ok",)
+
+
 def test_a_role_reaching_the_lease_functions_without_a_scope_is_refused_and_reported(tenants: Tenants) -> None:
     """Fail closed: once any scope is configured, a role that may call the lease functions but that
     no scope applies to (a declared worker group without one, and its login member) is refused for

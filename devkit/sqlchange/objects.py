@@ -2,14 +2,14 @@
 
 ``Schema`` applies statements one by one, as PostgreSQL would, to a map of objects: functions (by
 signature), tables (columns, constraints, options, row-level security, the rows the schema inserts),
-indexes, triggers (with their firing: ``ALTER TABLE ... ENABLE ALWAYS TRIGGER``), policies, comments,
-and each one's privileges (``GRANT`` / ``REVOKE``). ``schema.sql`` applied to an empty ``Schema``
+indexes, triggers (with their firing: ``ALTER TABLE ... ENABLE ALWAYS TRIGGER``), policies, composite
+types, comments, and each one's privileges (``GRANT`` / ``REVOKE``). ``schema.sql`` applied to an empty ``Schema``
 is the schema as written; the migrations' forward files applied in order are what the migrations
 build. Comparing the two object by object is ``plan``'s job.
 
 A statement the model does not know raises ``SchemaError`` naming it: better no answer than a wrong
-one. One-off statements of a migration (``UPDATE``, ``SELECT``, ``DO``) leave no object and are
-skipped there; ``schema.sql`` holds objects only.
+one. One-off statements of a migration (``UPDATE``, ``SELECT``, ``DO``, a temporary table it makes
+and drops) leave no object and are skipped there; ``schema.sql`` holds objects only.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class Schema:
 
     def __init__(self) -> None:
         self.objects: dict[str, SqlObject] = {}
+        self.temporary: set[str] = set()  # a migration's temporary tables, made and dropped by it
 
     @classmethod
     def of(cls, sources: Iterable[tuple[str, str]], *, one_offs: bool) -> Schema:
@@ -104,9 +105,11 @@ class Schema:
         """What ``statement`` (of file ``source``) does to the objects."""
         said = words(statement.tokens[:5])
         try:
+            if one_offs and self._temporary(statement, said):
+                return
             if said[0] in ("CREATE", "DROP"):
                 kind = next((word for word in said[1:] if word not in _NOT_KINDS), "")
-                if kind not in ("FUNCTION", "TABLE", "INDEX", "TRIGGER", "POLICY"):
+                if kind not in ("FUNCTION", "TABLE", "INDEX", "TRIGGER", "POLICY", "TYPE"):
                     raise StatementError(f"{said[0]} {kind} is not one of the objects devkit.sqlchange knows")
                 made = {
                     "FUNCTION": self._create_function,
@@ -114,6 +117,7 @@ class Schema:
                     "INDEX": self._create_index,
                     "TRIGGER": self._create_trigger,
                     "POLICY": self._create_policy,
+                    "TYPE": self._create_type,
                 }
                 (made[kind] if said[0] == "CREATE" else self._drop)(statement)
             elif said[:2] == ["ALTER", "TABLE"]:
@@ -252,6 +256,29 @@ class Schema:
         )
         obj.firing_sql = f"ALTER TABLE {table.written} {{firing}} TRIGGER {name.written}"
         self.objects[key] = obj
+
+    def _create_type(self, statement: Statement) -> None:
+        code = statement.tokens
+        name, at = name_at(statement, after_word(code, "TYPE"))
+        if code[at].upper != "AS" or code[at + 1].text != "(":
+            raise StatementError("only composite types (CREATE TYPE name AS (...)) are known")
+        key = f"type {name.key}"
+        self.objects[key] = SqlObject("type", key, statement, normal_form(code), drop=f"DROP TYPE {name.written}")
+
+    def _temporary(self, statement: Statement, said: list[str]) -> bool:
+        """Whether ``statement`` makes or drops a temporary table of the migration (a one-off)."""
+        if said[0] == "CREATE" and said[1] in ("TEMP", "TEMPORARY") and said[2] == "TABLE":
+            self.temporary.add(name_at(statement, 3)[0].key)
+            return True
+        if said[:2] == ["DROP", "TABLE"] and self.temporary:
+            names = {
+                name_at(statement, statement.tokens.index(item[0]))[0].key
+                for item in comma_separated(statement.tokens[2:])
+            }
+            if names <= self.temporary:
+                self.temporary -= names
+                return True
+        return False
 
     def _create_policy(self, statement: Statement) -> None:
         name, at = name_at(statement, 2)

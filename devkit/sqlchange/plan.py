@@ -219,6 +219,13 @@ def _refusal(old: SqlObject, new: SqlObject, aspects: tuple[str, ...]) -> str | 
             f"{new.key}: the rows schema.sql inserts changed. Write the INSERT / UPDATE / DELETE by hand, "
             "and in the reverse what undoes it."
         )
+    if new.kind == "type" and "definition" in aspects:
+        return (
+            f"{new.key}: its definition changed, which no ALTER a tool may write keeps safe for the functions "
+            f"returning it. Write by hand: DROP each function that uses it, {old.drop}, CREATE TYPE as schema.sql "
+            "writes it, the functions again with their privileges (0008_hot_path.sql keeps them across the DROP); "
+            "in the reverse the same with the previous definition."
+        )
     if new.kind == "trigger" and "definition" in aspects:
         return (
             f"{new.key}: its definition changed. Write by hand {old.drop}; then CREATE TRIGGER as schema.sql "

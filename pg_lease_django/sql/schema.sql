@@ -11,8 +11,8 @@
 -- another role creates in that schema (PostgreSQL 14 and older let every role CREATE in public) can
 -- stand in for a built-in that needs an implicit cast, least of all inside the functions that run as
 -- their owner. The exceptions carry no SET clause on purpose and name only exact-typed built-ins:
--- pg_lease_status, pg_lease_verdict and pg_lease_waiter_lock (inlined by the planner; a SET clause
--- stops that, ~20 us a call), pg_lease_remember_fence, pg_lease_wake_waiters, pg_lease_check_key_scope
+-- pg_lease_status, pg_lease_verdict, pg_lease_waiter_lock and pg_lease_key_allowed (inlined by the
+-- planner; a SET clause stops that, ~20 us a call), pg_lease_remember_fence, pg_lease_wake_waiters
 -- and the lease table's update trigger pg_lease_guard_update (hot paths; the trigger names even its
 -- operators with their schema).
 --
@@ -222,22 +222,41 @@ BEGIN
   END IF;
 END $$;
 
--- Refuse a key outside the session's key scope (pg_lease_django_key_scope), SQLSTATE 42501. Called
--- by every lease function after its input checks. Its body is compiled from the scope table by
--- pg_lease_compile_key_scope (below), run by that table's trigger in the transaction that changes
--- it: no table is read per call, and no session can change what it runs (the owner's function).
--- Without scopes it is empty. With scopes, a key passes when it is under a prefix of a role the
--- session's login role is a member of (pg_has_role ... 'MEMBER', evaluated per call: a membership
--- granted or revoked counts at once; a role dropped or renamed matches nothing), or when the session
--- is the functions' owner (current_user inside them) or a member of it, superusers included.
--- Anything else is refused: a session with no effective scope cannot use any key. No SET clause:
--- only the lease functions call it (revoked from PUBLIC), under their pinned search_path, and the
--- compiled body names every function and operator with its schema.
+-- Whether the session may use p_key, by its key scope (pg_lease_django_key_scope). Its body is
+-- compiled from the scope table by pg_lease_compile_key_scope (below), run by that table's trigger
+-- in the transaction that changes it: no table is read per call, and no session can change what it
+-- runs (the owner's function). Without scopes it is `true`. With scopes, a key passes when it is
+-- under a prefix of a role the session's login role is a member of (pg_has_role ... 'MEMBER',
+-- evaluated per call: a membership granted or revoked counts at once; a role dropped or renamed
+-- matches nothing), or when the session is the functions' owner (current_user inside them) or a
+-- member of it, superusers included. Anything else is refused: a session with no effective scope
+-- cannot use any key. A one-expression SQL function with no SET clause, so the planner inlines it
+-- into the lease functions' own conditions (a constant without scopes), and the plans that inlined
+-- it are invalidated when it is replaced; it names every function and operator with its schema.
+-- Only the lease functions call it (revoked from PUBLIC), under their pinned search_path.
+CREATE FUNCTION @extschema@.pg_lease_key_allowed(p_key text)
+RETURNS boolean LANGUAGE sql STABLE
+AS $$ SELECT true $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_key_allowed(text) FROM PUBLIC;
+
+-- Refuse a key outside the session's key scope (pg_lease_key_allowed), SQLSTATE 42501. The lease
+-- functions test pg_lease_key_allowed in their input condition and call this only when it fails
+-- (after the input checks: a bad key is invalid_input whoever sends it).
 CREATE FUNCTION @extschema@.pg_lease_check_key_scope(p_key text)
 RETURNS void LANGUAGE plpgsql STABLE
-AS $$BEGIN END$$;
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  IF NOT @extschema@.pg_lease_key_allowed(p_key) THEN
+    RAISE EXCEPTION 'key_scope: role % may not use lease key %', session_user,
+                    left(p_key, 64) || CASE WHEN length(p_key) > 64 THEN '...' ELSE '' END
+      USING ERRCODE = '42501',
+            HINT = 'PG_LEASE_KEY_SCOPES limits every role to the keys under the prefixes of the roles it is a member of.';
+  END IF;
+END $$;
 
--- The body of pg_lease_check_key_scope for the scope table's rows (one condition per row, tested
+-- The body of pg_lease_key_allowed for the scope table's rows (one condition per row, tested
 -- prefix first so that only the rows whose prefix matches look at memberships). Owner-run: only
 -- the owner may replace the function, and RLS keeps every other role from writing the table.
 CREATE FUNCTION @extschema@.pg_lease_compile_key_scope()
@@ -246,32 +265,18 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
   conditions text;
-  body text := 'BEGIN END';
 BEGIN
   SELECT string_agg(
            format('(%s pg_catalog.pg_has_role(session_user, pg_catalog.to_regrole(%L), ''MEMBER''))',
                   CASE WHEN s.prefix = '' THEN ''
                        ELSE format('pg_catalog.left(p_key, %s) OPERATOR(pg_catalog.=) %L AND', length(s.prefix), s.prefix) END,
                   quote_ident(s.role)),
-           E'\n     OR ' ORDER BY s.role, s.prefix)
+           E'\n    OR ' ORDER BY s.role, s.prefix)
     INTO conditions FROM @extschema@."pg_lease_django_key_scope" s;
-  IF conditions IS NOT NULL THEN
-    body := format($body$
-BEGIN
-  IF %s THEN
-    RETURN;
-  END IF;
-  IF pg_catalog.pg_has_role(session_user, current_user, 'MEMBER') THEN
-    RETURN;  -- the lease functions' owner (current_user in them) or a member of it; superusers
-  END IF;
-  RAISE EXCEPTION 'key_scope: role %% may not use lease key %%', session_user,
-                  pg_catalog.left(p_key, 64) OPERATOR(pg_catalog.||) CASE WHEN pg_catalog.length(p_key) OPERATOR(pg_catalog.>) 64 THEN '...' ELSE '' END
-    USING ERRCODE = '42501',
-          HINT = 'PG_LEASE_KEY_SCOPES limits every role to the keys under the prefixes of the roles it is a member of.';
-END$body$, conditions);
-  END IF;
-  EXECUTE format('CREATE OR REPLACE FUNCTION @extschema@.pg_lease_check_key_scope(p_key text) '
-                 'RETURNS void LANGUAGE plpgsql STABLE AS %L', body);
+  EXECUTE format('CREATE OR REPLACE FUNCTION @extschema@.pg_lease_key_allowed(p_key text) '
+                 'RETURNS boolean LANGUAGE sql STABLE AS %L',
+                 CASE WHEN conditions IS NULL THEN ' SELECT true '
+                      ELSE format(E'\n  SELECT %s\n    OR pg_catalog.pg_has_role(session_user, current_user, ''MEMBER'')\n', conditions) END);
 END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_compile_key_scope() FROM PUBLIC;
@@ -435,55 +440,71 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_wake_waiters(text) FROM PUBLIC;
 -- The four operations
 -- ================================================================================================
 
+-- The rows the operations return, as named types: PostgreSQL reads a named type's columns from its
+-- type cache, where it builds a RETURNS TABLE's from the function's argument arrays on every call.
+CREATE TYPE @extschema@.pg_lease_attempt AS (
+  granted boolean, key text, owner text, epoch bigint, expires_at timestamptz, server_time timestamptz);
+CREATE TYPE @extschema@.pg_lease_renewal AS (
+  outcome text, expires_at timestamptz, server_time timestamptz, handoff_requested boolean);
+CREATE TYPE @extschema@.pg_lease_release_outcome AS (outcome text, epoch bigint, server_time timestamptz);
+CREATE TYPE @extschema@.pg_lease_state AS (
+  key text, status text, owner text, epoch bigint, expires_at timestamptz, acquired_at timestamptz,
+  server_time timestamptz);
+
 -- Acquire (non-blocking). Granted when the key is free, lapsed, or held by this same owner
 -- (self-takeover: a new epoch, so the owner's earlier incarnation is fenced). A key without a row
 -- starts above the epoch floor.
 -- * It looks without locking first: refusing a held key takes no row lock and writes no WAL, so
---   waiters polling a held key never slow down its holder's renewals. The input checks are one
---   inline condition; the TTL is converted and synchronous_commit set only on the way to a grant.
+--   waiters polling a held key never slow down its holder's renewals. The input checks and the key
+--   scope are one inline condition; the TTL is converted and durability asked for only on the way
+--   to a grant.
 -- * The attempt on an existing row is one UPDATE in a subtransaction, rolled back when the row was
 --   taken meanwhile: rolling back a subtransaction is the only way to drop a row lock before the
 --   transaction ends, so a refused waiter never keeps the winner from renewing.
 -- * That UPDATE names the key column, so it locks FOR UPDATE, the one mode that conflicts with a
 --   fence's FOR KEY SHARE: a takeover waits for every fenced transaction of the old holder to end.
--- * It marks its grant (acquired_at = -infinity, expires_at = the Unix epoch + TTL), and
---   pg_lease_guard_update stamps it with one clock read taken under the row lock, after any
---   wait: expiry = server_now + TTL exactly. (The SET list is computed before the wait, and two
---   clock_timestamp() calls differ.)
+-- * It marks its grant (acquired_at = -infinity) and hands the TTL over as released_at = the Unix
+--   epoch + TTL; pg_lease_guard_update stamps it with one clock read taken under the row lock, after
+--   any wait: expiry = server_now + TTL exactly. (The SET list is computed before the wait, and two
+--   clock_timestamp() calls differ.) It leaves expires_at out of its SET list, so the renewal rule
+--   (pg_lease_judge_renewal) is not even looked at.
+-- * Durability: an acknowledged grant must survive a crash, or the same epoch could be granted
+--   twice; synchronous_commit is raised to 'on' for this transaction when it is lower.
 CREATE FUNCTION @extschema@.pg_lease_acquire(p_key text, p_owner text, p_ttl interval)
-RETURNS TABLE (granted boolean, key text, owner text, epoch bigint,
-               expires_at timestamptz, server_time timestamptz)
+RETURNS SETOF @extschema@.pg_lease_attempt
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-#variable_conflict use_column
 DECLARE
   cur record;
   now_at timestamptz;
   ttl interval;
   first_epoch bigint;
-  granted_until timestamptz;
+  result @extschema@.pg_lease_attempt;
 BEGIN
-  -- The rules of pg_lease_check_new_name and pg_lease_ttl as one condition; they raise when it
-  -- fails. Input first, then the key scope: a bad key is invalid_input whoever sends it.
+  -- The rules of pg_lease_check_new_name and pg_lease_ttl, and the key scope, as one condition;
+  -- they raise when it fails. Input first, then the key scope: a bad key is invalid_input whoever
+  -- sends it.
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
      OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
      OR p_key ~ @extschema@.pg_lease_unshown_characters()
      OR p_owner ~ @extschema@.pg_lease_unshown_characters()
      OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
-     OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400 THEN
+     OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400
+     OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
     PERFORM @extschema@.pg_lease_check_new_name('key', p_key);
     PERFORM @extschema@.pg_lease_check_new_name('owner', p_owner);
     ttl := @extschema@.pg_lease_ttl(p_ttl);
+    PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   END IF;
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
 
   LOOP  -- again when the row changed between the unlocked look and the UPDATE
     -- Look without locking first: refusing a held key takes no row lock and writes no WAL.
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
     IF NOT FOUND THEN
-      -- An acknowledged grant must survive a crash, or the same epoch could be granted twice.
-      PERFORM set_config('synchronous_commit', 'on', true);
+      IF current_setting('synchronous_commit') <> 'on' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+      END IF;
       ttl := @extschema@.pg_lease_ttl(p_ttl);
       PERFORM @extschema@.pg_lease_check_lease_quota(p_key);  -- a new row: within PG_LEASE_ROLE_LIMITS
       -- Start above the floor. FOR SHARE waits for a prune in flight and keeps the next one (which
@@ -499,34 +520,38 @@ BEGIN
         IF NOT FOUND THEN
           RAISE EXCEPTION USING ERRCODE = 'PLR03';
         END IF;
-        RETURN QUERY SELECT true, p_key, p_owner, first_epoch, now_at + ttl, now_at;
+        result := ROW(true, p_key, p_owner, first_epoch, now_at + ttl, now_at);
+        RETURN NEXT result;
         RETURN;
       EXCEPTION WHEN SQLSTATE 'PLR03' THEN
         NULL;  -- a concurrent acquire inserted the key first: decide on its row below
       END;
     ELSIF @extschema@.pg_lease_status(cur.owner, cur.expires_at, clock_timestamp()) = 'held'
           AND cur.owner <> p_owner THEN
-      RETURN QUERY SELECT false, p_key, cur.owner, cur.epoch, cur.expires_at, clock_timestamp();
+      result := ROW(false, p_key, cur.owner, cur.epoch, cur.expires_at, clock_timestamp());
+      RETURN NEXT result;
       RETURN;
     END IF;
 
     -- Acquirable at the look: one UPDATE in a subtransaction, rolled back when it finds the row taken
     -- meanwhile (an UPDATE that waited for the row and then fails its WHERE keeps the row locked; the
     -- rollback drops that lock). key = l.key: lock FOR UPDATE, which waits for the old holder's fenced
-    -- transactions (FOR KEY SHARE). acquired_at = -infinity: pg_lease_guard_update stamps the
-    -- grant with one clock read taken under the row lock, after any wait; the TTL reaches it as
-    -- expires_at = the Unix epoch + TTL.
-    ttl := make_interval(secs => extract(epoch FROM p_ttl)::double precision);  -- as pg_lease_ttl
+    -- transactions (FOR KEY SHARE). acquired_at = -infinity: pg_lease_guard_update stamps the grant
+    -- with one clock read taken under the row lock, after any wait; the TTL reaches it as released_at
+    -- = the Unix epoch + TTL (exact seconds, as pg_lease_ttl makes it).
     BEGIN
-      UPDATE @extschema@."pg_lease_django_lease" l SET key = l.key, owner = p_owner, epoch = l.epoch + 1, acquired_at = '-infinity',
-                       expires_at = 'epoch'::timestamptz + ttl, released_at = NULL
+      UPDATE @extschema@."pg_lease_django_lease" l
+         SET key = l.key, owner = p_owner, epoch = l.epoch + 1, acquired_at = '-infinity',
+             released_at = 'epoch'::timestamptz + make_interval(secs => extract(epoch FROM p_ttl)::double precision)
        WHERE l.key = p_key AND (l.owner IS NULL OR l.owner = p_owner OR l.expires_at <= clock_timestamp())
-      RETURNING l.epoch, l.acquired_at, l.expires_at INTO first_epoch, now_at, granted_until;
+      RETURNING true, p_key, p_owner, l.epoch, l.expires_at, l.acquired_at INTO result;
       IF NOT FOUND THEN
         RAISE EXCEPTION USING ERRCODE = 'PLR01';
       END IF;
-      PERFORM set_config('synchronous_commit', 'on', true);
-      RETURN QUERY SELECT true, p_key, p_owner, first_epoch, granted_until, now_at;
+      IF current_setting('synchronous_commit') <> 'on' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+      END IF;
+      RETURN NEXT result;
       RETURN;
     EXCEPTION WHEN SQLSTATE 'PLR01' THEN
       NULL;  -- taken (or pruned) since the look: look again
@@ -541,13 +566,12 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval) FR
 -- keeps a snapshot open while it waits: prefer the client-side wait (Python API) or short bounds
 -- from SQL. A refused attempt leaves no row lock (see above): a waiter never slows the holder.
 CREATE FUNCTION @extschema@.pg_lease_acquire(p_key text, p_owner text, p_ttl interval, p_wait interval)
-RETURNS TABLE (granted boolean, key text, owner text, epoch bigint,
-               expires_at timestamptz, server_time timestamptz)
+RETURNS SETOF @extschema@.pg_lease_attempt
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-  attempt record;
+  attempt @extschema@.pg_lease_attempt;
   deadline timestamptz;
 BEGIN
   IF p_wait < interval '0' THEN
@@ -557,8 +581,7 @@ BEGIN
   LOOP
     SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
     IF attempt.granted THEN
-      RETURN QUERY SELECT attempt.granted, attempt.key, attempt.owner, attempt.epoch,
-                          attempt.expires_at, attempt.server_time;
+      RETURN NEXT attempt;
       RETURN;
     END IF;
     IF clock_timestamp() >= deadline THEN
@@ -577,14 +600,12 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval, in
 -- when refused, a registration so that the next release of the key notifies, lasting until the
 -- waiter's next attempt is due (p_retry_within, or the holder's expiry if sooner) plus a second.
 CREATE FUNCTION @extschema@.pg_lease_acquire_or_register(p_key text, p_owner text, p_ttl interval, p_retry_within interval)
-RETURNS TABLE (granted boolean, key text, owner text, epoch bigint,
-               expires_at timestamptz, server_time timestamptz)
+RETURNS SETOF @extschema@.pg_lease_attempt
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-#variable_conflict use_column
 DECLARE
-  attempt record;
+  attempt @extschema@.pg_lease_attempt;
   -- Whether this transaction wrote anything before this call (then its commit must stay durable).
   wrote_before boolean := pg_current_xact_id_if_assigned() IS NOT NULL;
   saved_lock_timeout text := current_setting('lock_timeout');
@@ -627,8 +648,7 @@ BEGIN
       VALUES (p_key, least(clock_timestamp() + p_retry_within, attempt.expires_at) + interval '1 second')
       ON CONFLICT ON CONSTRAINT pg_lease_django_waiter_pkey DO UPDATE SET until = greatest(w.until, EXCLUDED.until);
   END IF;
-  RETURN QUERY SELECT attempt.granted, attempt.key, attempt.owner, attempt.epoch,
-                      attempt.expires_at, attempt.server_time;
+  RETURN NEXT attempt;
 END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire_or_register(text, text, interval, interval) FROM PUBLIC;
@@ -636,51 +656,54 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire_or_register(text, text, 
 -- Renew (heartbeat): extend a live lease held by (owner, epoch) to server_now + TTL, never changing
 -- the epoch, and say whether a hand-off was requested: what the package sends for every renewal.
 -- One UPDATE ... WHERE key AND owner AND epoch AND expires_at > clock_timestamp(), judged again
--- under the row lock (pg_lease_guard_update); the row is read afterwards only when it found
+-- under the row lock (pg_lease_judge_renewal); the row is read afterwards only when it found
 -- nothing, to name the verdict in the spec's precedence. A refused renewal writes nothing, and locks
 -- nothing unless it waited for the row (then the lock lasts until the caller's transaction ends).
 -- It sets no key column, so it locks FOR NO KEY UPDATE, which does not conflict with a fence's FOR
 -- KEY SHARE: a long fenced transaction never starves its own heartbeat. A renewal that waited on a
 -- lock-only locker extends from its clock read before the wait: a little early, never late.
 CREATE FUNCTION @extschema@.pg_lease_heartbeat(p_key text, p_owner text, p_epoch bigint, p_ttl interval)
-RETURNS TABLE (outcome text, expires_at timestamptz, server_time timestamptz, handoff_requested boolean)
+RETURNS SETOF @extschema@.pg_lease_renewal
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-#variable_conflict use_column
 DECLARE
-  ttl interval;
-  new_expiry timestamptz;
-  handoff boolean;
+  result @extschema@.pg_lease_renewal;
   cur record;
-  verdict text;
 BEGIN
-  -- The rules of pg_lease_check_name, pg_lease_check_epoch and pg_lease_ttl as one condition.
+  -- The rules of pg_lease_check_name, pg_lease_check_epoch and pg_lease_ttl, and the key scope, as
+  -- one condition.
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
      OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
      OR p_epoch IS NULL OR p_epoch < 1
      OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
-     OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400 THEN
+     OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400
+     OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
     PERFORM @extschema@.pg_lease_check_name('key', p_key);
     PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
     PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
     PERFORM @extschema@.pg_lease_ttl(p_ttl);
+    PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   END IF;
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
-  ttl := make_interval(secs => extract(epoch FROM p_ttl)::double precision);  -- as pg_lease_ttl
   LOOP  -- again only if the row turned valid between the UPDATE and the look (it cannot, by the rules)
-    UPDATE @extschema@."pg_lease_django_lease" l SET expires_at = clock_timestamp() + ttl
+    -- The TTL in exact seconds, as pg_lease_ttl makes it; the clock read is the new expiry less it.
+    UPDATE @extschema@."pg_lease_django_lease" l
+       SET expires_at = clock_timestamp() + make_interval(secs => extract(epoch FROM p_ttl)::double precision)
      WHERE l.key = p_key AND l.owner = p_owner AND l.epoch = p_epoch AND l.expires_at > clock_timestamp()
-    RETURNING l.expires_at, l.handoff_requested_at IS NOT NULL INTO new_expiry, handoff;
+    RETURNING 'ok', l.expires_at, l.expires_at - make_interval(secs => extract(epoch FROM p_ttl)::double precision),
+              l.handoff_requested_at IS NOT NULL INTO result;
     IF FOUND THEN
-      PERFORM set_config('synchronous_commit', 'on', true);
-      RETURN QUERY SELECT 'ok'::text, new_expiry, new_expiry - ttl, handoff;
+      IF current_setting('synchronous_commit') <> 'on' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+      END IF;
+      RETURN NEXT result;
       RETURN;
     END IF;
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
-    verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
-    IF verdict <> 'ok' THEN
-      RETURN QUERY SELECT verdict, NULL::timestamptz, clock_timestamp(), false;
+    result := ROW(@extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()),
+                  NULL, clock_timestamp(), false);
+    IF result.outcome <> 'ok' THEN
+      RETURN NEXT result;
       RETURN;
     END IF;
   END LOOP;
@@ -701,46 +724,58 @@ $$;
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_renew(text, text, bigint, interval) FROM PUBLIC;
 
 -- Release: free a live lease held by (owner, epoch) and bump the epoch, fencing the old holder;
--- wake waiters (pg_lease_wake_waiters). One UPDATE as in pg_lease_heartbeat, judged again under the
--- row lock, which stamps released_at with the clock it read. It sets the key column, so it locks
--- FOR UPDATE and waits for the holder's fenced transactions (FOR KEY SHARE).
+-- wake waiters. One UPDATE as in pg_lease_heartbeat, judged again under the row lock by
+-- pg_lease_guard_update, which stamps released_at with the clock it read and clears expires_at (left
+-- out of the SET list, so the renewal rule is not even looked at). It sets the key column, so it
+-- locks FOR UPDATE and waits for the holder's fenced transactions (FOR KEY SHARE). The waiters are
+-- woken as pg_lease_wake_waiters says, written out here (a call costs a statement of its own).
 CREATE FUNCTION @extschema@.pg_lease_release(p_key text, p_owner text, p_epoch bigint)
-RETURNS TABLE (outcome text, epoch bigint, server_time timestamptz)
+RETURNS SETOF @extschema@.pg_lease_release_outcome
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-#variable_conflict use_column
 DECLARE
-  new_epoch bigint;
-  released timestamptz;
+  result @extschema@.pg_lease_release_outcome;
   cur record;
-  verdict text;
+  last_until timestamptz;
 BEGIN
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
      OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
-     OR p_epoch IS NULL OR p_epoch < 1 THEN
+     OR p_epoch IS NULL OR p_epoch < 1
+     OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
     PERFORM @extschema@.pg_lease_check_name('key', p_key);
     PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
     PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
+    PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   END IF;
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   LOOP  -- as in pg_lease_heartbeat
     -- key = l.key: lock FOR UPDATE (waits for fenced transactions); -infinity: pg_lease_guard_update
     -- judges it again under the lock and stamps the clock it read.
-    UPDATE @extschema@."pg_lease_django_lease" l SET key = l.key, owner = NULL, epoch = l.epoch + 1, acquired_at = NULL, expires_at = NULL,
-                     released_at = '-infinity'
+    UPDATE @extschema@."pg_lease_django_lease" l
+       SET key = l.key, owner = NULL, epoch = l.epoch + 1, acquired_at = NULL, released_at = '-infinity'
      WHERE l.key = p_key AND l.owner = p_owner AND l.epoch = p_epoch AND l.expires_at > clock_timestamp()
-    RETURNING l.epoch, l.released_at INTO new_epoch, released;
+    RETURNING 'ok', l.epoch, l.released_at INTO result;
     IF FOUND THEN
-      PERFORM set_config('synchronous_commit', 'on', true);
-      PERFORM @extschema@.pg_lease_wake_waiters(p_key);
-      RETURN QUERY SELECT 'ok'::text, new_epoch, released;
+      IF current_setting('synchronous_commit') <> 'on' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+      END IF;
+      -- pg_lease_wake_waiters, inline.
+      IF pg_try_advisory_xact_lock(@extschema@.pg_lease_waiter_lock(p_key)) THEN
+        DELETE FROM @extschema@."pg_lease_django_waiter" w WHERE w.key = p_key RETURNING w.until INTO last_until;
+        IF last_until > clock_timestamp() THEN
+          PERFORM pg_notify('pg_lease_django', p_key);
+        END IF;
+      ELSE
+        PERFORM pg_notify('pg_lease_django', p_key);
+      END IF;
+      RETURN NEXT result;
       RETURN;
     END IF;
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
-    verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp());
-    IF verdict <> 'ok' THEN
-      RETURN QUERY SELECT verdict, cur.epoch, clock_timestamp();
+    result := ROW(@extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()),
+                  cur.epoch, clock_timestamp());
+    IF result.outcome <> 'ok' THEN
+      RETURN NEXT result;
       RETURN;
     END IF;
   END LOOP;
@@ -751,24 +786,27 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_release(text, text, bigint) FROM
 -- Inspect: the state at the server clock (lazy expiry: a lapsed row is reported 'lapsed'). A key
 -- without a row is free at the epoch floor's epoch (0 until something is pruned).
 CREATE FUNCTION @extschema@.pg_lease_inspect(p_key text)
-RETURNS TABLE (key text, status text, owner text, epoch bigint, expires_at timestamptz,
-               acquired_at timestamptz, server_time timestamptz)
+RETURNS SETOF @extschema@.pg_lease_state
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
-#variable_conflict use_column
 DECLARE
   now_at timestamptz;
 BEGIN
-  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
     PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   END IF;
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   now_at := clock_timestamp();
   RETURN QUERY
-    SELECT p_key, @extschema@.pg_lease_status(l.owner, l.expires_at, now_at), l.owner,
-           coalesce(l.epoch, f.floor), l.expires_at, l.acquired_at, now_at
-      FROM @extschema@."pg_lease_django_epoch_floor" f LEFT JOIN @extschema@."pg_lease_django_lease" l ON l.key = p_key;
+    SELECT p_key, @extschema@.pg_lease_status(l.owner, l.expires_at, now_at), l.owner, l.epoch, l.expires_at,
+           l.acquired_at, now_at
+      FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+  IF NOT FOUND THEN  -- never acquired, or pruned: free, at the floor's epoch
+    RETURN QUERY SELECT p_key, 'free'::text, NULL::text, f.floor, NULL::timestamptz, NULL::timestamptz, now_at
+                   FROM @extschema@."pg_lease_django_epoch_floor" f;
+  END IF;
 END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_inspect(text) FROM PUBLIC;
@@ -1506,7 +1544,8 @@ ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_i
 --    meets a lease that has lapsed, whoever sends it; a renewal, and any other change of the expiry
 --    on the same epoch, is judged by pg_lease_judge_renewal (below), so a plain UPDATE cannot bring
 --    back a lapsed epoch either (a grant marker counts only with a new epoch). It stamps acquire's
---    grants (acquired_at = -infinity, expires_at = the Unix epoch + TTL) with that clock read.
+--    grants (acquired_at = -infinity, the TTL handed over as released_at = the Unix epoch + TTL)
+--    with that clock read, and clears a release's expiry.
 --    tests/test_judged_under_lock.py forces each interleaving.
 -- 4. A change of epoch of a recorded key is written to its tenures (pg_lease_record_tenure), with
 --    the values stamped above.
@@ -1522,10 +1561,6 @@ AS $$
 DECLARE
   now_at pg_catalog.timestamptz;
 BEGIN
-  IF NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch AND NEW.handoff_requested_at IS NOT NULL THEN
-    NEW.handoff_requested_at := NULL;
-  END IF;
-
   IF NEW.key OPERATOR(pg_catalog.<>) OLD.key OR NEW.epoch OPERATOR(pg_catalog.<) OLD.epoch
      OR (NEW.epoch OPERATOR(pg_catalog.=) OLD.epoch
          AND ((NEW.owner IS NULL) OPERATOR(pg_catalog.<>) (OLD.owner IS NULL)
@@ -1536,19 +1571,30 @@ BEGIN
             HINT = 'Use the lease functions (pg_lease_acquire, pg_lease_release, pg_lease_force_release).';
   END IF;
 
+  IF NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch THEN
+    NEW.handoff_requested_at := NULL;
+    IF NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
+      -- a grant by pg_lease_acquire: expiry = this clock read + the TTL it handed over in released_at
+      now_at := pg_catalog.clock_timestamp();
+      NEW.expires_at := now_at OPERATOR(pg_catalog.+)
+        pg_catalog.make_interval(secs => pg_catalog.date_part('epoch', NEW.released_at));
+      NEW.acquired_at := now_at;
+      NEW.released_at := NULL;
+    END IF;
+  END IF;
+
   IF NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz
      OR NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
     now_at := pg_catalog.clock_timestamp();
-    IF NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz
-       AND NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch THEN
-      -- a grant by pg_lease_acquire (always a new epoch): expiry = this clock read + TTL
-      NEW.expires_at := now_at OPERATOR(pg_catalog.+)
-        pg_catalog.make_interval(secs => pg_catalog.date_part('epoch', NEW.expires_at));
-      NEW.acquired_at := now_at;
-    ELSIF OLD.expires_at OPERATOR(pg_catalog.<=) now_at THEN
+    IF OLD.expires_at OPERATOR(pg_catalog.<=) now_at THEN
       RETURN NULL;  -- it lapsed before the row lock was granted: refused, nothing written
-    ELSIF NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
+    END IF;
+    IF NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
+      -- a release: stamped with this clock read; pg_lease_release leaves the expiry to this trigger
       NEW.released_at := now_at;
+      IF NEW.owner IS NULL THEN
+        NEW.expires_at := NULL;
+      END IF;
     END IF;
   END IF;
 
