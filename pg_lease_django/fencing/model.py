@@ -18,12 +18,13 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured
 from django.db import models, router
 from django.db.models.signals import class_prepared
 
 from pg_lease_django.exceptions import InvalidInputError
 
+from .lease_key import evaluate_key, key_fields_among, own_key
 from .resolution import Fence, FenceToken, QuerysetScope, queryset_fence, resolve_fence
 from .schema import EPOCH_FIELD, KEY_FIELD, LeaseKeyField, add_fence_trigger
 from .statements import FencePresented, PresentFence, in_one_transaction, refusals_raised
@@ -41,40 +42,6 @@ _M = TypeVar("_M", bound=models.Model)
 
 #: Set while bulk_update() runs its batches through `FencedQuerySet.update`: it recomputed the keys.
 _recomputing_keys: ContextVar[bool] = ContextVar("pg_lease_recomputing_keys", default=False)
-
-
-def key_fields(model: Any) -> set[str]:
-    """The names of the fields ``model``'s lease key is made of: those its ``lease_key_expression``
-    refers to, else its ``lease_key_fields`` (the declaration before the database derived keys)."""
-    expression = getattr(model, "lease_key_expression", None)
-    if expression is None:
-        return set(getattr(model, "lease_key_fields", ()))
-    return _field_names(expression)
-
-
-def _field_names(expression: Any) -> set[str]:
-    if isinstance(expression, models.F):
-        return {expression.name}  # type: ignore[attr-defined]  # F has .name (untyped)
-    names: set[str] = set()
-    for part in getattr(expression, "get_source_expressions", list)():
-        names |= _field_names(part)
-    return names
-
-
-def _key_fields(model: Any, names: Iterable[str]) -> set[str]:
-    """Which of ``names`` (field names or attnames) are fields ``model``'s lease key derives from."""
-    declared = key_fields(model)
-    if not declared:
-        return set()
-    found = set()
-    for name in names:
-        try:
-            field = model._meta.get_field(name)
-        except FieldDoesNotExist:
-            field = next((f for f in model._meta.concrete_fields if f.attname == name), None)
-        if field is not None and field.name in declared:
-            found.add(field.name)
-    return found
 
 
 class FencedQuerySet(models.QuerySet[_M]):
@@ -151,7 +118,7 @@ class FencedQuerySet(models.QuerySet[_M]):
     def _refuse_moving_rows(self, kwargs: dict[str, Any]) -> None:
         """An ``update()`` of a field the lease key derives from would leave rows under their old
         lease (the stored key is not recomputed): refused before anything is sent."""
-        moved = _key_fields(self.model, kwargs)
+        moved = key_fields_among(self.model, kwargs)
         if moved:
             raise InvalidInputError(
                 f"{self.model.__name__}.objects.update() of {', '.join(sorted(moved))} would move rows to another "
@@ -220,10 +187,10 @@ class FencedQuerySet(models.QuerySet[_M]):
         """
         self._token()
         fields = list(fields)
-        if _key_fields(self.model, fields):
+        if key_fields_among(self.model, fields):
             objs = list(objs)
             for obj in objs:
-                obj.lease_id = obj._pg_lease_own_key()  # noqa: SLF001 (FencedModel is of this module)
+                obj.lease_id = own_key(obj)
             fields.append(KEY_FIELD)
         token = _recomputing_keys.set(True)
         try:
@@ -244,7 +211,7 @@ class FencedQuerySet(models.QuerySet[_M]):
         token = self._token()
         objs = list(objs)
         for obj in objs:
-            obj.lease_id = obj._pg_lease_own_key()  # noqa: SLF001 (FencedModel is of this module)
+            obj.lease_id = own_key(obj)
             if token is not None:
                 obj.lease_epoch = token.epoch
         if kwargs.get("update_conflicts") and kwargs.get("update_fields"):
@@ -388,7 +355,7 @@ class FencedModel(models.Model):
             kwargs["update_fields"] = {*kwargs["update_fields"], KEY_FIELD, EPOCH_FIELD}
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
         previous = (self.lease_id, self.lease_epoch)
-        self.lease_id = token.key if token is not None else self._pg_lease_own_key()
+        self.lease_id = token.key if token is not None else own_key(self)
         self._pg_lease_presenting = True
         try:
             if token is None:
@@ -416,18 +383,11 @@ class FencedModel(models.Model):
         signature = inspect.signature(models.Model._save_table)  # type: ignore[attr-defined]  # noqa: SLF001 (Django's hook this overrides)
         using = signature.bind(self, *args, **kwargs).arguments.get("using")
         using = using or router.db_for_write(type(self), instance=self)
-        self.lease_id = self._pg_lease_own_key()
+        self.lease_id = own_key(self)
         if token is not None:
             self.lease_epoch = token.epoch
         with refusals_raised("save"), in_one_transaction(using, token, present_first=True):
             return super()._save_table(*args, **kwargs)  # type: ignore[misc]
-
-    def _pg_lease_own_key(self) -> str | None:
-        """The lease key this row stores: `get_lease_key`, or what it had when there is none."""
-        try:
-            return self.get_lease_key()
-        except ImproperlyConfigured:
-            return self.lease_id
 
     def delete(self, *args: Any, fence: Fence | None = None, unfenced: bool = False, **kwargs: Any) -> Any:
         """Delete if ``fence`` is still the live lease of the stored row; raises like `save`.
@@ -457,7 +417,7 @@ class FencedModel(models.Model):
                 method (it uses other functions than Concat); also when the key it yields is NULL.
         """
         if self.lease_key_expression is not None:
-            key = _evaluate(self.lease_key_expression, self)
+            key = evaluate_key(self.lease_key_expression, self)
             if key is None:
                 raise ImproperlyConfigured(f"{type(self).__name__}'s lease_key_expression is NULL for this row")
             return key
@@ -466,27 +426,6 @@ class FencedModel(models.Model):
                 f"{type(self).__name__} must set lease_key or lease_key_expression, or override get_lease_key()"
             )
         return self.lease_key
-
-
-def _evaluate(expression: Any, row: models.Model) -> str | None:
-    """``expression`` over ``row`` as the database computes it (F, Value, Concat: NULL parts of a
-    Concat count as ''), or ImproperlyConfigured for anything else."""
-    from django.db.models.functions import Concat
-    from django.db.models.functions.text import ConcatPair
-
-    if isinstance(expression, models.F):
-        field = row._meta.get_field(expression.name)  # type: ignore[attr-defined]  # F has .name (untyped)
-        value = getattr(row, getattr(field, "attname", expression.name))  # type: ignore[attr-defined]
-        return None if value is None else str(value)
-    if isinstance(expression, models.Value):
-        return None if expression.value is None else str(expression.value)
-    if isinstance(expression, Concat | ConcatPair):
-        parts = [_evaluate(part, row) for part in expression.get_source_expressions()]
-        return "".join(part or "" for part in parts)
-    raise ImproperlyConfigured(
-        f"{type(row).__name__}.lease_key_expression uses {type(expression).__name__}, which get_lease_key() does "
-        "not evaluate: override get_lease_key() to return the key the database derives"
-    )
 
 
 # ---- every fenced table gets its triggers ---------------------------------------------------
