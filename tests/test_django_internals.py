@@ -147,7 +147,7 @@ SIGNATURES: list[tuple[str, Callable[[], Any], dict[tuple[int, int], str]]] = [
         lambda: connection.creation.get_test_db_clone_settings,
         {(5, 2): "(suffix)"},
     ),
-    # models and querysets (fencing/model.py)
+    # models and querysets (fencing/model.py, fencing/queryset.py)
     (
         "Model._save_table()",
         lambda: models.Model._save_table,  # type: ignore[attr-defined]
@@ -487,7 +487,7 @@ def test_quote_name_quotes_an_identifier_and_keeps_a_quoted_one() -> None:
         assert connection.ops.quote_name('"public"') == '"public"'
 
 
-# ---- models and querysets (fencing/model.py) ------------------------------------------------------
+# ---- models and querysets (fencing/model.py, fencing/queryset.py) --------------------------------
 
 PROBE_ALIAS = "pg-lease-internals-probe"
 
@@ -566,7 +566,7 @@ def test_querysets_chain_through_clone_with_db_and_hints() -> None:
 
 
 def test_f_names_its_field_and_concat_nests_concat_pairs() -> None:
-    """fencing.model reads ``F.name`` and evaluates ``Concat`` through its ``ConcatPair`` chain."""
+    """fencing.lease_key reads ``F.name`` and evaluates ``Concat`` through its ``ConcatPair`` chain."""
     from django.db.models.functions.text import ConcatPair
 
     with leaning_on("F.name / Concat's ConcatPair"):
@@ -598,7 +598,8 @@ OPTIONS: list[tuple[str, Callable[[], bool]]] = [
 
 @pytest.mark.parametrize(("api", "holds"), OPTIONS, ids=[api for api, _ in OPTIONS])
 def test_the_model_options_we_read(api: str, holds: Callable[[], bool]) -> None:
-    """fencing.schema, fencing.model and checks.project read these undocumented attributes of ``_meta``."""
+    """fencing.schema, fencing.lease_key, fencing.queryset and checks.project read these undocumented
+    attributes of ``_meta``."""
     with leaning_on(api):
         assert holds()
 

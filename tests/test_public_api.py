@@ -141,6 +141,19 @@ MIGRATION_PATHS = {
     "pg_lease_django.fencing.LeaseKeyField": "field",
 }
 
+# What `pg_lease_django.fencing` exports (users' models and migrations import from it): each name, and
+# the same object as the package's when the package exports it too.
+FENCING_NAMES = {
+    "Fence",
+    "FenceTrigger",
+    "FencedManager",
+    "FencedModel",
+    "FencedQuerySet",
+    "LeaseKeyField",
+    "resolve_fence",
+    "unfenced_writes",
+}
+
 # Paths the documentation and settings name (TEST_RUNNER, pytest plugins, URLconfs, admin classes).
 DOCUMENTED_PATHS = [
     "pg_lease_django.testing.LeaseTestRunner",
@@ -225,6 +238,14 @@ def test_paths_recorded_in_users_migrations_import_and_deconstruct_to_themselves
         assert cls(name="pg_lease_fence_x").deconstruct()[0] == path
     else:
         assert cls().deconstruct()[1] == path
+
+
+def test_the_fencing_package_exports_exactly_the_pinned_names() -> None:
+    fencing = importlib.import_module("pg_lease_django.fencing")
+    assert sorted(fencing.__all__) == sorted(FENCING_NAMES)
+    for name in FENCING_NAMES:
+        exported = import_string(f"pg_lease_django.fencing.{name}")
+        assert exported is getattr(pg_lease_django, name, exported), name
 
 
 @pytest.mark.parametrize("path", DOCUMENTED_PATHS)

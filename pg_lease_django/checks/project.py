@@ -95,7 +95,7 @@ def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwar
     stores the key each writer computes, which the database checks but cannot derive (W009).
     """
     from pg_lease_django.fencing import FencedModel
-    from pg_lease_django.fencing.model import key_fields
+    from pg_lease_django.fencing.lease_key import key_fields
 
     configs = apps.get_app_configs() if app_configs is None else app_configs
     found: list[checks.CheckMessage] = []

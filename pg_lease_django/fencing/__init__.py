@@ -16,7 +16,9 @@ The rooms, each importing only those before it:
   of this thread from `pg_lease_django.holds.context`, nothing else of ``holds/``;
 - `schema`: what a fenced table carries, `LeaseKeyField` and `FenceTrigger`;
 - `statements`: the fence inside Django's own statement, and the database's refusal as an error;
-- `model`: `FencedModel`, `FencedQuerySet`, `FencedManager`, the public face;
+- `lease_key`: a model's lease key read in Python, the fields it is made of and its value for a row;
+- `queryset`: `FencedQuerySet` and `FencedManager`;
+- `model`: `FencedModel`, which gives every fenced table its triggers as Django prepares the class;
 - `admin`: `FencedModelAdmin` (re-exported by `pg_lease_django.admin`; not imported here).
 
 Users' code and migrations import every public name from this package: migrations record
@@ -25,7 +27,8 @@ Users' code and migrations import every public name from this package: migration
 
 from __future__ import annotations
 
-from .model import FencedManager, FencedModel, FencedQuerySet
+from .model import FencedModel
+from .queryset import FencedManager, FencedQuerySet
 from .resolution import Fence, resolve_fence, unfenced_writes
 from .schema import FenceTrigger, LeaseKeyField
 
