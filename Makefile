@@ -89,6 +89,11 @@ demo: venv
 bench-instructions: venv
 	$(BIN)/python benchmarks/instructions.py $(BENCH_INSTRUCTIONS_ARGS)
 
+## make bench-instructions-check: CI's guard, on the embedded server: fails when a workload costs more than 3 % over benchmarks/instructions-baseline.json (a new baseline: benchmarks/instructions.py --record, in a commit that says why).
+.PHONY: bench-instructions-check
+bench-instructions-check: venv
+	$(BIN)/python benchmarks/instructions.py --check
+
 bench:
 	@# A virtualenv of its own (.venvs/bench): the project plus the peer libraries, never in .venv.
 	test -x .venvs/bench/bin/python || $(PYTHON) -m venv .venvs/bench
