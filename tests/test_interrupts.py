@@ -1021,3 +1021,111 @@ def test_a_hold_at_least_exit_interrupted_at_every_statement_still_keeps_only_un
                 )
                 _no_hold_left(key)
     _no_hold_session_left(watch)
+
+
+# -- a second cancellation while an async acquire is settled ------------------------------------------
+
+
+@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
+def test_a_blocking_aacquire_cancelled_again_while_it_is_settled_still_releases_its_grant(
+    key: str, raw_connect: Connect
+) -> None:
+    """The worst moment (the grant committed, its answer not read: this test holds the event loop),
+    the task cancelled, then cancelled again while the settling's release waits for the row (another
+    session holds it FOR UPDATE): the settling goes on to its end (`settled_anyway`) and the grant
+    is released before the cancellation goes on. Before: the second cancellation cut it short, and
+    the grant stayed with the cancelled caller for its 60 s TTL."""
+    epoch = free(key)
+    watch = raw_connect()
+    owner = "w-twice"
+
+    async def scenario() -> None:
+        with row_locked(raw_connect, key) as locker:
+            task = asyncio.ensure_future(Lease.objects.aacquire(key, owner, ttl=60, blocking=True))
+            attempt = await asyncio.to_thread(blocked_behind, watch, locker)
+        not_running(watch, attempt)  # in this thread: the task cannot read the grant's answer meanwhile
+        assert watch.execute("SELECT owner FROM pg_lease_django_lease WHERE key = %s", [key]).fetchone() == (owner,)
+        with row_locked(raw_connect, key) as locker:  # the settling's release will wait for this row
+            task.cancel()
+            releaser = await asyncio.to_thread(blocked_behind, watch, locker)
+            task.cancel()  # again, while the release waits
+            await asyncio.sleep(0.05)
+            assert not task.done()  # still settling
+        await asyncio.to_thread(not_running, watch, releaser)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async_to_sync(scenario)()
+    no_session_left(watch, f"pg_lease_django wait {owner}")
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch + 2), state  # granted, then released by the settling
+
+
+@needs_session
+def test_a_non_blocking_aacquire_cancelled_again_while_it_is_settled_still_releases_its_grant(
+    key: str, raw_connect: Connect
+) -> None:
+    """As above for the non-blocking ``aacquire`` (its statement in Django's thread): the grant's
+    answer is held up until the first cancellation has landed, the settling's release waits for a
+    row another session locks, and a second cancellation lands meanwhile."""
+    from django.db import connection
+
+    epoch = free(key)
+    watch = raw_connect()
+    answered, cancelled = threading.Event(), threading.Event()
+
+    def hold_up_the_answer(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        result = execute(sql, params, many, context)
+        if "pg_lease_acquire" in sql:
+            answered.set()
+            assert cancelled.wait(HANG_GUARD)
+        return result
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(Lease.objects.aacquire(key, "w-twice", ttl=60))
+        await asyncio.to_thread(answered.wait, HANG_GUARD)
+        with row_locked(raw_connect, key) as locker:
+            task.cancel()
+            await asyncio.sleep(0)  # the cancellation lands in the task
+            cancelled.set()
+            releaser = await asyncio.to_thread(blocked_behind, watch, locker)
+            task.cancel()  # again, while the settling's release waits
+            await asyncio.sleep(0.05)
+            assert not task.done()
+        await asyncio.to_thread(not_running, watch, releaser)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with connection.execute_wrapper(hold_up_the_answer):
+        async_to_sync(scenario)()
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch + 2), state
+
+
+@needs_session
+def test_a_fourth_interruption_of_the_settling_gives_up_and_says_so(key: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The settling starts over at each interruption, three times; a fourth ends it at once, and what
+    it was settling is left to lapse at its TTL, logged at ERROR with the key and the owner (not
+    silently): the bound on how long interruptions can keep a caller in the settling."""
+    from django.db import connection
+
+    wrapper, sent = _interrupts({})
+    with connection.execute_wrapper(wrapper):
+        assert Lease.objects.acquire(f"{key}/count", "w-count", ttl=60) is not None
+    granting = _index_of(sent, "pg_lease_acquire")
+    wrapper, sent = _interrupts({granting: "after"})
+    with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
+        Lease.objects.acquire(f"{key}/once", "w-int", ttl=60)
+    per_run = len(sent) - granting  # the statements of one run of the settling
+    # Interrupt the first statement of each run of the settling: four runs, four interruptions.
+    at = {granting: "after", **{granting + 1 + run * 1: "before" for run in range(4)}}
+    target = f"{key}/given-up"
+    wrapper, sent = _interrupts(at)
+    with caplog.at_level("WARNING", logger="pg_lease_django"), connection.execute_wrapper(wrapper):
+        with pytest.raises(_Interrupted):
+            Lease.objects.acquire(target, "w-int", ttl=60)
+    assert per_run >= 2
+    given_up = [r for r in caplog.records if r.levelname == "ERROR" and "giving up" in r.getMessage()]
+    assert len(given_up) == 1, [r.getMessage() for r in caplog.records]
+    assert repr(target) in given_up[0].getMessage() and "'w-int'" in given_up[0].getMessage()
+    assert len([r for r in caplog.records if "starting over" in r.getMessage()]) == 3

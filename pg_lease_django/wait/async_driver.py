@@ -30,7 +30,7 @@ from pg_lease_django.sql import statements
 from pg_lease_django.sql.arun import Session
 
 from .plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, TryOnce, advance, wait_plan
-from .settling import asettle
+from .settling import asettle, settled_anyway
 
 logger = logging.getLogger(__name__)
 
@@ -124,20 +124,17 @@ async def _await_and_acquire(
         except BaseException:
             # Cancelled (or timed out by asyncio.timeout) during an attempt: psycopg cancelled the
             # statement and read out its result, which may have been a committed grant: settle it
-            # before the cancellation goes on (a second cancellation would cut this short). So is an
+            # before the cancellation goes on (a second cancellation does not cut it short: `settled_anyway`). So is an
             # attempt answered with an unconfirmed commit (UnconfirmedCommitError), as the sync wait
             # settles it: its grant is nobody's.
             if attempting and session is not None and not session.closed:
-                try:
-                    await asettle(session, key, owner)
-                except Exception:
-                    logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
+                await settled_anyway(asettle(session, key, owner), f"the interrupted acquire of {key!r} by {owner!r}")
             raise
         finally:
             # Ending the session ends its LISTEN; no statement runs any more (psycopg has already
             # cancelled and waited out one interrupted by a cancellation).
             if session is not None:
-                await session.close()
+                await settled_anyway(session.close(), f"the wait's connection for {key!r}")
 
 
 async def _poll_in_transaction(

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
@@ -85,8 +85,9 @@ async def aacquire_once(
     connection, as Django's async ORM runs its own. A thread cannot be cancelled: when the task is
     cancelled (``asyncio.timeout`` too) while the statement runs outside a transaction, the statement
     is cancelled on the server (psycopg's ``cancel_safe``, again until its thread has returned), and
-    a grant it had committed is released, before the cancellation goes on. A second cancellation
-    cuts that short. Inside a transaction the attempt is the transaction's: it finishes in its thread.
+    a grant it had committed is released, before the cancellation goes on; a second cancellation
+    does not cut that short (`settled_anyway`). Inside a transaction the attempt is the
+    transaction's: it finishes in its thread.
     """
     started: list[Any] = []  # the psycopg connection the attempt runs on; None: in a transaction
     abandoned = False
@@ -103,10 +104,8 @@ async def aacquire_once(
         return acquire_once(connection, key, owner, ttl)
 
     running = asyncio.ensure_future(sync_to_async(attempt)())
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        abandoned = True
+
+    async def settle_it() -> None:
         loop = asyncio.get_running_loop()
         while not running.done() and None not in started:
             if started:
@@ -118,7 +117,41 @@ async def aacquire_once(
                 # Its statement has ended (cancelled, or answered before the cancel came): settled
                 # as every interrupted attempt is, in Django's thread, with nothing left to wait out.
                 await sync_to_async(_settle_answered)(connection_of, key, owner)
+
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        abandoned = True
+        await settled_anyway(settle_it(), f"the cancelled acquire of {key!r} by {owner!r}")
         raise
+
+
+#: The longest a cancelled task waits for its settling when cancelled again meanwhile: waiting out
+#: the statement (`SETTLE_WITHIN`), then a row lock for the release (`SETTLE_WITHIN`), and slack.
+SETTLE_BOUND = 3 * SETTLE_WITHIN
+
+
+async def settled_anyway(settling: Coroutine[Any, Any, None], what: str) -> None:
+    """Await ``settling`` to its end although the task is cancelled again meanwhile (a second
+    ``task.cancel()``, an ``asyncio.timeout`` expiring): a second cancellation must not leave a
+    grant nobody received to lapse at its TTL. At most `SETTLE_BOUND` s: past it ``settling`` is
+    cancelled and what it settles is left to lapse, logged at ERROR. Its Exceptions are logged (the
+    cancellation that brought the caller here goes on); a cancellation received meanwhile has been
+    delivered, and the caller raises its own."""
+    task = asyncio.ensure_future(settling)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETTLE_BOUND
+    while not task.done():
+        try:
+            await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
+        except asyncio.CancelledError:
+            continue  # cancelled again: the settling goes on (asyncio.wait never cancels it)
+        if not task.done():
+            task.cancel()
+            logger.error("settling %s took over %s s: left to lapse at its TTL", what, SETTLE_BOUND)
+            return
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.warning("settling %s failed", what, exc_info=error)
 
 
 def _settle_answered(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str) -> None:
@@ -161,7 +194,10 @@ def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoc
     or in autocommit, outside a transaction. Never raises an Exception: a failure is logged (the
     lease then lapses at its TTL). A second interruption starts it over (`to_the_end`).
     """
-    to_the_end(functools.partial(_complete_release, connection, key, owner, epoch))
+    to_the_end(
+        functools.partial(_complete_release, connection, key, owner, epoch),
+        f"the interrupted release of {key!r} by {owner!r} (epoch {epoch})",
+    )
 
 
 def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
@@ -212,22 +248,26 @@ def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: i
     any, then lapses after its TTL), and the interruption goes on. A second interruption starts it
     over (`to_the_end`).
     """
-    to_the_end(functools.partial(_settle_on_fresh_session, connection, key, owner, backend_pid))
+    to_the_end(
+        functools.partial(_settle_on_fresh_session, connection, key, owner, backend_pid),
+        f"the interrupted acquire of {key!r} by {owner!r}",
+    )
 
 
 #: How many times a second interruption (and a third, ...) starts the settling over before it goes on.
 SETTLE_RESTARTS = 3
 
 
-def to_the_end(settling: Callable[[], None]) -> None:
+def to_the_end(settling: Callable[[], None], what: str) -> None:
     """Run ``settling`` (`settle`, `complete_release`: each starts by abandoning what runs, so it can
     start over) to its end although interrupted again: a second signal whose handler raises, a
     second KeyboardInterrupt (psycopg cancels the statement it cuts short).
 
     Each interruption of the settling starts it over, up to `SETTLE_RESTARTS` times; the last one is
     raised once the settling has ended (its context is the first interruption, which the caller
-    would have raised), or at once after `SETTLE_RESTARTS` restarts (what was settling is then left
-    to lapse at its TTL).
+    would have raised), or at once after `SETTLE_RESTARTS` restarts: ``what`` was settling is then
+    left to lapse at its TTL, logged at ERROR. Each run is bounded (`SETTLE_WITHIN` s for the
+    statement to end, as long for a row lock), so interruptions end it within their number times that.
     """
     again: BaseException | None = None
     for restart in range(SETTLE_RESTARTS + 1):
@@ -238,6 +278,11 @@ def to_the_end(settling: Callable[[], None]) -> None:
         except BaseException as exc:
             again = exc
             if restart == SETTLE_RESTARTS:
+                logger.error(
+                    "interrupted %d times while settling %s: giving up, it is left to lapse at its TTL",
+                    SETTLE_RESTARTS + 1,
+                    what,
+                )
                 break
             logger.warning("interrupted again while settling an interrupted lease call: starting over")
             continue
