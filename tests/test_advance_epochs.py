@@ -179,7 +179,7 @@ def test_command_output_and_exit_codes(key: str) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_calls_keep_one_notice_handler_per_connection() -> None:
-    """The check for an unconfirmed commit (commit_confirmation.confirmed_commit) keeps one handler on the
+    """The check for an unconfirmed commit (sql.confirmation.confirmed_commit) keeps one handler on the
     connection however many calls it makes (adding and removing one per call cost more than the
     call's own Python); a new connection gets its own (outside ``atomic()``; inside, the
     transaction's watch goes with it: tests/test_bounded_exit.py)."""

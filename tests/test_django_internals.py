@@ -10,6 +10,7 @@ check (a connect, an ``atomic()``, the migration tables, PostgreSQL's client-sid
 
 from __future__ import annotations
 
+import ast
 import inspect
 import io
 import re
@@ -54,6 +55,7 @@ from django.db.transaction import TransactionManagementError
 from django.db.utils import DatabaseErrorWrapper, load_backend
 from django.test.runner import DiscoverRunner
 
+import pg_lease_django
 from devkit.testapp.models import ArchivedReport, CommitTicket, CreditNote, Invoice, Report
 from pg_lease_django.fencing import FencedModel, FenceTrigger
 from pg_lease_django.management.leases.arguments import SubcommandParser
@@ -62,6 +64,8 @@ from pg_lease_django.models import Lease
 #: Where the internals are listed; every failure here points at it.
 DOC = 'docs/COMPATIBILITY.md, "Django internals we lean on"'
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "COMPATIBILITY.md"
+#: The package whose modules the page cites.
+PACKAGE = Path(pg_lease_django.__file__).parent
 
 #: The connection object itself (``django.db.connection`` is a proxy to it).
 connection = connections[DEFAULT_DB_ALIAS]
@@ -280,8 +284,8 @@ def test_signature_of_each_internal_we_call_or_override(
 
 @pytest.mark.django_db
 def test_the_connection_attribute_is_the_psycopg_connection_or_none() -> None:
-    """operations, settling, waiting, commit_confirmation, lease_connection, checks and metrics.database_view
-    read ``connection.connection`` (None: not connected); lease_connection sets it to None."""
+    """sql.run, sql.confirmation, wait/, lease_connection, checks and metrics.database_view read
+    ``connection.connection`` (None: not connected); lease_connection sets it to None."""
     with leaning_on("DatabaseWrapper.connection"):
         wrapper = fresh_wrapper()
         assert wrapper.connection is None, "a new DatabaseWrapper is not connected"
@@ -306,7 +310,7 @@ def test_a_broken_transaction_is_refused_by_validate_no_broken_transaction() -> 
 
 
 def test_another_thread_is_refused_by_validate_thread_sharing_until_sharing_is_allowed() -> None:
-    """operations' direct path calls ``validate_thread_sharing()``; lease_connection lends its
+    """sql.run's direct path calls ``validate_thread_sharing()``; lease_connection lends its
     wrapper to other threads between ``inc_thread_sharing()`` and ``dec_thread_sharing()``."""
     with leaning_on("DatabaseWrapper.validate_thread_sharing() / inc_thread_sharing() / dec_thread_sharing()"):
         wrapper = fresh_wrapper()
@@ -347,7 +351,7 @@ def test_another_thread_is_refused_by_validate_thread_sharing_until_sharing_is_a
 def test_wrap_database_errors_maps_psycopg_errors_to_djangos(
     raised: type[Exception], expected: type[Exception]
 ) -> None:
-    """operations' direct path and waiting's waits run psycopg calls inside ``wrap_database_errors``:
+    """sql.run's direct path and wait/'s drivers run psycopg calls inside ``wrap_database_errors``:
     callers see Django's errors, the psycopg one (``sqlstate``, ``diag``) as ``__cause__``."""
     with leaning_on("DatabaseWrapper.wrap_database_errors"):
         wrapper = fresh_wrapper()
@@ -394,7 +398,7 @@ def test_djangos_cursor_is_a_method_of_the_class_and_its_wrapper_unpatched() -> 
 
 @pytest.mark.django_db
 def test_the_psycopg_connection_loads_timestamps_in_the_connections_time_zone() -> None:
-    """`operations._loads_in_django_time_zone`: Django registers a timestamptz loader carrying its
+    """`sql.run._loads_in_django_time_zone`: Django registers a timestamptz loader carrying its
     zone (``.timezone``) when it connects; the direct path uses the connection's loaders."""
     with leaning_on("the timestamptz loader Django registers (loader.timezone == connection.timezone)"):
         connection.ensure_connection()
@@ -418,7 +422,7 @@ def test_the_psycopg_connection_loads_timestamps_in_the_connections_time_zone() 
 def test_the_attributes_we_set_on_djangos_objects_are_ours(
     owner: str, make: Callable[[], Any], names: tuple[str, ...]
 ) -> None:
-    """commit_confirmation and operations keep state on the connection, fencing on model instances
+    """sql.confirmation and sql.run keep state on the connection, fencing on model instances
     and querysets, in the instance's ``__dict__``: Django must not use the names nor drop ``__dict__``."""
     with leaning_on(f"attributes of {owner} instances ({', '.join(names)})"):
         instance = make()
@@ -431,7 +435,8 @@ def test_the_attributes_we_set_on_djangos_objects_are_ours(
 @pytest.mark.django_db
 def test_on_commit_hooks_are_kept_as_savepoints_function_robust_inside_atomic() -> None:
     """`CallerCommitCheck` finds its hook in ``run_on_commit`` as ``entry[1]``, and watches only
-    while ``in_atomic_block`` (settling, lease_connection, heartbeat and the checks read it too)."""
+    while ``in_atomic_block`` (wait.settling, lease_connection, heartbeat, the checks and
+    metrics.database_view read it too)."""
     with leaning_on("DatabaseWrapper.run_on_commit / in_atomic_block"):
 
         def hook() -> None:
@@ -481,7 +486,8 @@ def test_pg_version_is_the_servers_version_number() -> None:
 
 
 def test_quote_name_quotes_an_identifier_and_keeps_a_quoted_one() -> None:
-    """Every table, schema and role name the package writes into SQL goes through it."""
+    """The schema a migration's SQL file is rendered for and the table names the checks and the
+    listings hand the catalog are quoted with it (every other identifier is composed with psycopg.sql)."""
     with leaning_on("DatabaseOperations.quote_name()"):
         assert connection.ops.quote_name("pg_lease_django_lease") == '"pg_lease_django_lease"'
         assert connection.ops.quote_name('"public"') == '"public"'
@@ -920,3 +926,54 @@ def test_every_internal_on_the_page_has_its_test_here_and_back() -> None:
     assert here - documented - {"test_every_internal_on_the_page_has_its_test_here_and_back"} == set(), (
         f"tests of this module that {DOC} does not name"
     )
+
+
+#: A file the page cites, and what in it uses the API: ``path.py`` (``Name``, ``Class.method``: a remark).
+_CITATION = re.compile(r"`(?P<path>[\w/]+\.py)`(?: \((?P<names>[^)]*)\))?")
+#: A line number after a file name (``operations.py:158``, ``checks/models.py:74,104-107``): stale at the next edit.
+_LINE_NUMBER = re.compile(r"[\w/]+\.(?:py|sql|html)`?:\d[\d,-]*")
+
+
+def _table_rows(text: str) -> Iterator[dict[str, str]]:
+    """Each body row of each Markdown table in ``text``, as {column heading: cell}."""
+    lines = text.splitlines()
+    for number, line in enumerate(lines[:-1]):
+        if line.startswith("|") and lines[number + 1].startswith("|---"):
+            headings = [cell.strip() for cell in line.strip("|").split("|")]
+            for row in lines[number + 2 :]:
+                if not row.startswith("|"):
+                    break
+                yield dict(zip(headings, (cell.strip() for cell in row.strip("|").split("|")), strict=True))
+
+
+def _defined(path: Path) -> set[str]:
+    """The names of the functions and classes ``path`` defines, at any depth (a method by its own name)."""
+    return {
+        node.name
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    }
+
+
+def test_the_page_cites_modules_that_exist_and_no_line_numbers() -> None:
+    """Every ``path.py`` the page's tables cite is a module of the package, each function, class or
+    method named in parentheses after it is defined there, and no citation carries a line number."""
+    text = DOC_PATH.read_text(encoding="utf-8")
+    numbered = sorted({match.group(0) for match in _LINE_NUMBER.finditer(text)})
+    assert not numbered, f"cite the module and the function or class, not a line: {numbered}"
+    cited = [
+        (match["path"], match["names"] or "", cell)
+        for row in _table_rows(text)
+        for cell in row.values()
+        for match in _CITATION.finditer(cell)
+    ]
+    assert len(cited) >= 40, f"the page's tables cite {len(cited)} files: is the parser reading them?"
+    missing = sorted({path for path, _, _ in cited if not (PACKAGE / path).is_file()})
+    assert not missing, f"{DOC} cites files that are not in pg_lease_django/: {missing}"
+    undefined = []
+    for path, names, _ in cited:
+        # The names come before a remark: `(`Name`, `Class.method`: what it does with the API)`.
+        for name in re.findall(r"`([A-Za-z_][\w.]*)`", names.split(":", 1)[0]):
+            if name.rpartition(".")[2] not in _defined(PACKAGE / path):
+                undefined.append(f"{path}: {name}")
+    assert not undefined, f"{DOC} names what these modules do not define: {undefined}"

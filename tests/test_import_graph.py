@@ -12,6 +12,7 @@ in `LAYERS` (and a row there). No database: these tests read the code only.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -378,3 +379,74 @@ def test_every_module_is_at_most_450_lines() -> None:
     assert not long, f"split these modules by concern (at most {MAX_LINES} lines): {long}"
     fixed = sorted(name for name in KNOWN_LONG if lengths.get(name, 0) <= MAX_LINES)
     assert not fixed, f"no longer over {MAX_LINES} lines: remove them from KNOWN_LONG: {fixed}"
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+#: Folders whose modules the table covers by naming the folder: Django's migrations, one per change of
+#: the SQL, which ``make sql-change`` writes (a new one would otherwise need a row before its test passes).
+COVERED_BY_FOLDER = {"migrations"}
+
+
+def _module_table() -> list[str]:
+    """The "module" cell of each row of docs/architecture.md's table of modules."""
+    section = ARCHITECTURE.read_text(encoding="utf-8").split("\n## The modules\n", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert rows[0].split("|")[2].strip() == "module" and rows[1].startswith("|---"), rows[:2]
+    return [row.split("|")[2] for row in rows[2:]]
+
+
+def _named_in(cell: str) -> tuple[set[str], set[str], list[str]]:
+    """The modules a cell names (relative, dotted), the folders it names, and the ``.py`` files it
+    names that are not in the package. A file is named by its path (``sql/files.py``), or by its name
+    after its folder (``holds/``: ``context.py``, ...); a name that is not in the last folder named is
+    a module of the package's root (``apps.py``, ``checks/`` (...), ``conf.py``)."""
+    modules: set[str] = set()
+    folders: set[str] = set()
+    stale: list[str] = []
+    folder = ""
+    for token in re.findall(r"`([\w/.]+)`", cell):
+        if token.endswith("/"):
+            folder = token
+            folders.add(token.rstrip("/").replace("/", "."))
+            continue
+        if not token.endswith(".py"):
+            continue
+        candidates = [token] if "/" in token else [folder + token, token]
+        found = next((c for c in candidates if (PACKAGE / c).is_file()), None)
+        if found is None:
+            stale.append(token)
+        else:
+            modules.add(_name(PACKAGE / found))
+    return modules, folders, stale
+
+
+def test_every_module_is_named_in_the_architecture_table() -> None:
+    """docs/architecture.md's table of modules names every module of the package (a package's
+    ``__init__`` aside), and no file that is not in it: the page cannot fall behind the tree."""
+    named: set[str] = set()
+    folders: set[str] = set()
+    stale: list[str] = []
+    for cell in _module_table():
+        modules, cell_folders, cell_stale = _named_in(cell)
+        named |= modules
+        folders |= cell_folders
+        stale += cell_stale
+    assert not stale, f"docs/architecture.md's table names files that are not in pg_lease_django/: {stale}"
+    unnamed = sorted(
+        name
+        for name, path in _modules().items()
+        if path.name != "__init__.py"
+        and name not in named
+        and not (name.partition(".")[0] in COVERED_BY_FOLDER and name.partition(".")[0] in folders)
+    )
+    assert not unnamed, f"name these modules in docs/architecture.md's table (in a row, or its folder's): {unnamed}"
+
+
+def test_the_architecture_table_reader_reads_folders_and_root_modules() -> None:
+    """The reader above would pass vacuously if it found nothing: it reads these forms."""
+    modules, folders, stale = _named_in("`holds/`: `context.py`, `lease.py`; `apps.py`, `sql/files.py`, `gone.py`")
+    assert modules == {"holds.context", "holds.lease", "apps", "sql.files"}
+    assert folders == {"holds"}
+    assert stale == ["gone.py"]
+    assert len(_module_table()) > 20

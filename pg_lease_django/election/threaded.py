@@ -314,7 +314,7 @@ class Election:
                 self._candidate.log_campaign_failure(error)
 
 
-# ---- for pg_lease_django.supervisor (``leases run --campaign``): hooks, not public API ------------
+# ---- for pg_lease_django.run.campaign (``leases run --campaign``): hooks, not public API ----------
 
 
 def start(election: Election, *, wake: Callable[[], None]) -> Election:

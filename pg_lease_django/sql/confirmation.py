@@ -2,13 +2,13 @@
 
 When a commit's wait for a synchronous standby is cancelled (the standby gone, a cancel request),
 PostgreSQL has committed locally and answers success with a WARNING of SQLSTATE ``01000``; after a
-failover the write may be lost. `pg_lease_django.operations` sends each lease statement with a
+failover the write may be lost. The sync executor (``sql.run``) sends each lease statement with a
 notice handler kept on the connection (`UnconfirmedCommitNotices`) and turns that WARNING into
 `UnconfirmedCommitError`: at once for a statement that committed on its own, or out of the caller's
 ``atomic()`` for one inside it (`CallerCommitCheck`). `confirmed_commit` does the same around any
 block (``prune``, a renewal's own ``COMMIT`` behind a transaction pooler). The handler itself takes
-any psycopg connection, sync or async: the async blocking wait (`wait.async_driver`), which sends its
-statements on an ``AsyncConnection`` of its own, applies the same rule with it
+any psycopg connection, sync or async: the async executor (``sql.arun``), whose `Session` is the
+``AsyncConnection`` of the async blocking wait (`wait.async_driver`), applies the same rule with it
 (`UnconfirmedCommitNotices.confirmed`). See docs/FAILURE-MODEL.md.
 """
 

@@ -56,7 +56,7 @@ async def await_and_acquire(
 
     Raises:
         UnconfirmedCommitError: an attempt's grant committed on the primary, but the server could not
-            confirm it reached the synchronous standby (the WARNING of `commit_confirmation`, on any
+            confirm it reached the synchronous standby (the WARNING of `sql.confirmation`, on any
             statement of the wait). As `wait_and_acquire` does, the waiter has released that grant
             (nobody received it) before raising; that release may be unconfirmed too. The outcome is
             unknown, as for a lost connection: the caller holds nothing it may act on; acquire again
