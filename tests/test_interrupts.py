@@ -1117,13 +1117,17 @@ def test_a_fourth_interruption_of_the_settling_gives_up_and_says_so(key: str, ca
     with connection.execute_wrapper(wrapper), pytest.raises(_Interrupted):
         Lease.objects.acquire(f"{key}/once", "w-int", ttl=60)
     per_run = len(sent) - granting  # the statements of one run of the settling
-    # Interrupt the first statement of each run of the settling: four runs, four interruptions.
-    at = {granting: "after", **{granting + 1 + run * 1: "before" for run in range(4)}}
+    # Interrupt the first statement of each run of the settling (each run starts with the next one
+    # sent): four runs, four interruptions.
+    at = {granting: "after", **{granting + run: "before" for run in range(1, 5)}}
     target = f"{key}/given-up"
     wrapper, sent = _interrupts(at)
-    with caplog.at_level("WARNING", logger="pg_lease_django"), connection.execute_wrapper(wrapper):
-        with pytest.raises(_Interrupted):
-            Lease.objects.acquire(target, "w-int", ttl=60)
+    with (
+        caplog.at_level("WARNING", logger="pg_lease_django"),
+        connection.execute_wrapper(wrapper),
+        pytest.raises(_Interrupted),
+    ):
+        Lease.objects.acquire(target, "w-int", ttl=60)
     assert per_run >= 2
     given_up = [r for r in caplog.records if r.levelname == "ERROR" and "giving up" in r.getMessage()]
     assert len(given_up) == 1, [r.getMessage() for r in caplog.records]

@@ -29,7 +29,6 @@ STATEMENT_START = re.compile(
 
 #: Strings outside sql/ that read like a statement and are not one the package sends, each with why.
 NOT_SENT = {
-    ("admin/usage.py", "SELECT * FROM pg_lease_inspect("): "the admin's copy-and-paste snippet for people",
     ("checks/database.py", "CREATE ROLE "): "a check's hint, for people",
     ("checks/database.py", "WITH GRANT OPTION"): "a check's message, for people",
     ("querysets.py", "(SELECT clock_timestamp())"): "a Func template: the ORM composes it into its own query",
