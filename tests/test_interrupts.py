@@ -38,6 +38,9 @@ Connect = Callable[..., psycopg.Connection[Any]]
 CHILD = [sys.executable, "-m", "tests.run_child"]
 #: A hang guard, not a promise: leases run exits within a few seconds of a SIGTERM (docs/operations.md).
 HANG_GUARD = 30.0
+#: Behind PgBouncer (transaction pooling): the code under test goes through the pooler, the tests'
+#: own connections (`raw_connect`) straight to the server.
+POOLED = bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER"))
 
 
 @pytest.fixture
@@ -81,7 +84,11 @@ def blocked_behind(watch: psycopg.Connection[Any], locker: psycopg.Connection[An
 
 
 def gone(watch: psycopg.Connection[Any], pid: int) -> None:
-    """Wait until server process ``pid`` has ended (its statement committed or rolled back)."""
+    """Wait until server process ``pid`` has ended (its statement committed or rolled back); behind
+    PgBouncer, whose server sessions outlive their clients, until it runs no statement."""
+    if POOLED:
+        not_running(watch, pid)
+        return
     wait_until(
         lambda: watch.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone() == (0,),
         HANG_GUARD,
@@ -99,6 +106,9 @@ def not_running(watch: psycopg.Connection[Any], pid: int) -> None:
 
 
 def no_session_left(watch: psycopg.Connection[Any], application_name: str) -> None:
+    """No session named ``application_name`` is left (not checked behind PgBouncer: its sessions are the pooler's)."""
+    if POOLED:
+        return
     wait_until(
         lambda: (
             watch.execute(
@@ -115,7 +125,6 @@ def no_session_left(watch: psycopg.Connection[Any], application_name: str) -> No
 # -- finding 2: a signal during a non-blocking acquire --------------------------------------------------
 
 
-@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 @pytest.mark.parametrize("wait", [[], ["--wait", "30"]], ids=["non-blocking", "blocking"])
 def test_sigterm_during_an_acquire_leaves_nothing_granted(
     key: str, runs: Callable[..., LeasesRun], raw_connect: Connect, tmp_path: Path, wait: list[str]
@@ -140,7 +149,6 @@ class _Interrupted(BaseException):
     """What a signal handler raises (as `exit_on_signals` and `leases run` do): no psycopg interrupt."""
 
 
-@needs_session
 def test_an_interrupted_non_blocking_manager_acquire_leaves_nothing_granted(key: str, raw_connect: Connect) -> None:
     """``Lease.objects.acquire()`` (non-blocking) interrupted by a signal handler's exception while its
     statement waits on a row lock: before, the statement ran on after the exception and granted the
@@ -197,7 +205,6 @@ def _interrupts(at: dict[int, str]) -> tuple[Callable[..., Any], list[str]]:
     return wrapper, sent
 
 
-@needs_session
 @pytest.mark.parametrize("blocking", [False, True], ids=["non-blocking", "blocking"])
 def test_an_acquire_interrupted_at_every_statement_leaves_nothing_granted(key: str, blocking: bool) -> None:
     """The interruption explored, not timed: ``Lease.objects.acquire`` interrupted just before and
@@ -220,7 +227,6 @@ def test_an_acquire_interrupted_at_every_statement_leaves_nothing_granted(key: s
             assert not (state.status == "held" and state.owner == "w-int"), (step, when, sent[:step])
 
 
-@needs_session
 def test_a_release_interrupted_at_every_statement_still_releases(key: str) -> None:
     """``Lease.objects.release`` interrupted just before or just after each statement it sends: the
     lease is free afterwards (interrupted before it took effect, it is completed before the
@@ -248,7 +254,6 @@ def test_a_release_interrupted_at_every_statement_still_releases(key: str) -> No
 # -- finding 1: leases run --campaign and a SIGTERM while its attempt is in flight ------------------------
 
 
-@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 def test_sigterm_during_a_campaign_attempt_exits_at_once_and_holds_nothing(
     key: str, runs: Callable[..., LeasesRun], raw_connect: Connect, tmp_path: Path
 ) -> None:
@@ -271,7 +276,6 @@ def test_sigterm_during_a_campaign_attempt_exits_at_once_and_holds_nothing(
 # -- finding 5: a cancelled blocking aacquire whose grant had committed ---------------------------------
 
 
-@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 def test_a_cancelled_blocking_aacquire_releases_a_grant_that_committed(key: str, raw_connect: Connect) -> None:
     epoch = free(key)
     watch = raw_connect()
@@ -322,7 +326,7 @@ def waiting_holds(watch: psycopg.Connection[Any], count: int) -> None:
     )
 
 
-@needs_session
+@needs_session  # sees the waiters as LISTENing sessions: behind PgBouncer they poll (no LISTEN)
 def test_a_cancelled_blocking_async_hold_stops_waiting_at_once(key: str, raw_connect: Connect) -> None:
     epoch = held(key, "holder", ttl=60)
     watch = raw_connect()
@@ -356,7 +360,7 @@ def test_a_cancelled_blocking_async_hold_stops_waiting_at_once(key: str, raw_con
     assert acquired == []
 
 
-@needs_session
+@needs_session  # sees the waiters as LISTENing sessions: behind PgBouncer they poll (no LISTEN)
 def test_waiting_async_holds_leave_a_holder_free_to_exit(key: str, raw_connect: Connect) -> None:
     watch = raw_connect()
     order: list[str] = []
@@ -463,7 +467,6 @@ def test_a_fork_child_leaving_an_inherited_hold_after_its_trust_window_reports_n
 # -- each step of an async hold's acquire: the attempt in flight, the wait between attempts -------------
 
 
-@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 @pytest.mark.parametrize("blocking", [False, True], ids=["non-blocking", "blocking"])
 def test_a_hold_cancelled_while_its_attempt_is_in_flight_is_cancelled_on_the_server(
     key: str, raw_connect: Connect, blocking: bool
@@ -596,7 +599,7 @@ def _no_hold_left(key: str) -> None:
 
 def _no_hold_session_left(watch: psycopg.Connection[Any]) -> None:
     # Behind PgBouncer the server sessions are the pooler's (and may keep the name): not checked there.
-    if not os.environ.get("PG_LEASE_TEST_PGBOUNCER"):
+    if not POOLED:
         no_session_left(watch, "pg_lease_django hold")
 
 
@@ -707,7 +710,6 @@ def _index_of(sent: list[str], fragment: str) -> int:
     return next(index for index, sql in enumerate(sent, 1) if fragment in sql)
 
 
-@needs_session
 @pytest.mark.parametrize("blocking", [False, True], ids=["non-blocking", "blocking"])
 def test_an_acquire_interrupted_again_while_it_is_settled_leaves_nothing_granted(key: str, blocking: bool) -> None:
     """The worst moment (the grant committed, its answer not returned), then a second interruption
@@ -733,7 +735,6 @@ def test_an_acquire_interrupted_again_while_it_is_settled_leaves_nothing_granted
         assert not (state.status == "held" and state.owner == "w-int"), (at, sent)
 
 
-@needs_session
 def test_a_release_interrupted_again_while_it_is_completed_still_releases(key: str) -> None:
     """A release interrupted before its statement, then again at each statement of its completion."""
     from django.db import connection
@@ -916,7 +917,6 @@ def _active_holds() -> list[Any]:
 # -- a cancelled non-blocking aacquire ------------------------------------------------------------------
 
 
-@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 def test_a_cancelled_non_blocking_aacquire_is_cancelled_on_the_server(key: str, raw_connect: Connect) -> None:
     """A non-blocking ``aacquire`` (its statement in Django's thread, ``sync_to_async``) cancelled while
     its statement waits on a row lock: the statement is cancelled on the server while the row is
@@ -942,7 +942,6 @@ def test_a_cancelled_non_blocking_aacquire_is_cancelled_on_the_server(key: str, 
     assert (state.status, state.epoch) == ("free", epoch)
 
 
-@needs_session
 def test_a_non_blocking_aacquire_cancelled_after_its_grant_committed_releases_it(key: str) -> None:
     """The worst moment: the grant has committed in Django's thread and the task is cancelled before it
     gets the answer (the statement's answer is held up by an execute wrapper until the cancellation
@@ -1026,7 +1025,6 @@ def test_a_hold_at_least_exit_interrupted_at_every_statement_still_keeps_only_un
 # -- a second cancellation while an async acquire is settled ------------------------------------------
 
 
-@needs_session  # watches the attempt's server process: behind PgBouncer it is the pooler's
 def test_a_blocking_aacquire_cancelled_again_while_it_is_settled_still_releases_its_grant(
     key: str, raw_connect: Connect
 ) -> None:
@@ -1061,7 +1059,6 @@ def test_a_blocking_aacquire_cancelled_again_while_it_is_settled_still_releases_
     assert (state.status, state.epoch) == ("free", epoch + 2), state  # granted, then released by the settling
 
 
-@needs_session
 def test_a_non_blocking_aacquire_cancelled_again_while_it_is_settled_still_releases_its_grant(
     key: str, raw_connect: Connect
 ) -> None:
@@ -1102,7 +1099,6 @@ def test_a_non_blocking_aacquire_cancelled_again_while_it_is_settled_still_relea
     assert (state.status, state.epoch) == ("free", epoch + 2), state
 
 
-@needs_session
 def test_a_fourth_interruption_of_the_settling_gives_up_and_says_so(key: str, caplog: pytest.LogCaptureFixture) -> None:
     """The settling starts over at each interruption, three times; a fourth ends it at once, and what
     it was settling is left to lapse at its TTL, logged at ERROR with the key and the owner (not

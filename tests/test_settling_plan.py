@@ -72,11 +72,11 @@ def test_the_attempt_is_cancelled_until_it_no_longer_runs_then_the_lease_is_read
     clock = Clock()
     asked = steps(settling_plan("k", "me", 4242, clock), [True, None, True, None, False, state("free", None)], clock)
     assert asked == [
-        CancelAttempt(4242),
+        CancelAttempt(4242, "k", "me"),
         PauseFor(0.01),
-        CancelAttempt(4242),
+        CancelAttempt(4242, "k", "me"),
         PauseFor(0.01),
-        CancelAttempt(4242),
+        CancelAttempt(4242, "k", "me"),
         Inspect("k"),
     ]
 
@@ -101,7 +101,7 @@ def test_a_cancel_refused_by_the_server_is_passed_by_and_the_lease_read_all_the_
 ) -> None:
     refused = PermissionError("must be a member of the role whose process is being terminated")
     asked = steps(settling_plan("k", "me", 4242, Clock()), [refused, state("held", "me", 3), False])
-    assert asked == [CancelAttempt(4242), Inspect("k"), ReleaseWithin("k", "me", 3)]
+    assert asked == [CancelAttempt(4242, "k", "me"), Inspect("k"), ReleaseWithin("k", "me", 3)]
     assert "cancelling an interrupted acquire of 'k' on the server failed" in caplog.text
     assert "lapsed or taken meanwhile" in caplog.text  # the release found nothing to give back
 

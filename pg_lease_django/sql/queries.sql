@@ -131,9 +131,12 @@ SELECT pg_catalog.set_config('statement_timeout', %s, false)
 RESET statement_timeout
 
 -- cancel_attempt --
--- Cancel the acquire a server process still runs for an interrupted call (a row when it was running).
+-- Cancel the acquire still running for an interrupted call (a row while one runs): in the server
+-- process the call ran in, or (behind PgBouncer, whose pids are its own) in any whose statement
+-- shows the call's key and owner as the client rendered them (sql.run.attempt_text).
 SELECT pg_catalog.pg_cancel_backend(a.pid) FROM pg_catalog.pg_stat_activity a
- WHERE a.pid = %s AND a.state = 'active' AND a.query LIKE '%%pg_lease_acquire%%'
+ WHERE a.state = 'active' AND a.pid <> pg_catalog.pg_backend_pid() AND a.query LIKE '%%pg_lease_acquire%%'
+   AND (a.pid = %s OR pg_catalog.strpos(a.query, %s) > 0)
 
 -- allow_truncate --
 -- Let a test database be flushed (TRUNCATE of the lease and fenced tables), for roles that may opt out.

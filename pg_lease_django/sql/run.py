@@ -58,6 +58,17 @@ def rows(
         return [statement.decode(row, params) for row in cursor.fetchall()]
 
 
+def attempt_text(connection: BaseDatabaseWrapper, key: str, owner: str) -> str:
+    """How an acquire on ``connection`` (``ACQUIRE``, ``ACQUIRE_OR_REGISTER``: ``(%s::text, %s::text, ...``)
+    shows its key and owner in ``pg_stat_activity.query``: psycopg's client-side binding (Django's
+    default) renders them into the text as this does. ``CANCEL_ATTEMPT`` finds an interrupted attempt
+    by it where the pid is the pooler's. (With server-side binding, or a text longer than
+    ``track_activity_query_size``, it is found by its pid only.)"""
+    connection.ensure_connection()
+    shown = pgsql.SQL("{}::text, {}::text").format(pgsql.Literal(key), pgsql.Literal(owner))
+    return shown.as_string(connection.connection)
+
+
 def run(
     connection: BaseDatabaseWrapper, statement: Statement[Any], params: Params = (), **parts: pgsql.Composable
 ) -> None:

@@ -38,9 +38,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds `settle` waits for an interrupted attempt's statement to end on the server.
 SETTLE_WITHIN = 5.0
-# Cancels the interrupted attempt from another session while it still runs (its own client may no
-# longer be able to: a shut socket, a cancel request that arrived before the statement did), and
-# says whether it still does. Only a lease statement: behind PgBouncer the pid is not a server's.
+# The interrupted attempt is cancelled from another session while it still runs (its own client may
+# no longer be able to: a shut socket, a cancel request that reached the server before the statement
+# did), until none runs. It is found by its server process, or by its key and owner in the
+# statement's text: behind PgBouncer the pid a client sees is the pooler's (CANCEL_ATTEMPT).
 
 
 def attempt_backend(connection: BaseDatabaseWrapper) -> int:
@@ -242,7 +243,8 @@ def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: i
     ``Election.stop``): the attempt's statement is cancelled on the server and waited out (up to
     `SETTLE_WITHIN` s), then, if it committed a grant nobody received, that grant is released. (A
     lost connection is not settled: a waiter reports it, see `_nothing_granted`.)
-    ``backend_pid``: the server process the attempt ran in (None: nothing to wait out).
+    ``backend_pid``: the server process the attempt ran in as the client sees it (behind PgBouncer,
+    the pooler's: the attempt is also found by its key and owner); None: nothing to wait out.
     ``connection`` must be in autocommit; it is closed first, so the settling runs in a fresh
     session (Django reconnects). Never raises an Exception: a failure is logged (the grant, if
     any, then lapses after its TTL), and the interruption goes on. A second interruption starts it
@@ -310,7 +312,8 @@ def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: 
 
 def _do(connection: BaseDatabaseWrapper, step: SettlingStep) -> Any:
     if isinstance(step, CancelAttempt):
-        return run.first(connection, statements.CANCEL_ATTEMPT, [step.backend_pid]) is not None
+        shown = run.attempt_text(connection, step.key, step.owner)
+        return run.first(connection, statements.CANCEL_ATTEMPT, [step.backend_pid, shown]) is not None
     if isinstance(step, PauseFor):
         time.sleep(step.seconds)
         return None
@@ -349,9 +352,12 @@ async def _arelease_within(session: Session, key: str, owner: str, epoch: int) -
 
 @dataclass(frozen=True)
 class CancelAttempt:
-    """Cancel the attempt still running in server process ``backend_pid``; answered: whether it still runs."""
+    """Cancel ``owner``'s attempt on ``key`` still running, in server process ``backend_pid`` or found
+    by its text (behind PgBouncer the pid is the pooler's); answered: whether one still runs."""
 
     backend_pid: int
+    key: str
+    owner: str
 
 
 @dataclass(frozen=True)
@@ -383,12 +389,13 @@ def settling_plan(
     key: str, owner: str, backend_pid: int | None, clock: Callable[[], float] = time.monotonic
 ) -> Generator[SettlingStep, Any, None]:
     """What settling an interrupted attempt of ``owner`` does, for both drivers (`_settle` on Django's
-    connection, `asettle` on an async `Session`): cancel the attempt still running in ``backend_pid``
-    and wait it out (`SETTLE_WITHIN` s at most), then release a grant found in the owner's name."""
+    connection, `asettle` on an async `Session`): cancel the attempt still running (in
+    ``backend_pid``, or found by its key and owner) and wait it out (`SETTLE_WITHIN` s at most), then
+    release a grant found in the owner's name. ``backend_pid`` None: its statement has ended."""
     if backend_pid is not None:
         deadline = clock() + SETTLE_WITHIN
         try:
-            while clock() < deadline and (yield CancelAttempt(backend_pid)):
+            while clock() < deadline and (yield CancelAttempt(backend_pid, key, owner)):
                 yield PauseFor(0.01)
         except Exception:  # not allowed to signal it (another role): read the key all the same
             logger.warning("cancelling an interrupted acquire of %r on the server failed", key, exc_info=True)
