@@ -187,12 +187,13 @@ def test_switchover_keeps_the_epochs_and_a_crash_failover_advances_them_before_c
     )
     after_kill = time.monotonic() - killed_at
     assert advanced == {key: epoch + ADVANCE for key, epoch in acknowledged.items()}, (advanced, acknowledged)
+
     # The hook logs the advance after its commit, so the log may trail the epochs seen above.
-    log = poll(
-        lambda: "advanced" in (text := hook_log(cluster, third)) and text,
-        timeout=60,
-        what="the hook's log of the advance",
-    )
+    def advance_logged() -> str | None:
+        text = hook_log(cluster, third)
+        return text if "advanced" in text else None
+
+    log = poll(advance_logged, timeout=60, what="the hook's log of the advance")
     assert "gate closed" in log, log
     assert log.index("gate closed") < log.index("advanced"), log
     assert fenced_write(url, "pat-writer", "writer", writer["epoch"]) not in ("ok", None)
