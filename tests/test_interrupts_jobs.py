@@ -1,19 +1,23 @@
 """Issue 44: the statement-by-statement interrupt harness over what is built on ``hold()``.
 
-``@leased`` (sync and async) is interrupted just before and just after each statement it sends on
-its lease connections (`_HoldStatements` of tests/test_interrupts.py), by a signal handler's
-exception raised where the statement is sent. Each test is one point: a statement's index and
+``@leased`` (sync and async), ``elect()`` and ``aelect()`` are interrupted just before and just
+after each statement they send on their lease connections (`_HoldStatements` of
+tests/test_interrupts.py): by a signal handler's exception raised where the statement is sent, and
+by each call's own way of being stopped there (``Election.stop()``, a cancellation of the task).
+Each test is one point: a statement's index and
 before/after. The number of statements of each call is pinned (`POINTS`): a change in what a call
 sends shows here first, and the table of points stays what the tests say it is.
 
-After each interruption: the call has ended (it raised the interruption), nothing is granted to the
+After each interruption: the call has ended (it raised the interruption, or returned), nothing is granted to the
 interrupted owner (read from another session), no heartbeat renews it, and no session of ours is
 left idle in a transaction.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,12 +25,13 @@ import psycopg
 import pytest
 from asgiref.sync import async_to_sync
 
-from pg_lease_django import leased
-from tests.helpers import held
+from pg_lease_django import aelect, current_election, elect, leased
+from tests.helpers import held, wait_until
 from tests.test_interrupts import (
     HANG_GUARD,
     Connect,
     _fresh_lease_connections,
+    _HoldStatements,
     _Interrupted,
     _no_hold_left,
     _no_hold_session_left,
@@ -45,6 +50,8 @@ POINTS: dict[str, int] = {
     "leased/free": 3,
     "leased/blocking": 5,
     "leased/contended": 7,
+    "elect/free": 3,
+    "elect/contended": 4,
 }
 
 
@@ -150,3 +157,167 @@ def test_a_leased_call_interrupted_at_a_statement_leaves_nothing_granted(
             assert state is not None and state[0] is None, state  # released by the interrupted exit
         _no_hold_left(key)
     _no_hold_session_left(watch)
+
+
+# -- elect() and aelect(): one term's campaign ---------------------------------------------------------
+
+
+class _Stops(_HoldStatements):
+    """At an armed point: ``Election.stop()`` (what a SIGTERM in ``with elect()`` calls) from the election's
+    thread, that is, exactly between two of its statements; its interrupt of the attempt in flight
+    (a thread of its own) is let finish before the statement is sent or its answer returned."""
+
+    def interrupt(self) -> None:
+        election = current_election()
+        assert election is not None, "a statement of the election sent outside its thread"
+        election.stop()
+        _join_threads("pg_lease election stop")
+
+
+class _Cancels(_HoldStatements):
+    """At an armed point: ``aelect()``'s task cancelled (asyncio.timeout, a shutdown), from the worker
+    thread sending the statement, which waits until the cancellation has landed in the task (and its
+    interrupt of the attempt in flight has finished) before it sends the statement or returns its answer."""
+
+    task: asyncio.Task[Any]
+    loop: asyncio.AbstractEventLoop
+
+    def interrupt(self) -> None:
+        landed = threading.Event()
+
+        def cancel() -> None:  # the event loop's thread
+            self.task.cancel()
+            self.loop.call_soon(landed.set)  # after the task's step that the cancellation schedules
+
+        self.loop.call_soon_threadsafe(cancel)
+        assert landed.wait(HANG_GUARD)
+        _join_threads("pg_lease hold cancelled")
+
+
+def _join_threads(name: str) -> None:
+    for thread in threading.enumerate():
+        if thread.name == name and thread is not threading.current_thread():
+            thread.join(HANG_GUARD)
+            assert not thread.is_alive()
+
+
+def _campaign(mode: str, target: str, owner: str, statements: _HoldStatements, led: list[int]) -> None:
+    """One term of ``elect()`` or ``aelect()`` for ``target``: lead (``led`` gets the statements sent by
+    then), step down and stop (``stop()``; the task cancelled once stepped down). Raises what ended it."""
+    _fresh_lease_connections()
+    if mode == "sync":
+
+        def lead(lease: Any) -> None:
+            led.append(len(statements.sent))
+            election = current_election()
+            assert election is not None
+            election.stop()
+
+        election = elect(target, ttl=60, owner=owner, on_started_leading=lead, on_stopped_leading=lambda: None)
+        assert election.join(HANG_GUARD)  # a hang guard: the thread ends once stopped
+        return
+
+    async def scenario() -> None:
+        async def alead(lease: Any) -> None:
+            led.append(len(statements.sent))
+
+        def stopped() -> None:
+            task.cancel()  # the campaign's one term is over
+
+        task = asyncio.ensure_future(
+            aelect(target, ttl=60, owner=owner, on_started_leading=alead, on_stopped_leading=stopped)
+        )
+        if isinstance(statements, _Cancels):
+            statements.task, statements.loop = task, asyncio.get_running_loop()
+        await asyncio.wait_for(asyncio.shield(task), HANG_GUARD)  # a hang guard
+
+    async_to_sync(scenario)()
+
+
+ELECT_FORMS = {"sync": ("raise", "stop"), "async": ("raise", "cancel")}
+ELECT_CASES = [
+    (mode, form, how, step, when)
+    for mode, forms in ELECT_FORMS.items()
+    for form in forms
+    for how in ("free", "contended")
+    for step in range(1, POINTS[f"elect/{how}"] + 1)
+    for when in ("before", "after")
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "form", "how", "step", "when"),
+    [pytest.param(*case, id="-".join(map(str, case))) for case in ELECT_CASES],
+)
+def test_an_election_interrupted_at_a_statement_leaves_nothing_granted(
+    key: str,
+    raw_connect: Connect,
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+    form: str,
+    how: str,
+    step: int,
+    when: str,
+) -> None:
+    """One term of ``elect()`` (``mode="sync"``) or ``aelect()`` interrupted just ``when`` its ``step``-th
+    statement: by an exception raised there (``form="raise"``: the election's thread, or the async
+    hold's worker thread), by ``stop()`` or by the task's cancellation. The campaign ends (the
+    thread; the task raises the interruption), leads only if its attempt was over, and leaves
+    nothing granted to its owner. "contended": the first attempt is refused (a holder lets go as
+    soon as it is answered), so a refused attempt and the next one are explored too."""
+    settings.PG_LEASE_POLL_INTERVAL = 0.05  # the rest between a refused attempt and the next
+    watch = raw_connect()
+    led: list[int] = []
+    kind = {"raise": _HoldStatements, "stop": _Stops, "cancel": _Cancels}[form]
+    with hold_statements(raw_connect, kind) as statements:
+
+        def prepare(target: str) -> None:
+            if how == "contended":
+                statements.contender = (target, "contender", held(target, "contender", ttl=60))
+
+        count = f"{key}/count"
+        prepare(count)
+        statements.arm()
+        if mode == "sync":
+            _campaign(mode, count, "w-count", statements, led)
+        else:
+            with pytest.raises(asyncio.CancelledError):
+                _campaign(mode, count, "w-count", statements, led)
+        _check_count(f"elect/{how}", statements.sent)
+        entered = led.pop()
+        assert any("pg_lease_release" in sql for sql in statements.sent[entered:]), statements.sent
+        _settled(watch, count, "w-count")
+
+        target = f"{key}/{step}/{when}"
+        prepare(target)
+        statements.arm({step: when})
+        if form == "raise":
+            if mode == "sync":  # the thread ends, logging its crash
+                _campaign(mode, target, "w-int", statements, led)
+                assert any("crashed" in record.getMessage() for record in caplog.records)
+            else:
+                with pytest.raises(_Interrupted):
+                    _campaign(mode, target, "w-int", statements, led)
+        elif form == "stop":
+            _campaign(mode, target, "w-int", statements, led)
+        else:
+            with pytest.raises(asyncio.CancelledError):
+                _campaign(mode, target, "w-int", statements, led)
+        # Led only once the attempt won; stopped just after the grant was answered, the term is
+        # still led, the callback seeing the stop at once (``Election._attempt``), and released.
+        leads = step > entered or (form == "stop" and (step, when) == (entered, "after"))
+        assert len(led) == (1 if leads else 0), (led, entered)
+        if form == "cancel":  # a cancelled exit goes on in its thread (shielded): wait for it to end
+            wait_until(lambda: not _granted(watch, target, "w-int"), HANG_GUARD, "the shielded exit")
+        _settled(watch, target, "w-int")
+        _no_hold_left(key)
+    _no_hold_session_left(watch)
+
+
+def _granted(watch: psycopg.Connection[Any], target: str, owner: str) -> bool:
+    row = watch.execute(
+        "SELECT owner = %s AND expires_at > clock_timestamp() FROM pg_lease_django_lease WHERE key = %s",
+        [owner, target],
+    ).fetchone()
+    return bool(row and row[0])
