@@ -4,6 +4,8 @@
 after each statement they send on their lease connections (`_HoldStatements` of
 tests/test_interrupts.py): by a signal handler's exception raised where the statement is sent, and
 by each call's own way of being stopped there (``Election.stop()``, a cancellation of the task).
+``leases run`` (plain, ``--wait``, ``--campaign``) gets a real SIGTERM or SIGINT at each of its
+statements (`tests.interrupted_run`).
 Each test is one point: a statement's index and
 before/after. The number of statements of each call is pinned (`POINTS`): a change in what a call
 sends shows here first, and the table of points stays what the tests say it is.
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -27,7 +31,9 @@ from asgiref.sync import async_to_sync
 
 from pg_lease_django import aelect, current_election, elect, leased
 from tests.helpers import held, wait_until
+from tests.test_command_run import LeasesRun
 from tests.test_interrupts import (
+    CHILD,
     HANG_GUARD,
     Connect,
     _fresh_lease_connections,
@@ -36,6 +42,7 @@ from tests.test_interrupts import (
     _no_hold_left,
     _no_hold_session_left,
     hold_statements,
+    no_session_left,
 )
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -52,6 +59,9 @@ POINTS: dict[str, int] = {
     "leased/contended": 7,
     "elect/free": 3,
     "elect/contended": 4,
+    "run/plain": 4,
+    "run/wait": 6,
+    "run/campaign": 4,
 }
 
 
@@ -321,3 +331,91 @@ def _granted(watch: psycopg.Connection[Any], target: str, owner: str) -> bool:
         [owner, target],
     ).fetchone()
     return bool(row and row[0])
+
+
+# -- leases run: a real signal at each of its statements --------------------------------------------
+
+
+#: ``leases run``'s forms: its arguments after KEY (MARKER: a file that COMMAND creates). ``--campaign``
+#: runs one term: its COMMAND creates the file, then sends ``leases run`` a SIGTERM (which stops the
+#: campaign), as a deploy would while it leads.
+RUN_FORMS: dict[str, list[str]] = {
+    "plain": ["--", *CHILD, "touch", "MARKER"],
+    "wait": ["--wait", "30", "--", *CHILD, "touch", "MARKER"],
+    "campaign": ["--campaign", "--", "sh", "-c", 'touch "$0" && kill -TERM $PPID', "MARKER"],
+}
+RUN_CASES = [
+    (form, signame, step, when)
+    for form, signames in (
+        ("plain", ("SIGTERM", "SIGINT")),
+        ("wait", ("SIGTERM",)),
+        ("campaign", ("SIGTERM", "SIGINT")),
+    )
+    for signame in signames
+    for step in range(1, POINTS[f"run/{form}"] + 1)
+    for when in ("before", "after")
+]
+
+
+@pytest.fixture
+def runs() -> Iterator[Callable[..., LeasesRun]]:
+    """Start ``leases run`` processes (`LeasesRun`), killed at the end of the test if still running."""
+    started: list[LeasesRun] = []
+
+    def start(*args: str, **options: Any) -> LeasesRun:
+        run = LeasesRun(*args, **options)
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:
+        run.kill()
+
+
+def _leases_run(runs: Callable[..., LeasesRun], target: str, form: str, marker: Path, **environ: str) -> LeasesRun:
+    args = [arg.replace("MARKER", str(marker)) for arg in RUN_FORMS[form]]
+    return runs(
+        target, "--ttl", "60", "--owner", "w-run", *args, entry=["-m", "tests.interrupted_run"], environ=environ
+    )
+
+
+@pytest.mark.parametrize(
+    ("form", "signame", "step", "when"),
+    [pytest.param(*case, id="-".join(map(str, case))) for case in RUN_CASES],
+)
+def test_leases_run_signalled_at_a_statement_leaves_nothing_granted(
+    key: str,
+    raw_connect: Connect,
+    runs: Callable[..., LeasesRun],
+    tmp_path: Path,
+    form: str,
+    signame: str,
+    step: int,
+    when: str,
+) -> None:
+    """``manage.py leases run`` (``--wait``, ``--campaign``) sent a real SIGTERM or SIGINT just ``when``
+    its ``step``-th statement (`tests.interrupted_run`): before COMMAND started it exits 128 + N
+    and COMMAND never runs; after, the signal goes to COMMAND's group and the run ends as it would
+    have. Either way it exits (no hang), its sessions end, none idle in a transaction, and the
+    lease is not left granted to the run's owner."""
+    watch = raw_connect()
+    signum = int(getattr(signal, signame))
+    log = tmp_path / "statements"
+    counted = _leases_run(runs, f"{key}/count", form, tmp_path / "count-ran", PG_LEASE_TEST_STATEMENTS=str(log))
+    counted.finish(HANG_GUARD)
+    sent = log.read_text().splitlines()
+    _check_count(f"run/{form}", sent)
+    _settled(watch, f"{key}/count", "w-run")
+
+    target, marker = f"{key}/{step}/{when}", tmp_path / "ran"
+    run = _leases_run(runs, target, form, marker, PG_LEASE_TEST_SIGNAL_AT=f"{step}:{when}:{signum}")
+    code = run.finish(HANG_GUARD)  # a hang guard: it exits
+    if marker.exists():  # COMMAND ran: the signal went to it (or, campaigning, stopped the campaign)
+        assert code in (0, 128 + signal.SIGTERM, 128 + signum), (code, run.stderr)
+    elif code == -signum:  # at its first statement (reading the schema), before its handlers are installed
+        assert step == 1, (step, when, run.stderr)
+    else:
+        assert code == 128 + signum, (code, run.stderr)
+        assert "not run" in run.stderr or "stopped campaigning" in run.stderr, run.stderr
+    no_session_left(watch, "pg_lease_django%")
+    _settled(watch, target, "w-run")
