@@ -5,14 +5,13 @@ after each statement they send on their lease connections (`_HoldStatements` of
 tests/test_interrupts.py): by a signal handler's exception raised where the statement is sent, and
 by each call's own way of being stopped there (``Election.stop()``, a cancellation of the task).
 ``leases run`` (plain, ``--wait``, ``--campaign``) gets a real SIGTERM or SIGINT at each of its
-statements (`tests.interrupted_run`).
-Each test is one point: a statement's index and
-before/after. The number of statements of each call is pinned (`POINTS`): a change in what a call
-sends shows here first, and the table of points stays what the tests say it is.
+statements (`tests.interrupted_run`). Each test is one point: a statement's index and before/after.
+The number of statements of each call is pinned (`POINTS`): a change in what a call sends shows
+here first, and the table of points stays what the tests say it is.
 
-After each interruption: the call has ended (it raised the interruption, or returned), nothing is granted to the
-interrupted owner (read from another session), no heartbeat renews it, and no session of ours is
-left idle in a transaction.
+After each interruption: the call has ended (it raised the interruption, or returned), nothing is
+granted to the interrupted owner (read from another session), no heartbeat renews it, and no
+session of ours is left idle in a transaction.
 """
 
 from __future__ import annotations
