@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from io import StringIO
 from pathlib import Path
@@ -57,14 +57,22 @@ class LeasesRun:
     ``tty=True`` stderr is a pseudo-terminal (so the waiting status line is shown).
     """
 
-    def __init__(self, *args: str, tty: bool = False, foreground: bool = False) -> None:
+    def __init__(
+        self,
+        *args: str,
+        tty: bool = False,
+        foreground: bool = False,
+        entry: Sequence[str] = ("-m", "django", "leases", "run"),
+        environ: dict[str, str] | None = None,
+    ) -> None:
         env = {**os.environ, "DATABASE_URL": url_of_test_database(), "DJANGO_SETTINGS_MODULE": "tests.settings"}
+        env.update(environ or {})
         env["PYTHONUNBUFFERED"] = "1"
         master = slave = -1
         if tty:
             master, slave = pty.openpty()
         self.master = master
-        argv = [sys.executable, "-m", "django", "leases", "run", *args]
+        argv = [sys.executable, *entry, *args]
         if foreground:
             # Make the terminal (stderr) the controlling terminal of the new session, with this
             # process group in its foreground, as a shell does; then exec leases run (same pid).

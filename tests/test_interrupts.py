@@ -530,24 +530,30 @@ class _HoldStatements:
         self.sent.append(sql)
         when = self.at.get(len(self.sent))
         if when == "before":
-            raise _Interrupted
+            self.interrupt()
         result = execute(sql, params, many, context)
         if self.contender is not None and "pg_lease_acquire" in sql:
             contender, self.contender = self.contender, None
             self.side.execute("SELECT * FROM pg_lease_release(%s::text, %s::text, %s::bigint)", list(contender))
         if when == "after":
-            raise _Interrupted
+            self.interrupt()
         return result
+
+    def interrupt(self) -> None:
+        """What lands at an armed point: a signal handler's exception (tests/test_interrupts_jobs.py adds others)."""
+        raise _Interrupted
 
 
 @contextmanager
-def hold_statements(raw_connect: Connect) -> Iterator[_HoldStatements]:
-    """Install a `_HoldStatements` on the lease connections ``hold()`` opens in the block (none idle before)."""
+def hold_statements(
+    raw_connect: Connect, kind: Callable[[psycopg.Connection[Any]], _HoldStatements] = _HoldStatements
+) -> Iterator[_HoldStatements]:
+    """Install a ``kind`` of `_HoldStatements` on the lease connections ``hold()`` opens in the block."""
     from django.db.backends.signals import connection_created
 
     from pg_lease_django.holds import lease_connection, lease_pool
 
-    statements = _HoldStatements(raw_connect())
+    statements = kind(raw_connect())
 
     def attach(sender: Any, connection: Any, **kwargs: Any) -> None:
         options = connection.settings_dict.get("OPTIONS") or {}

@@ -104,12 +104,35 @@ def _forget(lease: HeldLease) -> None:
         active.set(tuple(other for other in stack if other is not lease))
 
 
-def _abandoned_start(session: HoldSession, starting: asyncio.Future[HeldLease]) -> None:
-    # The awaiting task was cancelled while the lease was being acquired, and the interrupt came
-    # too late: the hold was set up. Leave it (release) at once.
-    if starting.cancelled() or starting.exception() is not None:
-        return
-    threading.Thread(target=session.finish, name="pg_lease abandoned hold", daemon=True).start()
+class _Start:
+    """``session.start()`` for an ``async with`` (`run` on the hold's own thread), which the awaiting task
+    may abandon (`abandon`: it was cancelled) while it runs.
+
+    An abandoned start whose interrupt came too late (the hold was set up) leaves the hold at once,
+    from whichever of the two threads comes second: not through the event loop, which may have
+    closed by then (``asyncio.run`` or ``async_to_sync`` ended with the cancelled task), so that the
+    grant is never left to lapse at its TTL with nobody to release it.
+    """
+
+    def __init__(self, session: HoldSession) -> None:
+        self._session = session
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._started = False
+
+    def run(self) -> HeldLease:  # the hold's own thread
+        lease = self._session.start()
+        with self._lock:
+            self._started, abandoned = True, self._abandoned
+        if abandoned:
+            self._session.finish()
+        return lease
+
+    def abandon(self) -> None:  # the event loop's thread
+        with self._lock:
+            self._abandoned, started = True, self._started
+        if started:
+            threading.Thread(target=self._session.finish, name="pg_lease abandoned hold", daemon=True).start()
 
 
 class Holding:
@@ -207,7 +230,8 @@ class Holding:
         session = self._new_session()
         loop = asyncio.get_running_loop()
         # Database calls block: acquire in a thread of its own (on a lease connection, never the job's).
-        starting = _in_own_thread(session.start, f"pg_lease hold {self._key}")
+        start = _Start(session)
+        starting = _in_own_thread(start.run, f"pg_lease hold {self._key}")
         try:
             lease = await asyncio.shield(starting)
         except asyncio.CancelledError:
@@ -216,7 +240,7 @@ class Holding:
             self._session = None
             interrupt = functools.partial(session.acquiring.interrupt, grace=_INTERRUPT_GRACE)
             threading.Thread(target=interrupt, name="pg_lease hold cancelled", daemon=True).start()
-            starting.add_done_callback(functools.partial(_abandoned_start, session))
+            start.abandon()
             raise
         except BaseException:
             self._session = None

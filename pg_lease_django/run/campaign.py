@@ -21,7 +21,7 @@ from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.holds.lease import HeldLease
 
 from .child_process import describe_exit, signal_name
-from .supervisor import DEFAULT_GRACE, RunError, Supervisor, quoted
+from .supervisor import DEFAULT_GRACE, RunError, Supervisor, _Interrupted, quoted
 
 __all__ = ["STOPPING_SIGNALS", "Campaign"]
 
@@ -131,7 +131,13 @@ class Campaign(Supervisor):
         finally:
             election.stop()
             term_over.set()
-            election.join()
+            try:
+                election.join()
+            except _Interrupted:
+                # A signal while the election leaves its term's hold: let it release (bounded) before
+                # going on, or the process would exit under its daemon thread, the lease left to its TTL.
+                election.join()
+                raise
 
     def _term(self, lease: HeldLease) -> int | None:
         """COMMAND for one term: its Popen return code (None when the lease was lost before it started)."""
