@@ -10,12 +10,14 @@ installs it there from ``spec/package.json``, version pinned) unless ``--quint``
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mutation-samples", type=int, default=5_000, help="at most, per mutation")
     parser.add_argument("--steps", type=int, default=30, help="steps per run")
     parser.add_argument("--seed", help="the simulator's seed (hex), to reproduce a run")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutations checked at once")
     parser.add_argument("--quint", type=Path, default=QUINT, help="the quint executable")
     args = parser.parse_args(argv)
     if not args.quint.exists():
@@ -93,19 +96,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     source = MODEL.read_text()
     with tempfile.TemporaryDirectory(prefix="pg_lease_model_") as folder:
-        for mutation in MUTATIONS:
+
+        def check(mutation: Mutation) -> tuple[Mutation, bool, str, float]:
             model = Path(folder) / f"{mutation.flag}.qnt"
             model.write_text(mutated(source, mutation.flag))
             started = time.monotonic()
             violated, output = simulate(
                 args.quint, model, mutation.invariant, args.mutation_samples, args.steps, args.seed
             )
-            took = time.monotonic() - started
-            verdict = "caught" if violated else "NOT CAUGHT"
-            print(f"mutation {mutation.flag} ({mutation.what}): {mutation.invariant} {verdict} ({took:.1f} s)")
-            if not violated:
-                failed = True
-                print(output[-2000:])
+            return mutation, violated, output, time.monotonic() - started
+
+        # Each simulator is one node process: as many at once as --jobs (the machine's cores).
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for mutation, violated, output, took in pool.map(check, MUTATIONS):
+                verdict = "caught" if violated else "NOT CAUGHT"
+                print(f"mutation {mutation.flag} ({mutation.what}): {mutation.invariant} {verdict} ({took:.1f} s)")
+                if not violated:
+                    failed = True
+                    print(output[-2000:])
     return 1 if failed else 0
 
 
