@@ -124,6 +124,26 @@ stress-patroni: venv patroni-packages
 stress-switchover: venv patroni-packages
 	$(BIN)/python -m stress patroni --switchovers 5 --ttls 30,5 $(STRESS_SWITCHOVER_ARGS)
 
+## make model: the Quint model of the protocol (spec/pg_lease.qnt): the simulator, 20,000 runs of 30 steps on every invariant, each mutation caught, then the code held to the model on PostgreSQL (tests/test_model_conformance.py, 300 runs); Quint from npm (spec/package.json, pinned) in .venvs/quint.
+# make model-check: the same, shorter (CI): 500 runs, each mutation at most 2,000 runs, 40 conformance runs.
+QUINT_DIR ?= .venvs/quint
+MODEL_ARGS ?=
+.PHONY: model model-check
+
+$(QUINT_DIR)/.installed: spec/package.json spec/package-lock.json
+	mkdir -p $(QUINT_DIR)
+	cp spec/package.json spec/package-lock.json $(QUINT_DIR)/
+	cd $(QUINT_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+model: venv $(QUINT_DIR)/.installed
+	$(BIN)/python -m devkit.quint_model --samples 20000 --mutation-samples 5000 $(MODEL_ARGS)
+	PG_LEASE_MODEL_EXAMPLES=300 $(BIN)/python -m pytest tests/test_model_conformance.py
+
+model-check: venv $(QUINT_DIR)/.installed
+	$(BIN)/python -m devkit.quint_model --samples 500 --mutation-samples 2000 $(MODEL_ARGS)
+	$(BIN)/python -m pytest tests/test_model_conformance.py
+
 clean:
 	rm -rf $(VENV) .pgdata .mypy_cache .ruff_cache .pytest_cache
 
