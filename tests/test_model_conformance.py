@@ -20,7 +20,7 @@ import contextlib
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -104,11 +104,13 @@ class Model:
         return self.epoch
 
 
-def code_of(exc: BaseException) -> str:
-    """The spec's cause of a refusal."""
-    if isinstance(exc, LeaseLostError):
+def answer_of(call: Callable[[], object]) -> str:
+    """``call``'s answer as the model states it: "ok", or the spec's cause of its refusal."""
+    try:
+        call()
+    except LeaseLostError as exc:
         return exc.code
-    raise exc
+    return "ok"
 
 
 # ---- the server whose clock the test moves -------------------------------------------------------
@@ -219,54 +221,39 @@ class Conformance(RuleBasedStateMachine):
         else:
             assert got is None, f"model: the waiter times out; code granted {got}"
 
-    @rule(client=clients, ttl=ttls)
-    def renew(self, client: str, ttl: int) -> None:
+    def judged(self, what: str, client: str, call: Callable[[int], object]) -> bool:
+        """``call(epoch)`` with the epoch ``client`` last held, its answer compared with the model's
+        verdict; whether both say ok (False when ``client`` never held one: nothing is sent)."""
         epoch = self.model.last[client]
         if epoch == 0:
-            return
+            return False
         expected = self.model.verdict(client, epoch)
-        try:
-            self.manager.renew(self.key, client, epoch, ttl=ttl * TICK)
-            answer = "ok"
-        except LeaseLostError as exc:
-            answer = code_of(exc)
-        assert answer == expected, f"renew({client}, {epoch}): model {expected}, code {answer}"
-        if expected == "ok":
+        answer = answer_of(lambda: call(epoch))
+        assert answer == expected, f"{what}({client}, {epoch}): model {expected}, code {answer}"
+        return expected == "ok"
+
+    @rule(client=clients, ttl=ttls)
+    def renew(self, client: str, ttl: int) -> None:
+        if self.judged("renew", client, lambda epoch: self.manager.renew(self.key, client, epoch, ttl=ttl * TICK)):
             self.model.expires = self.model.now + ttl
 
     @rule(client=clients)
     def release(self, client: str) -> None:
         """releaseSend + releaseApply."""
-        epoch = self.model.last[client]
-        if epoch == 0:
-            return
-        expected = self.model.verdict(client, epoch)
-        try:
-            self.manager.release(self.key, client, epoch)
-            answer = "ok"
-        except LeaseLostError as exc:
-            answer = code_of(exc)
-        assert answer == expected, f"release({client}, {epoch}): model {expected}, code {answer}"
-        if expected == "ok":
+        if self.judged("release", client, lambda epoch: self.manager.release(self.key, client, epoch)):
             self.model.free()
 
     @rule(client=clients)
     def write(self, client: str) -> None:
         """A fenced write with the epoch the client last held, maybe stale."""
-        epoch = self.model.last[client]
-        if epoch == 0:
-            return
-        expected = self.model.verdict(client, epoch)
-        fence = self.fence(client, epoch)
-        try:
+
+        def save(epoch: int) -> None:
             with transaction.atomic(using=ALIAS):
                 invoice = Invoice.objects.using(ALIAS).get(account=self.key)
                 invoice.amount += 1
-                invoice.save(fence=fence, update_fields=["amount"])
-            answer = "ok"
-        except LeaseLostError as exc:
-            answer = code_of(exc)
-        assert answer == expected, f"write({client}, {epoch}): model {expected}, code {answer}"
+                invoice.save(fence=self.fence(client, epoch), update_fields=["amount"])
+
+        self.judged("write", client, save)
 
     @rule()
     def force_release(self) -> None:
