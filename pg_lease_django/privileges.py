@@ -330,7 +330,10 @@ def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
         return False
     connection = connections[using]
     pairs = [(role, prefix) for role, prefixes in wanted.items() for prefix in prefixes]
+    outermost = connection.get_autocommit()  # not in a caller's transaction, whose snapshot may be older
     with transaction.atomic(using=using):
+        if outermost:  # in one, it is too late to choose: the database refuses a stale compilation
+            run.run(connection, statements.KEY_SCOPES_READ_COMMITTED)
         run.run(connection, statements.KEY_SCOPES_CLEAR)
         if pairs:
             run.run(connection, statements.KEY_SCOPES_ADD, [[r for r, _ in pairs], [p for _, p in pairs]])

@@ -205,6 +205,78 @@ def test_a_scope_change_reaches_a_session_whose_plans_inlined_the_old_scope(tena
     assert a.execute(RELEASE, [mine, "a1", 1]).fetchone() == ("ok",)
 
 
+SCOPE_ROW_ADD = "INSERT INTO public.pg_lease_django_key_scope (role, prefix) VALUES (%s, %s)"
+SCOPE_ROW_DELETE = "DELETE FROM public.pg_lease_django_key_scope WHERE role = %s AND prefix = %s"
+
+
+def _a_widened_to_b(tenants: Tenants) -> str:
+    """Tenant A's scope widened to B's prefix too (as a deploy would make it); B's key A may now use."""
+    tenants.admin.execute(SCOPE_ROW_ADD, [tenants.role("a"), tenants.prefix("b")])
+    elsewhere = tenants.prefix("b") + "x"
+    assert tenants.connect("a_login").execute(INSPECT, [elsewhere]).fetchone() == ("free", None, 0)
+    return elsewhere
+
+
+def test_two_scope_changes_at_once_compile_the_scope_as_committed(tenants: Tenants) -> None:
+    """Two writers of the scope table at once (two deploys syncing PG_LEASE_KEY_SCOPES): each change
+    recompiles the predicate, and the last one compiled must be the table as both left it. The
+    second waits for the first and then compiles what the first committed, rather than failing with
+    PostgreSQL's "tuple concurrently updated" on the function it replaces (or, had the first
+    committed a moment earlier, compiling from rows the first had removed)."""
+    elsewhere = _a_widened_to_b(tenants)
+    narrowing = psycopg.connect(conninfo())
+    widening = psycopg.connect(conninfo())
+    tenants.opened += [narrowing, widening]
+    narrowing.execute(SCOPE_ROW_DELETE, [tenants.role("a"), tenants.prefix("b")])  # A narrowed back, not committed
+    outcome: list[Any] = []
+
+    def widen_c() -> None:
+        try:
+            widening.execute(SCOPE_ROW_ADD, [tenants.role("c"), tenants.prefix("b")])
+            widening.commit()
+            outcome.append("committed")
+        except psycopg.Error as exc:
+            outcome.append(exc.sqlstate)
+
+    thread = threading.Thread(target=widen_c)
+    thread.start()
+    wait_until_blocked(tenants.admin, widening.info.backend_pid)
+    narrowing.commit()
+    thread.join()
+    assert outcome == ["committed"]
+    with fails_with("42501"):
+        tenants.connect("a_login").execute(INSPECT, [elsewhere])
+    assert tenants.connect("c_login").execute(INSPECT, [elsewhere]).fetchone() == ("free", None, 0)
+
+
+def test_a_scope_change_from_an_older_snapshot_is_refused_rather_than_undo_a_narrowing(tenants: Tenants) -> None:
+    """A scope change in a REPEATABLE READ (or SERIALIZABLE) transaction reads the scope table as it
+    was when the transaction began: a narrowing committed since would be undone by the predicate it
+    compiles, silently widening a tenant again. The change is refused (0A000) and nothing is undone;
+    `sync_key_scopes` reads in READ COMMITTED whatever isolation Django's connection is set to."""
+    elsewhere = _a_widened_to_b(tenants)
+    late = psycopg.connect(conninfo())
+    tenants.opened.append(late)
+    late.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    late.execute("SELECT 1")  # its snapshot: A still widened
+    tenants.admin.execute(SCOPE_ROW_DELETE, [tenants.role("a"), tenants.prefix("b")])  # A narrowed, committed
+    with fails_with("0A000"):
+        late.execute(SCOPE_ROW_ADD, [tenants.role("c"), tenants.prefix("c") + "more/"])
+    late.rollback()
+    with fails_with("42501"):
+        tenants.connect("a_login").execute(INSPECT, [elsewhere])
+
+    connection.ensure_connection()
+    assert connection.connection is not None
+    connection.connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    try:
+        with override_settings(PG_LEASE_KEY_SCOPES={**tenants.settings["PG_LEASE_KEY_SCOPES"], tenants.role("c"): "*"}):
+            assert privileges.sync_key_scopes()
+        assert tenants.connect("c_login").execute(INSPECT, [elsewhere]).fetchone() == ("free", None, 0)
+    finally:
+        connection.connection.isolation_level = None
+
+
 def test_a_role_reaching_the_lease_functions_without_a_scope_is_refused_and_reported(tenants: Tenants) -> None:
     """Fail closed: once any scope is configured, a role that may call the lease functions but that
     no scope applies to (a declared worker group without one, and its login member) is refused for

@@ -220,6 +220,12 @@ ON CONFLICT DO NOTHING
 -- key_scopes --
 SELECT role, prefix FROM {schema}.pg_lease_django_key_scope ORDER BY role, prefix
 
+-- key_scopes_read_committed --
+-- The scope table's trigger compiles it as committed, which a transaction reading as of its start
+-- cannot see (pg_lease_compile_key_scope refuses it): the first statement of the transaction that
+-- changes the scopes, whatever isolation the connection is set to.
+SET TRANSACTION ISOLATION LEVEL READ COMMITTED
+
 -- key_scopes_clear --
 DELETE FROM {schema}.pg_lease_django_key_scope
 

@@ -259,6 +259,11 @@ END $$;
 -- The body of pg_lease_key_allowed for the scope table's rows (one condition per row, tested
 -- prefix first so that only the rows whose prefix matches look at memberships). Owner-run: only
 -- the owner may replace the function, and RLS keeps every other role from writing the table.
+-- It must compile the table as committed, or a narrowing committed meanwhile is undone: so one
+-- compilation at a time (SHARE UPDATE EXCLUSIVE conflicts with itself, not with the writers' own
+-- ROW EXCLUSIVE; a role without a write privilege on the table cannot take it), each reading the
+-- table once it holds the lock, which only READ COMMITTED does (a REPEATABLE READ or SERIALIZABLE
+-- transaction reads as of its start, so a scope change there is refused, 0A000).
 CREATE FUNCTION @extschema@.pg_lease_compile_key_scope()
 RETURNS void LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -266,6 +271,13 @@ AS $$
 DECLARE
   conditions text;
 BEGIN
+  IF pg_catalog.current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
+    RAISE EXCEPTION 'key scopes change only in a READ COMMITTED transaction (this one is %)',
+                    pg_catalog.current_setting('transaction_isolation')
+      USING ERRCODE = 'feature_not_supported',
+            HINT = 'A transaction that reads as of its start could compile the scope from rows another has changed since; change the scope table in READ COMMITTED (manage.py leases grant does).';
+  END IF;
+  LOCK TABLE @extschema@."pg_lease_django_key_scope" IN SHARE UPDATE EXCLUSIVE MODE;
   SELECT string_agg(
            format('(%s pg_catalog.pg_has_role(session_user, pg_catalog.to_regrole(%L), ''MEMBER''))',
                   CASE WHEN s.prefix = '' THEN ''
