@@ -124,6 +124,25 @@ def tenants(transactional_db: None) -> Iterator[Tenants]:
         admin.close()
 
 
+def until_blocked(
+    tenants: Tenants, conn: psycopg.Connection[Any], call: Callable[[], Any]
+) -> tuple[threading.Thread, list[Any]]:
+    """``call`` (a statement on ``conn``) on a thread, returned once ``conn``'s backend waits on a lock:
+    the thread, and a list that gets the call's result or the SQLSTATE it failed with."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except psycopg.Error as exc:
+            outcome.append(exc.sqlstate)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until_blocked(tenants.admin, conn.info.backend_pid)
+    return thread, outcome
+
+
 def invoice(conn: psycopg.Connection[Any], account: str, owner: str, epoch: int) -> int:
     """A fenced invoice written as a raw-SQL writer: present the fence, record its epoch."""
     with conn.transaction():
@@ -228,19 +247,13 @@ def test_two_scope_changes_at_once_compile_the_scope_as_committed(tenants: Tenan
     widening = psycopg.connect(conninfo())
     tenants.opened += [narrowing, widening]
     narrowing.execute(SCOPE_ROW_DELETE, [tenants.role("a"), tenants.prefix("b")])  # A narrowed back, not committed
-    outcome: list[Any] = []
 
-    def widen_c() -> None:
-        try:
-            widening.execute(SCOPE_ROW_ADD, [tenants.role("c"), tenants.prefix("b")])
-            widening.commit()
-            outcome.append("committed")
-        except psycopg.Error as exc:
-            outcome.append(exc.sqlstate)
+    def widen_c() -> str:
+        widening.execute(SCOPE_ROW_ADD, [tenants.role("c"), tenants.prefix("b")])
+        widening.commit()
+        return "committed"
 
-    thread = threading.Thread(target=widen_c)
-    thread.start()
-    wait_until_blocked(tenants.admin, widening.info.backend_pid)
+    thread, outcome = until_blocked(tenants, widening, widen_c)
     narrowing.commit()
     thread.join()
     assert outcome == ["committed"]
@@ -523,19 +536,13 @@ def test_concurrent_new_keys_cannot_pass_the_limit_together(tenants: Tenants) ->
     with override_settings(PG_LEASE_ROLE_LIMITS=limits):
         call_command("leases", "grant", stdout=StringIO())
         assert first.execute(ACQUIRE, [tenants.prefix("b") + "0", "b1", "60 seconds"]).fetchone() == (True, 1)
-        outcome: list[Any] = []
         with first.transaction():
             assert first.execute(ACQUIRE, [tenants.prefix("b") + "1", "b1", "60 seconds"]).fetchone() == (True, 1)
-
-            def other() -> None:
-                try:
-                    outcome.append(second.execute(ACQUIRE, [tenants.prefix("b") + "2", "b2", "60 seconds"]).fetchone())
-                except psycopg.Error as exc:
-                    outcome.append(exc.sqlstate)
-
-            thread = threading.Thread(target=other)
-            thread.start()
-            wait_until_blocked(tenants.admin, second.info.backend_pid)
+            thread, outcome = until_blocked(
+                tenants,
+                second,
+                lambda: second.execute(ACQUIRE, [tenants.prefix("b") + "2", "b2", "60 seconds"]).fetchone(),
+            )
         thread.join()
     assert outcome == ["53400"]
 
