@@ -334,6 +334,7 @@ def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
     with transaction.atomic(using=using):
         if outermost:  # in one, it is too late to choose: the database refuses a stale compilation
             run.run(connection, statements.KEY_SCOPES_READ_COMMITTED)
+        run.run(connection, statements.KEY_SCOPES_LOCK)
         run.run(connection, statements.KEY_SCOPES_CLEAR)
         if pairs:
             run.run(connection, statements.KEY_SCOPES_ADD, [[r for r, _ in pairs], [p for _, p in pairs]])
@@ -371,6 +372,7 @@ def sync_role_limits(using: str = DEFAULT_DB_ALIAS) -> bool:
     connection = connections[using]
     limits = [list(wanted), [leases for leases, _ in wanted.values()], [kept for _, kept in wanted.values()]]
     with transaction.atomic(using=using):
+        run.run(connection, statements.ROLE_LIMITS_LOCK)
         run.run(connection, statements.ROLE_LIMITS_CLEAR)
         if wanted:
             run.run(connection, statements.ROLE_LIMITS_ADD, limits)

@@ -31,7 +31,7 @@ from devkit.testapp.models import Invoice
 from pg_lease_django import InvalidInputError, Lease, QuotaExceededError, UnfencedWriteError, conf, history, privileges
 from pg_lease_django.checks import check_declared_roles_are_granted
 from pg_lease_django.wait.plan import WAKE_BURST, WAKE_RATE
-from tests.helpers import conninfo, refused, wait_until_blocked
+from tests.helpers import Background, conninfo, refused, wait_until, wait_until_blocked
 
 # Cluster-wide roles: tests that make a role a bypass (pg_read_all_data, a parameter grant) and tests
 # that expect check W008 to be silent run one after another, on one worker.
@@ -288,6 +288,48 @@ def test_a_scope_change_from_an_older_snapshot_is_refused_rather_than_undo_a_nar
         assert tenants.connect("c_login").execute(INSPECT, [elsewhere]).fetchone() == ("free", None, 0)
     finally:
         connection.connection.isolation_level = None
+
+
+@pytest.mark.parametrize("table", ["key_scope", "role_limit"])
+def test_two_deploys_syncing_the_same_new_settings_at_once_both_succeed(tenants: Tenants, table: str) -> None:
+    """Two pods run `migrate` (or `leases grant`) at once after a settings change: each syncs the
+    scope and limit tables from the same new settings. The second must wait for the first and
+    then replace what the first committed, not insert the same rows again beside them (a
+    primary-key violation that failed its `migrate`). Both are held at their first write by a
+    third session's row locks, so they go on together."""
+    sync = privileges.sync_key_scopes if table == "key_scope" else privileges.sync_role_limits
+    new = (
+        {"PG_LEASE_KEY_SCOPES": {**tenants.settings["PG_LEASE_KEY_SCOPES"], tenants.role("c"): "*"}}
+        if table == "key_scope"
+        else {"PG_LEASE_ROLE_LIMITS": {tenants.role("b"): {"leases": 5}}}
+    )
+    if table == "role_limit":
+        with override_settings(PG_LEASE_ROLE_LIMITS={tenants.role("a"): {"leases": 3}}):
+            privileges.sync_role_limits()  # a row for the held lock below
+    holder = psycopg.connect(conninfo())
+    tenants.opened.append(holder)
+    holder.execute(f"SELECT FROM public.pg_lease_django_{table} FOR UPDATE")
+    pids: list[int] = []
+
+    def deploy() -> bool:
+        connection.ensure_connection()
+        assert connection.connection is not None
+        pids.append(connection.connection.info.backend_pid)
+        return sync()
+
+    with override_settings(**new):
+        pods = [Background(deploy), Background(deploy)]
+        for pod in pods:
+            pod.start()
+        wait_until(lambda: len(pids) == 2, what="both pods connected")
+        for pid in pids:
+            wait_until_blocked(tenants.admin, pid)
+        holder.commit()
+        changed = sorted(pod.outcome() for pod in pods)
+        assert changed[-1] is True
+        stored = privileges.stored_key_scopes() if table == "key_scope" else privileges.stored_role_limits()
+        wanted = conf.key_scopes() if table == "key_scope" else conf.role_limits()
+        assert stored == wanted
 
 
 def test_a_role_reaching_the_lease_functions_without_a_scope_is_refused_and_reported(tenants: Tenants) -> None:

@@ -226,6 +226,12 @@ SELECT role, prefix FROM {schema}.pg_lease_django_key_scope ORDER BY role, prefi
 -- changes the scopes, whatever isolation the connection is set to.
 SET TRANSACTION ISOLATION LEVEL READ COMMITTED
 
+-- key_scopes_lock --
+-- One sync of the scope table at a time (two deploys migrating at once): the second waits, then
+-- replaces what the first committed instead of adding the same rows beside them. The mode the
+-- table's trigger compiles under, which the writers' own ROW EXCLUSIVE does not conflict with.
+LOCK TABLE {schema}.pg_lease_django_key_scope IN SHARE UPDATE EXCLUSIVE MODE
+
 -- key_scopes_clear --
 DELETE FROM {schema}.pg_lease_django_key_scope
 
@@ -236,6 +242,11 @@ SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::te
 
 -- role_limits --
 SELECT role, max_leases, max_tenures_per_key FROM {schema}.pg_lease_django_role_limit ORDER BY role
+
+-- role_limits_lock --
+-- One sync of the limit table at a time, as key_scopes_lock. First in its transaction, so that
+-- what follows reads the table as the previous sync committed it, whatever the isolation level.
+LOCK TABLE {schema}.pg_lease_django_role_limit IN SHARE UPDATE EXCLUSIVE MODE
 
 -- role_limits_clear --
 DELETE FROM {schema}.pg_lease_django_role_limit
