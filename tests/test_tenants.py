@@ -309,21 +309,19 @@ def test_two_deploys_syncing_the_same_new_settings_at_once_both_succeed(tenants:
     holder = psycopg.connect(conninfo())
     tenants.opened.append(holder)
     holder.execute(f"SELECT FROM public.pg_lease_django_{table} FOR UPDATE")
-    pids: list[int] = []
-
-    def deploy() -> bool:
-        connection.ensure_connection()
-        assert connection.connection is not None
-        pids.append(connection.connection.info.backend_pid)
-        return sync()
+    waiting = (  # by their statements: behind PgBouncer the pid Django's connection knows is the pooler's
+        "SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND query LIKE %s"
+    )
 
     with override_settings(**new):
-        pods = [Background(deploy), Background(deploy)]
+        pods = [Background(sync), Background(sync)]
         for pod in pods:
             pod.start()
-        wait_until(lambda: len(pids) == 2, what="both pods connected")
-        for pid in pids:
-            wait_until_blocked(tenants.admin, pid)
+        wait_until(
+            lambda: tenants.admin.execute(waiting, [f"%pg_lease_django_{table}%"]).fetchone() == (2,),
+            what="both pods waiting for a lock on the table",
+        )
         holder.commit()
         changed = sorted(pod.outcome() for pod in pods)
         assert changed[-1] is True
