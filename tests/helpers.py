@@ -7,16 +7,17 @@ importing from ``conftest``).
 from __future__ import annotations
 
 import os
+import re
 import select
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 import psycopg
@@ -28,6 +29,32 @@ from pg_lease_django import Lease
 from tests.catalog import snapshot
 
 REPO = Path(__file__).resolve().parent.parent
+
+#: A role a test makes: ``pgl_<the test's tag>_<name>`` (test_tenants, test_security, test_deployment_whole).
+TEST_ROLE = re.compile(r"\bpgl_([0-9a-f]{8,10})_")
+
+#: A check's id as ``manage.py check`` prints it: ``(pg_lease_django.W008)``.
+CHECK_ID = re.compile(r"\(\w+\.[CEWID]\d{3}\)")
+
+Finding = TypeVar("Finding")
+
+
+def own_findings(found: Iterable[Finding], tag: str, text: Callable[[Finding], str] = str) -> list[Finding]:
+    """What a cluster-wide check said, less what it said only of other tests' roles.
+
+    Roles, memberships and parameter grants belong to the server, not to a test database: check
+    W008 and E006 see every role on it, those of tests running beside this one (another xdist
+    worker, another lane, a run that was killed before its clean-up) included. A test asserts only
+    on findings that name its own roles or no test's role at all (PUBLIC, the owner); a test with no
+    roles of its own passes ``tag=""`` and keeps only the latter.
+    """
+    return [f for f in found if all(seen == tag for seen in TEST_ROLE.findall(text(f)))]
+
+
+def checks_said(output: str, tag: str = "") -> list[str]:
+    """The lines of ``manage.py check``'s output that report a check, less those only about other
+    tests' roles (``own_findings``; a test with no roles of its own passes no tag)."""
+    return own_findings([line for line in output.splitlines() if CHECK_ID.search(line)], tag)
 
 
 def conninfo(alias: str = "default") -> str:

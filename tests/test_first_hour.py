@@ -31,7 +31,7 @@ from devkit.testapp.models import Invoice
 from pg_lease_django import InvalidInputError, Lease, NotAcquirableError, UnfencedWriteError, history, hold
 from pg_lease_django.checks import check_lease_database_without_database_option
 from pg_lease_django.management.commands.flush import truncate_refusal
-from tests.helpers import conninfo
+from tests.helpers import conninfo, own_findings
 
 # Plain `check` runs check W008 over the cluster's roles: beside the tests that make a role a bypass.
 pytestmark = pytest.mark.xdist_group("cluster-roles")
@@ -41,16 +41,16 @@ pytestmark = pytest.mark.xdist_group("cluster-roles")
 
 @pytest.mark.django_db
 def test_plain_check_finds_nothing_on_a_migrated_database_and_leaves_check_database_to_the_others() -> None:
-    assert check_lease_database_without_database_option() == []
+    assert own_findings(check_lease_database_without_database_option(), "", str) == []
     with override_settings(PG_LEASE_HISTORY=["first-hour:"]):
         # With databases (check --database, migrate, the test runner), W002-W006 run themselves.
-        assert check_lease_database_without_database_option(databases=["default"]) == []
+        assert own_findings(check_lease_database_without_database_option(databases=["default"]), "", str) == []
 
 
 @pytest.mark.django_db
 def test_plain_check_warns_when_the_history_setting_changed_since_migrate() -> None:
     with override_settings(PG_LEASE_HISTORY=["first-hour:"]):
-        [warning] = check_lease_database_without_database_option()
+        [warning] = own_findings(check_lease_database_without_database_option(), "", str)
     assert warning.id == "pg_lease_django.W005"
     assert "first-hour:" in warning.msg
     assert warning.hint is not None and "manage.py migrate" in warning.hint

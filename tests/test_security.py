@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, models, transaction
@@ -28,7 +29,7 @@ from psycopg import sql as pgsql
 from devkit.testapp.models import Invoice
 from pg_lease_django import Grant, Lease, NotOwnerError, history, privileges, unfenced_writes
 from pg_lease_django import sql as lease_sql
-from tests.helpers import conninfo, refused, row_snapshot
+from tests.helpers import conninfo, own_findings, refused, row_snapshot
 
 # Cluster-wide roles: tests that make a role a bypass (pg_read_all_data, a parameter grant) and tests
 # that expect check W008 to be silent run one after another, on one worker.
@@ -101,6 +102,13 @@ class Roles:
     suffix: str
     admin: psycopg.Connection[Any]  # the test database's superuser, who also owns its tables
     opened: list[psycopg.Connection[Any]] = field(default_factory=list)
+
+    def findings(self) -> list[CheckMessage]:
+        """Check W008 as the owner runs it, less what it says of other tests' roles."""
+        from pg_lease_django.checks import check_declared_roles_are_granted
+
+        found = check_declared_roles_are_granted(databases=["default"])
+        return own_findings(found, self.suffix, lambda m: f"{m.msg} {m.hint}")
 
     @property
     def owner(self) -> str:
@@ -853,7 +861,7 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
     )
     declared = {"PG_LEASE_WORKER_ROLES": [roles.worker, ghost], "PG_LEASE_OPERATOR_ROLES": [roles.operator]}
     with override_settings(**declared):
-        found = check_declared_roles_are_granted(databases=["default"])
+        found = roles.findings()
         assert [w.id for w in found] == ["pg_lease_django.W008"] * 2
         assert all(isinstance(w, checks.Warning) for w in found)
         assert ghost in found[0].msg and "does not exist" in found[0].msg
@@ -869,7 +877,7 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
         out = StringIO()
         call_command("leases", "grant", stdout=out)
         assert "Granted 1 privilege(s)" in out.getvalue()
-        assert check_declared_roles_are_granted(databases=["default"]) == []
+        assert roles.findings() == []
         out = StringIO()
         call_command("leases", "grant", stdout=out)
         assert "Granted 0 privilege(s)" in out.getvalue()
@@ -880,7 +888,7 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
                 pgsql.Identifier(roles.worker), pgsql.Identifier(roles.attacker)
             )
         )
-        found = check_declared_roles_are_granted(databases=["default"])
+        found = roles.findings()
         assert sorted(w.msg.split("'")[1] for w in found) == sorted([roles.attacker, roles.worker])
         assert all("pg_lease_force_release" in w.msg for w in found)
         out = StringIO()
@@ -892,7 +900,7 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
                 pgsql.Identifier(roles.worker), pgsql.Identifier(roles.attacker)
             )
         )
-        assert check_declared_roles_are_granted(databases=["default"]) == []
+        assert roles.findings() == []
         # Through PUBLIC, a membership, or a table the grant list never names (review findings).
         worker, attacker = pgsql.Identifier(roles.worker), pgsql.Identifier(roles.attacker)
         for grant_sql, revoke_sql, role in (
@@ -924,18 +932,18 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
             names = {"operator": pgsql.Identifier(roles.operator), "attacker": attacker, "worker": worker}
             roles.admin.execute(pgsql.SQL(grant_sql).format(**names))
             try:
-                found = check_declared_roles_are_granted(databases=["default"])
+                found = roles.findings()
                 assert sorted(w.msg.split("'")[1] for w in found) == role, (grant_sql, [w.msg for w in found])
             finally:
                 roles.admin.execute(pgsql.SQL(revoke_sql).format(**names))
-        assert check_declared_roles_are_granted(databases=["default"]) == []
+        assert roles.findings() == []
         # The runbook's functions, granted by hand as the page says: an operator's, never a worker's.
         runbook = "public.pg_lease_advance_epochs(bigint, boolean)"
         for grantee, expected in ((roles.operator, []), (roles.worker, [roles.worker])):
             roles.admin.execute(
                 pgsql.SQL(f"GRANT EXECUTE ON FUNCTION {runbook} TO {{}}").format(pgsql.Identifier(grantee))
             )
-            found = check_declared_roles_are_granted(databases=["default"])
+            found = roles.findings()
             roles.admin.execute(
                 pgsql.SQL(f"REVOKE EXECUTE ON FUNCTION {runbook} FROM {{}}").format(pgsql.Identifier(grantee))
             )
@@ -966,14 +974,13 @@ def test_a_role_dropped_while_the_grants_are_read_does_not_blind_the_check(roles
 
 def test_w008_says_when_it_could_not_read_the_grants(roles: Roles) -> None:
     """A read the check could not make is a warning, never silence taken for an all-clear."""
-    from pg_lease_django.checks import check_declared_roles_are_granted
 
     # The fixture grants it back to PUBLIC afterwards.
     roles.admin.execute("REVOKE EXECUTE ON FUNCTION public.pg_lease_privileges() FROM PUBLIC")
     with override_settings(PG_LEASE_WORKER_ROLES=[roles.worker], PG_LEASE_OPERATOR_ROLES=[roles.operator]):
-        assert check_declared_roles_are_granted(databases=["default"]) == []  # as the owner: all read
+        assert roles.findings() == []  # as the owner: all read
         with django_as(roles.worker):
-            found = check_declared_roles_are_granted(databases=["default"])
+            found = roles.findings()
     assert [w.id for w in found] == ["pg_lease_django.W008"]
     assert "could not be read" in found[0].msg and "permission denied" in found[0].msg
 
@@ -1156,7 +1163,7 @@ def test_w008_says_when_key_scopes_cannot_be_compared_or_name_no_role(roles: Rol
     scopes = {roles.worker: ["tenantA:"], f"pgl_{roles.suffix}_typo": ["tenantB:"]}
     with override_settings(PG_LEASE_WORKER_ROLES=[roles.worker], PG_LEASE_KEY_SCOPES=scopes):
         with django_as(roles.worker):
-            messages = [w.msg for w in check_declared_roles_are_granted(databases=["default"])]
+            messages = [w.msg for w in roles.findings()]
         assert any("may not read the key scopes" in m for m in messages), messages
         assert any(f"pgl_{roles.suffix}_typo" in m and "does not exist" in m for m in messages), messages
     with override_settings(PG_LEASE_KEY_SCOPES={roles.worker: [""]}), pytest.raises(ImproperlyConfigured):

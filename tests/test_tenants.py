@@ -22,6 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.core.checks import CheckMessage
 from django.core.management import call_command
 from django.db import connection, transaction
 from django.test import override_settings
@@ -31,7 +32,7 @@ from devkit.testapp.models import Invoice
 from pg_lease_django import InvalidInputError, Lease, QuotaExceededError, UnfencedWriteError, conf, history, privileges
 from pg_lease_django.checks import check_declared_roles_are_granted
 from pg_lease_django.wait.plan import WAKE_BURST, WAKE_RATE
-from tests.helpers import Background, conninfo, refused, wait_until, wait_until_blocked
+from tests.helpers import Background, conninfo, own_findings, refused, wait_until, wait_until_blocked
 
 # Cluster-wide roles: tests that make a role a bypass (pg_read_all_data, a parameter grant) and tests
 # that expect check W008 to be silent run one after another, on one worker.
@@ -74,6 +75,11 @@ class Tenants:
         conn = psycopg.connect(psycopg.conninfo.make_conninfo(conninfo(), user=self.role(name)), autocommit=True)
         self.opened.append(conn)
         return conn
+
+    def findings(self) -> list[CheckMessage]:
+        """Checks W008 and E006 as the owner runs them, less what they say of other tests' roles."""
+        found = check_declared_roles_are_granted(databases=["default"])
+        return own_findings(found, self.tag, lambda m: f"{m.msg} {m.hint}")
 
     def create(self, statement: str, *names: str) -> None:
         self.admin.execute(pgsql.SQL(statement).format(*(pgsql.Identifier(self.role(n)) for n in names)))
@@ -194,7 +200,7 @@ def test_a_login_member_of_a_scoped_group_role_is_held_to_the_groups_scope(tenan
     with fails_with("42501"):
         c.execute(INSPECT, [a_key])
     # The declaration is silent: the login members hold their groups' grants and scopes.
-    assert check_declared_roles_are_granted(databases=["default"]) == []
+    assert tenants.findings() == []
 
 
 def test_a_scope_change_reaches_a_session_whose_plans_inlined_the_old_scope(tenants: Tenants) -> None:
@@ -346,7 +352,7 @@ def test_a_role_reaching_the_lease_functions_without_a_scope_is_refused_and_repo
             with fails_with("42501"):
                 stray.execute(ACQUIRE, [key, "w1", "60 seconds"])
         assert stray.execute("SELECT public.pg_lease_session_scope()").fetchone() == ([],)
-        found = check_declared_roles_are_granted(databases=["default"])
+        found = tenants.findings()
         errors = sorted(m.msg.split("'")[3] for m in found if m.id == "pg_lease_django.E006")
         assert errors == sorted([tenants.role("w"), tenants.role("w_login")]), [m.msg for m in found]
         assert all(m.level >= 40 for m in found if m.id == "pg_lease_django.E006")  # errors, not warnings
@@ -354,7 +360,7 @@ def test_a_role_reaching_the_lease_functions_without_a_scope_is_refused_and_repo
     with override_settings(**spanning):
         call_command("leases", "grant", stdout=StringIO())
         assert stray.execute(ACQUIRE, [tenants.prefix("a") + "y", "w1", "60 seconds"]).fetchone() == (True, 1)
-        assert check_declared_roles_are_granted(databases=["default"]) == []
+        assert tenants.findings() == []
 
 
 # ---- 2. an opt-out is minted for the caller alone -----------------------------------------------
@@ -393,7 +399,7 @@ def test_an_opt_out_is_minted_for_the_caller_alone(tenants: Tenants) -> None:
         b.execute("UPDATE testapp_invoice SET amount = 2 WHERE id = %s", [invoice_id])
     assert amount(tenants.admin, invoice_id)[0] == 1
     # Check W008 reports the grant option, and the grants the declaration does not give B.
-    found = check_declared_roles_are_granted(databases=["default"])
+    found = tenants.findings()
     reported = {m.msg.split("'")[1]: m.msg for m in found if m.id == "pg_lease_django.W008"}
     assert "WITH GRANT OPTION" in reported[tenants.role("ops")]
     assert "pg_lease_allow_unfenced" in reported[tenants.role("b")]
@@ -465,7 +471,7 @@ def test_replica_mode_from_a_parameter_grant_turns_no_lease_trigger_off(tenants:
             [again],
         ).fetchone()
         assert stored == (True, True)
-        found = check_declared_roles_are_granted(databases=["default"])
+        found = tenants.findings()
         [warning] = [m for m in found if tenants.role("a_login") in m.msg]
         assert "session_replication_role" in warning.msg and warning.hint is not None
         assert "REVOKE SET, ALTER SYSTEM ON PARAMETER session_replication_role" in warning.hint
@@ -493,7 +499,7 @@ def test_a_pg_read_all_data_member_reads_no_secret_and_forges_no_opt_out(tenants
         b.execute(forge)
         b.execute("UPDATE testapp_invoice SET amount = 4 WHERE id = %s", [invoice_id])
     assert amount(tenants.admin, invoice_id)[0] == 0
-    found = check_declared_roles_are_granted(databases=["default"])
+    found = tenants.findings()
     [warning] = [m for m in found if "pg_read_all_data" in m.msg]
     assert tenants.role("b") in warning.msg and warning.hint == f'REVOKE "pg_read_all_data" FROM "{tenants.role("b")}"'
     assert not [m for m in found if "pg_lease_django_secret" in m.msg]  # the wrong remedy is gone
