@@ -1,0 +1,129 @@
+-- Reverse of migration 0010: each object as 0009_scopes_compiled_as_committed left it,
+-- what 0010_limits_locks_and_inputs_on_every_path made dropped.
+
+-- PG_LEASE_ROLE_LIMITS' max_leases, for a brand-new key (acquire's insert path, whoever calls):
+-- refused with SQLSTATE 53400 (configuration_limit_exceeded) when a limited role's prefixes hold the
+-- key and max_leases lease rows already. The brand-new keys of one limited role are counted one
+-- transaction at a time (a transaction-level advisory lock on the role), so concurrent grants cannot
+-- pass the limit together. Counted through the key index (LIKE 'prefix%' on text_pattern_ops), in
+-- one statement per limited role (overlapping prefixes count a row once). Free rows count until
+-- `manage.py leases prune` deletes them. Called only on the way to a brand-new row: no other path.
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_check_lease_quota(p_key text)
+RETURNS void LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  lim record;
+  used bigint;
+BEGIN
+  FOR lim IN SELECT l.role, l.max_leases,
+                    string_agg(format('l.key LIKE %L', replace(replace(replace(s.prefix, '\', '\\'), '%', '\%'), '_', '\_') || '%'),
+                               ' OR ') AS condition
+               FROM @extschema@."pg_lease_django_role_limit" l
+               JOIN @extschema@."pg_lease_django_key_scope" s ON s.role = l.role
+              WHERE l.max_leases IS NOT NULL
+              GROUP BY l.role, l.max_leases
+             HAVING bool_or(left(p_key, length(s.prefix)) = s.prefix)
+              ORDER BY l.role LOOP
+    PERFORM pg_advisory_xact_lock(hashtextextended('pg_lease_django role limit ' || lim.role, 4187349731::bigint));
+    EXECUTE format('SELECT count(*) FROM @extschema@."pg_lease_django_lease" l WHERE %s', lim.condition) INTO used;
+    IF used >= lim.max_leases THEN
+      RAISE EXCEPTION 'quota: role % may keep % lease rows under its key prefixes, and has % (lease key %)',
+                      lim.role, lim.max_leases, used,
+                      left(p_key, 64) || CASE WHEN length(p_key) > 64 THEN '...' ELSE '' END
+        USING ERRCODE = '53400',
+              HINT = 'Release and prune leases no longer used (manage.py leases prune), or raise PG_LEASE_ROLE_LIMITS.';
+    END IF;
+  END LOOP;
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_lease_quota(text) FROM PUBLIC;
+
+-- Acquire, waiting up to p_wait (NULL: no bound) for the key; SQLSTATE 57014 on timeout.
+-- Polls inside one statement, sleeping until the holder's expiry (at most 100 ms at a time), so it
+-- keeps a snapshot open while it waits: prefer the client-side wait (Python API) or short bounds
+-- from SQL. A refused attempt leaves no row lock (see above): a waiter never slows the holder.
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_acquire(p_key text, p_owner text, p_ttl interval, p_wait interval)
+RETURNS SETOF @extschema@.pg_lease_attempt
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  attempt @extschema@.pg_lease_attempt;
+  deadline timestamptz;
+BEGIN
+  IF p_wait < interval '0' THEN
+    RAISE EXCEPTION 'invalid_input: wait must not be negative, got %', p_wait USING ERRCODE = '22023';
+  END IF;
+  deadline := clock_timestamp() + p_wait;
+  LOOP
+    SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+    IF attempt.granted THEN
+      RETURN NEXT attempt;
+      RETURN;
+    END IF;
+    IF clock_timestamp() >= deadline THEN
+      RAISE EXCEPTION 'timeout: lease % still held by % after waiting %', p_key, attempt.owner, p_wait
+        USING ERRCODE = '57014';
+    END IF;
+    PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
+      least(attempt.expires_at, deadline, clock_timestamp() + interval '100 milliseconds')
+      - clock_timestamp()))::double precision);
+  END LOOP;
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval, interval) FROM PUBLIC;
+
+-- The attempt of a waiter that LISTENs on pg_lease_django: pg_lease_acquire(key, owner, ttl), and
+-- when refused, a registration so that the next release of the key notifies, lasting until the
+-- waiter's next attempt is due (p_retry_within, or the holder's expiry if sooner) plus a second.
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_acquire_or_register(p_key text, p_owner text, p_ttl interval, p_retry_within interval)
+RETURNS SETOF @extschema@.pg_lease_attempt
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  attempt @extschema@.pg_lease_attempt;
+  -- Whether this transaction wrote anything before this call (then its commit must stay durable).
+  wrote_before boolean := pg_current_xact_id_if_assigned() IS NOT NULL;
+  saved_lock_timeout text := current_setting('lock_timeout');
+  wait_ms double precision;
+  locked boolean := false;
+BEGIN
+  PERFORM @extschema@.pg_lease_check_name('key', p_key);
+  IF p_retry_within IS NULL OR extract(year FROM p_retry_within) <> 0 OR extract(month FROM p_retry_within) <> 0
+     OR extract(epoch FROM p_retry_within) < 0 OR extract(epoch FROM p_retry_within) > 365 * 86400 THEN
+    RAISE EXCEPTION 'invalid_input: retry_within must be between 0 and 365 days, without months, got %',
+      p_retry_within USING ERRCODE = '22023';
+  END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
+  -- A release of this key in flight holds the lock exclusively until it commits: wait for it, then
+  -- the attempt finds the lease free. At most p_retry_within (and the caller's lock_timeout): the
+  -- waiter would have slept that long anyway. Past it, attempt without registering: the table is
+  -- written only under the key's lock (registrations shared, a release's deletions exclusive), so
+  -- neither ever waits for the other's rows.
+  wait_ms := greatest(1, ceil(extract(epoch FROM p_retry_within) * 1000));
+  IF saved_lock_timeout::interval > interval '0' THEN
+    wait_ms := least(wait_ms, extract(epoch FROM saved_lock_timeout::interval) * 1000);
+  END IF;
+  BEGIN
+    PERFORM set_config('lock_timeout', least(wait_ms, 2147483647)::bigint::text, true);
+    PERFORM pg_advisory_xact_lock_shared(@extschema@.pg_lease_waiter_lock(p_key));
+    PERFORM set_config('lock_timeout', saved_lock_timeout, true);
+    locked := true;
+  EXCEPTION WHEN lock_not_available THEN
+    NULL;  -- the subtransaction's rollback restored lock_timeout
+  END;
+
+  SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+  IF NOT attempt.granted AND locked THEN
+    -- A refusal wrote nothing that must survive a crash, and a registration is gone after a crash
+    -- anyway: unless the caller's transaction wrote before, its commit need not wait for a flush.
+    IF NOT wrote_before THEN
+      PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    INSERT INTO @extschema@."pg_lease_django_waiter" AS w (key, until)
+      VALUES (p_key, least(clock_timestamp() + p_retry_within, attempt.expires_at) + interval '1 second')
+      ON CONFLICT ON CONSTRAINT pg_lease_django_waiter_pkey DO UPDATE SET until = greatest(w.until, EXCLUDED.until);
+  END IF;
+  RETURN NEXT attempt;
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire_or_register(text, text, interval, interval) FROM PUBLIC;

@@ -1,0 +1,212 @@
+"""Tenants apart off the default path (issue 52), on a real server with real roles.
+
+The limits and locks of issue 42 held in READ COMMITTED; these are the paths around them: a limit
+counted from an old snapshot (REPEATABLE READ sessions, an imported snapshot, a SERIALIZABLE
+transaction older than another session's fill), a lock any role could compute and hold, a wait with
+no bound, and a deploy queued behind a tenant's open transaction. Same seats as tests/test_tenants.py
+(its `tenants` fixture): tenant group roles with login members, an operator, a role granted nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from io import StringIO
+from typing import Any
+
+import psycopg
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.test import override_settings
+
+from pg_lease_django import Lease, LeaseTimeoutError
+from tests.helpers import wait_until_blocked
+from tests.test_tenants import ACQUIRE, Tenants, fails_with, tenants  # noqa: F401 (the fixture)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.xdist_group("cluster-roles")]
+
+LIMIT = 5
+WAIT_ACQUIRE = "SELECT granted, epoch FROM public.pg_lease_acquire(%s::text, %s::text, %s::interval, %s::interval)"
+
+
+def limited(tenants: Tenants) -> Any:
+    """PG_LEASE_ROLE_LIMITS: tenant B keeps LIMIT lease rows at most."""
+    return override_settings(PG_LEASE_ROLE_LIMITS={tenants.role("b"): {"leases": LIMIT}})
+
+
+def rows_of_b(tenants: Tenants) -> int:
+    row = tenants.admin.execute(
+        "SELECT count(*) FROM pg_lease_django_lease WHERE key LIKE %s", [tenants.prefix("b") + "%"]
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def new_key(conn: psycopg.Connection[Any], tenants: Tenants, name: str) -> str | None:
+    """Acquire a brand-new key of B's on ``conn``: None when granted, else the SQLSTATE."""
+    try:
+        conn.execute(ACQUIRE, [tenants.prefix("b") + name, "b1", "60 seconds"])
+    except psycopg.Error as exc:
+        return exc.sqlstate
+    return None
+
+
+# ---- 1. a limit whatever the snapshot ---------------------------------------------------------------
+
+
+def test_four_repeatable_read_sessions_of_one_tenant_stay_within_its_limit(tenants: Tenants) -> None:
+    """Finding 1: four REPEATABLE READ sessions that took their snapshot first ended with 173 rows
+    under a limit of 50. Each counted in its snapshot, after the others committed."""
+    sessions = [tenants.connect("b_login") for _ in range(4)]
+    snapshots = threading.Barrier(len(sessions))
+    refusals: list[str | None] = []
+
+    def fill(index: int, conn: psycopg.Connection[Any]) -> None:
+        conn.autocommit = False
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        conn.execute("SELECT 1")  # the snapshot
+        snapshots.wait()
+        refusals.extend(new_key(conn, tenants, f"rr{index}-{i}") for i in range(LIMIT))
+        conn.rollback() if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR else conn.commit()
+
+    with limited(tenants):
+        call_command("leases", "grant", stdout=StringIO())
+        threads = [threading.Thread(target=fill, args=(i, conn)) for i, conn in enumerate(sessions)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert rows_of_b(tenants) <= LIMIT
+        assert "0A000" in refusals  # told why: not READ COMMITTED
+        # READ COMMITTED still fills the limit, and no further.
+        b = tenants.connect("b_login")
+        assert [new_key(b, tenants, f"rc{i}") for i in range(LIMIT + 1)][-1] == "53400"
+        assert rows_of_b(tenants) == LIMIT
+
+
+def test_an_imported_snapshot_makes_no_key_past_the_limit(tenants: Tenants) -> None:
+    """Finding 1: a second connection imported an idle transaction's snapshot in 400 transactions
+    and made 19,600 brand-new keys under a limit of 50."""
+    exporter, importer = tenants.connect("b_login"), tenants.connect("b_login")
+    with limited(tenants):
+        call_command("leases", "grant", stdout=StringIO())
+        exporter.autocommit = False
+        exporter.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        row = exporter.execute("SELECT pg_export_snapshot()").fetchone()
+        assert row is not None
+        refusals = []
+        for i in range(3 * LIMIT):
+            importer.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            importer.execute(f"SET TRANSACTION SNAPSHOT '{row[0]}'")
+            refusals.append(new_key(importer, tenants, f"imported{i}"))
+            importer.execute("COMMIT")  # a rollback after a refusal
+        exporter.rollback()
+    assert rows_of_b(tenants) <= LIMIT
+    assert set(refusals) == {"0A000"}
+
+
+def test_a_serializable_snapshot_older_than_a_fill_adds_nothing(tenants: Tenants) -> None:
+    """Finding 1: a SERIALIZABLE transaction whose snapshot predated another session filling the
+    limit added 10 more keys (30 of 20)."""
+    old, filler = tenants.connect("b_login"), tenants.connect("b_login")
+    with limited(tenants):
+        call_command("leases", "grant", stdout=StringIO())
+        old.autocommit = False
+        old.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+        old.execute("SELECT 1")  # the snapshot, before the fill
+        assert [new_key(filler, tenants, f"fill{i}") for i in range(LIMIT)] == [None] * LIMIT
+        with fails_with("0A000"):
+            old.execute(ACQUIRE, [tenants.prefix("b") + "late", "b1", "60 seconds"])
+        old.rollback()
+    assert rows_of_b(tenants) == LIMIT
+
+
+# ---- 2. no lock a role was not granted, every wait within the caller's deadline --------------------
+
+
+def computable_advisory_locks(conn: psycopg.Connection[Any], texts: list[str]) -> list[int]:
+    """Every advisory lock number a role can compute from the lease functions' source (pg_proc is
+    readable by every role): each seeded hash the source takes, of each of ``texts`` and of each
+    string literal of the source followed by each of ``texts``."""
+    sources = [s for (s,) in conn.execute("SELECT prosrc FROM pg_proc WHERE proname LIKE 'pg_lease%%'").fetchall()]
+    seeds = {int(seed) for src in sources for seed in re.findall(r"hashtextextended\(.*?(\d+)::bigint\)", src)}
+    literals = {lit for src in sources for lit in re.findall(r"'([^'%]{3,80})'", src)}
+    candidates = texts + [lit + text for lit in literals for text in texts]
+    numbers = conn.execute(
+        "SELECT DISTINCT hashtextextended(t, s) FROM unnest(%s::text[]) t, unnest(%s::bigint[]) s",
+        [candidates, sorted(seeds)],
+    ).fetchall()
+    assert seeds and numbers
+    return [n for (n,) in numbers]
+
+
+def test_a_role_granted_nothing_holds_no_lock_that_delays_a_tenant_past_its_deadline(tenants: Tenants) -> None:
+    """Finding 2: a role granted nothing took the limit's advisory lock (its number computed from
+    the function's source): B's brand-new keys waited until it let go, and a blocking acquire with
+    timeout=3 was granted after 15-20 s. Now the limit locks a row of the limits table that only the
+    lease functions can lock: every lock the role can compute is held, and B is answered meanwhile."""
+    nobody, b = tenants.connect("nobody"), tenants.connect("b_login")
+    sql_key, django_key = tenants.prefix("b") + "sql", tenants.prefix("b") + "django"
+    roles = [tenants.role("b"), tenants.role("b_login")]
+    answers: list[Any] = []
+    with limited(tenants):
+        call_command("leases", "grant", stdout=StringIO())
+        held = computable_advisory_locks(nobody, [sql_key, django_key, *roles])
+        nobody.execute("SELECT count(pg_advisory_lock(n)) FROM unnest(%s::bigint[]) n", [held])
+
+        def tenant() -> None:
+            try:
+                answers.append(b.execute(WAIT_ACQUIRE, [sql_key, "b1", "60 seconds", "2 seconds"]).fetchone())
+                answers.append(Lease.objects.acquire(django_key, "d1", ttl=60, blocking=True, timeout=2.0))
+            except Exception as exc:
+                answers.append(exc)
+            finally:
+                answers.append("answered while the locks were held" if nobody_holds.is_set() else "late")
+                connection.close()
+
+        nobody_holds = threading.Event()
+        nobody_holds.set()
+        thread = threading.Thread(target=tenant)
+        thread.start()
+        thread.join(timeout=60)  # not a bound asserted: how long the role keeps its locks, at most
+        nobody_holds.clear()
+        nobody.execute("SELECT pg_advisory_unlock_all()")
+        thread.join()
+    assert answers[0] == (True, 1), answers
+    assert getattr(answers[1], "key", None) == django_key, answers
+    assert answers[-1] == "answered while the locks were held"
+
+
+def test_a_blocking_acquire_waiting_on_a_sibling_is_answered_by_its_deadline(tenants: Tenants) -> None:
+    """Every wait inside a lease function is bounded by the caller's deadline: a sibling session of
+    B that made a brand-new key and keeps its transaction open holds B's limit row; B's blocking
+    acquires of other brand-new keys time out at their deadline (SQL and Python), not at its commit."""
+    sibling, b = tenants.connect("b_login"), tenants.connect("b_login")
+    answers: list[Any] = []
+    with limited(tenants):
+        call_command("leases", "grant", stdout=StringIO())
+        with sibling.transaction():
+            assert new_key(sibling, tenants, "open") is None
+
+            def waiter() -> None:
+                try:
+                    with fails_with("57014"):
+                        b.execute(WAIT_ACQUIRE, [tenants.prefix("b") + "w1", "b1", "60 seconds", "1 second"])
+                    answers.append("sql timed out")
+                    with pytest.raises(LeaseTimeoutError, match="busy"):
+                        Lease.objects.acquire(tenants.prefix("b") + "w2", "b2", ttl=60, blocking=True, timeout=1.0)
+                    answers.append("python timed out")
+                finally:
+                    answers.append("while the sibling's transaction was open" if open_.is_set() else "late")
+                    connection.close()
+
+            open_ = threading.Event()
+            open_.set()
+            thread = threading.Thread(target=waiter)
+            thread.start()
+            wait_until_blocked(tenants.admin, b.info.backend_pid)  # it does wait for the sibling
+            thread.join(timeout=60)  # not an asserted bound: how long the sibling stays open, at most
+            open_.clear()
+        thread.join()
+    assert answers == ["sql timed out", "python timed out", "while the sibling's transaction was open"]
