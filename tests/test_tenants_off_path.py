@@ -210,3 +210,54 @@ def test_a_blocking_acquire_waiting_on_a_sibling_is_answered_by_its_deadline(ten
             open_.clear()
         thread.join()
     assert answers == ["sql timed out", "python timed out", "while the sibling's transaction was open"]
+
+
+# ---- 3. deploys and tenants never queue behind each other -----------------------------------------
+
+
+def recorded_flag(tenants: Tenants, key: str) -> Any:
+    row = tenants.admin.execute("SELECT recorded FROM pg_lease_django_lease WHERE key = %s", [key]).fetchone()
+    return None if row is None else row[0]
+
+
+def test_a_tenants_open_transaction_after_a_new_key_holds_up_no_deploy(tenants: Tenants) -> None:
+    """Finding 3: a brand-new key took SHARE on the history-scope table; a tenant that made one and
+    kept its transaction open made the owner's `migrate` (whose sync rewrote that table with nothing
+    to change) wait, and every tenant's brand-new keys queued behind the migrate. Now the sync writes
+    nothing when nothing changed, and a scope change waits for brand-new keys in flight without
+    queueing the others (lock_timeout only turns a wait into a failure here: no bound asserted)."""
+    history = [tenants.prefix("b")]
+    b, a = tenants.connect("b_login"), tenants.connect("a_login")
+    a.execute("SET lock_timeout = '5s'")
+    with override_settings(PG_LEASE_HISTORY=history):
+        call_command("migrate", "pg_lease_django", verbosity=0)
+        with b.transaction():
+            assert new_key(b, tenants, "open") is None
+            with connection.cursor() as cursor:
+                cursor.execute("SET lock_timeout = '5s'")
+            try:
+                call_command("migrate", "pg_lease_django", verbosity=0)  # nothing to apply, nothing to sync
+            finally:
+                with connection.cursor() as cursor:
+                    cursor.execute("RESET lock_timeout")
+            # A scope change waits for B's brand-new key; A's brand-new keys do not wait behind it.
+            changer = psycopg.connect(tenants.admin.info.dsn, autocommit=True)
+            tenants.opened.append(changer)
+            outcome: list[Any] = []
+            thread = threading.Thread(
+                target=lambda: outcome.append(
+                    changer.execute(
+                        "INSERT INTO pg_lease_django_history_scope (prefix) VALUES (%s)", [tenants.prefix("a")]
+                    ).rowcount
+                )
+            )
+            thread.start()
+            wait_until_blocked(tenants.admin, changer.info.backend_pid)
+            assert a.execute(ACQUIRE, [tenants.prefix("a") + "new", "a1", "60 seconds"]).fetchone() == (True, 1)
+            assert thread.is_alive()  # still waiting for B's brand-new key
+        thread.join()
+        assert outcome == [1]
+        # A's key, made while the change was in flight, is flagged by the scope that committed.
+        assert recorded_flag(tenants, tenants.prefix("a") + "new") is True
+        assert recorded_flag(tenants, tenants.prefix("b") + "open") is True
+        tenants.admin.execute("DELETE FROM pg_lease_django_history_scope WHERE prefix = %s", [tenants.prefix("a")])

@@ -6,10 +6,13 @@ brand-new keys far past it. It now locks the role's row of the limits table (row
 lets only the lease functions lock it; the advisory lock it replaces had a number any role could
 compute from the source and hold) and refuses a limited role's brand-new key outside READ
 COMMITTED (0A000). A blocking attempt bounds every lock wait by the waiter's deadline.
+The history scope is read without the SHARE lock that made a deploy queue behind a tenant's open
+transaction; a scope change meets brand-new keys on the epoch floor's row instead.
 
 Changed: function pg_lease_check_lease_quota(text), function pg_lease_acquire(text, text, interval,
-interval), function pg_lease_acquire_or_register(text, text, interval, interval). Written from
-``sql/schema.sql`` by devkit.sqlchange.
+interval), function pg_lease_acquire_or_register(text, text, interval, interval), function
+pg_lease_in_history_scope(text), function pg_lease_rescope(). Written from ``sql/schema.sql`` by
+devkit.sqlchange.
 """
 
 from django.db import migrations
@@ -24,7 +27,7 @@ class Migration(migrations.Migration):
         RunSQLFile(
             "migrations/0010_limits_locks_and_inputs_on_every_path.sql",
             "migrations/0010_limits_locks_and_inputs_on_every_path_reverse.sql",
-            sha256="0f9e47e7db175653454da71bbcdedc08445285914fd6a4c43ba4a289174ade77",
-            reverse_sha256="4c6c464ee1b647ef45e092933a65e3e475d027e5789ce3fc6cd1c14e494a0369",
+            sha256="a2039989ffcbec4216f20ba39e6006aedef5b359806c25d14a407dbb0870a234",
+            reverse_sha256="b608b620a4a7bbddceb463783457016c2a83c6ff40eea89b90214377bb472172",
         )
     ]

@@ -1819,28 +1819,39 @@ CREATE TRIGGER pg_lease_record_prune AFTER DELETE ON @extschema@."pg_lease_djang
   FOR EACH ROW WHEN (OLD.owner IS NOT NULL AND OLD.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
 ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_record_prune;
 
--- Is p_key's history recorded? The one spelling of the scope rule ('' records every key). SHARE
--- conflicts with the ROW EXCLUSIVE of any write to the scope table: a scope change in flight is
--- waited for and then seen (each statement reads a new snapshot), and a later one waits for this
--- transaction, so its pg_lease_rescope sees a row inserted here. Owner-run: the writer of a lease
--- row needs no privilege on the scope table.
+-- Is p_key's history recorded? The one spelling of the scope rule ('' records every key). Reads the
+-- scope table without a lock of its own (ACCESS SHARE, which no write of the table waits for; VOLATILE:
+-- each call reads the scope as committed then): a
+-- tenant that made a brand-new key and keeps its transaction open holds up neither `migrate` nor a
+-- scope sync. A scope change meets brand-new keys on the epoch floor's row instead (pg_lease_rescope).
+-- Owner-run: the writer of a lease row needs no privilege on the scope table. (Not compiled into a
+-- function body as the key scopes are: a session sees a replaced body only when it next takes a
+-- lock it does not hold yet, so a transaction that had written the lease table before could flag a
+-- new key by the old scope after the change committed.)
 CREATE FUNCTION @extschema@.pg_lease_in_history_scope(p_key text)
 RETURNS boolean LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-  LOCK TABLE @extschema@."pg_lease_django_history_scope" IN SHARE MODE;
   RETURN EXISTS (SELECT 1 FROM @extschema@."pg_lease_django_history_scope" h WHERE left(p_key, length(h.prefix)) = h.prefix);
 END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_in_history_scope(text) FROM PUBLIC;
 
 -- Any change of the scope table re-flags every lease row in the same transaction, whoever makes it.
+-- A brand-new key is flagged by its insert trigger, which reads the scope as committed when it
+-- runs; the two meet on the epoch floor's row, which every brand-new key locks FOR SHARE until its
+-- transaction ends: this rewrites it (FOR NO KEY UPDATE), so it waits for the brand-new keys in
+-- flight and then re-flags them, and a later one waits for this commit and reads the new scope (or,
+-- in a transaction that reads as of its start, fails with 40001 rather than flag by the old one).
+-- Waiting here queues nobody: a FOR SHARE request is granted beside other FOR SHARE holders
+-- whoever waits, and nothing else a tenant needs is locked by a scope change.
 CREATE FUNCTION @extschema@.pg_lease_rescope()
 RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
+  UPDATE @extschema@."pg_lease_django_epoch_floor" f SET floor = f.floor;
   UPDATE @extschema@."pg_lease_django_lease" l SET recorded = NOT l.recorded
    WHERE l.recorded IS DISTINCT FROM @extschema@.pg_lease_in_history_scope(l.key);
   RETURN NULL;

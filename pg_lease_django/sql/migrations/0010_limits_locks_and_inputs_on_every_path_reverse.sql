@@ -1,6 +1,32 @@
 -- Reverse of migration 0010: each object as 0009_scopes_compiled_as_committed left it,
 -- what 0010_limits_locks_and_inputs_on_every_path made dropped.
 
+-- Is p_key's history recorded? The one spelling of the scope rule ('' records every key). SHARE
+-- conflicts with the ROW EXCLUSIVE of any write to the scope table: a scope change in flight is
+-- waited for and then seen (each statement reads a new snapshot), and a later one waits for this
+-- transaction, so its pg_lease_rescope sees a row inserted here. Owner-run: the writer of a lease
+-- row needs no privilege on the scope table.
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_in_history_scope(p_key text)
+RETURNS boolean LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  LOCK TABLE @extschema@."pg_lease_django_history_scope" IN SHARE MODE;
+  RETURN EXISTS (SELECT 1 FROM @extschema@."pg_lease_django_history_scope" h WHERE left(p_key, length(h.prefix)) = h.prefix);
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_in_history_scope(text) FROM PUBLIC;
+
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_rescope()
+RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+  UPDATE @extschema@."pg_lease_django_lease" l SET recorded = NOT l.recorded
+   WHERE l.recorded IS DISTINCT FROM @extschema@.pg_lease_in_history_scope(l.key);
+  RETURN NULL;
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_rescope() FROM PUBLIC;
+
 -- PG_LEASE_ROLE_LIMITS' max_leases, for a brand-new key (acquire's insert path, whoever calls):
 -- refused with SQLSTATE 53400 (configuration_limit_exceeded) when a limited role's prefixes hold the
 -- key and max_leases lease rows already. The brand-new keys of one limited role are counted one
