@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
+import uuid
 from io import StringIO
 from typing import Any
 
@@ -21,8 +22,9 @@ from django.db import connection
 from django.test import override_settings
 
 from pg_lease_django import Lease, LeaseTimeoutError
-from tests.helpers import wait_until_blocked
-from tests.test_tenants import ACQUIRE, Tenants, fails_with, tenants  # noqa: F401 (the fixture)
+from pg_lease_django.sql import run, statements
+from tests.helpers import Tenants, fails_with, wait_until, wait_until_blocked
+from tests.test_tenants import ACQUIRE
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.xdist_group("cluster-roles")]
 
@@ -261,3 +263,63 @@ def test_a_tenants_open_transaction_after_a_new_key_holds_up_no_deploy(tenants: 
         assert recorded_flag(tenants, tenants.prefix("a") + "new") is True
         assert recorded_flag(tenants, tenants.prefix("b") + "open") is True
         tenants.admin.execute("DELETE FROM pg_lease_django_history_scope WHERE prefix = %s", [tenants.prefix("a")])
+
+
+# ---- 4. settling finds only the caller's own attempt ----------------------------------------------
+
+
+def test_a_decoy_of_another_role_listed_first_does_not_stop_the_settling(tenants: Tenants) -> None:
+    """Finding 4: a decoy statement of another role carrying the attempt's text, listed first, made a
+    settling role that may see other sessions' queries (pg_read_all_stats) try to cancel the decoy,
+    fail, and stop looking: the real attempt then granted. Even a decoy that copied the attempt's
+    marker is passed by now (a role this session may not signal), and the attempt is cancelled."""
+    tenants.admin.execute(
+        psycopg.sql.SQL("GRANT pg_read_all_stats TO {}").format(psycopg.sql.Identifier(tenants.role("b_login")))
+    )
+    key = tenants.prefix("b") + "settled"
+    b, settler, decoy = tenants.connect("b_login"), tenants.connect("b_login"), tenants.connect("nobody")
+    granted = b.execute(ACQUIRE, [key, "b1", "60 seconds"]).fetchone()
+    assert granted is not None
+    b.execute("SELECT outcome FROM public.pg_lease_release(%s::text, 'b1'::text, %s::bigint)", [key, granted[1]])
+    marker = f"pg_lease_django attempt {uuid.uuid4().hex}"
+    decoy_thread = threading.Thread(
+        target=_quietly(decoy, f"SELECT pg_sleep(60) /* {marker} pg_lease_acquire('{key}'::text, 'b2'::text */"),
+        daemon=True,
+    )
+    decoy_thread.start()
+    wait_until(lambda: _active(tenants, decoy.info.backend_pid), what="the decoy to run")
+    marked = f"/* {marker} */ " + statements.ACQUIRE.compose("public").as_string(b)
+    outcome: list[Any] = []
+    with tenants.admin.transaction():
+        tenants.admin.execute("SELECT 1 FROM pg_lease_django_lease WHERE key = %s FOR UPDATE", [key])
+        attempt = threading.Thread(target=_quietly(b, marked, [key, "b2", "60 seconds"], outcome))
+        attempt.start()
+        wait_until_blocked(tenants.admin, b.info.backend_pid)
+        still = run.on_psycopg(settler, statements.CANCEL_ATTEMPT, [2**31 - 1, marker])
+        assert sorted(still) == [False, True]  # the decoy: passed by; the attempt: cancelled
+        attempt.join()
+    assert outcome == ["57014"]
+    assert _active(tenants, decoy.info.backend_pid)
+    tenants.admin.execute("SELECT pg_cancel_backend(%s)", [decoy.info.backend_pid])
+    decoy_thread.join()
+    state = tenants.admin.execute(INSPECT_STATUS, [key]).fetchone()
+    assert state == ("free",)
+
+
+INSPECT_STATUS = "SELECT status FROM public.pg_lease_inspect(%s::text)"
+
+
+def _active(tenants: Tenants, pid: int) -> bool:
+    return tenants.admin.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone() == ("active",)
+
+
+def _quietly(conn: psycopg.Connection[Any], query: str, params: Any = None, outcome: list[Any] | None = None) -> Any:
+    def run_it() -> None:
+        try:
+            conn.execute(query, params)
+        except psycopg.Error as exc:
+            if outcome is not None:
+                outcome.append(exc.sqlstate)
+
+    return run_it
+
