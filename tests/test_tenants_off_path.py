@@ -323,3 +323,69 @@ def _quietly(conn: psycopg.Connection[Any], query: str, params: Any = None, outc
 
     return run_it
 
+
+# ---- 5. one order of judgement: input, then scope, then state -------------------------------------
+
+
+def test_every_function_judges_input_before_the_scope(tenants: Tenants) -> None:
+    """Finding 5: two functions checked the scope before owner, epoch and TTL (42501 where 22023 is
+    due). B calls each with A's key and one bad input at a time: invalid_input, whoever's key."""
+    b = tenants.connect("b_login")
+    a_key = tenants.prefix("a") + "x"
+    calls = {
+        "acquire": ("SELECT * FROM public.pg_lease_acquire(%s::text, %s::text, %s::interval)", ["o", "60 s"]),
+        "acquire_or_register": (
+            "SELECT * FROM public.pg_lease_acquire_or_register(%s::text, %s::text, %s::interval, '1 s'::interval)",
+            ["o", "60 s"],
+        ),
+        "heartbeat": ("SELECT * FROM public.pg_lease_heartbeat(%s::text, %s::text, %s::bigint, '60 s')", ["o", 1]),
+        "release": ("SELECT * FROM public.pg_lease_release(%s::text, %s::text, %s::bigint)", ["o", 1]),
+        "fence": ("SELECT public.pg_lease_fence(%s::text, %s::text, %s::bigint)", ["o", 1]),
+        "check_fence": ("SELECT public.pg_lease_check_fence(%s::text, %s::text, %s::bigint)", ["o", 1]),
+    }
+    judged = {}
+    for name, (statement, good) in calls.items():
+        for i, bad in (
+            (0, ""),
+            (1, "0 s" if isinstance(good[1], str) else 0),
+            (1, "-1 s" if isinstance(good[1], str) else -1),
+        ):
+            params = [a_key, *good]
+            params[1 + i] = bad
+            with pytest.raises(psycopg.Error) as info:
+                b.execute(statement, params)
+            judged[name, repr(bad)] = info.value.sqlstate
+        with pytest.raises(psycopg.Error) as info:  # good input: the scope says no
+            b.execute(statement, [a_key, *good])
+        judged[name, "scope"] = info.value.sqlstate
+    assert {k: v for k, v in judged.items() if k[1] != "scope" and v != "22023"} == {}
+    assert {k: v for k, v in judged.items() if k[1] == "scope" and v != "42501"} == {}
+
+
+def test_a_malformed_fence_setting_of_any_size_or_depth_is_unfenced(tenants: Tenants) -> None:
+    """Finding 5: a deeply nested pg_lease.fences gave a raw 54001; a presented epoch of 0 met the
+    input check (22023) where -1 was refused as unfenced (PL004). Any malformed setting is PL004."""
+    b = tenants.connect("b_login")
+    key = tenants.prefix("b") + "fenced"
+    assert b.execute(ACQUIRE, [key, "b1", "60 seconds"]).fetchone() == (True, 1)
+    with b.transaction():
+        row = b.execute(
+            "INSERT INTO testapp_invoice (account, status, amount, lease_key, lease_epoch) "
+            "VALUES (%s, 'draft', 0, %s, (SELECT public.pg_lease_check_fence(%s::text, 'b1'::text, 1::bigint))) "
+            "RETURNING id",
+            [key, key, key],
+        ).fetchone()
+    assert row is not None
+    deep = "[" * 200_000 + "]" * 200_000
+    for malformed in (
+        deep,
+        f'{{"{key}": {deep}}}',
+        f'{{"{key}": ["b1", 0]}}',
+        f'{{"{key}": ["b1", -1]}}',
+        f'{{"{key}": ["", 1]}}',
+        f'{{"{key}": ["b1", "1e3"]}}',
+    ):
+        with pytest.raises(psycopg.Error) as info, b.transaction():
+            b.execute("SELECT set_config('pg_lease.fences', %s, true)", [malformed])
+            b.execute("UPDATE testapp_invoice SET amount = 1, lease_epoch = 1 WHERE id = %s", [row[0]])
+        assert info.value.sqlstate == "PL004", (malformed[:60], info.value.sqlstate)

@@ -8,11 +8,15 @@ compute from the source and hold) and refuses a limited role's brand-new key out
 COMMITTED (0A000). A blocking attempt bounds every lock wait by the waiter's deadline.
 The history scope is read without the SHARE lock that made a deploy queue behind a tenant's open
 transaction; a scope change meets brand-new keys on the epoch floor's row instead.
+Every function judges input (22023) before the key scope (42501): pg_lease_acquire_or_register
+and pg_lease_check_fence checked the scope first. A malformed pg_lease.fences of any size or
+depth is PL004, and a presented epoch of 0 is as malformed as -1.
 
 Changed: function pg_lease_check_lease_quota(text), function pg_lease_acquire(text, text, interval,
 interval), function pg_lease_acquire_or_register(text, text, interval, interval), function
-pg_lease_in_history_scope(text), function pg_lease_rescope(). Written from ``sql/schema.sql`` by
-devkit.sqlchange.
+pg_lease_check_fence(text, text, bigint), function pg_lease_presented_fences(), function
+pg_lease_guard_key(text, jsonb, text), function pg_lease_in_history_scope(text), function
+pg_lease_rescope(). Written from ``sql/schema.sql`` by devkit.sqlchange.
 """
 
 from django.db import migrations
@@ -27,7 +31,7 @@ class Migration(migrations.Migration):
         RunSQLFile(
             "migrations/0010_limits_locks_and_inputs_on_every_path.sql",
             "migrations/0010_limits_locks_and_inputs_on_every_path_reverse.sql",
-            sha256="a2039989ffcbec4216f20ba39e6006aedef5b359806c25d14a407dbb0870a234",
-            reverse_sha256="b608b620a4a7bbddceb463783457016c2a83c6ff40eea89b90214377bb472172",
+            sha256="f2f4ca6ec4de32fee67c95dbbcaebe45930864e942c7df239798980a8e1bacc3",
+            reverse_sha256="c615e2b56e0a15ba105d8b10c81a8dce3338fbb7bd7f309de6c4da637aba6c3f",
         )
     ]

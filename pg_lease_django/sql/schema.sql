@@ -664,7 +664,10 @@ DECLARE
   wait_ms double precision;
   locked boolean := false;
 BEGIN
+  -- Every input first (22023), then the key scope (42501), as in every lease function.
   PERFORM @extschema@.pg_lease_check_name('key', p_key);
+  PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+  PERFORM @extschema@.pg_lease_ttl(p_ttl);
   IF p_retry_within IS NULL OR extract(year FROM p_retry_within) <> 0 OR extract(month FROM p_retry_within) <> 0
      OR extract(epoch FROM p_retry_within) < 0 OR extract(epoch FROM p_retry_within) > 365 * 86400 THEN
     RAISE EXCEPTION 'invalid_input: retry_within must be between 0 and 365 days, without months, got %',
@@ -1163,8 +1166,12 @@ DECLARE
   cur record;
   verdict text;
 BEGIN
-  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN
-    PERFORM @extschema@.pg_lease_check_name('key', p_key);  -- a bad key is invalid_input, before the scope
+  -- Input first (22023), then the key scope (42501), then the lease: one condition, raising when it fails.
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255 OR p_epoch IS NULL OR p_epoch < 1 THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+    PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
   END IF;
   PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   -- Fast path, the holder presenting its live fence: an unlocked look (a stale fence takes no lock
@@ -1206,8 +1213,8 @@ BEGIN
 END $$;
 
 -- The fences this transaction presented (pg_lease.fences, '{}' when none). The setting is written by
--- pg_lease_remember_fence; one set by hand that is not a JSON object is refused as 'unfenced'
--- (PL004) with a message that says so, never a raw JSON parse error. No SET clause (every fenced
+-- pg_lease_remember_fence; one set by hand that is not a JSON object (not JSON, too large, nested
+-- too deep) is refused as 'unfenced' (PL004) with a message that says so, never a raw parse error. No SET clause (every fenced
 -- write reads it): it names only exact-typed built-ins and its callers pin their search_path.
 CREATE FUNCTION @extschema@.pg_lease_presented_fences()
 RETURNS jsonb LANGUAGE plpgsql STABLE
@@ -1221,8 +1228,8 @@ BEGIN
   END IF;
   BEGIN
     fences := raw::jsonb;
-  EXCEPTION WHEN invalid_text_representation THEN
-    fences := NULL;
+  EXCEPTION WHEN data_exception OR program_limit_exceeded THEN
+    fences := NULL;  -- not JSON, too large, or nested too deep (classes 22 and 54): malformed all the same
   END;
   IF pg_catalog.jsonb_typeof(fences) IS DISTINCT FROM 'object' THEN
     PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
@@ -1364,8 +1371,11 @@ BEGIN
     PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
                             format('%s rows guarded by lease %s were written without a fence for it', p_table, p_key));
   END IF;
+  -- [owner, epoch] as pg_lease_remember_fence writes them, or PL004: a non-empty owner of at most 255
+  -- bytes, an epoch from 1 (0 and -1 alike are no fence; anything else would meet the input checks).
   IF jsonb_typeof(presented) IS DISTINCT FROM 'array' OR jsonb_typeof(presented -> 0) IS DISTINCT FROM 'string'
-     OR NOT coalesce(presented ->> 1 ~ '^[0-9]{1,18}$', false) THEN
+     OR NOT octet_length(presented ->> 0) BETWEEN 1 AND 255
+     OR NOT coalesce(presented ->> 1 ~ '^[1-9][0-9]{0,17}$', false) THEN
     PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
                             format('the fence presented for lease %s in pg_lease.fences is not [owner, epoch]', p_key));
   END IF;

@@ -5,6 +5,9 @@
 -- * changed function pg_lease_check_lease_quota(text) (definition)
 -- * changed function pg_lease_acquire(text, text, interval, interval) (definition)
 -- * changed function pg_lease_acquire_or_register(text, text, interval, interval) (definition)
+-- * changed function pg_lease_check_fence(text, text, bigint) (definition)
+-- * changed function pg_lease_presented_fences() (definition)
+-- * changed function pg_lease_guard_key(text, jsonb, text) (definition)
 -- * changed function pg_lease_in_history_scope(text) (definition)
 -- * changed function pg_lease_rescope() (definition)
 
@@ -135,7 +138,10 @@ DECLARE
   wait_ms double precision;
   locked boolean := false;
 BEGIN
+  -- Every input first (22023), then the key scope (42501), as in every lease function.
   PERFORM @extschema@.pg_lease_check_name('key', p_key);
+  PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+  PERFORM @extschema@.pg_lease_ttl(p_ttl);
   IF p_retry_within IS NULL OR extract(year FROM p_retry_within) <> 0 OR extract(month FROM p_retry_within) <> 0
      OR extract(epoch FROM p_retry_within) < 0 OR extract(epoch FROM p_retry_within) > 365 * 86400 THEN
     RAISE EXCEPTION 'invalid_input: retry_within must be between 0 and 365 days, without months, got %',
@@ -188,6 +194,116 @@ BEGIN
   RETURN NEXT attempt;
 END $$;
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire_or_register(text, text, interval, interval) FROM PUBLIC;
+
+-- Present a fence (the raising form, for raw SQL): returns p_epoch, so a write can both present the
+-- fence and record it in one expression: SET lease_epoch = (SELECT pg_lease_check_fence(k, o, e)).
+-- Raises PL001 not_owner, PL002 lapsed, PL003 epoch_mismatch; DETAIL carries the fence as JSON.
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_check_fence(p_key text, p_owner text, p_epoch bigint)
+RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  cur record;
+  verdict text;
+BEGIN
+  -- Input first (22023), then the key scope (42501), then the lease: one condition, raising when it fails.
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255 OR p_epoch IS NULL OR p_epoch < 1 THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+    PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
+  END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
+  -- Fast path, the holder presenting its live fence: an unlocked look (a stale fence takes no lock
+  -- and writes nothing), then the lock and the decision. The match itself validates the owner and epoch.
+  -- Anything else takes pg_lease_fence's way: input checks, a renewal in flight awaited, the cause.
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+  IF @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR KEY SHARE;
+    IF @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
+      PERFORM @extschema@.pg_lease_remember_fence(p_key, p_owner, p_epoch);
+      RETURN p_epoch;
+    END IF;
+  END IF;
+  verdict := @extschema@.pg_lease_fence(p_key, p_owner, p_epoch);
+  IF verdict = 'ok' THEN
+    RETURN p_epoch;
+  END IF;
+  PERFORM @extschema@.pg_lease_refuse(verdict, p_key, p_owner, p_epoch,
+                          format('lease %s is not held by %s at epoch %s', p_key, p_owner, p_epoch));
+  RETURN NULL;
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_fence(text, text, bigint) FROM PUBLIC;
+
+-- The fences this transaction presented (pg_lease.fences, '{}' when none). The setting is written by
+-- pg_lease_remember_fence; one set by hand that is not a JSON object (not JSON, too large, nested
+-- too deep) is refused as 'unfenced' (PL004) with a message that says so, never a raw parse error. No SET clause (every fenced
+-- write reads it): it names only exact-typed built-ins and its callers pin their search_path.
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_presented_fences()
+RETURNS jsonb LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+  raw text := pg_catalog.current_setting('pg_lease.fences', true);
+  fences jsonb;
+BEGIN
+  IF raw IS NULL OR raw OPERATOR(pg_catalog.=) '' THEN
+    RETURN '{}'::jsonb;
+  END IF;
+  BEGIN
+    fences := raw::jsonb;
+  EXCEPTION WHEN data_exception OR program_limit_exceeded THEN
+    fences := NULL;  -- not JSON, too large, or nested too deep (classes 22 and 54): malformed all the same
+  END;
+  IF pg_catalog.jsonb_typeof(fences) IS DISTINCT FROM 'object' THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
+      'pg_lease.fences is not a JSON object of lease key -> [owner, epoch]: pg_lease_check_fence() sets it, never a SET by hand');
+  END IF;
+  RETURN fences;
+END $$;
+
+-- Check one lease key written by a statement: the transaction presented a fence for it, and that
+-- fence holds now (locking the lease row FOR KEY SHARE until the transaction ends).
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_guard_key(p_key text, p_fences jsonb, p_table text)
+RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  presented jsonb := p_fences -> p_key;
+  cur record;
+  verdict text;
+BEGIN
+  IF p_key IS NULL THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
+                            format('a row of %s names no lease key', p_table));
+  END IF;
+  IF presented IS NULL THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
+                            format('%s rows guarded by lease %s were written without a fence for it', p_table, p_key));
+  END IF;
+  -- [owner, epoch] as pg_lease_remember_fence writes them, or PL004: a non-empty owner of at most 255
+  -- bytes, an epoch from 1 (0 and -1 alike are no fence; anything else would meet the input checks).
+  IF jsonb_typeof(presented) IS DISTINCT FROM 'array' OR jsonb_typeof(presented -> 0) IS DISTINCT FROM 'string'
+     OR NOT octet_length(presented ->> 0) BETWEEN 1 AND 255
+     OR NOT coalesce(presented ->> 1 ~ '^[1-9][0-9]{0,17}$', false) THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
+                            format('the fence presented for lease %s in pg_lease.fences is not [owner, epoch]', p_key));
+  END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
+  -- One locked read decides the usual case (the fence was presented moments ago, and this
+  -- transaction may already hold the lock); otherwise pg_lease_fence gives the exact cause.
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR KEY SHARE;
+  verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, presented ->> 0,
+                                  (presented ->> 1)::bigint, clock_timestamp());
+  IF verdict <> 'ok' THEN
+    verdict := @extschema@.pg_lease_fence(p_key, presented ->> 0, (presented ->> 1)::bigint);
+  END IF;
+  IF verdict <> 'ok' THEN
+    PERFORM @extschema@.pg_lease_refuse(verdict, p_key, presented ->> 0, (presented ->> 1)::bigint,
+                            format('lease %s is not held by %s at epoch %s', p_key, presented ->> 0, presented ->> 1));
+  END IF;
+  RETURN (presented ->> 1)::bigint;
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_guard_key(text, jsonb, text) FROM PUBLIC;
 
 -- Is p_key's history recorded? The one spelling of the scope rule ('' records every key). Reads the
 -- scope table without a lock of its own (ACCESS SHARE, which no write of the table waits for; VOLATILE:

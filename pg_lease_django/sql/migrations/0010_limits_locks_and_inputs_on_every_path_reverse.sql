@@ -1,6 +1,83 @@
 -- Reverse of migration 0010: each object as 0009_scopes_compiled_as_committed left it,
 -- what 0010_limits_locks_and_inputs_on_every_path made dropped.
 
+-- Present a fence (the raising form, for raw SQL): returns p_epoch, so a write can both present the
+-- fence and record it in one expression: SET lease_epoch = (SELECT pg_lease_check_fence(k, o, e)).
+-- Raises PL001 not_owner, PL002 lapsed, PL003 epoch_mismatch; DETAIL carries the fence as JSON.
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_check_fence(p_key text, p_owner text, p_epoch bigint)
+RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  cur record;
+  verdict text;
+BEGIN
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);  -- a bad key is invalid_input, before the scope
+  END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
+  -- Fast path, the holder presenting its live fence: an unlocked look (a stale fence takes no lock
+  -- and writes nothing), then the lock and the decision. The match itself validates the owner and epoch.
+  -- Anything else takes pg_lease_fence's way: input checks, a renewal in flight awaited, the cause.
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+  IF @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR KEY SHARE;
+    IF @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
+      PERFORM @extschema@.pg_lease_remember_fence(p_key, p_owner, p_epoch);
+      RETURN p_epoch;
+    END IF;
+  END IF;
+  verdict := @extschema@.pg_lease_fence(p_key, p_owner, p_epoch);
+  IF verdict = 'ok' THEN
+    RETURN p_epoch;
+  END IF;
+  PERFORM @extschema@.pg_lease_refuse(verdict, p_key, p_owner, p_epoch,
+                          format('lease %s is not held by %s at epoch %s', p_key, p_owner, p_epoch));
+  RETURN NULL;
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_fence(text, text, bigint) FROM PUBLIC;
+
+-- Check one lease key written by a statement: the transaction presented a fence for it, and that
+-- fence holds now (locking the lease row FOR KEY SHARE until the transaction ends).
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_guard_key(p_key text, p_fences jsonb, p_table text)
+RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  presented jsonb := p_fences -> p_key;
+  cur record;
+  verdict text;
+BEGIN
+  IF p_key IS NULL THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
+                            format('a row of %s names no lease key', p_table));
+  END IF;
+  IF presented IS NULL THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
+                            format('%s rows guarded by lease %s were written without a fence for it', p_table, p_key));
+  END IF;
+  IF jsonb_typeof(presented) IS DISTINCT FROM 'array' OR jsonb_typeof(presented -> 0) IS DISTINCT FROM 'string'
+     OR NOT coalesce(presented ->> 1 ~ '^[0-9]{1,18}$', false) THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
+                            format('the fence presented for lease %s in pg_lease.fences is not [owner, epoch]', p_key));
+  END IF;
+  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
+  -- One locked read decides the usual case (the fence was presented moments ago, and this
+  -- transaction may already hold the lock); otherwise pg_lease_fence gives the exact cause.
+  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR KEY SHARE;
+  verdict := @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, presented ->> 0,
+                                  (presented ->> 1)::bigint, clock_timestamp());
+  IF verdict <> 'ok' THEN
+    verdict := @extschema@.pg_lease_fence(p_key, presented ->> 0, (presented ->> 1)::bigint);
+  END IF;
+  IF verdict <> 'ok' THEN
+    PERFORM @extschema@.pg_lease_refuse(verdict, p_key, presented ->> 0, (presented ->> 1)::bigint,
+                            format('lease %s is not held by %s at epoch %s', p_key, presented ->> 0, presented ->> 1));
+  END IF;
+  RETURN (presented ->> 1)::bigint;
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_guard_key(text, jsonb, text) FROM PUBLIC;
+
 -- Is p_key's history recorded? The one spelling of the scope rule ('' records every key). SHARE
 -- conflicts with the ROW EXCLUSIVE of any write to the scope table: a scope change in flight is
 -- waited for and then seen (each statement reads a new snapshot), and a later one waits for this
@@ -63,6 +140,32 @@ BEGIN
   END LOOP;
 END $$;
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_lease_quota(text) FROM PUBLIC;
+
+-- The fences this transaction presented (pg_lease.fences, '{}' when none). The setting is written by
+-- pg_lease_remember_fence; one set by hand that is not a JSON object is refused as 'unfenced'
+-- (PL004) with a message that says so, never a raw JSON parse error. No SET clause (every fenced
+-- write reads it): it names only exact-typed built-ins and its callers pin their search_path.
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_presented_fences()
+RETURNS jsonb LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+  raw text := pg_catalog.current_setting('pg_lease.fences', true);
+  fences jsonb;
+BEGIN
+  IF raw IS NULL OR raw OPERATOR(pg_catalog.=) '' THEN
+    RETURN '{}'::jsonb;
+  END IF;
+  BEGIN
+    fences := raw::jsonb;
+  EXCEPTION WHEN invalid_text_representation THEN
+    fences := NULL;
+  END;
+  IF pg_catalog.jsonb_typeof(fences) IS DISTINCT FROM 'object' THEN
+    PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
+      'pg_lease.fences is not a JSON object of lease key -> [owner, epoch]: pg_lease_check_fence() sets it, never a SET by hand');
+  END IF;
+  RETURN fences;
+END $$;
 
 -- Acquire, waiting up to p_wait (NULL: no bound) for the key; SQLSTATE 57014 on timeout.
 -- Polls inside one statement, sleeping until the holder's expiry (at most 100 ms at a time), so it
