@@ -119,7 +119,6 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_wake_waiters",  # every release; revoked from PUBLIC
         "pg_lease_guard_update",  # every acquire and release; names every built-in and operator with its schema
         "pg_lease_key_allowed",  # every operation, inlined; revoked from PUBLIC, names every built-in with its schema
-        "pg_lease_unshown_characters",  # a constant, inlined into acquire's input condition
         "pg_lease_presented_fences",  # every fenced write; names every built-in with its schema
     }
     for name, security_definer, config in rows:

@@ -563,8 +563,6 @@ def test_bad_input_is_judged_before_the_scope_and_never_echoed_whole(tenants: Te
         (INSPECT, [huge]),
         (RELEASE, [huge, "b1", 1]),
         ("SELECT public.pg_lease_check_fence(%s::text, 'b1'::text, 1::bigint)", [huge]),
-        (ACQUIRE, [tenants.prefix("b") + "\u202eevil", "b1", "60 seconds"]),
-        (ACQUIRE, [tenants.prefix("b") + "ok", "b1\r\nfake row", "60 seconds"]),
     ):
         with pytest.raises(psycopg.Error) as info:
             b.execute(statement, params)
@@ -573,8 +571,6 @@ def test_bad_input_is_judged_before_the_scope_and_never_echoed_whole(tenants: Te
     with pytest.raises(psycopg.Error) as info:  # outside B's scope: refused, the key shortened in the message
         b.execute(INSPECT, [tenants.prefix("a") + "y" * 200])
     assert info.value.sqlstate == "42501" and "y" * 100 not in str(info.value)
-    with pytest.raises(InvalidInputError, match="control, bidirectional"):
-        Lease.objects.acquire("k\u202e", "w1", ttl=30)
     assert b.execute(ACQUIRE, [tenants.prefix("b") + "f", "b1", "60 seconds"]).fetchone() == (True, 1)
     b_row = invoice(b, tenants.prefix("b") + "f", "b1", 1)
     for malformed in ("{not json", "[1, 2]", f'{{"{tenants.prefix("b")}f": ["b1", "one"]}}'):

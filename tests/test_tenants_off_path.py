@@ -332,7 +332,7 @@ def test_every_function_judges_input_before_the_scope(tenants: Tenants) -> None:
     due). B calls each with A's key and one bad input at a time: invalid_input, whoever's key."""
     b = tenants.connect("b_login")
     a_key = tenants.prefix("a") + "x"
-    calls = {
+    calls: dict[str, tuple[str, list[Any]]] = {
         "acquire": ("SELECT * FROM public.pg_lease_acquire(%s::text, %s::text, %s::interval)", ["o", "60 s"]),
         "acquire_or_register": (
             "SELECT * FROM public.pg_lease_acquire_or_register(%s::text, %s::text, %s::interval, '1 s'::interval)",
@@ -343,8 +343,10 @@ def test_every_function_judges_input_before_the_scope(tenants: Tenants) -> None:
         "fence": ("SELECT public.pg_lease_fence(%s::text, %s::text, %s::bigint)", ["o", 1]),
         "check_fence": ("SELECT public.pg_lease_check_fence(%s::text, %s::text, %s::bigint)", ["o", 1]),
     }
-    judged = {}
-    for name, (statement, good) in calls.items():
+    judged: dict[tuple[str, str], str | None] = {}
+    call: tuple[str, list[Any]]
+    for name, call in calls.items():
+        statement, good = call
         for i, bad in (
             (0, ""),
             (1, "0 s" if isinstance(good[1], str) else 0),

@@ -11,12 +11,17 @@ transaction; a scope change meets brand-new keys on the epoch floor's row instea
 Every function judges input (22023) before the key scope (42501): pg_lease_acquire_or_register
 and pg_lease_check_fence checked the scope first. A malformed pg_lease.fences of any size or
 depth is PL004, and a presented epoch of 0 is as malformed as -1.
+A key or an owner is any non-empty text again, as the spec says: the refusal of control, bidi and
+invisible characters (pg_lease_check_new_name, pg_lease_unshown_characters) is dropped; the views
+escape them.
 
-Changed: function pg_lease_check_lease_quota(text), function pg_lease_acquire(text, text, interval,
-interval), function pg_lease_acquire_or_register(text, text, interval, interval), function
-pg_lease_check_fence(text, text, bigint), function pg_lease_presented_fences(), function
-pg_lease_guard_key(text, jsonb, text), function pg_lease_in_history_scope(text), function
-pg_lease_rescope(). Written from ``sql/schema.sql`` by devkit.sqlchange.
+Changed: function pg_lease_check_lease_quota(text), function pg_lease_acquire(text, text, interval),
+function pg_lease_acquire(text, text, interval, interval), function
+pg_lease_acquire_or_register(text, text, interval, interval), function pg_lease_check_fence(text,
+text, bigint), function pg_lease_presented_fences(), function pg_lease_guard_key(text, jsonb, text),
+function pg_lease_in_history_scope(text), function pg_lease_rescope(), function
+pg_lease_privileges(). Dropped: function pg_lease_unshown_characters(), function
+pg_lease_check_new_name(text, text). Written from ``sql/schema.sql`` by devkit.sqlchange.
 """
 
 from django.db import migrations
@@ -31,7 +36,7 @@ class Migration(migrations.Migration):
         RunSQLFile(
             "migrations/0010_limits_locks_and_inputs_on_every_path.sql",
             "migrations/0010_limits_locks_and_inputs_on_every_path_reverse.sql",
-            sha256="f2f4ca6ec4de32fee67c95dbbcaebe45930864e942c7df239798980a8e1bacc3",
-            reverse_sha256="c615e2b56e0a15ba105d8b10c81a8dce3338fbb7bd7f309de6c4da637aba6c3f",
+            sha256="c65bbb939ce8880bfe4082038f8168d9ae6c4d87db0bb569ac900241bf6507cd",
+            reverse_sha256="2f7e69f501edf47829baa45701920e2bbdd55e30f1500dfcde9bfe6c75a089f9",
         )
     ]

@@ -179,30 +179,6 @@ BEGIN
   END IF;
 END $$;
 
--- Characters a terminal or an editor acts on rather than shows: C0 and C1 controls (escape
--- sequences, carriage returns, line feeds), the bidirectional formatting characters (U+061C,
--- U+200E-U+200F, U+202A-U+202E, U+2066-U+2069), zero-width and invisible formatting characters
--- (U+200B-U+200D, U+2060-U+2064, U+FEFF) and the line and paragraph separators. A new key or
--- owner carrying one could forge or hide rows in an operator's view: refused by acquire
--- (pg_lease_check_new_name). A regular expression, one spelling; inlined (no SET clause).
-CREATE FUNCTION @extschema@.pg_lease_unshown_characters()
-RETURNS text LANGUAGE sql IMMUTABLE PARALLEL SAFE
-AS $$ SELECT '[\x01-\x1f\x7f\u0080-\u009f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u2069\ufeff]'::pg_catalog.text $$;
-
--- pg_lease_check_name for a name a grant stores (acquire's key and owner): also refuses the
--- characters of pg_lease_unshown_characters(). Keys stored before this rule keep working.
-CREATE FUNCTION @extschema@.pg_lease_check_new_name(p_kind text, p_value text)
-RETURNS void LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-  PERFORM @extschema@.pg_lease_check_name(p_kind, p_value);
-  IF p_value ~ @extschema@.pg_lease_unshown_characters() THEN
-    RAISE EXCEPTION 'invalid_input: % must not contain control, bidirectional or other invisible formatting characters', p_kind
-      USING ERRCODE = '22023', HINT = 'Keys and owners are shown to operators: use printable characters.';
-  END IF;
-END $$;
-
 CREATE FUNCTION @extschema@.pg_lease_check_ttl(p_ttl interval)
 RETURNS void LANGUAGE plpgsql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
@@ -510,18 +486,17 @@ DECLARE
   first_epoch bigint;
   result @extschema@.pg_lease_attempt;
 BEGIN
-  -- The rules of pg_lease_check_new_name and pg_lease_ttl, and the key scope, as one condition;
+  -- The rules of pg_lease_check_name and pg_lease_ttl, and the key scope, as one condition;
   -- they raise when it fails. Input first, then the key scope: a bad key is invalid_input whoever
-  -- sends it.
+  -- sends it. A key or an owner is any non-empty text (PostgreSQL's text holds no NUL): what a
+  -- person reads of it is escaped where it is shown (pg_lease_django.display), not refused here.
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
      OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
-     OR p_key ~ @extschema@.pg_lease_unshown_characters()
-     OR p_owner ~ @extschema@.pg_lease_unshown_characters()
      OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
      OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400
      OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
-    PERFORM @extschema@.pg_lease_check_new_name('key', p_key);
-    PERFORM @extschema@.pg_lease_check_new_name('owner', p_owner);
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
     ttl := @extschema@.pg_lease_ttl(p_ttl);
     PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   END IF;
@@ -1978,8 +1953,6 @@ AS $$
     -- What every role may run, through PUBLIC: pure helpers, and what the triggers call as the writer.
     ('public', 'FUNCTION', '@extschema@.pg_lease_status(text, timestamptz, timestamptz)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_name(text, text)', 'EXECUTE'),
-    ('public', 'FUNCTION', '@extschema@.pg_lease_check_new_name(text, text)', 'EXECUTE'),
-    ('public', 'FUNCTION', '@extschema@.pg_lease_unshown_characters()', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_ttl(interval)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_epoch(bigint)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_ttl(interval)', 'EXECUTE'),

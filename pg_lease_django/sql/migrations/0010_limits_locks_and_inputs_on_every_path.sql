@@ -3,6 +3,7 @@
 -- Written by `python -m devkit.sqlchange limits_locks_and_inputs_on_every_path` from sql/schema.sql, the source:
 -- each object restated whole (CREATE OR REPLACE keeps a function's privileges, restated anyway).
 -- * changed function pg_lease_check_lease_quota(text) (definition)
+-- * changed function pg_lease_acquire(text, text, interval) (definition)
 -- * changed function pg_lease_acquire(text, text, interval, interval) (definition)
 -- * changed function pg_lease_acquire_or_register(text, text, interval, interval) (definition)
 -- * changed function pg_lease_check_fence(text, text, bigint) (definition)
@@ -10,6 +11,9 @@
 -- * changed function pg_lease_guard_key(text, jsonb, text) (definition)
 -- * changed function pg_lease_in_history_scope(text) (definition)
 -- * changed function pg_lease_rescope() (definition)
+-- * changed function pg_lease_privileges() (definition)
+-- * dropped function pg_lease_unshown_characters()
+-- * dropped function pg_lease_check_new_name(text, text)
 
 -- PG_LEASE_ROLE_LIMITS' max_leases, for a brand-new key (acquire's insert path, whoever calls):
 -- refused with SQLSTATE 53400 (configuration_limit_exceeded) when a limited role's prefixes hold the
@@ -63,6 +67,114 @@ BEGIN
   END LOOP;
 END $$;
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_check_lease_quota(text) FROM PUBLIC;
+
+-- Acquire (non-blocking). Granted when the key is free, lapsed, or held by this same owner
+-- (self-takeover: a new epoch, so the owner's earlier incarnation is fenced). A key without a row
+-- starts above the epoch floor.
+-- * It looks without locking first: refusing a held key takes no row lock and writes no WAL, so
+--   waiters polling a held key never slow down its holder's renewals. The input checks and the key
+--   scope are one inline condition; the TTL is converted and durability asked for only on the way
+--   to a grant.
+-- * The attempt on an existing row is one UPDATE in a subtransaction, rolled back when the row was
+--   taken meanwhile: rolling back a subtransaction is the only way to drop a row lock before the
+--   transaction ends, so a refused waiter never keeps the winner from renewing.
+-- * That UPDATE names the key column, so it locks FOR UPDATE, the one mode that conflicts with a
+--   fence's FOR KEY SHARE: a takeover waits for every fenced transaction of the old holder to end.
+-- * It marks its grant (acquired_at = -infinity) and hands the TTL over as released_at = the Unix
+--   epoch + TTL; pg_lease_guard_update stamps it with one clock read taken under the row lock, after
+--   any wait: expiry = server_now + TTL exactly. (The SET list is computed before the wait, and two
+--   clock_timestamp() calls differ.) It leaves expires_at out of its SET list, so the renewal rule
+--   (pg_lease_judge_renewal) is not even looked at.
+-- * Durability: an acknowledged grant must survive a crash, or the same epoch could be granted
+--   twice; synchronous_commit is raised to 'on' for this transaction when it is lower.
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_acquire(p_key text, p_owner text, p_ttl interval)
+RETURNS SETOF @extschema@.pg_lease_attempt
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  cur record;
+  now_at timestamptz;
+  ttl interval;
+  first_epoch bigint;
+  result @extschema@.pg_lease_attempt;
+BEGIN
+  -- The rules of pg_lease_check_name and pg_lease_ttl, and the key scope, as one condition;
+  -- they raise when it fails. Input first, then the key scope: a bad key is invalid_input whoever
+  -- sends it. A key or an owner is any non-empty text (PostgreSQL's text holds no NUL): what a
+  -- person reads of it is escaped where it is shown (pg_lease_django.display), not refused here.
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
+     OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
+     OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400
+     OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+    ttl := @extschema@.pg_lease_ttl(p_ttl);
+    PERFORM @extschema@.pg_lease_check_key_scope(p_key);
+  END IF;
+
+  LOOP  -- again when the row changed between the unlocked look and the UPDATE
+    -- Look without locking first: refusing a held key takes no row lock and writes no WAL.
+    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+    IF NOT FOUND THEN
+      IF current_setting('synchronous_commit') <> 'on' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+      END IF;
+      ttl := @extschema@.pg_lease_ttl(p_ttl);
+      PERFORM @extschema@.pg_lease_check_lease_quota(p_key);  -- a new row: within PG_LEASE_ROLE_LIMITS
+      -- Start above the floor. FOR SHARE waits for a prune in flight and keeps the next one (which
+      -- locks the floor first) from committing until this grant does: no pruned epoch can slip in
+      -- above the one read here. In a subtransaction, dropped with its lock when a concurrent
+      -- acquire inserted the key first (only brand-new keys take this lock, and only a grant keeps it).
+      BEGIN
+        SELECT f.floor + 1 INTO first_epoch FROM @extschema@."pg_lease_django_epoch_floor" f FOR SHARE;
+        now_at := clock_timestamp();
+        INSERT INTO @extschema@."pg_lease_django_lease" AS l (key, owner, epoch, acquired_at, expires_at)
+          VALUES (p_key, p_owner, first_epoch, now_at, now_at + ttl)
+          ON CONFLICT ON CONSTRAINT pg_lease_django_lease_pkey DO NOTHING;
+        IF NOT FOUND THEN
+          RAISE EXCEPTION USING ERRCODE = 'PLR03';
+        END IF;
+        result := ROW(true, p_key, p_owner, first_epoch, now_at + ttl, now_at);
+        RETURN NEXT result;
+        RETURN;
+      EXCEPTION WHEN SQLSTATE 'PLR03' THEN
+        NULL;  -- a concurrent acquire inserted the key first: decide on its row below
+      END;
+    ELSIF @extschema@.pg_lease_status(cur.owner, cur.expires_at, clock_timestamp()) = 'held'
+          AND cur.owner <> p_owner THEN
+      result := ROW(false, p_key, cur.owner, cur.epoch, cur.expires_at, clock_timestamp());
+      RETURN NEXT result;
+      RETURN;
+    END IF;
+
+    -- Acquirable at the look: one UPDATE in a subtransaction, rolled back when it finds the row taken
+    -- meanwhile (an UPDATE that waited for the row and then fails its WHERE keeps the row locked; the
+    -- rollback drops that lock). key = l.key: lock FOR UPDATE, which waits for the old holder's fenced
+    -- transactions (FOR KEY SHARE). acquired_at = -infinity: pg_lease_guard_update stamps the grant
+    -- with one clock read taken under the row lock, after any wait; the TTL reaches it as released_at
+    -- = the Unix epoch + TTL (exact seconds, as pg_lease_ttl makes it).
+    BEGIN
+      UPDATE @extschema@."pg_lease_django_lease" l
+         SET key = l.key, owner = p_owner, epoch = l.epoch + 1, acquired_at = '-infinity',
+             released_at = 'epoch'::timestamptz + make_interval(secs => extract(epoch FROM p_ttl)::double precision)
+       WHERE l.key = p_key AND (l.owner IS NULL OR l.owner = p_owner OR l.expires_at <= clock_timestamp())
+      RETURNING true, p_key, p_owner, l.epoch, l.expires_at, l.acquired_at INTO result;
+      IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PLR01';
+      END IF;
+      IF current_setting('synchronous_commit') <> 'on' THEN
+        PERFORM set_config('synchronous_commit', 'on', true);
+      END IF;
+      RETURN NEXT result;
+      RETURN;
+    EXCEPTION WHEN SQLSTATE 'PLR01' THEN
+      NULL;  -- taken (or pruned) since the look: look again
+    END;
+  END LOOP;
+END $$;
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval) FROM PUBLIC;
 
 -- Acquire, waiting up to p_wait (NULL: no bound) for the key; SQLSTATE 57014 on timeout.
 -- Polls inside one statement, sleeping until the holder's expiry (at most 100 ms at a time), so it
@@ -342,3 +454,66 @@ BEGIN
   RETURN NULL;
 END $$;
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_rescope() FROM PUBLIC;
+
+-- What each declared role is granted (PG_LEASE_WORKER_ROLES, PG_LEASE_OPERATOR_ROLES,
+-- PG_LEASE_MONITOR_ROLES; applied by `migrate` and `manage.py leases grant`): every function above
+-- that locks, reveals or changes a lease is revoked from PUBLIC. A worker runs the four operations
+-- and writes fenced rows (the fenced tables' triggers call pg_lease_guard_key as the writer); a
+-- monitor reads the counts of pg_lease_metrics and nothing else; an operator may do what a worker
+-- and a monitor may, plus force release, ask for a hand-off, opt out of fencing (within its key
+-- scope) and read the lease and history tables. 'runbook' rows (pg_lease_prune, pg_lease_advance_epochs) are granted to nobody: they stay
+-- with the owner unless granted by hand to an operator. 'public' rows are what every role may run.
+-- Check W008 reports any other privilege on the package's functions and tables. A migration that
+-- adds a function restates this one. By hand:
+--   SELECT format('GRANT %s ON %s %s TO app_worker', privilege, kind, object)
+--     FROM pg_lease_privileges() WHERE role = 'worker' \gexec
+CREATE OR REPLACE FUNCTION @extschema@.pg_lease_privileges()
+RETURNS TABLE (role text, kind text, object text, privilege text)
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+  SELECT w.role, w.kind, w.object, w.privilege FROM (VALUES
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire(text, text, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire(text, text, interval, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire_or_register(text, text, interval, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_heartbeat(text, text, bigint, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_renew(text, text, bigint, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_release(text, text, bigint)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_inspect(text)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_fence(text, text, bigint)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_fence_outcome(text, text, bigint)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_check_fence(text, text, bigint)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_guard_key(text, jsonb, text)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_request_handoff(text, bigint)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint, text)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_allow_unfenced()', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_opt_out_token(name)', 'EXECUTE'),
+    ('operator', 'FUNCTION', '@extschema@.pg_lease_check_key_scopes(text[])', 'EXECUTE'),
+    ('operator', 'TABLE', '@extschema@."pg_lease_django_lease"', 'SELECT'),
+    ('operator', 'TABLE', '@extschema@."pg_lease_django_tenure"', 'SELECT'),
+    ('monitor', 'FUNCTION', '@extschema@.pg_lease_metrics(text, integer, boolean)', 'EXECUTE'),
+    -- The runbook's (failover, restore, maintenance): granted to nobody, an operator may be granted them.
+    ('runbook', 'FUNCTION', '@extschema@.pg_lease_prune(interval, boolean)', 'EXECUTE'),
+    ('runbook', 'FUNCTION', '@extschema@.pg_lease_advance_epochs(bigint, boolean)', 'EXECUTE'),
+    -- What every role may run, through PUBLIC: pure helpers, and what the triggers call as the writer.
+    ('public', 'FUNCTION', '@extschema@.pg_lease_status(text, timestamptz, timestamptz)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_check_name(text, text)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_check_ttl(interval)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_check_epoch(bigint)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_ttl(interval)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_verdict(text, bigint, timestamptz, text, bigint, timestamptz)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_remember_fence(text, text, bigint)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_refuse(text, text, text, bigint, text)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_unfenced_allowed()', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_opt_out_valid(text, name)', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_presented_fences()', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_replication_apply()', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_session_scope()', 'EXECUTE'),
+    ('public', 'FUNCTION', '@extschema@.pg_lease_privileges()', 'EXECUTE')
+  ) w (role, kind, object, privilege)
+$$;
+
+DROP FUNCTION @extschema@.pg_lease_check_new_name(text, text);
+
+DROP FUNCTION @extschema@.pg_lease_unshown_characters();
