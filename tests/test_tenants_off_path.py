@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from io import StringIO
 from typing import Any
 
@@ -151,33 +152,21 @@ def test_a_role_granted_nothing_holds_no_lock_that_delays_a_tenant_past_its_dead
     nobody, b = tenants.connect("nobody"), tenants.connect("b_login")
     sql_key, django_key = tenants.prefix("b") + "sql", tenants.prefix("b") + "django"
     roles = [tenants.role("b"), tenants.role("b_login")]
-    answers: list[Any] = []
     with limited(tenants):
         call_command("leases", "grant", stdout=StringIO())
         held = computable_advisory_locks(nobody, [sql_key, django_key, *roles])
         nobody.execute("SELECT count(pg_advisory_lock(n)) FROM unnest(%s::bigint[]) n", [held])
 
-        def tenant() -> None:
-            try:
-                answers.append(b.execute(WAIT_ACQUIRE, [sql_key, "b1", "60 seconds", "2 seconds"]).fetchone())
-                answers.append(Lease.objects.acquire(django_key, "d1", ttl=60, blocking=True, timeout=2.0))
-            except Exception as exc:
-                answers.append(exc)
-            finally:
-                answers.append("answered while the locks were held" if nobody_holds.is_set() else "late")
-                connection.close()
+        def tenant() -> list[Any]:
+            return [
+                b.execute(WAIT_ACQUIRE, [sql_key, "b1", "60 seconds", "2 seconds"]).fetchone(),
+                Lease.objects.acquire(django_key, "d1", ttl=60, blocking=True, timeout=2.0),
+            ]
 
-        nobody_holds = threading.Event()
-        nobody_holds.set()
-        thread = threading.Thread(target=tenant)
-        thread.start()
-        thread.join(timeout=60)  # not a bound asserted: how long the role keeps its locks, at most
-        nobody_holds.clear()
-        nobody.execute("SELECT pg_advisory_unlock_all()")
-        thread.join()
+        answers, in_time = answered_before(tenant, lambda: nobody.execute("SELECT pg_advisory_unlock_all()"))
     assert answers[0] == (True, 1), answers
     assert getattr(answers[1], "key", None) == django_key, answers
-    assert answers[-1] == "answered while the locks were held"
+    assert in_time  # while the role held every lock it could compute
 
 
 def test_a_blocking_acquire_waiting_on_a_sibling_is_answered_by_its_deadline(tenants: Tenants) -> None:
@@ -185,33 +174,49 @@ def test_a_blocking_acquire_waiting_on_a_sibling_is_answered_by_its_deadline(ten
     B that made a brand-new key and keeps its transaction open holds B's limit row; B's blocking
     acquires of other brand-new keys time out at their deadline (SQL and Python), not at its commit."""
     sibling, b = tenants.connect("b_login"), tenants.connect("b_login")
-    answers: list[Any] = []
     with limited(tenants):
         call_command("leases", "grant", stdout=StringIO())
-        with sibling.transaction():
-            assert new_key(sibling, tenants, "open") is None
+        sibling.autocommit = False
+        assert new_key(sibling, tenants, "open") is None
 
-            def waiter() -> None:
-                try:
-                    with fails_with("57014"):
-                        b.execute(WAIT_ACQUIRE, [tenants.prefix("b") + "w1", "b1", "60 seconds", "1 second"])
-                    answers.append("sql timed out")
-                    with pytest.raises(LeaseTimeoutError, match="busy"):
-                        Lease.objects.acquire(tenants.prefix("b") + "w2", "b2", ttl=60, blocking=True, timeout=1.0)
-                    answers.append("python timed out")
-                finally:
-                    answers.append("while the sibling's transaction was open" if open_.is_set() else "late")
-                    connection.close()
+        def waiter() -> list[str]:
+            with fails_with("57014"):
+                b.execute(WAIT_ACQUIRE, [tenants.prefix("b") + "w1", "b1", "60 seconds", "1 second"])
+            with pytest.raises(LeaseTimeoutError, match="busy"):
+                Lease.objects.acquire(tenants.prefix("b") + "w2", "b2", ttl=60, blocking=True, timeout=1.0)
+            return ["sql timed out", "python timed out"]
 
-            open_ = threading.Event()
-            open_.set()
-            thread = threading.Thread(target=waiter)
-            thread.start()
-            wait_until_blocked(tenants.admin, b.info.backend_pid)  # it does wait for the sibling
-            thread.join(timeout=60)  # not an asserted bound: how long the sibling stays open, at most
-            open_.clear()
-        thread.join()
-    assert answers == ["sql timed out", "python timed out", "while the sibling's transaction was open"]
+        answers, in_time = answered_before(waiter, sibling.commit, tenants=tenants, blocked=b.info.backend_pid)
+    assert answers == ["sql timed out", "python timed out"]
+    assert in_time  # while the sibling's transaction was open
+
+
+def answered_before(
+    call: Callable[[], Any], let_go: Callable[[], object], *, tenants: Tenants | None = None, blocked: int = 0
+) -> tuple[Any, bool]:
+    """Run ``call`` on a thread while what would hold it up is held, then ``let_go``: what it returned
+    (or raised), and whether it was answered before the let-go. With ``tenants``, first wait until
+    backend ``blocked`` does wait for a lock (the hold is real). The thread gets 60 s before the
+    let-go: not a bound asserted, how long the hold lasts at most."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:
+            outcome.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    if tenants is not None:
+        wait_until_blocked(tenants.admin, blocked)
+    thread.join(timeout=60)
+    in_time = not thread.is_alive()
+    let_go()
+    thread.join()
+    return outcome[0], in_time
 
 
 # ---- 3. deploys and tenants never queue behind each other -----------------------------------------
