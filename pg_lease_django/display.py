@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import unicodedata
 from dataclasses import dataclass
 from datetime import timedelta
@@ -9,12 +10,14 @@ from typing import Any
 
 from .status import LeaseStatus
 
-__all__ = ["LeaseRow", "describe_expiry", "format_duration", "printable"]
+__all__ = ["LeaseRow", "describe_expiry", "format_duration", "json_text", "printable"]
 
-#: Unicode categories a terminal acts on rather than shows: controls (escape sequences, carriage
-#: returns, newlines), formatting characters (bidi overrides and isolates, zero-width joiners) and the
-#: line and paragraph separators.
-_ACTED_ON = frozenset({"Cc", "Cf", "Zl", "Zp"})
+#: Unicode categories a person must never be shown raw: controls (escape sequences, carriage
+#: returns, newlines), formatting characters (bidi overrides and isolates, zero-width joiners, soft
+#: hyphens, tags), the line and paragraph separators, and private-use, surrogate and unassigned code
+#: points (a font or a later Unicode may draw them as anything). Keys and owners may hold any of them
+#: (any non-empty text, as the spec says): every view escapes them instead.
+_ACTED_ON = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cs", "Cn"})
 
 
 def printable(text: str) -> str:
@@ -35,6 +38,27 @@ def printable(text: str) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def json_text(document: Any, *, indent: int | None = 2) -> str:
+    """``document`` as JSON text that shows no character a terminal could obey: readable text stays
+    as it is, and every character `printable` escapes is written ``\\uXXXX`` (a surrogate pair past
+    U+FFFF), so the JSON still decodes to the exact strings."""
+    text = json.dumps(document, indent=indent, ensure_ascii=False)
+    if text.isascii():
+        return text  # json.dumps escapes every ASCII control already
+    # Past ASCII only: the layout's newlines are JSON's own, and json.dumps escaped the ASCII controls of strings.
+    return "".join(
+        _json_escape(char) if not char.isascii() and unicodedata.category(char) in _ACTED_ON else char for char in text
+    )
+
+
+def _json_escape(char: str) -> str:
+    code = ord(char)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def format_duration(delta: timedelta) -> str:

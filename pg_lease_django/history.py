@@ -52,6 +52,10 @@ def sync_scope(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...]:
             f"database {using!r} cannot record lease history: "
             f"run `manage.py migrate pg_lease_django --database {using}`"
         )
+    if set(recorded_prefixes(using) or ()) == set(prefixes):
+        # Nothing to change, so nothing written: a write of the scope table waits for every brand-new
+        # key in flight (pg_lease_rescope), and a migrate with nothing to do must not.
+        return prefixes
     with transaction.atomic(using=using):
         run.run(connections[using], statements.HISTORY_SCOPE_KEEP, [list(prefixes)])
         run.run(connections[using], statements.HISTORY_SCOPE_ADD, [list(prefixes)])

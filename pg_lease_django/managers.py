@@ -24,7 +24,6 @@ from .validation import (
     check_advance,
     check_epoch,
     check_name,
-    check_new_name,
     check_ttl,
     check_wait,
     to_timedelta,
@@ -106,8 +105,8 @@ class LeaseManager(models.Manager["Lease"]):
         key: str, owner: str, ttl: Seconds, blocking: bool, timeout: Seconds | None
     ) -> tuple[timedelta, timedelta | None]:
         """The argument rules of `acquire` and `aacquire`: the TTL and the wait bound, or InvalidInputError."""
-        check_new_name("key", key)
-        check_new_name("owner", owner)
+        check_name("key", key)
+        check_name("owner", owner)
         ttl_delta = check_ttl(ttl)
         return ttl_delta, check_wait(blocking, timeout, key=key, owner=owner)
 

@@ -91,34 +91,47 @@ def attempted(key: str, tried: Attempt) -> Attempt:
     return tried
 
 
-def attempt(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Attempt:
-    """One non-blocking acquire."""
+def attempt(
+    connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta, marker: str | None = None
+) -> Attempt:
+    """One non-blocking acquire; ``marker``: the identity it shows in ``pg_stat_activity`` (`run.first`)."""
     with quota_refusals(key):
-        return attempted(key, run.one(connection, statements.ACQUIRE, [key, owner, ttl]))
+        return attempted(key, run.one(connection, statements.ACQUIRE, [key, owner, ttl], marker=marker))
 
 
 def attempt_or_register(
-    connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta, retry_within: timedelta
+    connection: BaseDatabaseWrapper,
+    key: str,
+    owner: str,
+    ttl: timedelta,
+    retry_within: timedelta,
+    marker: str | None = None,
 ) -> Attempt:
     """One attempt of a waiter that LISTENs: when refused, the next release of ``key`` notifies.
 
-    ``retry_within``: the longest the waiter sleeps before its next attempt unless notified.
+    ``retry_within``: the longest the waiter sleeps before its next attempt unless notified (and the
+    longest the attempt waits for a lock); ``marker`` as for `attempt`.
     """
+    params = [key, owner, ttl, retry_within]
     with quota_refusals(key):
-        return attempted(key, run.one(connection, statements.ACQUIRE_OR_REGISTER, [key, owner, ttl, retry_within]))
+        return attempted(key, run.one(connection, statements.ACQUIRE_OR_REGISTER, params, marker=marker))
 
 
-def acquire(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
+def acquire(
+    connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta, marker: str | None = None
+) -> Grant | None:
     """A non-blocking acquire: the grant, or None when another owner holds the key."""
-    grant = attempt(connection, key, owner, ttl).grant(key)
+    grant = attempt(connection, key, owner, ttl, marker).grant(key)
     if grant is None:
         metrics.refused(key)
     return grant
 
 
-def acquire_or_raise(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant:
+def acquire_or_raise(
+    connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta, marker: str | None = None
+) -> Grant:
     """A non-blocking acquire that raises `NotAcquirableError`, naming the holder, when refused."""
-    tried = attempt(connection, key, owner, ttl)
+    tried = attempt(connection, key, owner, ttl, marker)
     grant = tried.grant(key)
     if grant is not None:
         return grant

@@ -10,13 +10,19 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import uuid
 from collections.abc import Callable, Generator, Iterator
+from io import StringIO
 from typing import Any
 
 import psycopg
 import pytest
+from django.core.management import call_command
+from django.test import override_settings
+from psycopg import sql as pgsql
 
-from tests.helpers import conninfo, free, held, lapsed, sessions_left
+from pg_lease_django import history, privileges
+from tests.helpers import Tenants, conninfo, free, held, lapsed, sessions_left
 
 _counter = itertools.count()
 
@@ -151,3 +157,35 @@ def new_database() -> Iterator[Callable[[], str]]:
     for name in made:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     admin.close()
+
+
+@pytest.fixture
+def tenants(transactional_db: None) -> Iterator[Tenants]:
+    admin = psycopg.connect(conninfo(), autocommit=True)
+    made = Tenants(uuid.uuid4().hex[:8], admin)
+    try:
+        for tenant in ("a", "b", "c"):
+            made.create("CREATE ROLE {} NOLOGIN", tenant)
+            made.create("CREATE ROLE {} LOGIN IN ROLE {}", f"{tenant}_login", tenant)
+            made.made += [f"{tenant}_login", tenant]
+        made.create("CREATE ROLE {} LOGIN", "ops")
+        made.create("CREATE ROLE {} LOGIN", "nobody")
+        made.made += ["ops", "nobody"]
+        for name in ("a", "b", "c", "ops"):
+            made.create("GRANT SELECT, INSERT, UPDATE, DELETE ON testapp_invoice TO {}", name)
+            made.create("GRANT USAGE ON SEQUENCE testapp_invoice_id_seq TO {}", name)
+        with override_settings(**made.settings):
+            call_command("leases", "grant", stdout=StringIO())
+            yield made
+    finally:
+        for conn in made.opened:
+            conn.close()
+        with override_settings(PG_LEASE_KEY_SCOPES={}, PG_LEASE_ROLE_LIMITS={}, PG_LEASE_HISTORY=[]):
+            privileges.sync_key_scopes()
+            privileges.sync_role_limits()
+            history.sync_scope()
+        for name in made.made:  # every grant first (a grant one of them made to another goes with its grantor)
+            admin.execute(pgsql.SQL("DROP OWNED BY {} CASCADE").format(pgsql.Identifier(made.role(name))))
+        for name in made.made:
+            admin.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(made.role(name))))
+        admin.close()

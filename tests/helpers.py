@@ -16,13 +16,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 import psycopg
 import pytest
+from django.core.checks import CheckMessage
 from django.db import connections, transaction
+from psycopg import sql as pgsql
 
 from devkit import dbserver
 from pg_lease_django import Lease
@@ -309,3 +312,55 @@ def sql(dbname: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
     """The rows of ``query`` run on ``dbname``."""
     with psycopg.connect(database_url(dbname), autocommit=True) as conn:
         return conn.execute(query, params).fetchall()
+
+
+@contextmanager
+def fails_with(sqlstate: str) -> Iterator[None]:
+    with pytest.raises(psycopg.Error) as info:
+        yield
+    assert info.value.sqlstate == sqlstate, repr(info.value)
+
+
+@dataclass
+class Tenants:
+    """Two tenants (A, B) and a third (C), each a NOLOGIN group role with a login member; an operator
+    for every key; a role granted nothing. Prefixes are this test's own."""
+
+    tag: str
+    admin: psycopg.Connection[Any]
+    opened: list[psycopg.Connection[Any]] = field(default_factory=list)
+    made: list[str] = field(default_factory=list)
+
+    def role(self, name: str) -> str:
+        return f"pgl_{self.tag}_{name}"
+
+    def prefix(self, tenant: str) -> str:
+        return f"{self.tag}/{tenant}/"
+
+    def connect(self, name: str) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(psycopg.conninfo.make_conninfo(conninfo(), user=self.role(name)), autocommit=True)
+        self.opened.append(conn)
+        return conn
+
+    def findings(self) -> list[CheckMessage]:
+        """Checks W008 and E006 as the owner runs them, less what they say of other tests' roles."""
+        from pg_lease_django.checks import check_declared_roles_are_granted
+
+        found = check_declared_roles_are_granted(databases=["default"])
+        return own_findings(found, self.tag, lambda m: f"{m.msg} {m.hint}")
+
+    def create(self, statement: str, *names: str) -> None:
+        self.admin.execute(pgsql.SQL(statement).format(*(pgsql.Identifier(self.role(n)) for n in names)))
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {
+            "PG_LEASE_WORKER_ROLES": [self.role("a"), self.role("b"), self.role("c")],
+            "PG_LEASE_OPERATOR_ROLES": [self.role("ops")],
+            "PG_LEASE_KEY_SCOPES": {
+                self.role("a"): [self.prefix("a")],
+                self.role("b"): [self.prefix("b")],
+                self.role("c"): [self.prefix("c")],
+                self.role("ops"): "*",
+            },
+        }

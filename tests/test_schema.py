@@ -97,7 +97,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_record_tenure",  # writes the tenure table for the lease table's triggers
         "pg_lease_guard_update",  # the lease table's update rules: the history and the scope, whoever writes
         "pg_lease_rescope",  # re-flags every lease row when the scope changes, whoever changes it
-        "pg_lease_in_history_scope",  # locks the scope table against a change in flight
+        "pg_lease_in_history_scope",  # reads the scope table for the lease table's triggers, whoever writes
         "pg_lease_opt_out_token",  # reads the owner's secret (an operator's, as pg_lease_allow_unfenced)
         "pg_lease_opt_out_valid",  # checks a token against the secret
         "pg_lease_opt_out_hash",  # the token itself, from the owner's secret
@@ -119,7 +119,6 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_wake_waiters",  # every release; revoked from PUBLIC
         "pg_lease_guard_update",  # every acquire and release; names every built-in and operator with its schema
         "pg_lease_key_allowed",  # every operation, inlined; revoked from PUBLIC, names every built-in with its schema
-        "pg_lease_unshown_characters",  # a constant, inlined into acquire's input condition
         "pg_lease_presented_fences",  # every fenced write; names every built-in with its schema
     }
     for name, security_definer, config in rows:

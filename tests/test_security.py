@@ -691,8 +691,6 @@ HARMLESS_FOR_PUBLIC = {
     "pg_lease_privileges()",
     # 0007: input rules, the fences presented (each only reads the caller's own settings), whether a
     # write is a trusted replication apply, and the session's own key scope.
-    "pg_lease_check_new_name(text,text)",
-    "pg_lease_unshown_characters()",
     "pg_lease_presented_fences()",
     "pg_lease_replication_apply()",
     "pg_lease_session_scope()",

@@ -18,6 +18,7 @@ from pg_lease_django.operations import LeaseState
 from pg_lease_django.wait.settling import (
     SETTLE_WITHIN,
     CancelAttempt,
+    InFlight,
     Inspect,
     PauseFor,
     ReleaseWithin,
@@ -26,6 +27,7 @@ from pg_lease_django.wait.settling import (
 )
 
 NOW = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
+SENT = InFlight(4242, "pg_lease_django attempt 0123")
 
 
 def state(status: Literal["free", "held", "lapsed"], owner: str | None, epoch: int = 7) -> LeaseState:
@@ -70,20 +72,23 @@ def test_nothing_is_released_that_is_not_the_owners_live_grant(found: LeaseState
 
 def test_the_attempt_is_cancelled_until_it_no_longer_runs_then_the_lease_is_read() -> None:
     clock = Clock()
-    asked = steps(settling_plan("k", "me", 4242, clock), [True, None, True, None, False, state("free", None)], clock)
+    asked = steps(settling_plan("k", "me", SENT, clock), [True, None, True, None, False, state("free", None)], clock)
     assert asked == [
-        CancelAttempt(4242, "k", "me"),
+        CancelAttempt(SENT),
         PauseFor(0.01),
-        CancelAttempt(4242, "k", "me"),
+        CancelAttempt(SENT),
         PauseFor(0.01),
-        CancelAttempt(4242, "k", "me"),
+        CancelAttempt(SENT),
         Inspect("k"),
     ]
 
 
-def test_an_attempt_that_runs_on_is_waited_for_settle_within_seconds_then_the_lease_is_read() -> None:
+def test_an_attempt_that_runs_on_is_waited_for_settle_within_seconds_then_the_lease_is_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Past SETTLE_WITHIN the settling says so once, and what becomes of a grant the attempt may make."""
     clock = Clock()
-    plan = settling_plan("k", "me", 4242, clock)
+    plan = settling_plan("k", "me", SENT, clock)
     step = plan.send(None)
     cancels = 0
     while isinstance(step, CancelAttempt | PauseFor):
@@ -94,15 +99,18 @@ def test_an_attempt_that_runs_on_is_waited_for_settle_within_seconds_then_the_le
     assert step == Inspect("k")
     assert cancels == pytest.approx(SETTLE_WITHIN / 0.01, abs=2)
     assert clock.now >= 100.0 + SETTLE_WITHIN
+    [said] = [r.getMessage() for r in caplog.records if "still runs" in r.getMessage()]
+    assert "nobody holds the lease and it lapses at its expiry" in said
 
 
 def test_a_cancel_refused_by_the_server_is_passed_by_and_the_lease_read_all_the_same(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     refused = PermissionError("must be a member of the role whose process is being terminated")
-    asked = steps(settling_plan("k", "me", 4242, Clock()), [refused, state("held", "me", 3), False])
-    assert asked == [CancelAttempt(4242, "k", "me"), Inspect("k"), ReleaseWithin("k", "me", 3)]
-    assert "cancelling an interrupted acquire of 'k' on the server failed" in caplog.text
+    asked = steps(settling_plan("k", "me", SENT, Clock()), [refused, state("held", "me", 3), False])
+    assert asked == [CancelAttempt(SENT), Inspect("k"), ReleaseWithin("k", "me", 3)]
+    [said] = [r.getMessage() for r in caplog.records if "lapses at its expiry" in r.getMessage()]
+    assert "could not be looked for" in said  # once, with the lease's fate
     assert "lapsed or taken meanwhile" in caplog.text  # the release found nothing to give back
 
 

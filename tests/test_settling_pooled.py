@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from django.db import connection, connections
 
-from pg_lease_django import Lease
-from pg_lease_django.sql import Statement, statements
+from pg_lease_django import Lease, operations
+from pg_lease_django.sql import statements
 from pg_lease_django.wait import settling
-from tests.helpers import free
+from tests.helpers import free, wait_until
 from tests.test_interrupts import HANG_GUARD, blocked_behind, not_running, row_locked
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -28,21 +29,34 @@ pytestmark = pytest.mark.django_db(transaction=True)
 Connect = Callable[..., psycopg.Connection[Any]]
 
 
-def _attempt_in_a_thread(key: str, owner: str) -> tuple[threading.Thread, list[BaseException]]:
-    """``Lease.objects.acquire`` on a Django connection of another thread (as the interrupted caller's)."""
+def _attempt_in_a_thread(
+    key: str, owner: str, *, register: bool = False
+) -> tuple[threading.Thread, list[BaseException], settling.InFlight]:
+    """An attempt (as ``Lease.objects.acquire`` sends it) on a Django connection of another thread (as
+    the interrupted caller's), carrying its marker; the thread, what it raised, and its identity."""
     raised: list[BaseException] = []
+    identity: list[settling.InFlight] = []
+    ready = threading.Event()
 
     def attempt() -> None:
         try:
-            Lease.objects.acquire(key, owner, ttl=60)
+            identity.append(settling.attempt_in_flight(connection))
+            ready.set()
+            ttl, marker = timedelta(seconds=60), identity[0].marker
+            if register:  # a blocking wait's attempt
+                operations.attempt_or_register(connection, key, owner, ttl, timedelta(seconds=60), marker)
+            else:
+                operations.acquire(connection, key, owner, ttl, marker)
         except BaseException as exc:  # the cancellation the settling sends
             raised.append(exc)
         finally:
+            ready.set()
             connections.close_all()
 
     thread = threading.Thread(target=attempt, daemon=True)
     thread.start()
-    return thread, raised
+    ready.wait(HANG_GUARD)
+    return thread, raised, identity[0]
 
 
 @pytest.mark.parametrize("pid", ["an idle session's", "none running"])
@@ -58,10 +72,10 @@ def test_settling_finds_an_attempt_by_its_key_and_owner_without_its_pid(
     watch = raw_connect()
     owner = "w-pooled's \\ worker"
     with row_locked(raw_connect, key) as locker:
-        thread, raised = _attempt_in_a_thread(key, owner)
+        thread, raised, sent = _attempt_in_a_thread(key, owner)
         attempt = blocked_behind(watch, locker)
         not_the_attempts = watch.info.backend_pid if pid == "an idle session's" else 2**31 - 1
-        settling.settle(connection, key, owner, not_the_attempts)
+        settling.settle(connection, key, owner, settling.InFlight(not_the_attempts, sent.marker))
         not_running(watch, attempt)  # cancelled while the row is locked: it cannot grant later
         thread.join(HANG_GUARD)
         assert not thread.is_alive()
@@ -70,23 +84,94 @@ def test_settling_finds_an_attempt_by_its_key_and_owner_without_its_pid(
     assert (state.status, state.epoch) == ("free", epoch)
 
 
-@pytest.mark.parametrize("statement", [statements.ACQUIRE, statements.ACQUIRE_OR_REGISTER], ids=lambda s: s.name)
-def test_every_acquire_shows_its_key_and_owner_as_attempt_text_expects(statement: Statement[Any]) -> None:
-    """The settling finds a blocking wait's attempt (``acquire_or_register``) by the same text."""
-    assert "pg_lease_acquire" in statement.text
-    assert "(%s::text, %s::text," in statement.text
+@pytest.mark.parametrize("register", [False, True], ids=["acquire", "acquire_or_register"])
+def test_every_attempt_starts_with_its_marker(key: str, raw_connect: Connect, register: bool) -> None:
+    """The settling finds a blocking wait's attempt (``acquire_or_register``) by its marker too: the
+    start of the text the server shows, whatever it shows of the values."""
+    free(key)
+    watch = raw_connect()
+    with row_locked(raw_connect, key) as locker:
+        thread, _, sent = _attempt_in_a_thread(key, "w-marked", register=register)
+        attempt = blocked_behind(watch, locker)
+        shown = watch.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", [attempt]).fetchone()
+        assert shown is not None and shown[0].startswith(f"/* {sent.marker} */ SELECT")
+    thread.join(HANG_GUARD)
 
 
 def test_settling_leaves_another_owners_attempt_alone(key: str, raw_connect: Connect) -> None:
-    """The text that identifies the attempt names its owner: another owner's attempt on the same key,
-    blocked beside it, runs on and is granted once the lock goes."""
+    """The marker identifies the attempt: another owner's attempt on the same key, blocked beside it,
+    runs on and is granted once the lock goes."""
     epoch = free(key)
     watch = raw_connect()
     with row_locked(raw_connect, key) as locker:
-        thread, raised = _attempt_in_a_thread(key, "w-other")
+        thread, raised, _ = _attempt_in_a_thread(key, "w-other")
         blocked_behind(watch, locker)
-        settling.settle(connection, key, "w-pooled", None)
+        settling.settle(
+            connection, key, "w-pooled", settling.InFlight(2**31 - 1, settling.attempt_in_flight(connection).marker)
+        )
     thread.join(HANG_GUARD)
     assert not thread.is_alive() and not raised, raised
     state = Lease.objects.inspect(key)
     assert (state.status, state.owner, state.epoch) == ("held", "w-other", epoch + 1)
+
+
+def test_a_statement_quoting_the_key_and_owner_is_neither_cancelled_nor_taken_for_the_attempt(
+    key: str, raw_connect: Connect
+) -> None:
+    """Issue 52, finding 4: settling by statement text cancelled an unrelated session whose query
+    merely quoted the key and owner (listed first). Only the attempt carrying the marker is."""
+    epoch = free(key)
+    watch, decoy = raw_connect(), raw_connect()
+    owner = "w-quoted"
+    quoted = f"SELECT pg_sleep(60) /* pg_lease_acquire('{key}'::text, '{owner}'::text, */"
+    decoy_thread = threading.Thread(target=lambda: _swallow(decoy, quoted), daemon=True)
+    decoy_thread.start()
+    wait_until(lambda: _running(watch, decoy.info.backend_pid), HANG_GUARD, "the decoy to run")
+    with row_locked(raw_connect, key) as locker:
+        thread, raised, sent = _attempt_in_a_thread(key, owner)
+        attempt = blocked_behind(watch, locker)
+        settling.settle(connection, key, owner, settling.InFlight(2**31 - 1, sent.marker))
+        not_running(watch, attempt)  # the attempt: cancelled while the row is locked
+        assert _running(watch, decoy.info.backend_pid)  # the decoy: left alone
+    thread.join(HANG_GUARD)
+    assert [type(exc).__name__ for exc in raised] == ["OperationalError"], raised
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch)
+    watch.execute("SELECT pg_cancel_backend(%s)", [decoy.info.backend_pid])
+    decoy_thread.join(HANG_GUARD)
+
+
+def test_an_attempt_sent_with_server_side_binding_is_found_by_its_marker(key: str, raw_connect: Connect) -> None:
+    """Issue 52, finding 4: with server-side binding the server shows $1 for the key and owner, so
+    settling by text found nothing and returned while the attempt still ran (it was granted after).
+    The marker is part of the text, not a value."""
+    epoch = free(key)
+    watch, sender = raw_connect(), raw_connect()  # psycopg's own cursor binds server-side
+    sent = settling.attempt_in_flight(connection)
+    text = f"/* {sent.marker} */ " + statements.ACQUIRE.compose("public").as_string(sender)
+    outcome: list[Any] = []
+    with row_locked(raw_connect, key) as locker:
+        thread = threading.Thread(target=lambda: _swallow(sender, text, [key, "w-bound", "60 seconds"], outcome))
+        thread.start()
+        attempt = blocked_behind(watch, locker)
+        shown = watch.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", [attempt]).fetchone()
+        assert shown is not None and "$1" in shown[0]
+        settling.settle(connection, key, "w-bound", settling.InFlight(2**31 - 1, sent.marker))
+        not_running(watch, attempt)
+    thread.join(HANG_GUARD)
+    assert outcome == ["57014"]  # cancelled
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch)
+
+
+def _running(watch: psycopg.Connection[Any], pid: int) -> bool:
+    return watch.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone() == ("active",)
+
+
+def _swallow(conn: psycopg.Connection[Any], query: str, params: Any = None, outcome: list[Any] | None = None) -> None:
+    """Run ``query`` on ``conn``; the SQLSTATE it failed with goes to ``outcome``."""
+    try:
+        conn.execute(query, params)
+    except psycopg.Error as exc:
+        if outcome is not None:
+            outcome.append(exc.sqlstate)

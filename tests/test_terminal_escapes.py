@@ -6,8 +6,9 @@ Every human-readable output (``manage.py leases`` and its error messages, ``watc
 admin's pages) shows those characters escaped (`pg_lease_django.display.printable`, or ``!r`` in
 messages), one row to a line; ``--json`` gives the exact strings.
 
-The rows are written with plain SQL as the test database's superuser (not through ``acquire()``,
-which may come to refuse such keys), inside each test's transaction.
+The rows are written with plain SQL as the test database's superuser (states acquire() cannot make:
+a lapsed lease, a force-released tenure), inside each test's transaction; the last test goes through
+acquire, inspect, renew and release, which take any non-empty key and owner (issue 52).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from django.db import connection
 from django.test import Client, override_settings
 from django.urls import reverse
 
+from pg_lease_django import Lease
 from pg_lease_django.display import printable
 from pg_lease_django.management.leases.live_view import Frame, Watcher, watch
 
@@ -389,3 +391,42 @@ def test_the_admin_shows_keys_owners_and_operators_escaped(tenants: Tenants, adm
     assert acted_on(" ".join(messages)) == []  # the messages quote keys and owners with their escapes
     entry = LogEntry.objects.get(object_id=tenants.key_a)
     assert acted_on(entry.object_repr + entry.get_change_message()) == []
+
+
+#: Issue 52: keys and owners are any non-empty text. Characters a person must not be shown raw, which
+#: acquire() once refused (U+202E) or let through (U+00AD), and legitimate text that such a refusal
+#: would break (an emoji family joined by U+200D): each round-trips, and every view escapes it.
+INVISIBLE = {"rlo": "\u202e", "zwj": "\U0001f468\u200d\U0001f469\u200d\U0001f467", "shy": "soft\u00adhyphen"}
+NEVER_RAW = ("\u202e", "\u200d", "\u00ad")
+
+
+def test_keys_with_a_bidi_override_a_joiner_or_a_soft_hyphen_round_trip_and_show_escaped(
+    key: str, admin_client: Client
+) -> None:
+    for name, text in INVISIBLE.items():
+        lease_key, owner = f"{key}/{name}/{text}", f"w-{text}"
+        grant = Lease.objects.acquire(lease_key, owner, ttl=60)
+        assert grant is not None and (grant.key, grant.owner) == (lease_key, owner)
+        state = Lease.objects.inspect(lease_key)
+        assert (state.key, state.owner, state.epoch) == (lease_key, owner, grant.epoch)
+        Lease.objects.renew(lease_key, owner, grant.epoch, ttl=60)
+        shown = {
+            "list": run("list", "--prefix", f"{key}/{name}/")[0],
+            "show": run("show", lease_key)[0],
+            "watch": run("watch", "--prefix", f"{key}/{name}/", "--once")[0],
+            "admin": shown_text(
+                admin_client.get(reverse("admin:pg_lease_django_lease_changelist"), {"q": key}).content.decode()
+            ),
+        }
+        for view, out in shown.items():
+            assert [c for c in NEVER_RAW if c in out] == [], (name, view)
+            assert printable(lease_key) in out and printable(owner) in out, (name, view, out)
+        for args in (("list", "--prefix", f"{key}/{name}/", "--json"), ("show", lease_key, "--json")):
+            out = run(*args)[0]
+            assert [c for c in NEVER_RAW if c in out] == [], (name, args)  # written \uXXXX
+            document = json.loads(out)
+            lease = document["leases"][0] if "leases" in document else document
+            assert (lease["key"], lease["owner"]) == (lease_key, owner)
+        Lease.objects.release(lease_key, owner, grant.epoch)
+        assert Lease.objects.inspect(lease_key).status == "free"
+    assert printable("a\ue000b\U000e0080") == "a\\ue000b\\U000e0080"  # private use, unassigned

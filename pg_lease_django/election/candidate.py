@@ -19,7 +19,7 @@ from pg_lease_django.holds.lease import HeldLease
 from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import LeaseState
 from pg_lease_django.owners import default_owner
-from pg_lease_django.validation import Seconds, check_new_name, check_ttl
+from pg_lease_django.validation import Seconds, check_name, check_ttl
 
 from .plan import Campaign, Failed, Refused
 
@@ -61,9 +61,9 @@ class Candidate:
         owner: str | None = None,
         using: str | None = None,
     ) -> None:
-        self.key = check_new_name("key", key)
+        self.key = check_name("key", key)
         self.ttl = check_ttl(ttl)
-        self.owner = check_new_name("owner", owner if owner is not None else default_owner())
+        self.owner = check_name("owner", owner if owner is not None else default_owner())
         for name, callback in (
             ("on_started_leading", on_started_leading),
             ("on_stopped_leading", on_stopped_leading),

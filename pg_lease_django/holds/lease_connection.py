@@ -183,10 +183,10 @@ class LeaseConnection:
                         settling.settle(self.wrapper, key, owner, None)
                         raise
                 return grant
-            backend = settling.attempt_backend(self.wrapper)
+            in_flight = settling.attempt_in_flight(self.wrapper)
             sending()
             try:
-                return operations.acquire_or_raise(self.wrapper, key, owner, ttl)
+                return operations.acquire_or_raise(self.wrapper, key, owner, ttl, in_flight.marker)
             except NotAcquirableError:
                 raise
             except BaseException:
@@ -194,7 +194,7 @@ class LeaseConnection:
                 # settle on; the outcome is unknown, as for any lost call) unless an interrupt shut it.
                 raw = self.wrapper.connection
                 if interrupted() or not (raw is None or raw.closed):
-                    settling.settle(self.wrapper, key, owner, backend)
+                    settling.settle(self.wrapper, key, owner, in_flight)
                 raise
         except NotAcquirableError:
             raise  # a refusal: the connection is fine

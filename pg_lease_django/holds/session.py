@@ -27,7 +27,7 @@ from pg_lease_django.validation import (
     MAX_TTL,
     MIN_TTL,
     Seconds,
-    check_new_name,
+    check_name,
     check_ttl,
     check_wait,
     to_timedelta,
@@ -72,7 +72,7 @@ class HoldOptions:
     ) -> HoldOptions:
         ttl_delta = check_ttl(ttl)
         if owner is not None:
-            check_new_name("owner", owner)
+            check_name("owner", owner)
         wait = check_wait(blocking, timeout)
         every = None
         if renew_every is not None:
@@ -93,7 +93,7 @@ class HoldSession:
 
     def __init__(self, options: HoldOptions, key: str, acquiring: InFlight | None = None) -> None:
         self.options = options
-        self.key = check_new_name("key", key)
+        self.key = check_name("key", key)
         self.lease: HeldLease | None = None
         self.heartbeat: Heartbeat | None = None
         #: The acquire, which another thread may interrupt (a cancelled task, ``Election.stop``).
@@ -117,7 +117,7 @@ class HoldSession:
                 owner=owner,
             )
         if options.owner is None:
-            check_new_name("owner", owner)  # the generated identity (a given one was checked with the options)
+            check_name("owner", owner)  # the generated identity (a given one was checked with the options)
         enclosing = current_lease(self.key)
         if enclosing is not None and enclosing.using == alias and not enclosing.lost:
             # Not reentrant: the acquire would be refused by our own hold (or wait on it, blocking).

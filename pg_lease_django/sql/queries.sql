@@ -131,12 +131,15 @@ SELECT pg_catalog.set_config('statement_timeout', %s, false)
 RESET statement_timeout
 
 -- cancel_attempt --
--- Cancel the acquire still running for an interrupted call (a row while one runs): in the server
--- process the call ran in, or (behind PgBouncer, whose pids are its own) in any whose statement
--- shows the call's key and owner as the client rendered them (sql.run.attempt_text).
-SELECT pg_catalog.pg_cancel_backend(a.pid) FROM pg_catalog.pg_stat_activity a
- WHERE a.state = 'active' AND a.pid <> pg_catalog.pg_backend_pid() AND a.query LIKE '%%pg_lease_acquire%%'
-   AND (a.pid = %s OR pg_catalog.strpos(a.query, %s) > 0)
+-- An interrupted call's acquire still running, found by the marker its text carries (a comment
+-- unique to the attempt, sql.run.first): a row per server process running it, cancelled when it
+-- is the process the call ran in, or (behind PgBouncer, whose pids are its own) when it waits on a
+-- lock (an attempt that does not wait ends on its own: the process may serve another client next).
+-- Only processes this session may signal are cancelled; the others are reported all the same.
+SELECT CASE WHEN (a.pid = %s OR a.wait_event_type = 'Lock') AND pg_catalog.pg_has_role(a.usesysid, 'MEMBER')
+            THEN pg_catalog.pg_cancel_backend(a.pid) ELSE false END
+  FROM pg_catalog.pg_stat_activity a
+ WHERE a.state = 'active' AND a.pid <> pg_catalog.pg_backend_pid() AND pg_catalog.strpos(a.query, %s) > 0
 
 -- allow_truncate --
 -- Let a test database be flushed (TRUNCATE of the lease and fenced tables), for roles that may opt out.

@@ -74,14 +74,16 @@ class Attempt(NamedTuple):
 
     granted: bool
     key: str
-    owner: str  # the grantee; when refused, the holder
+    owner: str | None  # the grantee; when refused, the holder (None: free, but a lock it needs was busy)
     epoch: int  # the grant's epoch; when refused, the holder's
     expires_at: datetime  # the grant's expiry; when refused, the holder's
     server_time: datetime
 
     def grant(self, key: str) -> Grant | None:
         """The `Grant` of ``key`` this attempt obtained, or None when refused."""
-        return Grant(key, self.owner, self.epoch, self.expires_at, self.server_time) if self.granted else None
+        if not self.granted or self.owner is None:
+            return None
+        return Grant(key, self.owner, self.epoch, self.expires_at, self.server_time)
 
 
 @dataclass(frozen=True)

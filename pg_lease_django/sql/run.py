@@ -10,6 +10,7 @@ Errors are Django's (``DatabaseError`` and its subclasses), as for any ORM call.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -24,21 +25,43 @@ from . import Statement, render
 from .confirmation import UnconfirmedCommitNotices, check_caller_commit
 
 T = TypeVar("T")
+_MARKER = re.compile(r"[A-Za-z0-9_ ]+")
 Params = Sequence[Any] | dict[str, Any]
 
 
-def one(connection: BaseDatabaseWrapper, statement: Statement[T], params: Params = (), **parts: pgsql.Composable) -> T:
-    """Send ``statement``; its one row, decoded."""
-    found = first(connection, statement, params, **parts)
+def one(
+    connection: BaseDatabaseWrapper,
+    statement: Statement[T],
+    params: Params = (),
+    *,
+    marker: str | None = None,
+    **parts: pgsql.Composable,
+) -> T:
+    """Send ``statement``; its one row, decoded. ``marker``: see `first`."""
+    found = first(connection, statement, params, marker=marker, **parts)
     return found  # type: ignore[return-value]  # a statement `one` is used for answers a row
 
 
 def first(
-    connection: BaseDatabaseWrapper, statement: Statement[T], params: Params = (), **parts: pgsql.Composable
+    connection: BaseDatabaseWrapper,
+    statement: Statement[T],
+    params: Params = (),
+    *,
+    marker: str | None = None,
+    **parts: pgsql.Composable,
 ) -> T | None:
-    """Send ``statement``; its first row decoded, or None when it answers none."""
+    """Send ``statement``; its first row decoded, or None when it answers none.
+
+    ``marker`` (a lease statement's): a comment put at the start of its text, the identity an
+    interrupted attempt is found by in ``pg_stat_activity`` (`wait.settling`): ASCII letters, digits,
+    underscores and spaces only, so it can never end the comment."""
     if statement.confirms:
-        row = _confirmed(connection, render(connection, statement), params, all_rows=False)
+        text = render(connection, statement)
+        if marker is not None:
+            if not _MARKER.fullmatch(marker):
+                raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
+            text = f"/* {marker} */ {text}"
+        row = _confirmed(connection, text, params, all_rows=False)
         return None if row is None else statement.decode(row, params)
     with connection.cursor() as cursor:
         cursor.execute(render(connection, statement, **parts), params)
@@ -56,17 +79,6 @@ def rows(
     with connection.cursor() as cursor:
         cursor.execute(render(connection, statement, **parts), params)
         return [statement.decode(row, params) for row in cursor.fetchall()]
-
-
-def attempt_text(connection: BaseDatabaseWrapper, key: str, owner: str) -> str:
-    """How an acquire on ``connection`` (``ACQUIRE``, ``ACQUIRE_OR_REGISTER``: ``(%s::text, %s::text, ...``)
-    shows its key and owner in ``pg_stat_activity.query``: psycopg's client-side binding (Django's
-    default) renders them into the text as this does. ``CANCEL_ATTEMPT`` finds an interrupted attempt
-    by it where the pid is the pooler's. (With server-side binding, or a text longer than
-    ``track_activity_query_size``, it is found by its pid only.)"""
-    connection.ensure_connection()
-    shown = pgsql.SQL("{}::text, {}::text").format(pgsql.Literal(key), pgsql.Literal(owner))
-    return shown.as_string(connection.connection)
 
 
 def run(

@@ -179,30 +179,6 @@ BEGIN
   END IF;
 END $$;
 
--- Characters a terminal or an editor acts on rather than shows: C0 and C1 controls (escape
--- sequences, carriage returns, line feeds), the bidirectional formatting characters (U+061C,
--- U+200E-U+200F, U+202A-U+202E, U+2066-U+2069), zero-width and invisible formatting characters
--- (U+200B-U+200D, U+2060-U+2064, U+FEFF) and the line and paragraph separators. A new key or
--- owner carrying one could forge or hide rows in an operator's view: refused by acquire
--- (pg_lease_check_new_name). A regular expression, one spelling; inlined (no SET clause).
-CREATE FUNCTION @extschema@.pg_lease_unshown_characters()
-RETURNS text LANGUAGE sql IMMUTABLE PARALLEL SAFE
-AS $$ SELECT '[\x01-\x1f\x7f\u0080-\u009f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u2069\ufeff]'::pg_catalog.text $$;
-
--- pg_lease_check_name for a name a grant stores (acquire's key and owner): also refuses the
--- characters of pg_lease_unshown_characters(). Keys stored before this rule keep working.
-CREATE FUNCTION @extschema@.pg_lease_check_new_name(p_kind text, p_value text)
-RETURNS void LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-  PERFORM @extschema@.pg_lease_check_name(p_kind, p_value);
-  IF p_value ~ @extschema@.pg_lease_unshown_characters() THEN
-    RAISE EXCEPTION 'invalid_input: % must not contain control, bidirectional or other invisible formatting characters', p_kind
-      USING ERRCODE = '22023', HINT = 'Keys and owners are shown to operators: use printable characters.';
-  END IF;
-END $$;
-
 CREATE FUNCTION @extschema@.pg_lease_check_ttl(p_ttl interval)
 RETURNS void LANGUAGE plpgsql IMMUTABLE
 SET search_path = pg_catalog, pg_temp
@@ -368,11 +344,21 @@ $$;
 
 -- PG_LEASE_ROLE_LIMITS' max_leases, for a brand-new key (acquire's insert path, whoever calls):
 -- refused with SQLSTATE 53400 (configuration_limit_exceeded) when a limited role's prefixes hold the
--- key and max_leases lease rows already. The brand-new keys of one limited role are counted one
--- transaction at a time (a transaction-level advisory lock on the role), so concurrent grants cannot
--- pass the limit together. Counted through the key index (LIKE 'prefix%' on text_pattern_ops), in
--- one statement per limited role (overlapping prefixes count a row once). Free rows count until
--- `manage.py leases prune` deletes them. Called only on the way to a brand-new row: no other path.
+-- key and max_leases lease rows already. Counted through the key index (LIKE 'prefix%' on
+-- text_pattern_ops), in one statement per limited role (overlapping prefixes count a row once). Free
+-- rows count until `manage.py leases prune` deletes them. Called only on the way to a brand-new row.
+-- * One count at a time per limited role: each locks its role's row of the limits table (FOR NO KEY
+--   UPDATE, until its transaction ends) before counting. Row-level security lets no other role lock
+--   that row (a locking SELECT needs an UPDATE policy, and there is none), so only the lease
+--   functions take this lock; an advisory lock on a computable number could be taken by anyone.
+-- * The count must see every grant committed before the lock was granted: only READ COMMITTED reads
+--   a new snapshot per statement. A REPEATABLE READ or SERIALIZABLE transaction (or one that imported
+--   a snapshot) counts as of its start, however it serialises, so a limited role's brand-new key is
+--   refused there (0A000), as a key-scope change is; existing keys, and unlimited prefixes, are not.
+--   (A counter row would conflict instead, but every prune, scope and limit change would have to
+--   keep it exact; the refusal costs nothing and says what to do.)
+-- * The lock wait is bounded by the caller's lock_timeout, which a waiter sets to its deadline
+--   (pg_lease_acquire_or_register, and the SQL wait of pg_lease_acquire(..., p_wait)).
 CREATE FUNCTION @extschema@.pg_lease_check_lease_quota(p_key text)
 RETURNS void LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -390,7 +376,13 @@ BEGIN
               GROUP BY l.role, l.max_leases
              HAVING bool_or(left(p_key, length(s.prefix)) = s.prefix)
               ORDER BY l.role LOOP
-    PERFORM pg_advisory_xact_lock(hashtextextended('pg_lease_django role limit ' || lim.role, 4187349731::bigint));
+    IF current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted') THEN
+      RAISE EXCEPTION 'quota: a brand-new lease key under the limits of role % is made only in a READ COMMITTED transaction (this one is %)',
+                      lim.role, current_setting('transaction_isolation')
+        USING ERRCODE = 'feature_not_supported',
+              HINT = 'A transaction that reads as of its start cannot count what PG_LEASE_ROLE_LIMITS allows; acquire new keys in READ COMMITTED (existing keys work at any level).';
+    END IF;
+    PERFORM 1 FROM @extschema@."pg_lease_django_role_limit" l WHERE l.role = lim.role FOR NO KEY UPDATE;
     EXECUTE format('SELECT count(*) FROM @extschema@."pg_lease_django_lease" l WHERE %s', lim.condition) INTO used;
     IF used >= lim.max_leases THEN
       RAISE EXCEPTION 'quota: role % may keep % lease rows under its key prefixes, and has % (lease key %)',
@@ -494,18 +486,17 @@ DECLARE
   first_epoch bigint;
   result @extschema@.pg_lease_attempt;
 BEGIN
-  -- The rules of pg_lease_check_new_name and pg_lease_ttl, and the key scope, as one condition;
+  -- The rules of pg_lease_check_name and pg_lease_ttl, and the key scope, as one condition;
   -- they raise when it fails. Input first, then the key scope: a bad key is invalid_input whoever
-  -- sends it.
+  -- sends it. A key or an owner is any non-empty text (PostgreSQL's text holds no NUL): what a
+  -- person reads of it is escaped where it is shown (pg_lease_django.display), not refused here.
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
      OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
-     OR p_key ~ @extschema@.pg_lease_unshown_characters()
-     OR p_owner ~ @extschema@.pg_lease_unshown_characters()
      OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
      OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400
      OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
-    PERFORM @extschema@.pg_lease_check_new_name('key', p_key);
-    PERFORM @extschema@.pg_lease_check_new_name('owner', p_owner);
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
     ttl := @extschema@.pg_lease_ttl(p_ttl);
     PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   END IF;
@@ -576,7 +567,9 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval) FR
 -- Acquire, waiting up to p_wait (NULL: no bound) for the key; SQLSTATE 57014 on timeout.
 -- Polls inside one statement, sleeping until the holder's expiry (at most 100 ms at a time), so it
 -- keeps a snapshot open while it waits: prefer the client-side wait (Python API) or short bounds
--- from SQL. A refused attempt leaves no row lock (see above): a waiter never slows the holder.
+-- from SQL. A refused attempt leaves no row lock (see above): a waiter never slows the holder. Every
+-- lock wait of an attempt is bounded by what is left of p_wait (and the caller's lock_timeout):
+-- never granted past the deadline.
 CREATE FUNCTION @extschema@.pg_lease_acquire(p_key text, p_owner text, p_ttl interval, p_wait interval)
 RETURNS SETOF @extschema@.pg_lease_attempt
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -585,19 +578,36 @@ AS $$
 DECLARE
   attempt @extschema@.pg_lease_attempt;
   deadline timestamptz;
+  saved_lock_timeout text := current_setting('lock_timeout');
+  left_ms double precision;
 BEGIN
   IF p_wait < interval '0' THEN
     RAISE EXCEPTION 'invalid_input: wait must not be negative, got %', p_wait USING ERRCODE = '22023';
   END IF;
   deadline := clock_timestamp() + p_wait;
   LOOP
-    SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+    left_ms := greatest(1, ceil(extract(epoch FROM deadline - clock_timestamp()) * 1000));
+    IF saved_lock_timeout::interval > interval '0' THEN
+      left_ms := least(left_ms, extract(epoch FROM saved_lock_timeout::interval) * 1000);
+    END IF;
+    IF deadline IS NOT NULL THEN
+      PERFORM set_config('lock_timeout', least(left_ms, 2147483647)::bigint::text, true);
+    END IF;
+    BEGIN
+      SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+    EXCEPTION WHEN lock_not_available THEN
+      IF deadline IS NULL THEN
+        RAISE;  -- the caller's own lock_timeout, with no deadline of its own
+      END IF;
+      attempt := ROW(false, p_key, NULL, NULL, clock_timestamp(), clock_timestamp());  -- busy: a refusal
+    END;
+    PERFORM set_config('lock_timeout', saved_lock_timeout, true);
     IF attempt.granted THEN
       RETURN NEXT attempt;
       RETURN;
     END IF;
     IF clock_timestamp() >= deadline THEN
-      RAISE EXCEPTION 'timeout: lease % still held by % after waiting %', p_key, attempt.owner, p_wait
+      RAISE EXCEPTION 'timeout: lease % still held by % after waiting %', p_key, coalesce(attempt.owner, '(a lock it needs)'), p_wait
         USING ERRCODE = '57014';
     END IF;
     PERFORM pg_sleep(greatest(0.001, extract(epoch FROM
@@ -611,6 +621,11 @@ REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval, in
 -- The attempt of a waiter that LISTENs on pg_lease_django: pg_lease_acquire(key, owner, ttl), and
 -- when refused, a registration so that the next release of the key notifies, lasting until the
 -- waiter's next attempt is due (p_retry_within, or the holder's expiry if sooner) plus a second.
+-- p_retry_within is never past the waiter's deadline, so it bounds every lock wait of the attempt
+-- (with the caller's own lock_timeout, when shorter): the waiter lock, the limit row of a brand-new
+-- key, the lease row a takeover waits for. An attempt whose lock wait ran out is answered as a
+-- refusal naming the key's holder (NULL when nobody holds it: a lock it needs was busy), expiring
+-- now: the waiter tries again, or times out at its deadline. Never granted past the deadline.
 CREATE FUNCTION @extschema@.pg_lease_acquire_or_register(p_key text, p_owner text, p_ttl interval, p_retry_within interval)
 RETURNS SETOF @extschema@.pg_lease_attempt
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
@@ -624,7 +639,10 @@ DECLARE
   wait_ms double precision;
   locked boolean := false;
 BEGIN
+  -- Every input first (22023), then the key scope (42501), as in every lease function.
   PERFORM @extschema@.pg_lease_check_name('key', p_key);
+  PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+  PERFORM @extschema@.pg_lease_ttl(p_ttl);
   IF p_retry_within IS NULL OR extract(year FROM p_retry_within) <> 0 OR extract(month FROM p_retry_within) <> 0
      OR extract(epoch FROM p_retry_within) < 0 OR extract(epoch FROM p_retry_within) > 365 * 86400 THEN
     RAISE EXCEPTION 'invalid_input: retry_within must be between 0 and 365 days, without months, got %',
@@ -632,34 +650,48 @@ BEGIN
   END IF;
   PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   -- A release of this key in flight holds the lock exclusively until it commits: wait for it, then
-  -- the attempt finds the lease free. At most p_retry_within (and the caller's lock_timeout): the
-  -- waiter would have slept that long anyway. Past it, attempt without registering: the table is
+  -- the attempt finds the lease free. Past the bound, attempt without registering: the table is
   -- written only under the key's lock (registrations shared, a release's deletions exclusive), so
   -- neither ever waits for the other's rows.
   wait_ms := greatest(1, ceil(extract(epoch FROM p_retry_within) * 1000));
   IF saved_lock_timeout::interval > interval '0' THEN
     wait_ms := least(wait_ms, extract(epoch FROM saved_lock_timeout::interval) * 1000);
   END IF;
+  PERFORM set_config('lock_timeout', least(wait_ms, 2147483647)::bigint::text, true);
   BEGIN
-    PERFORM set_config('lock_timeout', least(wait_ms, 2147483647)::bigint::text, true);
     PERFORM pg_advisory_xact_lock_shared(@extschema@.pg_lease_waiter_lock(p_key));
-    PERFORM set_config('lock_timeout', saved_lock_timeout, true);
     locked := true;
   EXCEPTION WHEN lock_not_available THEN
-    NULL;  -- the subtransaction's rollback restored lock_timeout
+    NULL;
   END;
 
-  SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+  BEGIN
+    SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+  EXCEPTION WHEN lock_not_available THEN
+    -- Busy past the bound: a refusal, naming the holder if there is one, to try again now.
+    attempt := ROW(false, p_key, NULL, NULL, NULL, clock_timestamp());
+    SELECT l.owner, l.epoch INTO attempt.owner, attempt.epoch FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+    IF attempt.epoch IS NULL THEN
+      SELECT f.floor INTO attempt.epoch FROM @extschema@."pg_lease_django_epoch_floor" f;
+    END IF;
+    attempt.expires_at := attempt.server_time;
+    locked := false;
+  END;
   IF NOT attempt.granted AND locked THEN
     -- A refusal wrote nothing that must survive a crash, and a registration is gone after a crash
     -- anyway: unless the caller's transaction wrote before, its commit need not wait for a flush.
     IF NOT wrote_before THEN
       PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
-    INSERT INTO @extschema@."pg_lease_django_waiter" AS w (key, until)
-      VALUES (p_key, least(clock_timestamp() + p_retry_within, attempt.expires_at) + interval '1 second')
-      ON CONFLICT ON CONSTRAINT pg_lease_django_waiter_pkey DO UPDATE SET until = greatest(w.until, EXCLUDED.until);
+    BEGIN  -- another registration of the key in an open transaction: not waited for past the bound
+      INSERT INTO @extschema@."pg_lease_django_waiter" AS w (key, until)
+        VALUES (p_key, least(clock_timestamp() + p_retry_within, attempt.expires_at) + interval '1 second')
+        ON CONFLICT ON CONSTRAINT pg_lease_django_waiter_pkey DO UPDATE SET until = greatest(w.until, EXCLUDED.until);
+    EXCEPTION WHEN lock_not_available THEN
+      NULL;  -- that registration notifies this waiter too (one channel, the key as payload)
+    END;
   END IF;
+  PERFORM set_config('lock_timeout', saved_lock_timeout, true);
   RETURN NEXT attempt;
 END $$;
 
@@ -1109,8 +1141,12 @@ DECLARE
   cur record;
   verdict text;
 BEGIN
-  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN
-    PERFORM @extschema@.pg_lease_check_name('key', p_key);  -- a bad key is invalid_input, before the scope
+  -- Input first (22023), then the key scope (42501), then the lease: one condition, raising when it fails.
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255 OR p_epoch IS NULL OR p_epoch < 1 THEN
+    PERFORM @extschema@.pg_lease_check_name('key', p_key);
+    PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
+    PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
   END IF;
   PERFORM @extschema@.pg_lease_check_key_scope(p_key);
   -- Fast path, the holder presenting its live fence: an unlocked look (a stale fence takes no lock
@@ -1152,8 +1188,8 @@ BEGIN
 END $$;
 
 -- The fences this transaction presented (pg_lease.fences, '{}' when none). The setting is written by
--- pg_lease_remember_fence; one set by hand that is not a JSON object is refused as 'unfenced'
--- (PL004) with a message that says so, never a raw JSON parse error. No SET clause (every fenced
+-- pg_lease_remember_fence; one set by hand that is not a JSON object (not JSON, too large, nested
+-- too deep) is refused as 'unfenced' (PL004) with a message that says so, never a raw parse error. No SET clause (every fenced
 -- write reads it): it names only exact-typed built-ins and its callers pin their search_path.
 CREATE FUNCTION @extschema@.pg_lease_presented_fences()
 RETURNS jsonb LANGUAGE plpgsql STABLE
@@ -1167,8 +1203,8 @@ BEGIN
   END IF;
   BEGIN
     fences := raw::jsonb;
-  EXCEPTION WHEN invalid_text_representation THEN
-    fences := NULL;
+  EXCEPTION WHEN data_exception OR program_limit_exceeded THEN
+    fences := NULL;  -- not JSON, too large, or nested too deep (classes 22 and 54): malformed all the same
   END;
   IF pg_catalog.jsonb_typeof(fences) IS DISTINCT FROM 'object' THEN
     PERFORM @extschema@.pg_lease_refuse('unfenced', NULL, NULL, NULL,
@@ -1310,8 +1346,11 @@ BEGIN
     PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
                             format('%s rows guarded by lease %s were written without a fence for it', p_table, p_key));
   END IF;
+  -- [owner, epoch] as pg_lease_remember_fence writes them, or PL004: a non-empty owner of at most 255
+  -- bytes, an epoch from 1 (0 and -1 alike are no fence; anything else would meet the input checks).
   IF jsonb_typeof(presented) IS DISTINCT FROM 'array' OR jsonb_typeof(presented -> 0) IS DISTINCT FROM 'string'
-     OR NOT coalesce(presented ->> 1 ~ '^[0-9]{1,18}$', false) THEN
+     OR NOT octet_length(presented ->> 0) BETWEEN 1 AND 255
+     OR NOT coalesce(presented ->> 1 ~ '^[1-9][0-9]{0,17}$', false) THEN
     PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
                             format('the fence presented for lease %s in pg_lease.fences is not [owner, epoch]', p_key));
   END IF;
@@ -1765,28 +1804,39 @@ CREATE TRIGGER pg_lease_record_prune AFTER DELETE ON @extschema@."pg_lease_djang
   FOR EACH ROW WHEN (OLD.owner IS NOT NULL AND OLD.recorded) EXECUTE FUNCTION @extschema@.pg_lease_record_transition();
 ALTER TABLE @extschema@."pg_lease_django_lease" ENABLE ALWAYS TRIGGER pg_lease_record_prune;
 
--- Is p_key's history recorded? The one spelling of the scope rule ('' records every key). SHARE
--- conflicts with the ROW EXCLUSIVE of any write to the scope table: a scope change in flight is
--- waited for and then seen (each statement reads a new snapshot), and a later one waits for this
--- transaction, so its pg_lease_rescope sees a row inserted here. Owner-run: the writer of a lease
--- row needs no privilege on the scope table.
+-- Is p_key's history recorded? The one spelling of the scope rule ('' records every key). Reads the
+-- scope table without a lock of its own (ACCESS SHARE, which no write of the table waits for; VOLATILE:
+-- each call reads the scope as committed then): a
+-- tenant that made a brand-new key and keeps its transaction open holds up neither `migrate` nor a
+-- scope sync. A scope change meets brand-new keys on the epoch floor's row instead (pg_lease_rescope).
+-- Owner-run: the writer of a lease row needs no privilege on the scope table. (Not compiled into a
+-- function body as the key scopes are: a session sees a replaced body only when it next takes a
+-- lock it does not hold yet, so a transaction that had written the lease table before could flag a
+-- new key by the old scope after the change committed.)
 CREATE FUNCTION @extschema@.pg_lease_in_history_scope(p_key text)
 RETURNS boolean LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-  LOCK TABLE @extschema@."pg_lease_django_history_scope" IN SHARE MODE;
   RETURN EXISTS (SELECT 1 FROM @extschema@."pg_lease_django_history_scope" h WHERE left(p_key, length(h.prefix)) = h.prefix);
 END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_in_history_scope(text) FROM PUBLIC;
 
 -- Any change of the scope table re-flags every lease row in the same transaction, whoever makes it.
+-- A brand-new key is flagged by its insert trigger, which reads the scope as committed when it
+-- runs; the two meet on the epoch floor's row, which every brand-new key locks FOR SHARE until its
+-- transaction ends: this rewrites it (FOR NO KEY UPDATE), so it waits for the brand-new keys in
+-- flight and then re-flags them, and a later one waits for this commit and reads the new scope (or,
+-- in a transaction that reads as of its start, fails with 40001 rather than flag by the old one).
+-- Waiting here queues nobody: a FOR SHARE request is granted beside other FOR SHARE holders
+-- whoever waits, and nothing else a tenant needs is locked by a scope change.
 CREATE FUNCTION @extschema@.pg_lease_rescope()
 RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
+  UPDATE @extschema@."pg_lease_django_epoch_floor" f SET floor = f.floor;
   UPDATE @extschema@."pg_lease_django_lease" l SET recorded = NOT l.recorded
    WHERE l.recorded IS DISTINCT FROM @extschema@.pg_lease_in_history_scope(l.key);
   RETURN NULL;
@@ -1903,8 +1953,6 @@ AS $$
     -- What every role may run, through PUBLIC: pure helpers, and what the triggers call as the writer.
     ('public', 'FUNCTION', '@extschema@.pg_lease_status(text, timestamptz, timestamptz)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_name(text, text)', 'EXECUTE'),
-    ('public', 'FUNCTION', '@extschema@.pg_lease_check_new_name(text, text)', 'EXECUTE'),
-    ('public', 'FUNCTION', '@extschema@.pg_lease_unshown_characters()', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_ttl(interval)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_check_epoch(bigint)', 'EXECUTE'),
     ('public', 'FUNCTION', '@extschema@.pg_lease_ttl(interval)', 'EXECUTE'),

@@ -16,6 +16,7 @@ import asyncio
 import functools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Generator
 from contextlib import suppress
 from dataclasses import dataclass
@@ -38,17 +39,27 @@ logger = logging.getLogger(__name__)
 
 #: Seconds `settle` waits for an interrupted attempt's statement to end on the server.
 SETTLE_WITHIN = 5.0
+#: What becomes of the lease when an interrupted attempt could not be waited out.
+UNSETTLED = "if it is granted, nobody holds the lease and it lapses at its expiry (its TTL after the grant)"
 # The interrupted attempt is cancelled from another session while it still runs (its own client may
 # no longer be able to: a shut socket, a cancel request that reached the server before the statement
-# did), until none runs. It is found by its server process, or by its key and owner in the
-# statement's text: behind PgBouncer the pid a client sees is the pooler's (CANCEL_ATTEMPT).
+# did), until none runs. It is found by a marker of its own, never by what another statement could
+# quote (key, owner), nor by pid alone (behind PgBouncer, the pooler's): CANCEL_ATTEMPT.
 
 
-def attempt_backend(connection: BaseDatabaseWrapper) -> int:
-    """The server process the next attempt on ``connection`` runs in (connecting it if need be)."""
+@dataclass(frozen=True)
+class InFlight:
+    """An attempt about to be sent: its server process as the client sees it, and its marker (`sql.run.first`)."""
+
+    backend_pid: int
+    marker: str
+
+
+def attempt_in_flight(connection: BaseDatabaseWrapper) -> InFlight:
+    """The identity of the next attempt on ``connection`` (connected if need be): `settle` finds it, nothing else."""
     if connection.connection is None:
         connection.ensure_connection()
-    return int(connection.connection.info.backend_pid)
+    return InFlight(int(connection.connection.info.backend_pid), f"pg_lease_django attempt {uuid.uuid4().hex}")
 
 
 def commits_on_its_own(connection: BaseDatabaseWrapper) -> bool:
@@ -66,14 +77,14 @@ def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: tim
     (`settle`). Inside one, the caller's transaction owns the attempt.
     """
     own = commits_on_its_own(connection)
-    backend = attempt_backend(connection) if own else None
+    in_flight = attempt_in_flight(connection) if own else None
     try:
-        return operations.acquire(connection, key, owner, ttl)
+        return operations.acquire(connection, key, owner, ttl, None if in_flight is None else in_flight.marker)
     except Exception:
         raise  # the server answered (a refusal, a bad argument) or the connection is lost: reported
     except BaseException:
-        if backend is not None:
-            settle(connection, key, owner, backend)
+        if in_flight is not None:
+            settle(connection, key, owner, in_flight)
         raise
 
 
@@ -100,7 +111,7 @@ async def aacquire_once(
         if not commits_on_its_own(connection):
             started.append(None)
             return operations.acquire(connection, key, owner, ttl)
-        attempt_backend(connection)
+        connection.ensure_connection()
         started.append(connection.connection)
         return acquire_once(connection, key, owner, ttl)
 
@@ -236,22 +247,21 @@ def _drop(connection: BaseDatabaseWrapper) -> None:
         connection.close()
 
 
-def settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
+def settle(connection: BaseDatabaseWrapper, key: str, owner: str, in_flight: InFlight | None) -> None:
     """After an attempt of ``owner`` was interrupted in flight: make sure it granted nothing that stays.
 
     The one rule for every interruption (a signal, KeyboardInterrupt, SystemExit, a cancelled task,
     ``Election.stop``): the attempt's statement is cancelled on the server and waited out (up to
     `SETTLE_WITHIN` s), then, if it committed a grant nobody received, that grant is released. (A
     lost connection is not settled: a waiter reports it, see `_nothing_granted`.)
-    ``backend_pid``: the server process the attempt ran in as the client sees it (behind PgBouncer,
-    the pooler's: the attempt is also found by its key and owner); None: nothing to wait out.
+    ``in_flight``: the attempt's identity (`attempt_in_flight`); None: nothing to wait out.
     ``connection`` must be in autocommit; it is closed first, so the settling runs in a fresh
     session (Django reconnects). Never raises an Exception: a failure is logged (the grant, if
     any, then lapses after its TTL), and the interruption goes on. A second interruption starts it
     over (`to_the_end`).
     """
     to_the_end(
-        functools.partial(_settle_on_fresh_session, connection, key, owner, backend_pid),
+        functools.partial(_settle_on_fresh_session, connection, key, owner, in_flight),
         f"the interrupted acquire of {key!r} by {owner!r}",
     )
 
@@ -293,11 +303,11 @@ def to_the_end(settling: Callable[[], None], what: str) -> None:
         raise again
 
 
-def _settle_on_fresh_session(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
+def _settle_on_fresh_session(connection: BaseDatabaseWrapper, key: str, owner: str, in_flight: InFlight | None) -> None:
     try:
         abandon_statement(connection)
         connection.close()
-        _settle(connection, key, owner, backend_pid)
+        _settle(connection, key, owner, in_flight)
     except Exception:
         logger.warning("settling an interrupted acquire of %r failed", key, exc_info=True)
         _drop(connection)  # no transaction left open (Django reconnects in autocommit)
@@ -306,14 +316,16 @@ def _settle_on_fresh_session(connection: BaseDatabaseWrapper, key: str, owner: s
         raise
 
 
-def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, backend_pid: int | None) -> None:
-    drive(settling_plan(key, owner, backend_pid), functools.partial(_do, connection))
+def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, in_flight: InFlight | None) -> None:
+    drive(settling_plan(key, owner, in_flight), functools.partial(_do, connection))
 
 
 def _do(connection: BaseDatabaseWrapper, step: SettlingStep) -> Any:
     if isinstance(step, CancelAttempt):
-        shown = run.attempt_text(connection, step.key, step.owner)
-        return run.first(connection, statements.CANCEL_ATTEMPT, [step.backend_pid, shown]) is not None
+        return (
+            run.first(connection, statements.CANCEL_ATTEMPT, [step.in_flight.backend_pid, step.in_flight.marker])
+            is not None
+        )
     if isinstance(step, PauseFor):
         time.sleep(step.seconds)
         return None
@@ -352,12 +364,9 @@ async def _arelease_within(session: Session, key: str, owner: str, epoch: int) -
 
 @dataclass(frozen=True)
 class CancelAttempt:
-    """Cancel ``owner``'s attempt on ``key`` still running, in server process ``backend_pid`` or found
-    by its text (behind PgBouncer the pid is the pooler's); answered: whether one still runs."""
+    """Cancel the attempt ``in_flight`` still running, found by its marker; answered: whether one still runs."""
 
-    backend_pid: int
-    key: str
-    owner: str
+    in_flight: InFlight
 
 
 @dataclass(frozen=True)
@@ -386,19 +395,24 @@ SettlingStep = CancelAttempt | PauseFor | Inspect | ReleaseWithin
 
 
 def settling_plan(
-    key: str, owner: str, backend_pid: int | None, clock: Callable[[], float] = time.monotonic
+    key: str, owner: str, in_flight: InFlight | None, clock: Callable[[], float] = time.monotonic
 ) -> Generator[SettlingStep, Any, None]:
     """What settling an interrupted attempt of ``owner`` does, for both drivers (`_settle` on Django's
-    connection, `asettle` on an async `Session`): cancel the attempt still running (in
-    ``backend_pid``, or found by its key and owner) and wait it out (`SETTLE_WITHIN` s at most), then
-    release a grant found in the owner's name. ``backend_pid`` None: its statement has ended."""
-    if backend_pid is not None:
+    connection, `asettle` on an async `Session`): cancel the attempt still running (found by its
+    marker) and wait it out (`SETTLE_WITHIN` s at most), then release a grant found in the owner's
+    name. ``in_flight`` None: its statement has ended. An attempt still running past `SETTLE_WITHIN`
+    is reported once, with what becomes of a grant it may still make."""
+    if in_flight is not None:
         deadline = clock() + SETTLE_WITHIN
+        running, failed = True, None
         try:
-            while clock() < deadline and (yield CancelAttempt(backend_pid, key, owner)):
+            while (running := (yield CancelAttempt(in_flight))) and clock() < deadline:
                 yield PauseFor(0.01)
-        except Exception:  # not allowed to signal it (another role): read the key all the same
-            logger.warning("cancelling an interrupted acquire of %r on the server failed", key, exc_info=True)
+        except Exception as exc:
+            failed = exc
+        if running:  # said once, with the lease's fate
+            why = "could not be looked for" if failed else f"still runs on the server after {SETTLE_WITHIN} s"
+            logger.warning("an interrupted acquire of %r by %r %s: %s", key, owner, why, UNSETTLED, exc_info=failed)
     state = yield Inspect(key)
     if granted_unseen(state.status, state.owner, owner):
         released = yield ReleaseWithin(key, owner, state.epoch)

@@ -29,7 +29,7 @@ from pg_lease_django.operations import Grant
 from pg_lease_django.sql import run, statements
 
 from .plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
-from .settling import abandon_statement, attempt_backend, commits_on_its_own, settle
+from .settling import InFlight, abandon_statement, attempt_in_flight, commits_on_its_own, settle
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class _Waiter:
         self.connection, self.key, self.owner, self.ttl = connection, key, owner, ttl
         self.listen = listen
         self.interrupted = interrupted
-        self.in_flight: int | None = None  # the server process of the attempt sent, until answered
+        self.in_flight: InFlight | None = None  # the attempt sent, until answered
         self.sent = False  # the current step's statement was sent
         self.granted: Grant | None = None  # answered, not yet returned (UNLISTEN still to send)
 
@@ -131,14 +131,14 @@ class _Waiter:
         if isinstance(step, TryOnce):
             if before_attempt is not None:
                 before_attempt()
-            self.in_flight = attempt_backend(self.connection)
+            self.in_flight = in_flight = attempt_in_flight(self.connection)
             self.sent = True
             if self.listen:
                 tried = operations.attempt_or_register(
-                    self.connection, self.key, self.owner, self.ttl, step.register_for
+                    self.connection, self.key, self.owner, self.ttl, step.register_for, in_flight.marker
                 )
             else:
-                tried = operations.attempt(self.connection, self.key, self.owner, self.ttl)
+                tried = operations.attempt(self.connection, self.key, self.owner, self.ttl, in_flight.marker)
             self.in_flight = None
             return tried
         if isinstance(step, ReadEpoch):

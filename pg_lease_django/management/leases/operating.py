@@ -6,14 +6,13 @@ obeys them); in lists, and role names, through `printable`. ``--json`` gives the
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from pg_lease_django import conf, privileges
-from pg_lease_django.display import LeaseRow, format_duration, printable
+from pg_lease_django.display import LeaseRow, format_duration, json_text, printable
 from pg_lease_django.exceptions import (
     AlreadyFreeError,
     EpochMismatchError,
@@ -94,7 +93,7 @@ class OperatingSubcommands(BaseCommand):
                 "previous_epoch": row.epoch,
                 "epoch": new_epoch,
             }
-            self.stdout.write(json.dumps(document, indent=2))
+            self.stdout.write(json_text(document))
             return
         was = f"{row.state} by {row.owner!r} at epoch {row.epoch}"
         if dry_run:
@@ -122,7 +121,7 @@ class OperatingSubcommands(BaseCommand):
                 "requested_at": iso(done.requested_at),
                 "server_time": iso(done.server_time),
             }
-            self.stdout.write(json.dumps(document, indent=2, ensure_ascii=False))
+            self.stdout.write(json_text(document))
             return
         expires_in = format_duration(max(done.expires_at - done.server_time, timedelta(0)))
         self.stdout.write(
@@ -140,7 +139,7 @@ class OperatingSubcommands(BaseCommand):
             older_than = conf.history_retention().total_seconds()
         if options.get("json"):
             document = {"dry_run": dry_run, "older_than_seconds": older_than, "tenures": count}
-            self.stdout.write(json.dumps(document, indent=2))
+            self.stdout.write(json_text(document))
             return
         age = printable(text) if text else format_duration(timedelta(seconds=older_than))  # as typed, escaped
         if dry_run:
@@ -153,7 +152,7 @@ class OperatingSubcommands(BaseCommand):
         dry_run = bool(options.get("dry_run"))
         keys = Lease.objects.db_manager(alias).prune(free_for=free_for, dry_run=dry_run)
         if options.get("json"):
-            self.stdout.write(json.dumps({"dry_run": dry_run, "free_for_seconds": free_for, "keys": keys}, indent=2))
+            self.stdout.write(json_text({"dry_run": dry_run, "free_for_seconds": free_for, "keys": keys}))
             return
         listing = "".join(f"\n  {printable(key)}" for key in keys)
         age = printable(options["free_for"])  # as typed, escaped
@@ -214,7 +213,7 @@ class OperatingSubcommands(BaseCommand):
                 "max_epoch": done.max_epoch,
                 "server_time": done.server_time.isoformat(),
             }
-            self.stdout.write(json.dumps(document, indent=2))
+            self.stdout.write(json_text(document))
             return
         what = (
             f"{done.leases} lease(s) by {done.by} ({done.held} held: their holders are fenced and must re-acquire); "

@@ -6,14 +6,13 @@ them through `printable` (escaped, never obeyed by the terminal), ``--json`` as 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, TextIO, cast
 
 from django.core.management.base import BaseCommand, CommandError
 
-from pg_lease_django.display import LeaseRow, format_duration, printable
+from pg_lease_django.display import LeaseRow, format_duration, json_text, printable
 from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     iso,
@@ -49,7 +48,7 @@ class ReadingSubcommands(BaseCommand):
         rows, total, server_time = listing.rows, listing.count, listing.server_time
         if options.get("json"):
             document = {"server_time": server_time, "count": total, "leases": [r.as_json() for r in rows]}
-            self.stdout.write(json.dumps(document, indent=2, ensure_ascii=False))
+            self.stdout.write(json_text(document))
             return
         self._table(rows)
         summary = f"{total} lease{'' if total == 1 else 's'}"
@@ -103,7 +102,7 @@ class ReadingSubcommands(BaseCommand):
         if row is None:
             raise CommandError(not_found(key), returncode=ExitCode.NOT_FOUND)
         if options.get("json"):
-            self.stdout.write(json.dumps({**row.as_json(), "server_time": row.server_time}, indent=2))
+            self.stdout.write(json_text({**row.as_json(), "server_time": row.server_time}))
             return
         expires = "-" if row.expires_at is None else f"{shown(row.expires_at)} ({row.expiry})"
         facts = [
@@ -126,7 +125,7 @@ class ReadingSubcommands(BaseCommand):
         if history.count == 0 and Lease.objects.db_manager(alias).row(key) is None:
             raise CommandError(not_found(key), returncode=ExitCode.NOT_FOUND)
         if options.get("json"):
-            self.stdout.write(json.dumps(history.as_json(), indent=2, ensure_ascii=False))
+            self.stdout.write(json_text(history.as_json()))
             return
         if history.count == 0:
             self.stdout.write(
