@@ -35,6 +35,7 @@ __all__ = [
     "acquire",
     "acquire_or_raise",
     "advance_epochs",
+    "answer",
     "attempt",
     "attempt_or_register",
     "force_release",
@@ -110,7 +111,12 @@ def attempt_or_register(
 
 def acquire(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
     """A non-blocking acquire: the grant, or None when another owner holds the key."""
-    grant = attempt(connection, key, owner, ttl).grant(key)
+    return answer(key, attempt(connection, key, owner, ttl))
+
+
+def answer(key: str, tried: Attempt) -> Grant | None:
+    """A non-blocking acquire's answer to its attempt ``tried``: the grant, or None (a refusal, counted)."""
+    grant = tried.grant(key)
     if grant is None:
         metrics.refused(key)
     return grant
