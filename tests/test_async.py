@@ -47,7 +47,7 @@ from pg_lease_django import (
 )
 from pg_lease_django.managers import NOTIFY_CHANNEL
 from tests import asgi_app
-from tests.helpers import Background, needs_session, row_snapshot, url_of_test_database, wait_until
+from tests.helpers import Background, blocked_by, needs_session, row_snapshot, url_of_test_database, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -104,15 +104,6 @@ def is_waiting(observer: psycopg.Connection[Any], owner: str) -> bool:
     """True once ``owner``'s waiter has been refused at least once and is between attempts."""
     backend = waiter_backend(observer, owner)
     return backend is not None and backend[1] != "active" and "pg_lease_acquire" in backend[4]
-
-
-def blocked_by(observer: psycopg.Connection[Any], blocker: psycopg.Connection[Any]) -> int:
-    """How many backends wait for a lock ``blocker`` holds."""
-    row = observer.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY (pg_blocking_pids(pid))", [blocker.info.backend_pid]
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def locks_held(observer: psycopg.Connection[Any], pid: int) -> int:

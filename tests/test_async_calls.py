@@ -24,7 +24,7 @@ from asgiref.sync import async_to_sync
 from django.db import OperationalError, connection
 
 from pg_lease_django import Lease
-from tests.helpers import needs_session, wait_until
+from tests.helpers import blocked_by, needs_session, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -125,14 +125,6 @@ def test_an_error_on_the_waiters_connection_leaves_the_callers_connection_untouc
     assert Lease.objects.inspect(key).owner == "holder"
 
 
-def _blocked_on(observer: psycopg.Connection[Any], locker: psycopg.Connection[Any]) -> int:
-    row = observer.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY (pg_blocking_pids(pid))", [locker.info.backend_pid]
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def test_calls_of_free_keys_finish_beside_one_waiting_on_a_row_lock(key: str, raw_connect: Connect) -> None:
     """Eight aacquires of free keys (and the other calls) finish while another aacquire waits on a
     row lock that is kept until they have: no call waits behind an unrelated one."""
@@ -144,7 +136,7 @@ def test_calls_of_free_keys_finish_beside_one_waiting_on_a_row_lock(key: str, ra
     async def scenario() -> None:
         blocked = asyncio.create_task(Lease.objects.aacquire(key, "blocked", ttl=30))
         try:
-            await asyncio.to_thread(wait_until, lambda: _blocked_on(observer, locker) == 1, HANG, "the call to block")
+            await asyncio.to_thread(wait_until, lambda: blocked_by(observer, locker) == 1, HANG, "the call to block")
             grants = await asyncio.wait_for(
                 asyncio.gather(*(Lease.objects.aacquire(f"{key}/{i}", f"w{i}", ttl=30) for i in range(8))), HANG
             )
@@ -155,7 +147,7 @@ def test_calls_of_free_keys_finish_beside_one_waiting_on_a_row_lock(key: str, ra
             assert (await asyncio.wait_for(Lease.objects.ainspect(first.key), HANG)).owner == "w0"
             await asyncio.wait_for(Lease.objects.arelease(first.key, "w0", first.epoch), HANG)
             assert not blocked.done()
-            assert _blocked_on(observer, locker) == 1, "the row lock was kept while they ran"
+            assert blocked_by(observer, locker) == 1, "the row lock was kept while they ran"
         finally:
             locker.commit()  # before the test fails too: a call held up behind the blocked one then ends
         grant = await asyncio.wait_for(blocked, HANG)
