@@ -74,12 +74,14 @@ class LeaseManager(models.Manager["Lease"]):
             return await sync_to_async(self._on_callers)(call)
         return await lease_calls.call(alias, call)
 
-    async def _aattempt(self, alias: str, in_transaction: bool, key: str, owner: str, ttl: timedelta) -> Attempt:
+    async def _aattempt(
+        self, alias: str, in_transaction: bool, key: str, owner: str, ttl: timedelta, blocking: bool
+    ) -> Attempt:
         """One acquire attempt of an async call, where `_arun` says; cancelled in flight outside a
         transaction, it is settled (`holds.lease_calls.attempt`); inside one it is the transaction's."""
         if in_transaction:
             return await sync_to_async(self._on_callers)(lambda c: operations.attempt(c, key, owner, ttl))
-        return await lease_calls.attempt(alias, key, owner, ttl)
+        return await lease_calls.attempt(alias, key, owner, ttl, blocking=blocking)
 
     @overload
     def acquire(self, key: str, owner: str, ttl: Seconds, *, blocking: Literal[False] = False) -> Grant | None: ...
@@ -339,7 +341,7 @@ class LeaseManager(models.Manager["Lease"]):
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         alias = self._alias()
         in_transaction = await lease_calls.in_transaction(alias)
-        first_try = functools.partial(self._aattempt, alias, in_transaction, key, owner, ttl_delta)
+        first_try = functools.partial(self._aattempt, alias, in_transaction, key, owner, ttl_delta, blocking)
         if not blocking:
             return operations.answer(key, await first_try())
         return await async_driver.await_and_acquire(

@@ -33,6 +33,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from pg_lease_django import operations
+from pg_lease_django.exceptions import UnconfirmedCommitError
 from pg_lease_django.operations import Attempt
 from pg_lease_django.wait import settling
 
@@ -180,8 +181,12 @@ class _Attempting:
         self.finished = False
 
 
-async def attempt(alias: str, key: str, owner: str, ttl: timedelta) -> Attempt:
+async def attempt(alias: str, key: str, owner: str, ttl: timedelta, *, blocking: bool = False) -> Attempt:
     """One acquire attempt of ``key`` on ``alias``'s lease pool (`operations.attempt`), settled when cancelled.
+
+    ``blocking``: the first try of a blocking acquire, which releases a grant whose commit the
+    synchronous standby did not confirm before it raises `UnconfirmedCommitError`, as every attempt
+    of a blocking wait does (a non-blocking call leaves it to its TTL).
 
     When the awaiting task is cancelled (``asyncio.timeout`` too) while the statement runs, the
     statement is cancelled on the server (again until its thread has it back) and the thread, seeing
@@ -190,7 +195,7 @@ async def attempt(alias: str, key: str, owner: str, ttl: timedelta) -> Attempt:
     cancellation does not cut that short (`wait.settling.settled_anyway`).
     """
     state = _Attempting()
-    running = in_thread(functools.partial(_attempt_on_lent, alias, key, owner, ttl, state))
+    running = in_thread(functools.partial(_attempt_on_lent, alias, key, owner, ttl, state, blocking))
     try:
         return await asyncio.shield(running)
     except asyncio.CancelledError:
@@ -203,7 +208,7 @@ async def attempt(alias: str, key: str, owner: str, ttl: timedelta) -> Attempt:
         raise
 
 
-def _attempt_on_lent(alias: str, key: str, owner: str, ttl: timedelta, state: _Attempting) -> Attempt:
+def _attempt_on_lent(alias: str, key: str, owner: str, ttl: timedelta, state: _Attempting, blocking: bool) -> Attempt:
     with _pool(alias).connection(None) as conn:
         conn.reset_timeout()
         settling.attempt_backend(conn.wrapper)  # connected, so that its statement can be cancelled
@@ -213,6 +218,10 @@ def _attempt_on_lent(alias: str, key: str, owner: str, ttl: timedelta, state: _A
             state.raw = conn.wrapper.connection
         try:
             return operations.attempt(conn.wrapper, key, owner, ttl)
+        except UnconfirmedCommitError:
+            if blocking:
+                conn.settle(key, owner)  # its grant is nobody's
+            raise
         finally:
             with state.lock:
                 state.finished = True
