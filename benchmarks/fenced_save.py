@@ -18,6 +18,7 @@ DATABASE_URL, else the embedded server. Usage: python benchmarks/fenced_save.py 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -252,7 +253,11 @@ def run(report: Report, rounds: int, block: float, owner: str) -> None:
 
 
 def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], epilog="DATABASE_URL, else the embedded server."
+    )
+    parser.add_argument("rounds", nargs="?", type=int, default=10, help="interleaved rounds of each comparison (10)")
+    rounds = parser.parse_args().rounds
     database, where = bench_database()
     setup_django(database, installed_apps())
     from django.core.management import call_command

@@ -12,6 +12,7 @@ DATABASE_URL, else the embedded server. Usage: python benchmarks/holds.py [round
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import sys
@@ -129,9 +130,14 @@ def many(count: int, seconds: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 300
-    count = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
-    seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 7.0
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], epilog="DATABASE_URL, else the embedded server."
+    )
+    parser.add_argument("rounds", nargs="?", type=int, default=300, help="hold() and acquire+release pairs timed (300)")
+    parser.add_argument("count", nargs="?", type=int, default=1000, help="holds entered in one process (1000)")
+    parser.add_argument("seconds", nargs="?", type=float, default=7.0, help="how long they are held (7.0)")
+    args = parser.parse_args()
+    rounds, count, seconds = args.rounds, args.count, args.seconds
     database, where = common.bench_database()
     common.setup_django(database, ["pg_lease_django"])
     from django.core.management import call_command

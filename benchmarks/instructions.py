@@ -192,7 +192,10 @@ def main() -> None:
     parser.add_argument("--setup", type=Path, default=None, help="SQL to run after the schema (a variant)")
     guard = parser.add_mutually_exclusive_group()
     guard.add_argument(
-        "--check", action="store_true", help=f"fail on a rise over the baseline of more than {TOLERANCE:.0%}"
+        "--check",
+        action="store_true",
+        # argparse %-formats help strings: the percent sign is doubled.
+        help=f"fail on a rise over the baseline of more than {TOLERANCE:.0%}%",
     )
     guard.add_argument("--record", action="store_true", help="write these counts as the baseline")
     args = parser.parse_args()

@@ -7,6 +7,7 @@ Usage: python benchmarks/renew_latency.py [processes] [seconds]
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import os
 import statistics
@@ -42,8 +43,13 @@ def renewer(index: int, seconds: float, out: multiprocessing.Queue) -> None:  # 
 
 
 def main() -> None:
-    processes = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], epilog="DATABASE_URL, else the embedded server."
+    )
+    parser.add_argument("processes", nargs="?", type=int, default=4, help="processes renewing (4)")
+    parser.add_argument("seconds", nargs="?", type=float, default=5.0, help="how long each renews (5.0)")
+    args = parser.parse_args()
+    processes, seconds = args.processes, args.seconds
     setup_django()  # starts the embedded server if needed; children inherit DATABASE_URL
     from django.core.management import call_command
 

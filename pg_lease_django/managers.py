@@ -6,8 +6,10 @@ The statements and their results are `pg_lease_django.operations`; the blocking 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
 from asgiref.sync import sync_to_async
 from django.db import connections, models, router
@@ -15,8 +17,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from . import operations
 from .exceptions import InvalidInputError, LeaseLostError
+from .holds import lease_calls
 from .metrics import hooks as metrics
-from .operations import EpochAdvance, Grant, HandoffRequest, LeaseState
+from .operations import Attempt, EpochAdvance, Grant, HandoffRequest, LeaseState
 from .sql import NOTIFY_CHANNEL
 from .validation import (
     MAX_PRUNE_AGE,
@@ -32,6 +35,8 @@ from .wait import async_driver, settling, sync_driver
 
 if TYPE_CHECKING:
     from .models import Lease  # noqa: F401  (named in the Manager["Lease"] base)
+
+T = TypeVar("T")
 
 __all__ = ["NOTIFY_CHANNEL", "EpochAdvance", "Grant", "LeaseManager", "LeaseState"]
 
@@ -50,8 +55,32 @@ class LeaseManager(models.Manager["Lease"]):
     `ainspect`, `aforce_release`) with the same arguments, rules, results and errors.
     """
 
+    def _alias(self) -> str:
+        return self._db or router.db_for_write(self.model)
+
     def _connection(self) -> BaseDatabaseWrapper:
-        return operations.require_postgresql(connections[self._db or router.db_for_write(self.model)])
+        return operations.require_postgresql(connections[self._alias()])
+
+    def _on_callers(self, call: Callable[[BaseDatabaseWrapper], T]) -> T:
+        return call(self._connection())
+
+    async def _arun(self, call: Callable[[BaseDatabaseWrapper], T]) -> T:
+        """``call`` on the connection an async call uses: the caller's, in Django's thread for sync code
+        (``sync_to_async``), when it is in a transaction (the statement is the transaction's); otherwise
+        one of the lease pool's, in a thread of the package's own (`holds.lease_calls`)."""
+        alias = self._alias()
+        if await lease_calls.in_transaction(alias):
+            return await sync_to_async(self._on_callers)(call)
+        return await lease_calls.call(alias, call)
+
+    async def _aattempt(
+        self, alias: str, in_transaction: bool, key: str, owner: str, ttl: timedelta, blocking: bool
+    ) -> Attempt:
+        """One acquire attempt of an async call, where `_arun` says; cancelled in flight outside a
+        transaction, it is settled (`holds.lease_calls.attempt`); inside one it is the transaction's."""
+        if in_transaction:
+            return await sync_to_async(self._on_callers)(lambda c: operations.attempt(c, key, owner, ttl))
+        return await lease_calls.attempt(alias, key, owner, ttl, blocking=blocking)
 
     @overload
     def acquire(self, key: str, owner: str, ttl: Seconds, *, blocking: Literal[False] = False) -> Grant | None: ...
@@ -122,15 +151,24 @@ class LeaseManager(models.Manager["Lease"]):
             EpochMismatchError: ``owner`` holds it under another epoch.
             InvalidInputError: bad argument; nothing was sent.
         """
+        return self._renew(key, owner, epoch, ttl)(self._connection())
+
+    @staticmethod
+    def _renew(key: str, owner: str, epoch: int, ttl: Seconds) -> Callable[[BaseDatabaseWrapper], datetime]:
+        """`renew` on a connection, its arguments checked now."""
         check_name("key", key)
         check_name("owner", owner)
         check_epoch(epoch)
         ttl_delta = check_ttl(ttl)
-        try:
-            return operations.renew(self._connection(), key, owner, epoch, ttl_delta).expires_at
-        except LeaseLostError as exc:
-            metrics.lost(key, exc.code)  # a hold's losses are counted from its lease_lost signal
-            raise
+
+        def renew(connection: BaseDatabaseWrapper) -> datetime:
+            try:
+                return operations.renew(connection, key, owner, epoch, ttl_delta).expires_at
+            except LeaseLostError as exc:
+                metrics.lost(key, exc.code)  # a hold's losses are counted from its lease_lost signal
+                raise
+
+        return renew
 
     def release(self, key: str, owner: str, epoch: int) -> None:
         """Free a live lease held by ``(owner, epoch)``; the epoch goes up, fencing the holder.
@@ -139,22 +177,35 @@ class LeaseManager(models.Manager["Lease"]):
             NotOwnerError, LapsedError, EpochMismatchError: as for `renew`; nothing changed.
             InvalidInputError: bad argument; nothing was sent.
         """
+        self._release(key, owner, epoch)(self._connection())
+
+    @staticmethod
+    def _release(key: str, owner: str, epoch: int) -> Callable[[BaseDatabaseWrapper], None]:
+        """`release` on a connection, its arguments checked now."""
         check_name("key", key)
         check_name("owner", owner)
         check_epoch(epoch)
-        try:
-            settling.release_once(self._connection(), key, owner, epoch)
-        except LeaseLostError as exc:
-            metrics.lost(key, exc.code)
-            raise
+
+        def release(connection: BaseDatabaseWrapper) -> None:
+            try:
+                settling.release_once(connection, key, owner, epoch)
+            except LeaseLostError as exc:
+                metrics.lost(key, exc.code)
+                raise
+
+        return release
 
     def inspect(self, key: str) -> LeaseState:
         """Return the state of ``key`` at the server clock (lazy expiry). Never raises for an unknown key.
 
         Advisory only: the state may change right after it is read. Guard actions with the epoch.
         """
+        return self._inspect(key)(self._connection())
+
+    @staticmethod
+    def _inspect(key: str) -> Callable[[BaseDatabaseWrapper], LeaseState]:
         check_name("key", key)
-        return operations.inspect(self._connection(), key)
+        return lambda connection: operations.inspect(connection, key)
 
     def force_release(self, key: str, *, epoch: int | None = None, operator: str | None = None) -> int:
         """Free ``key`` whoever holds it (the operator override); the epoch goes up, fencing the holder.
@@ -180,12 +231,16 @@ class LeaseManager(models.Manager["Lease"]):
                 current holder. Look again before releasing.
             InvalidInputError: bad argument; nothing was sent.
         """
+        return self._force_release(key, epoch, operator)(self._connection())
+
+    @staticmethod
+    def _force_release(key: str, epoch: int | None, operator: str | None) -> Callable[[BaseDatabaseWrapper], int]:
         check_name("key", key)
         if epoch is not None:
             check_epoch(epoch)
         if operator is not None:
             check_name("operator", operator)
-        return operations.force_release(self._connection(), key, epoch, operator)
+        return lambda connection: operations.force_release(connection, key, epoch, operator)
 
     def request_handoff(self, key: str, *, epoch: int | None = None) -> HandoffRequest:
         """Ask the holder of ``key`` to step down at its next safe point (a rolling deploy's hand-over).
@@ -209,20 +264,24 @@ class LeaseManager(models.Manager["Lease"]):
             EpochMismatchError: ``epoch`` was given and the lease has moved on.
             InvalidInputError: bad argument; nothing was sent.
         """
+        return self._request_handoff(key, epoch)(self._connection())
+
+    @staticmethod
+    def _request_handoff(key: str, epoch: int | None) -> Callable[[BaseDatabaseWrapper], HandoffRequest]:
         check_name("key", key)
         if epoch is not None:
             check_epoch(epoch)
-        return operations.request_handoff(self._connection(), key, epoch)
+        return lambda connection: operations.request_handoff(connection, key, epoch)
 
     async def arequest_handoff(self, key: str, *, epoch: int | None = None) -> HandoffRequest:
-        """Async `request_handoff`: the same arguments, result and errors (via ``sync_to_async``)."""
-        return await sync_to_async(self.request_handoff)(key, epoch=epoch)
+        """Async `request_handoff`: the same arguments, result and errors (where `aacquire` says)."""
+        return await self._arun(self._request_handoff(key, epoch))
 
     # --- the async API: each method runs its sync twin's rules (validation, result, errors) as is --
-    # sync_to_async with thread_sensitive=True (its default), as Django's own async ORM methods use
-    # it: the statement runs in Django's thread for sync code (under ASGI the request's), on the
-    # connection the caller's other ORM calls use, instead of opening a Django connection in each
-    # worker thread of a pool, which nothing would ever close.
+    # Outside a transaction, on a connection of the lease pool hold() uses, in a thread of the
+    # package's own (holds.lease_calls): no call waits behind another, and no Django connection is
+    # opened in a thread where nothing would close it. Inside the caller's transaction, on the
+    # caller's connection in Django's thread for sync code (sync_to_async), as Django's async ORM does.
 
     @overload
     async def aacquire(
@@ -248,15 +307,16 @@ class LeaseManager(models.Manager["Lease"]):
     ) -> Grant | None:
         """Async `acquire`: the same arguments, rules, result and errors.
 
-        Without ``blocking``, the one statement runs the way Django's async ORM methods run theirs:
-        in Django's thread for sync code (``sync_to_async``), on the connection the caller's other
-        ORM calls use. With ``blocking=True`` the wait holds no thread: the waiter opens a
+        The one statement runs on a connection of the lease pool ``hold()`` uses, in a thread of the
+        package's own: no call waits behind another. With ``blocking=True`` the first try is made so
+        too; only when it is refused does the wait begin, holding no thread: the waiter opens a
         connection of its own from the same database settings (named ``pg_lease_django wait
         <owner>`` in ``pg_stat_activity``), makes each attempt and LISTENs on it (or, with
         ``PG_LEASE_LISTEN = False``, sleeps with ``asyncio.sleep``), and closes it when the call
         returns, raises or is cancelled. The grant is committed when the call returns. When the
         caller's connection is in a transaction (``async_to_sync`` within ``atomic()``, or
-        ``AUTOCOMMIT`` off) it polls with attempts in that transaction instead, as `acquire` does.
+        ``AUTOCOMMIT`` off) the attempts run in that transaction instead (in Django's thread for
+        sync code, ``sync_to_async``), and a waiter polls, as `acquire` does.
 
         Args:
             key: the lease key (1-255 UTF-8 bytes, no NUL).
@@ -278,12 +338,17 @@ class LeaseManager(models.Manager["Lease"]):
                 cancelled on the server and the waiter's connection (and its LISTEN) closed.
         """
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
+        alias = self._alias()
+        in_transaction = await lease_calls.in_transaction(alias)
+        first_try = functools.partial(self._aattempt, alias, in_transaction, key, owner, ttl_delta, blocking)
         if not blocking:
-            return await settling.aacquire_once(self._connection, key, owner, ttl_delta)
-        return await async_driver.await_and_acquire(self._connection, key, owner, ttl_delta, wait)
+            return operations.answer(key, await first_try())
+        return await async_driver.await_and_acquire(
+            self._connection, alias, key, owner, ttl_delta, wait, first_try=first_try, in_transaction=in_transaction
+        )
 
     async def arenew(self, key: str, owner: str, epoch: int, ttl: Seconds) -> datetime:
-        """Async `renew`: the same arguments, result and errors (the statement runs via ``sync_to_async``).
+        """Async `renew`: the same arguments, result and errors (where `aacquire` says).
 
         Returns:
             The new ``expires_at`` (server clock).
@@ -294,46 +359,28 @@ class LeaseManager(models.Manager["Lease"]):
             EpochMismatchError: ``owner`` holds it under another epoch.
             InvalidInputError: bad argument; nothing was sent.
         """
-        return await sync_to_async(self.renew)(key, owner, epoch, ttl)
+        return await self._arun(self._renew(key, owner, epoch, ttl))
 
     async def arelease(self, key: str, owner: str, epoch: int) -> None:
-        """Async `release`: the same arguments and errors (the statement runs via ``sync_to_async``).
+        """Async `release`: the same arguments and errors (where `aacquire` says).
 
         Raises:
             NotOwnerError, LapsedError, EpochMismatchError: as for `renew`; nothing changed.
             InvalidInputError: bad argument; nothing was sent.
         """
-        await sync_to_async(self.release)(key, owner, epoch)
+        await self._arun(self._release(key, owner, epoch))
 
     async def ainspect(self, key: str) -> LeaseState:
-        """Async `inspect`: the state of ``key`` at the server clock (the statement runs via ``sync_to_async``).
+        """Async `inspect`: the state of ``key`` at the server clock (where `aacquire` says).
 
         Advisory only: the state may change right after it is read. Guard actions with the epoch.
         """
-        return await sync_to_async(self.inspect)(key)
+        return await self._arun(self._inspect(key))
 
     async def aforce_release(self, key: str, *, epoch: int | None = None, operator: str | None = None) -> int:
-        """Async `force_release`: the same arguments, result and errors (the statement runs via ``sync_to_async``).
-
-        The operator override, for humans and scripts, never for workers.
-
-        Args:
-            key: the lease key.
-            epoch: release only if this is still the current epoch; None releases any holder.
-            operator: who forces it, recorded in the lease's history (None: the database role).
-
-        Returns:
-            The new epoch (the released one plus one).
-
-        Raises:
-            AlreadyFreeError: nothing to release: the key is free (``current_epoch`` says its epoch).
-            NeverAcquiredError: nothing to release: the key has no row (never acquired, or pruned).
-                Both are `NotOwnerError` subclasses.
-            EpochMismatchError: ``epoch`` was given and the lease has moved on; ``owner`` is the
-                current holder. Look again before releasing.
-            InvalidInputError: bad argument; nothing was sent.
-        """
-        return await sync_to_async(self.force_release)(key, epoch=epoch, operator=operator)
+        """Async `force_release` (the operator override, never for workers): the same arguments, result
+        and errors (where `aacquire` says)."""
+        return await self._arun(self._force_release(key, epoch, operator))
 
     def prune(self, *, free_for: Seconds, dry_run: bool = False) -> list[str]:
         """Delete the rows of leases free (released, or lapsed) for at least ``free_for``.

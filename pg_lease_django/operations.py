@@ -35,6 +35,7 @@ __all__ = [
     "acquire",
     "acquire_or_raise",
     "advance_epochs",
+    "answer",
     "attempt",
     "attempt_or_register",
     "force_release",
@@ -121,7 +122,12 @@ def acquire(
     connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta, marker: str | None = None
 ) -> Grant | None:
     """A non-blocking acquire: the grant, or None when another owner holds the key."""
-    grant = attempt(connection, key, owner, ttl, marker).grant(key)
+    return answer(key, attempt(connection, key, owner, ttl, marker))
+
+
+def answer(key: str, tried: Attempt) -> Grant | None:
+    """A non-blocking acquire's answer to its attempt ``tried``: the grant, or None (a refusal, counted)."""
+    grant = tried.grant(key)
     if grant is None:
         metrics.refused(key)
     return grant

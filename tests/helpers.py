@@ -114,6 +114,15 @@ def sessions_left(alias: str = "default", within: float = 10.0) -> list[tuple[An
             time.sleep(0.05)
 
 
+def blocked_by(observer: psycopg.Connection[Any], blocker: psycopg.Connection[Any]) -> int:
+    """How many backends wait for a lock ``blocker`` holds."""
+    row = observer.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY (pg_blocking_pids(pid))", [blocker.info.backend_pid]
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
     """Poll ``predicate`` until true; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

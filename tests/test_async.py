@@ -1,8 +1,9 @@
 """The async API (aacquire, arenew, arelease, ainspect, aforce_release) on a real server.
 
 Each scenario is a coroutine run with ``async_to_sync`` from the test's thread, as Django runs
-async tests: the calls that go through ``sync_to_async`` run back in this thread, on the test's
-own Django connection. Several waiters share one event loop. Synchronisation is by observing the
+async tests: outside a transaction the calls run on the lease pool's connections; inside the test's
+``atomic()`` they run back in this thread, on the test's own Django connection. Several waiters
+share one event loop. Synchronisation is by observing the
 server (``pg_stat_activity``, the lease row), never by sleeping. A blocking waiter's own connection
 is found by its ``application_name``, ``pg_lease_django wait <owner>``.
 """
@@ -46,7 +47,7 @@ from pg_lease_django import (
 )
 from pg_lease_django.managers import NOTIFY_CHANNEL
 from tests import asgi_app
-from tests.helpers import Background, needs_session, row_snapshot, url_of_test_database, wait_until
+from tests.helpers import Background, blocked_by, needs_session, row_snapshot, url_of_test_database, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -103,14 +104,6 @@ def is_waiting(observer: psycopg.Connection[Any], owner: str) -> bool:
     """True once ``owner``'s waiter has been refused at least once and is between attempts."""
     backend = waiter_backend(observer, owner)
     return backend is not None and backend[1] != "active" and "pg_lease_acquire" in backend[4]
-
-
-def is_blocked(observer: psycopg.Connection[Any], owner: str) -> bool:
-    """True while ``owner``'s waiter is in an attempt that waits for another backend's lock."""
-    backend = waiter_backend(observer, owner)
-    if backend is None:
-        return False
-    return observer.execute("SELECT cardinality(pg_blocking_pids(%s)) > 0", [backend[0]]).fetchone() == (True,)
 
 
 def locks_held(observer: psycopg.Connection[Any], pid: int) -> int:
@@ -297,22 +290,40 @@ def test_invalid_input_is_refused_as_in_sync_before_anything_is_sent(
     assert Lease.objects.inspect(key).epoch == 0
 
 
-def test_each_call_is_one_statement_on_the_callers_connection(key: str, django_assert_num_queries: Any) -> None:
-    """sync_to_async(thread_sensitive=True): the statement runs on the connection the caller's ORM calls use."""
-    with django_assert_num_queries(1) as captured:
+def test_each_call_is_one_statement_on_the_callers_connection_inside_a_transaction(
+    key: str, django_assert_num_queries: Any
+) -> None:
+    """Inside atomic() (async_to_sync from a sync caller) the statement is the transaction's: one on the
+    caller's connection, in its thread (sync_to_async)."""
+    with transaction.atomic(), django_assert_num_queries(1) as captured:
         grant = run(lambda: Lease.objects.aacquire(key, "w1", ttl=30))
     assert grant is not None and "pg_lease_acquire" in captured[0]["sql"]
-    with django_assert_num_queries(1):
+    with transaction.atomic():
+        with django_assert_num_queries(1):
+            assert run(lambda: Lease.objects.aacquire(key, "w2", ttl=30)) is None
+        with django_assert_num_queries(1):
+            run(lambda: Lease.objects.arenew(key, "w1", grant.epoch, ttl=30))
+        with django_assert_num_queries(1):
+            run(lambda: Lease.objects.ainspect(key))
+        with django_assert_num_queries(1):
+            run(lambda: Lease.objects.arelease(key, "w1", grant.epoch))
+        with django_assert_num_queries(1), pytest.raises(NotOwnerError):
+            run(lambda: Lease.objects.aforce_release(key))
+        with django_assert_num_queries(1):  # granted at its first try, in the transaction
+            assert run(lambda: Lease.objects.aacquire(key, "w1", ttl=30, blocking=True, timeout=5)).owner == "w1"
+
+
+def test_outside_a_transaction_no_call_uses_the_callers_connection(key: str, django_assert_num_queries: Any) -> None:
+    """Outside a transaction each call runs on a connection of the lease pool, in a thread of the package's own."""
+    with django_assert_num_queries(0):
+        grant = run(lambda: Lease.objects.aacquire(key, "w1", ttl=30))
+        assert grant is not None
         assert run(lambda: Lease.objects.aacquire(key, "w2", ttl=30)) is None
-    with django_assert_num_queries(1):
         run(lambda: Lease.objects.arenew(key, "w1", grant.epoch, ttl=30))
-    with django_assert_num_queries(1):
-        run(lambda: Lease.objects.ainspect(key))
-    with django_assert_num_queries(1):
+        assert run(lambda: Lease.objects.ainspect(key)).owner == "w1"
         run(lambda: Lease.objects.arelease(key, "w1", grant.epoch))
-    with django_assert_num_queries(1), pytest.raises(NotOwnerError):
-        run(lambda: Lease.objects.aforce_release(key))
-    with django_assert_num_queries(0):  # a blocking one makes its attempts on a connection of its own
+        with pytest.raises(NotOwnerError):
+            run(lambda: Lease.objects.aforce_release(key))
         assert run(lambda: Lease.objects.aacquire(key, "w1", ttl=30, blocking=True, timeout=5)).owner == "w1"
 
 
@@ -670,7 +681,8 @@ def test_cancelling_an_attempt_blocked_on_the_row_cancels_the_statement(key: str
 
     async def scenario() -> None:
         waiter = asyncio.create_task(Lease.objects.aacquire(key, "waiter", ttl=30, blocking=True, timeout=20))
-        await until(lambda: is_blocked(observer, "waiter"), "the attempt to block on the row", waiter)
+        # Its first try, made as a non-blocking call's is (on the lease pool), waits on the row.
+        await until(lambda: blocked_by(observer, blocker) == 1, "the attempt to block on the row", waiter)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
@@ -678,9 +690,7 @@ def test_cancelling_an_attempt_blocked_on_the_row_cancels_the_statement(key: str
 
     run(scenario)
     # Nothing waits on the blocker's row lock any more, so nothing can take the lease when it ends.
-    assert observer.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY (pg_blocking_pids(pid))", [blocker.info.backend_pid]
-    ).fetchone() == (0,)
+    assert blocked_by(observer, blocker) == 0
     blocker.commit()
     state = Lease.objects.inspect(key)
     assert (state.status, state.owner, state.epoch) == ("lapsed", "holder", epoch), "the cancelled attempt granted"

@@ -924,7 +924,7 @@ def _active_holds() -> list[Any]:
 
 
 def test_a_cancelled_non_blocking_aacquire_is_cancelled_on_the_server(key: str, raw_connect: Connect) -> None:
-    """A non-blocking ``aacquire`` (its statement in Django's thread, ``sync_to_async``) cancelled while
+    """A non-blocking ``aacquire`` (its statement in a thread, on the lease pool) cancelled while
     its statement waits on a row lock: the statement is cancelled on the server while the row is
     still locked, so it cannot grant later, and the cancellation goes on."""
     epoch = free(key)
@@ -940,7 +940,7 @@ def test_a_cancelled_non_blocking_aacquire_is_cancelled_on_the_server(key: str, 
                 with pytest.raises(asyncio.CancelledError):
                     await task
                 # Before the fix the statement ran on in its thread and granted once the lock went.
-                # Cancelled on the server while the row is still locked (the session is the caller's: it stays).
+                # Cancelled on the server while the row is still locked.
                 await loop.run_in_executor(watching, not_running, watch, attempt)
 
     async_to_sync(scenario)()
@@ -948,12 +948,31 @@ def test_a_cancelled_non_blocking_aacquire_is_cancelled_on_the_server(key: str, 
     assert (state.status, state.epoch) == ("free", epoch)
 
 
+@contextmanager
+def on_lease_connections(wrapper: Callable[..., Any]) -> Iterator[None]:
+    """Install the execute ``wrapper`` on the lease connections opened in the block (the lease pool's,
+    which ``hold()`` and the async calls of ``Lease.objects`` use outside a transaction)."""
+    from django.db.backends.signals import connection_created
+
+    from pg_lease_django.holds import lease_connection, lease_pool
+
+    def attach(sender: Any, connection: Any, **kwargs: Any) -> None:
+        if (connection.settings_dict.get("OPTIONS") or {}).get("application_name") == lease_connection.APPLICATION_NAME:
+            connection.execute_wrappers.append(wrapper)
+
+    lease_pool.close_connections()  # each lease connection of the block is opened in it
+    connection_created.connect(attach, weak=False)
+    try:
+        yield
+    finally:
+        connection_created.disconnect(attach)
+        lease_pool.close_connections()
+
+
 def test_a_non_blocking_aacquire_cancelled_after_its_grant_committed_releases_it(key: str) -> None:
-    """The worst moment: the grant has committed in Django's thread and the task is cancelled before it
+    """The worst moment: the grant has committed in its thread and the task is cancelled before it
     gets the answer (the statement's answer is held up by an execute wrapper until the cancellation
     has landed). The grant is released before the cancellation goes on."""
-    from django.db import connection
-
     epoch = free(key)
     answered, cancelled = threading.Event(), threading.Event()
 
@@ -973,7 +992,7 @@ def test_a_non_blocking_aacquire_cancelled_after_its_grant_committed_releases_it
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    with connection.execute_wrapper(hold_up_the_answer):
+    with on_lease_connections(hold_up_the_answer):
         async_to_sync(scenario)()
     state = Lease.objects.inspect(key)
     # Before the fix: held by the cancelled caller for its 60 s TTL.
@@ -1068,11 +1087,9 @@ def test_a_blocking_aacquire_cancelled_again_while_it_is_settled_still_releases_
 def test_a_non_blocking_aacquire_cancelled_again_while_it_is_settled_still_releases_its_grant(
     key: str, raw_connect: Connect
 ) -> None:
-    """As above for the non-blocking ``aacquire`` (its statement in Django's thread): the grant's
-    answer is held up until the first cancellation has landed, the settling's release waits for a
-    row another session locks, and a second cancellation lands meanwhile."""
-    from django.db import connection
-
+    """As above for the non-blocking ``aacquire`` (its statement in a thread): the grant's answer is
+    held up until the first cancellation has landed, the settling's release waits for a row another
+    session locks, and a second cancellation lands meanwhile."""
     epoch = free(key)
     watch = raw_connect()
     answered, cancelled = threading.Event(), threading.Event()
@@ -1099,7 +1116,7 @@ def test_a_non_blocking_aacquire_cancelled_again_while_it_is_settled_still_relea
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    with connection.execute_wrapper(hold_up_the_answer):
+    with on_lease_connections(hold_up_the_answer):
         async_to_sync(scenario)()
     state = Lease.objects.inspect(key)
     assert (state.status, state.epoch) == ("free", epoch + 2), state

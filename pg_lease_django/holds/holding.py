@@ -10,7 +10,6 @@ Public names are re-exported by `pg_lease_django`; import them from there. See d
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import logging
 import threading
@@ -31,6 +30,7 @@ from pg_lease_django.validation import Seconds, check_name
 
 from .context import active
 from .lease import HeldLease, OnLost, send_robust
+from .lease_calls import in_thread
 from .lease_connection import InFlight
 from .session import HoldOptions, HoldSession
 
@@ -75,26 +75,7 @@ def _in_own_thread(fn: Callable[[], R], name: str) -> asyncio.Future[R]:
     (``cpus + 4`` threads), and a blocking hold would occupy one of its threads for as long as it
     waits, leaving none for other ``to_thread`` calls, a holder's own exit included.
     """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[R] = loop.create_future()
-    context = contextvars.copy_context()
-
-    def deliver(outcome: Callable[[], None]) -> None:  # the event loop's thread
-        if not future.done():
-            outcome()
-
-    def run() -> None:
-        try:
-            result = context.run(fn)
-        except BaseException as exc:
-            outcome = functools.partial(future.set_exception, exc)
-        else:
-            outcome = functools.partial(future.set_result, result)
-        with suppress(RuntimeError):  # the loop is closed: nobody awaits the outcome any more
-            loop.call_soon_threadsafe(deliver, outcome)
-
-    threading.Thread(target=run, name=name[:100], daemon=True).start()
-    return future
+    return in_thread(fn, lambda run: threading.Thread(target=run, name=name[:100], daemon=True).start())
 
 
 def _forget(lease: HeldLease) -> None:

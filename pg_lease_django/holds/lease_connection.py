@@ -170,7 +170,7 @@ class LeaseConnection:
             self._sending()
 
         try:
-            self._reset_timeout()
+            self.reset_timeout()
             if blocking:
                 grant = sync_driver.wait_and_acquire(
                     self.wrapper, key, owner, ttl, wait, before_attempt=sending, interrupted=interrupted
@@ -304,7 +304,8 @@ class LeaseConnection:
         # grant or renewal happens after this instant, so its expiry is at least this + TTL.
         self.sent_at = time.monotonic()
 
-    def _reset_timeout(self) -> None:
+    def reset_timeout(self) -> None:
+        """Back to the session's default statement_timeout (a renewal's may be set), as Django's own connections run."""
         if self.timeout_ms is not None and not self.per_transaction:
             run.run(self.wrapper, statements.STATEMENT_TIMEOUT_RESET)
             self.timeout_ms = None

@@ -116,23 +116,38 @@ def schema_name(connection: BaseDatabaseWrapper) -> str:
         ImproperlyConfigured: no schema of the search_path has the lease table (the app is not
             migrated), or several do (set ``PG_LEASE_SCHEMA``).
     """
-    name = conf.schema() or _schemas.get(connection.alias)
+    name = known_schema(connection.alias)
     if name is None:
         with connection.cursor() as cursor:
             cursor.execute(queries()["schema_lookup"], ())
-            found = [row[0] for row in cursor.fetchall()]
-        if not found:
-            raise ImproperlyConfigured(
-                f"database {connection.alias!r} has no lease table (pg_lease_django_lease): "
-                f"run `manage.py migrate pg_lease_django --database {connection.alias}`"
-            )
-        if len(found) > 1:
-            raise ImproperlyConfigured(
-                f"several schemas on the search_path of database {connection.alias!r} have a "
-                f"pg_lease_django_lease table ({', '.join(sorted(found))}): set PG_LEASE_SCHEMA to the one "
-                "`manage.py migrate` installed the lease functions in"
-            )
-        name = _schemas[connection.alias] = found[0]
+            name = remember_schema(connection.alias, [row[0] for row in cursor.fetchall()])
+    return name
+
+
+def known_schema(alias: str) -> str | None:
+    """The schema of the lease functions in ``alias``'s database if known without asking the server
+    (``PG_LEASE_SCHEMA``, or looked up before in this process), else None."""
+    return conf.schema() or _schemas.get(alias)
+
+
+def remember_schema(alias: str, found: list[str]) -> str:
+    """The schema the ``schema_lookup`` statement ``found`` for ``alias``, remembered for the process.
+
+    Raises:
+        ImproperlyConfigured: none was found, or several: as `schema_name`.
+    """
+    if not found:
+        raise ImproperlyConfigured(
+            f"database {alias!r} has no lease table (pg_lease_django_lease): "
+            f"run `manage.py migrate pg_lease_django --database {alias}`"
+        )
+    if len(found) > 1:
+        raise ImproperlyConfigured(
+            f"several schemas on the search_path of database {alias!r} have a "
+            f"pg_lease_django_lease table ({', '.join(sorted(found))}): set PG_LEASE_SCHEMA to the one "
+            "`manage.py migrate` installed the lease functions in"
+        )
+    name = _schemas[alias] = found[0]
     return name
 
 

@@ -5,8 +5,8 @@ interrupted, a statement on an async connection is cancelled with its task) with
 the sync executor keeps on Django's connections (``sql.confirmation``): a lease statement whose
 commit the synchronous standby did not confirm raises `UnconfirmedCommitError` here as there. Its
 statements are rendered for the lease app's schema and decoded by their own decoders (``sql.rows``).
-Errors are psycopg's: the caller maps them as Django's cursor would (the wait holds
-``connection.wrap_database_errors``).
+Errors are psycopg's: the caller maps them as Django's cursor would (the wait maps them with a
+Django connection object of its own, never the caller's, which another thread may be using).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql as pgsql
 
-from . import Statement, statements
+from . import Statement, queries, remember_schema, statements
 from .confirmation import UnconfirmedCommitNotices
 
 T = TypeVar("T")
@@ -26,20 +26,26 @@ T = TypeVar("T")
 class Session:
     """A psycopg async connection of the package's own, with its notice handler and the lease schema."""
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any], schema: str) -> None:
+    def __init__(self, conn: psycopg.AsyncConnection[Any], schema: str | None) -> None:
         self.conn = conn
         self.schema = schema
         self.notices = UnconfirmedCommitNotices(conn)
         self._rendered: dict[str, str] = {}
 
     @classmethod
-    async def connect(cls, params: dict[str, Any], schema: str, *, role: str | None, listen: bool) -> Session:
-        """Open one with ``params`` (psycopg's connect() arguments); ``role``: ``SET ROLE`` it (Django's
-        ``assume_role``); ``listen``: ``LISTEN`` for releases."""
+    async def connect(
+        cls, params: dict[str, Any], alias: str, *, schema: str | None, role: str | None, listen: bool
+    ) -> Session:
+        """Open one with ``params`` (psycopg's connect() arguments) to ``alias``'s database; ``schema``:
+        the lease schema, None to look it up on this connection (`sql.remember_schema`); ``role``: ``SET
+        ROLE`` it (Django's ``assume_role``); ``listen``: ``LISTEN`` for releases."""
         session = cls(await psycopg.AsyncConnection.connect(**params), schema)
         try:
             if role:
                 await session.run(statements.SET_ROLE, role=pgsql.Identifier(role))
+            if schema is None:  # as the role sees it, after SET ROLE
+                found = await (await session.conn.execute(queries()["schema_lookup"])).fetchall()
+                session.schema = remember_schema(alias, [row[0] for row in found])
             if listen:
                 await session.run(statements.LISTEN)
         except BaseException:

@@ -150,7 +150,7 @@ def state(row: Params, params: Params) -> LeaseState:
 
 def renewal(row: Params, params: Params) -> Renewal:
     """A renewal's row (sent: key, owner, epoch, ttl), or the `LeaseLostError` of its verdict."""
-    outcome, expires_at, _server_time, handoff_requested = row
+    outcome, expires_at, handoff_requested = row
     _raise_unless_ok(outcome, "renew", *params[:3])
     return Renewal(expires_at, bool(handoff_requested))
 

@@ -1,10 +1,13 @@
 """The blocking acquire on the event loop: `wait.plan` driven on an async psycopg connection (``aacquire``).
 
-Nothing here is public API (see docs/async.md). No thread is held while waiting: the waiter opens a
-connection of its own from the caller's database settings (a `sql.arun.Session`), attempts and
-LISTENs there, and closes it when the call returns, raises or is cancelled. When the caller's
-connection is in a transaction, the attempts run there instead and the waiter polls. An attempt
-cut short by a cancellation is settled (`wait.settling.asettle`) before the cancellation goes on.
+Nothing here is public API (see docs/async.md). The first try is the caller's (``first_try``: the
+way a non-blocking ``aacquire`` goes), so a free key costs no more than one. Refused, the wait holds
+no thread: the waiter opens a connection of its own from the alias's database settings (a
+`sql.arun.Session`), attempts and LISTENs there, and closes it when the call returns, raises or is
+cancelled; its errors are mapped to Django's by a connection object of its own, never the caller's
+(another thread's, which ``errors_occurred`` would mark). When the caller's connection is in a
+transaction, the attempts run there instead and the waiter polls. An attempt cut short by a
+cancellation is settled (`wait.settling.asettle`) before the cancellation goes on.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,8 +23,9 @@ from typing import Any
 
 import psycopg
 from asgiref.sync import sync_to_async
+from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.utils import DatabaseErrorWrapper
+from django.db.utils import DatabaseErrorWrapper, load_backend
 
 from pg_lease_django import conf, operations, sql
 from pg_lease_django.metrics import hooks as metrics
@@ -29,29 +33,41 @@ from pg_lease_django.operations import Attempt, Grant
 from pg_lease_django.sql import statements
 from pg_lease_django.sql.arun import Session
 
-from .plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, TryOnce, advance, wait_plan
+from .plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
 from .settling import asettle, settled_anyway
 
 logger = logging.getLogger(__name__)
 
+Plan = Generator[Step, Any, Grant]
+
 
 @dataclass(frozen=True)
 class _OwnWait:
-    """What an async blocking acquire takes from the caller's connection to wait on one of its own."""
+    """What an async blocking acquire takes from the alias's settings to wait on a connection of its own."""
 
-    schema: str  # the lease app's schema in that database
+    alias: str  # the database's
     connect: dict[str, Any]  # psycopg.AsyncConnection.connect() arguments
     role: str | None  # OPTIONS["assume_role"], set as Django's backend sets it on its connections
     listen: bool
-    errors: DatabaseErrorWrapper  # Django's mapping of psycopg's errors, as for every other call
+    errors: DatabaseErrorWrapper  # Django's mapping of psycopg's errors, on a connection object of its own
 
 
 async def await_and_acquire(
-    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, wait: timedelta | None
+    connection_of: Callable[[], BaseDatabaseWrapper],
+    alias: str,
+    key: str,
+    owner: str,
+    ttl: timedelta,
+    wait: timedelta | None,
+    *,
+    first_try: Callable[[], Awaitable[Attempt]],
+    in_transaction: bool,
 ) -> Grant:
     """`wait_and_acquire` for the event loop: the same plan, and no thread held while waiting.
 
-    ``connection_of`` returns the caller's connection; it is called in Django's thread for sync code
+    ``first_try`` makes the first attempt as a non-blocking call does; the wait begins only if it is
+    refused. ``in_transaction``: the caller's connection to ``alias`` is in a transaction, so the
+    attempts run there: ``connection_of`` returns it, and is called in Django's thread for sync code
     (``sync_to_async``), where that is the connection the caller's other ORM calls use.
 
     Raises:
@@ -63,15 +79,17 @@ async def await_and_acquire(
             (a grant that survives a failover is fenced by the next one).
     """
     with metrics.waiting(key):
-        return await _await_and_acquire(connection_of, key, owner, ttl, wait)
+        started = time.monotonic()
+        grant = (await first_try()).grant(key)
+        if grant is not None:
+            return grant
+        plan = wait_plan(key, owner, wait, rejoin=not in_transaction, since=started)
+        if in_transaction:
+            return await _poll_in_transaction(connection_of, key, owner, ttl, plan)
+        return await _await_and_acquire(_own_wait(alias, owner), key, owner, ttl, plan)
 
 
-async def _await_and_acquire(
-    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, wait: timedelta | None
-) -> Grant:
-    own = await sync_to_async(_own_wait)(connection_of, owner)
-    if own is None:
-        return await _poll_in_transaction(connection_of, key, owner, ttl, wait)
+async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta, plan: Plan) -> Grant:
     # Each attempt is one statement (ACQUIRE, or ACQUIRE_OR_REGISTER when it listens) on the
     # waiter's own connection rather than an attempt in a thread: a thread cannot be interrupted,
     # so an attempt stuck behind a row lock when the task is cancelled would run on and could
@@ -79,7 +97,6 @@ async def _await_and_acquire(
     # and waits for it to end. No thread is taken even for the attempts, and, as in acquire(),
     # LISTEN and attempts share one session: a release committed while an attempt is in flight
     # is queued there, not missed. A lost connection (the server crashed, a failover) is opened again.
-    plan = wait_plan(key, owner, wait, rejoin=True)
     attempt = statements.ACQUIRE_OR_REGISTER if own.listen else statements.ACQUIRE
     attempting = False  # an attempt's statement is in flight: its outcome unknown if interrupted
     with own.errors:
@@ -98,7 +115,9 @@ async def _await_and_acquire(
                 answer: Any
                 try:
                     if session is None:
-                        session = await Session.connect(own.connect, own.schema, role=own.role, listen=own.listen)
+                        session = await Session.connect(
+                            own.connect, own.alias, schema=sql.known_schema(own.alias), role=own.role, listen=own.listen
+                        )
                     if isinstance(step, TryOnce):
                         params: list[Any] = [key, owner, ttl, step.register_for][: 4 if own.listen else 3]
                         attempting = True
@@ -138,12 +157,11 @@ async def _await_and_acquire(
 
 
 async def _poll_in_transaction(
-    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, wait: timedelta | None
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, plan: Plan
 ) -> Grant:
     """The caller's connection is in a transaction: the grant must belong to it, so the attempts run
     there (in its thread) and the waiter polls, as acquire() does there. An attempt in flight when
     the task is cancelled finishes in that thread. A lost connection took the transaction: raised."""
-    plan = wait_plan(key, owner, wait, rejoin=False)
     step = advance(plan, None)
     while not isinstance(step, Granted):
         if isinstance(step, TryOnce):
@@ -159,31 +177,31 @@ def _attempt_on(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owne
     return operations.attempt(connection_of(), key, owner, ttl)
 
 
-def _own_wait(connection_of: Callable[[], BaseDatabaseWrapper], owner: str) -> _OwnWait | None:
-    """How an async blocking acquire waits on a connection of its own; None when the caller's is in a transaction."""
-    connection = connection_of()
-    # Asked without opening the caller's connection: the attempts will not run on it.
-    opened = connection.connection is not None
-    if not (connection.get_autocommit() if opened else connection.settings_dict["AUTOCOMMIT"]):
-        return None
-    # Django's own translation of the alias's settings into connect() arguments (the test
-    # database's name during tests; OPTIONS["pool"] and "isolation_level" left out), as the
-    # heartbeat's LeaseConnection gets through its wrapper. Django's cursor classes are sync:
-    # use psycopg's async class with the same (client- or server-side) parameter binding.
-    params = connection.get_connection_params()
+def _own_wait(alias: str, owner: str) -> _OwnWait:
+    """How an async blocking acquire waits on a connection of its own to ``alias``'s database.
+
+    Made from the alias's settings with a Django connection object of the waiter's own, never
+    connected: the caller's is neither opened nor touched (it may be another thread's).
+    """
+    settings = connections.settings[alias]  # the test database's name during tests
+    private = load_backend(settings["ENGINE"]).DatabaseWrapper(settings, alias)
+    # Django's own translation of the alias's settings into connect() arguments (OPTIONS["pool"] and
+    # "isolation_level" left out), as the heartbeat's LeaseConnection gets through its wrapper.
+    # Django's cursor classes are sync: use psycopg's async class with the same (client- or
+    # server-side) parameter binding.
+    params = private.get_connection_params()
     client_side = issubclass(params.pop("cursor_factory", psycopg.ClientCursor), psycopg.ClientCursor)
     params.update(
         autocommit=True,
         cursor_factory=psycopg.AsyncClientCursor if client_side else psycopg.AsyncCursor,
         application_name=f"pg_lease_django wait {owner}"[:63],
     )
-    listen = conf.listen_enabled()
     return _OwnWait(
-        schema=sql.schema_name(connection),
+        alias=alias,
         connect=params,
-        role=connection.settings_dict["OPTIONS"].get("assume_role"),
-        listen=listen,
-        errors=connection.wrap_database_errors,
+        role=settings["OPTIONS"].get("assume_role"),
+        listen=conf.listen_enabled(),
+        errors=private.wrap_database_errors,
     )
 
 

@@ -104,15 +104,24 @@ class Lost:
 
 
 def wait_plan(
-    key: str, owner: str, wait: timedelta | None, *, rejoin: bool, clock: Clock = time.monotonic
+    key: str,
+    owner: str,
+    wait: timedelta | None,
+    *,
+    rejoin: bool,
+    clock: Clock = time.monotonic,
+    since: float | None = None,
 ) -> Generator[Step, Any, Grant]:
     """Attempt until granted, pausing after each refusal; None ``wait``: no deadline.
+
+    ``since``: when the wait began on ``clock`` (the async wait's first try is made before the plan
+    starts, and counts); None: now.
 
     ``rejoin``: a lost connection is reconnected (outside a transaction; inside one the transaction
     is gone, and so is the wait). Only a connection that answered an attempt of this wait is rejoined:
     one that never could (a server down, wrong settings) fails the call at once, as any other call.
     """
-    deadline = None if wait is None else clock() + wait.total_seconds()
+    deadline = None if wait is None else (clock() if since is None else since) + wait.total_seconds()
     rejoining = _Rejoin(key, deadline, clock) if rejoin else None
     wakes = _WakeBudget(clock())
     refused: Attempt | None = None  # the last refused attempt

@@ -6,7 +6,7 @@ transaction both are settled here before the interruption goes on: the statement
 cancelled on the server and waited out, a grant found in the owner's name is released, a release is
 sent again (`settle`, `complete_release`, both run `to_the_end` although interrupted again). Inside
 the caller's transaction, that transaction owns them. The one-attempt and one-release calls of
-`Lease.objects` (`acquire_once`, `aacquire_once`, `release_once`) are here, as the blocking wait
+`Lease.objects` (`acquire_once`, `release_once`) are here, as the blocking wait
 (`wait.sync_driver`, `wait.async_driver`) and the hold's connection (`holds.lease_connection`) use these rules.
 """
 
@@ -24,7 +24,6 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-from asgiref.sync import sync_to_async
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from pg_lease_django import operations
@@ -88,56 +87,6 @@ def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: tim
         raise
 
 
-async def aacquire_once(
-    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta
-) -> Grant | None:
-    """`acquire_once` for the event loop (`Lease.objects.aacquire` without ``blocking``).
-
-    The statement runs in Django's thread for sync code (``sync_to_async``), on the caller's
-    connection, as Django's async ORM runs its own. A thread cannot be cancelled: when the task is
-    cancelled (``asyncio.timeout`` too) while the statement runs outside a transaction, the statement
-    is cancelled on the server (psycopg's ``cancel_safe``, again until its thread has returned), and
-    a grant it had committed is released, before the cancellation goes on; a second cancellation
-    does not cut that short (`settled_anyway`). Inside a transaction the attempt is the
-    transaction's: it finishes in its thread.
-    """
-    started: list[Any] = []  # the psycopg connection the attempt runs on; None: in a transaction
-    abandoned = False
-
-    def attempt() -> Grant | None:
-        if abandoned:
-            return None  # cancelled before it was sent
-        connection = connection_of()
-        if not commits_on_its_own(connection):
-            started.append(None)
-            return operations.acquire(connection, key, owner, ttl)
-        connection.ensure_connection()
-        started.append(connection.connection)
-        return acquire_once(connection, key, owner, ttl)
-
-    running = asyncio.ensure_future(sync_to_async(attempt)())
-
-    async def settle_it() -> None:
-        loop = asyncio.get_running_loop()
-        while not running.done() and None not in started:
-            if started:
-                await loop.run_in_executor(None, _cancel_statement, started[0])
-            await asyncio.wait({running}, timeout=0.05)
-        if running.done() and not running.cancelled():
-            running.exception()  # its own outcome (a grant, QueryCanceled) is the settling's to judge
-            if started and None not in started:
-                # Its statement has ended (cancelled, or answered before the cancel came): settled
-                # as every interrupted attempt is, in Django's thread, with nothing left to wait out.
-                await sync_to_async(_settle_answered)(connection_of, key, owner)
-
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        abandoned = True
-        await settled_anyway(settle_it(), f"the cancelled acquire of {key!r} by {owner!r}")
-        raise
-
-
 #: The longest a cancelled task waits for its settling when cancelled again meanwhile: waiting out
 #: the statement (`SETTLE_WITHIN`), then a row lock for the release (`SETTLE_WITHIN`), and slack.
 SETTLE_BOUND = 3 * SETTLE_WITHIN
@@ -164,16 +113,6 @@ async def settled_anyway(settling: Coroutine[Any, Any, None], what: str) -> None
             return
     if not task.cancelled() and (error := task.exception()) is not None:
         logger.warning("settling %s failed", what, exc_info=error)
-
-
-def _settle_answered(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str) -> None:
-    settle(connection_of(), key, owner, None)
-
-
-def _cancel_statement(raw: Any) -> None:
-    # A cancel request that arrives while the session is idle is ignored by the server.
-    with suppress(Exception):
-        raw.cancel_safe(timeout=SETTLE_WITHIN)
 
 
 def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
