@@ -248,3 +248,56 @@ def test_the_multi_tenant_deployment_of_the_docs_works_from_every_seat_and_refus
         stored = owner.execute("SELECT amount, lease_key FROM testapp_invoice WHERE id = %s", [a_row]).fetchone()
         planted = owner.execute("SELECT count(*) FROM testapp_invoice WHERE status = 'planted'").fetchone()
     assert stored == (7, a_key) and planted == (0,)
+
+
+def one_line(done: subprocess.CompletedProcess[str], status: int, *words: str) -> str:
+    """The one line a command that failed as expected wrote to stderr: no traceback, no log noise."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == status and len(lines) == 1, (done.returncode, done.stderr)
+    assert all(word in lines[0] for word in words), (words, lines[0])
+    return lines[0]
+
+
+REFUSED_HOLDS = """
+from pg_lease_django import hold, leased
+errors = []
+for timeout in (None, 1):
+    try:
+        with hold({key!r}, 10, blocking=timeout is not None, timeout=timeout):
+            pass
+    except Exception as exc:
+        errors.append(type(exc).__name__)
+
+@leased({key!r}, ttl=10)
+def job():
+    pass
+
+try:
+    job()
+except Exception as exc:
+    errors.append(type(exc).__name__)
+print(json.dumps(errors))
+"""
+
+
+def test_a_worker_is_told_busy_timed_out_or_out_of_scope_in_one_line(deployment: Deployment) -> None:
+    """Issue 51, items 1 and 3: ``leases run`` from a worker's seat exits 75 busy and 77 timed out,
+    naming the holder through the inspect function (the lease table is the operators'); a key out of
+    its scope is one line from ``leases run``, ``hold()`` and ``@leased``, nothing settled."""
+    d = deployment
+    prefixes = {tenant: d.settings["PG_LEASE_KEY_SCOPES"][d.roles[f"tenant_{tenant}"]][0] for tenant in "ab"}
+    key = prefixes["a"] + "nightly"
+    with d.connect("tenant_a_web") as a:
+        a.execute("SELECT * FROM public.pg_lease_acquire(%s::text, 'other-host'::text, '60 seconds'::interval)", [key])
+    run = ("-m", "django", "leases", "run")
+    busy = d.run("tenant_a_web", *run, key, "--ttl", "10", "--", "true", check=False)
+    one_line(busy, 75, "'other-host'", "epoch 1")
+    waited = d.run("tenant_a_web", *run, key, "--ttl", "10", "--wait", "0.5", "--", "true", check=False)
+    one_line(waited, 77, "timed out", "'other-host'")
+    foreign = prefixes["b"] + "nightly"
+    refused = d.run("tenant_a_web", *run, foreign, "--ttl", "10", "--", "true", check=False)
+    one_line(refused, 1, "may not use lease key")
+    refused = d.run("tenant_a_web", *run, foreign, "--ttl", "10", "--wait", "1", "--", "true", check=False)
+    one_line(refused, 1, "may not use lease key")
+    done = d.run("tenant_a_web", "-c", "import django, json\ndjango.setup()\n" + REFUSED_HOLDS.format(key=foreign))
+    assert json.loads(done.stdout) == ["ProgrammingError"] * 3 and not done.stderr.strip(), done.stderr
