@@ -9,8 +9,11 @@ for the test's). Only the ``default`` alias: the deployment's database is the on
 import json
 import os
 
+from devkit.settings_common import INSTALLED_APPS as DEVKIT_APPS
 from tests.settings import *  # noqa: F403
 from tests.settings import DATABASES
 
 DATABASES = {"default": DATABASES["default"]}
+INSTALLED_APPS = DEVKIT_APPS  # not the suite's app of an old release (its W009 is no seat's to fix)
+del PG_LEASE_METRICS_MAX_LABELS  # noqa: F821 (the suite's; the deployment keeps the default)
 globals().update(json.loads(os.environ["PG_LEASE_DEPLOYMENT_SETTINGS"]))

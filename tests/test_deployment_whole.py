@@ -301,3 +301,28 @@ def test_a_worker_is_told_busy_timed_out_or_out_of_scope_in_one_line(deployment:
     one_line(refused, 1, "may not use lease key")
     done = d.run("tenant_a_web", "-c", "import django, json\ndjango.setup()\n" + REFUSED_HOLDS.format(key=foreign))
     assert json.loads(done.stdout) == ["ProgrammingError"] * 3 and not done.stderr.strip(), done.stderr
+
+
+SEATS = ("tenant_a_web", "app_operator", "app_monitor", "app_owner")
+
+
+def test_check_is_silent_from_every_correctly_set_up_seat(deployment: Deployment) -> None:
+    """Issue 51, item 2: ``check`` and ``check --database default`` (which docs/errors.md tells every
+    seat to run) say nothing from a seat set up as the docs say: no crash where a role may not read
+    ``django_migrations``, no W008 about what only the owner may compare."""
+    d = deployment
+    tenant = pgsql.Identifier(d.roles["tenant_a"])
+    for readable in (False, True):  # and once a tenant may read which migrations are applied
+        with d.connect("app_owner") as owner:
+            owner.execute(
+                pgsql.SQL("{} SELECT ON django_migrations {} {}").format(
+                    pgsql.SQL("GRANT" if readable else "REVOKE"), pgsql.SQL("TO" if readable else "FROM"), tenant
+                )
+            )
+        for seat in SEATS[: None if not readable else 1]:
+            for args in (("check",), ("check", "--database", "default")):
+                done = d.run(seat, "-m", "django", *args, check=False)
+                assert done.returncode == 0 and "Traceback" not in done.stderr, (seat, args, done.stderr)
+                assert "pg_lease_django." not in done.stdout + done.stderr, (seat, args, done.stderr)
+    with d.connect("app_owner") as owner:
+        owner.execute(pgsql.SQL("REVOKE SELECT ON django_migrations FROM {}").format(tenant))

@@ -22,15 +22,10 @@ def check_lease_table_is_reachable(
     recorded as applied but the connection cannot see the table (another schema, a changed
     search_path, a restored dump without it).
     """
-    from django.db.migrations.recorder import MigrationRecorder
-
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
         connection = connections[alias]
-        if connection.vendor != "postgresql":
-            continue
-        recorder = MigrationRecorder(connection)
-        if not recorder.has_table() or not any(app == "pg_lease_django" for app, _ in recorder.applied_migrations()):
+        if connection.vendor != "postgresql" or not recorded_migrations(connection):
             continue
         if not run.one(connection, statements.LEASE_TABLE_VISIBLE):
             warnings.append(
@@ -58,15 +53,12 @@ def check_lease_migrations_are_complete(
     """
     from django.db.migrations.exceptions import NodeNotFoundError
     from django.db.migrations.loader import MigrationLoader
-    from django.db.migrations.recorder import MigrationRecorder
 
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
         connection = connections[alias]
-        if connection.vendor != "postgresql":
+        if connection.vendor != "postgresql" or (recorded := recorded_migrations(connection)) is None:
             continue
-        recorder = MigrationRecorder(connection)
-        recorded = {name for app, name in recorder.applied_migrations() if app == "pg_lease_django"}
         replaced = [name for app, name in _baseline().replaces if app == "pg_lease_django"]
         unfinished = [name for name in replaced if name not in recorded]
         if recorded & set(replaced) and unfinished:
@@ -97,6 +89,22 @@ def check_lease_migrations_are_complete(
                 )
             )
     return warnings
+
+
+def recorded_migrations(connection: Any) -> set[str] | None:
+    """The lease app's migrations ``connection``'s database records as applied (none without a
+    ``django_migrations`` table); None where this role may not read it: a worker's or the monitor's
+    seat cannot compare what only the owner's ``migrate`` changes, so its checks say nothing of it."""
+    from django.db.migrations.recorder import MigrationRecorder
+
+    recorder = MigrationRecorder(connection)
+    try:
+        with transaction.atomic(using=connection.alias):  # a refused read must not break the connection
+            if not recorder.has_table():
+                return set()
+            return {name for app, name in recorder.applied_migrations() if app == "pg_lease_django"}
+    except DatabaseError:
+        return None
 
 
 def _baseline() -> Any:
@@ -230,16 +238,7 @@ def check_declared_roles_are_granted(
             with transaction.atomic(using=alias):  # a refused read must not break the checks' connection
                 stored = privileges.stored_key_scopes(alias)
         except DatabaseError:
-            stored = None
-            if wanted:
-                warnings.append(
-                    checks.Warning(
-                        f"database {alias!r}: this role may not read the key scopes the database enforces "
-                        "(pg_lease_django_key_scope), so they could not be compared with PG_LEASE_KEY_SCOPES.",
-                        hint=f"Run, as the lease functions' owner: manage.py leases grant --check --database {alias}",
-                        id="pg_lease_django.W008",
-                    )
-                )
+            stored = None  # only the owner may read them: its check and migrate compare them, not this seat's
         for role in privileges.absent_roles(sorted(wanted), alias):
             warnings.append(
                 checks.Warning(
@@ -356,11 +355,11 @@ def check_lease_database_without_database_option(
     opened = connection.connection is None
     if connection.vendor != "postgresql" or (opened and not _answers_at_once(connection)):
         return []
-    from django.db.migrations.recorder import MigrationRecorder
-
     try:
-        recorder = MigrationRecorder(connection)
-        if not recorder.has_table() or not any(app == "pg_lease_django" for app, _ in recorder.applied_migrations()):
+        recorded = recorded_migrations(connection)
+        if recorded is None:
+            return []  # a seat that may not read django_migrations: the owner's check says it
+        if not recorded:
             return [
                 checks.Warning(
                     f"database {alias!r} holds no lease tables: pg_lease_django is not migrated there, so every "
