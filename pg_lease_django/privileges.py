@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 from psycopg import sql as pgsql
 
-from . import conf, sql
+from . import conf, seats, sql
 from .sql import Statement, run, statements
 
 
@@ -400,6 +400,11 @@ def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwa
         granted = grant(using)
     except ImproperlyConfigured as exc:
         stdout.write(f"  pg_lease_django: {exc}\n")
+        return
+    except DatabaseError as exc:  # a role that may migrate Django's tables, not write the lease grants
+        if not seats.denied(exc):
+            raise
+        stdout.write(f"  pg_lease_django: grants and key scopes not synced: {seats.remedy(using, 'migrate')}\n")
         return
     if granted and verbosity >= 1:
         roles = sorted({g.role for g in granted})

@@ -62,13 +62,13 @@ class Deployment:
         pattern = r"\b(" + "|".join((*NAMES, "billing_invoice")) + r")\b"
         return re.sub(pattern, lambda m: "testapp_invoice" if m[1] == "billing_invoice" else self.roles[m[1]], text)
 
-    def url(self, page_role: str) -> str:
+    def url(self, page_role: str, database: str | None = None) -> str:
         server = psycopg.conninfo.conninfo_to_dict(conninfo())
         host, port = str(server.get("host") or "127.0.0.1"), str(server.get("port") or "5432")
-        user = quote(self.roles[page_role], safe="")
+        user, name = quote(self.roles[page_role], safe=""), database or self.database
         if host.startswith("/"):
-            return f"postgresql://{user}@:{port}/{self.database}?host={quote(host, safe='')}"
-        return f"postgresql://{user}@{host}:{port}/{self.database}"
+            return f"postgresql://{user}@:{port}/{name}?host={quote(host, safe='')}"
+        return f"postgresql://{user}@{host}:{port}/{name}"
 
     def connect(self, page_role: str) -> psycopg.Connection[Any]:
         return psycopg.connect(
@@ -76,12 +76,14 @@ class Deployment:
             autocommit=True,
         )
 
-    def run(self, page_role: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """A Django process of the deployment, logging in as ``page_role``."""
+    def run(
+        self, page_role: str, *args: str, check: bool = True, database: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """A Django process of the deployment, logging in as ``page_role`` (to ``database``: another one)."""
         env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
         env.update(
             DJANGO_SETTINGS_MODULE="tests.deployment_settings",
-            DATABASE_URL=self.url(page_role),
+            DATABASE_URL=self.url(page_role, database),
             PG_LEASE_DEPLOYMENT_SETTINGS=json.dumps(self.settings),
             PYTHONPATH=str(REPO),
         )
@@ -326,3 +328,73 @@ def test_check_is_silent_from_every_correctly_set_up_seat(deployment: Deployment
                 assert "pg_lease_django." not in done.stdout + done.stderr, (seat, args, done.stderr)
     with d.connect("app_owner") as owner:
         owner.execute(pgsql.SQL("REVOKE SELECT ON django_migrations FROM {}").format(tenant))
+
+
+def test_a_command_from_the_wrong_seat_names_the_seat_to_use(deployment: Deployment) -> None:
+    """Issue 51, item 4: an operator's command as a worker, ``leases grant`` as the operator,
+    ``migrate`` as a worker, an undeclared login role, sqlite, an unmigrated database with
+    ``PG_LEASE_SCHEMA`` set: each is one line naming the role or the setting to use."""
+    d = deployment
+    owner, operator, web = d.roles["app_owner"], d.roles["app_operator"], d.roles["tenant_a_web"]
+    key = d.settings["PG_LEASE_KEY_SCOPES"][d.roles["tenant_a"]][0] + "seats"
+    one_line(
+        d.run("tenant_a_web", "-m", "django", "leases", "list", check=False), 1, "PG_LEASE_OPERATOR_ROLES", operator
+    )
+    one_line(d.run("tenant_a_web", "-m", "django", "leases", "show", key, check=False), 1, operator, web)
+    for args in (("grant",), ("grant", "--check")):
+        one_line(d.run("app_operator", "-m", "django", "leases", *args, check=False), 1, f"as role {owner}")
+    one_line(d.run("tenant_a_web", "-m", "django", "migrate", "--noinput", check=False), 1, f"as role {owner}")
+    sqlite = d.run(
+        "app_owner",
+        "-m",
+        "django",
+        "leases",
+        "run",
+        key,
+        "--ttl",
+        "9",
+        "--database",
+        "sqlite",
+        "--",
+        "true",
+        check=False,
+    )
+    one_line(sqlite, 2, "ENGINE is 'django.db.backends.postgresql'", "DATABASE_ROUTERS")
+    stray, empty = f"pgl_{d.tag}_stray", f"pgl_{d.tag}_empty"
+    d.roles["stray"] = stray
+    with psycopg.connect(psycopg.conninfo.make_conninfo(conninfo(), dbname=d.database), autocommit=True) as admin:
+        admin.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(pgsql.Identifier(stray)))
+        try:
+            admin.execute(pgsql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(pgsql.Identifier(stray)))
+            refused = d.run("stray", "-m", "django", "leases", "run", key, "--ttl", "9", "--", "true", check=False)
+            one_line(refused, 1, f"role {stray} may not call", "PG_LEASE_WORKER_ROLES", f"as role {owner}")
+            # An undeclared grant: `leases grant --check` points at the REVOKE it printed, not at itself.
+            admin.execute(
+                pgsql.SQL("GRANT SELECT ON public.pg_lease_django_lease TO {}").format(pgsql.Identifier(stray))
+            )
+            checked = d.run("app_owner", "-m", "django", "leases", "grant", "--check", check=False)
+            assert "REVOKE SELECT ON" in checked.stdout and stray in checked.stdout, checked.stdout
+            one_line(checked, 1, "run the REVOKE lines above")
+            # An unmigrated database, PG_LEASE_SCHEMA set (as the page says): the error names migrate.
+            admin.execute(
+                pgsql.SQL("CREATE DATABASE {} OWNER {}").format(pgsql.Identifier(empty), pgsql.Identifier(owner))
+            )
+            unmigrated = d.run(
+                "app_owner",
+                "-m",
+                "django",
+                "leases",
+                "run",
+                key,
+                "--ttl",
+                "9",
+                "--",
+                "true",
+                check=False,
+                database=empty,
+            )
+            one_line(unmigrated, 1, "PG_LEASE_SCHEMA", "manage.py migrate")
+        finally:
+            admin.execute(pgsql.SQL("DROP DATABASE IF EXISTS {}").format(pgsql.Identifier(empty)))
+            admin.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(stray)))
+            admin.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(stray)))

@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "views",
             "metrics.database_view",
             "privileges",
+            "seats",
             "patroni",
         },
     ),

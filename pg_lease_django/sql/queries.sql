@@ -203,6 +203,13 @@ SELECT EXISTS (
    WHERE n.nspname = %s AND c.relname = %s
 )
 
+-- seat --
+-- Who this session logged in as, and who owns a relation (the lease table, django_migrations): a
+-- refusal from the wrong seat names the role to use (NULL where the relation is not there).
+SELECT session_user::text,
+       (SELECT pg_catalog.pg_get_userbyid(c.relowner)::text
+          FROM pg_catalog.pg_class c WHERE c.oid = pg_catalog.to_regclass(%s::text))
+
 -- function_exists --
 SELECT pg_catalog.to_regprocedure(%s) IS NOT NULL
 

@@ -79,6 +79,7 @@ STATUS_FUNCTION: Statement[Any] = Statement("status_function")
 
 RELATION_EXISTS: Statement[bool] = Statement("relation_exists", rows.scalar)
 FUNCTION_EXISTS: Statement[bool] = Statement("function_exists", rows.scalar)
+SEAT: Statement[tuple[Any, ...]] = Statement("seat")
 LEASE_TABLE_VISIBLE: Statement[bool] = Statement("lease_table_visible", rows.scalar)
 FENCE_TRIGGERS: Statement[tuple[Any, ...]] = Statement("fence_triggers")
 HISTORY_SCOPE: Statement[str] = Statement("history_scope", rows.scalar)
