@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -27,6 +28,7 @@ import psycopg
 import pytest
 from psycopg import sql as pgsql
 
+from devkit.dbserver import LocalServer, throwaway_datadir
 from tests.helpers import conninfo
 
 pytestmark = pytest.mark.xdist_group("cluster-roles")  # it expects W008 silent: beside the tests that make bypasses
@@ -398,3 +400,80 @@ def test_a_command_from_the_wrong_seat_names_the_seat_to_use(deployment: Deploym
             admin.execute(pgsql.SQL("DROP DATABASE IF EXISTS {}").format(pgsql.Identifier(empty)))
             admin.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(stray)))
             admin.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(stray)))
+
+
+PROBES_FROZEN = """
+import json, os, signal, sys
+import django
+django.setup()
+from django.core.management import call_command
+from django.test import RequestFactory
+from pg_lease_django.views import live, ready
+
+call_command("migrate", "pg_lease_django", verbosity=0)
+def probe(view, method="get"):
+    response = view(getattr(RequestFactory(), method)("/"))
+    return [response.status_code, response.content.decode()]
+answers = {"ready": probe(ready), "head": probe(ready, "head"), "live": probe(live)}
+print(json.dumps(answers), flush=True)
+sys.stdin.readline()  # the test freezes the server now
+answers = {"ready": probe(ready), "again": probe(ready), "live": probe(live), "head": probe(live, "head")}
+print(json.dumps(answers), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_the_probes_answer_while_the_database_is_frozen() -> None:
+    """Issue 51, item 6: with PostgreSQL frozen (SIGSTOP), ``ready`` answers 503 past its own bound
+    (``PG_LEASE_READY_TIMEOUT``), a second probe at once while the first check still hangs, and
+    ``live`` answers 200 meanwhile; HEAD gets the status and no body. Before, ``ready`` waited for
+    the database as long as it hung (the process below never answered)."""
+    server = LocalServer(throwaway_datadir("frozen-probes"))
+    server.start()
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    env.update(
+        DJANGO_SETTINGS_MODULE="tests.deployment_settings",
+        DATABASE_URL=server.url(),
+        PG_LEASE_DEPLOYMENT_SETTINGS=json.dumps({"PG_LEASE_READY_TIMEOUT": 1, "PG_LEASE_HEALTH_DETAILS": True}),
+        PYTHONPATH=str(REPO),
+    )
+    postmaster = int((server.datadir / "postmaster.pid").read_text().split()[0])
+    frozen: list[int] = []
+
+    def signal_server(signum: int) -> None:
+        # The postmaster first (it forks no one while stopped), then its children: each backend is
+        # the leader of a process group of its own.
+        children = subprocess.run(["pgrep", "-P", str(postmaster)], capture_output=True, text=True).stdout.split()
+        for pid in [postmaster, *map(int, children)]:
+            os.kill(pid, signum)
+            frozen.append(pid)
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", PROBES_FROZEN],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        before = json.loads(child.stdout.readline())
+        assert before["ready"][0] == 200 and before["live"][0] == 200, before
+        assert before["head"] == [200, ""], before
+        signal_server(signal.SIGSTOP)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        # Without the bound the child never answers: communicate() times out and the test fails.
+        out, _ = child.communicate(timeout=120)
+        during = json.loads(out.strip().splitlines()[-1])
+        assert during["ready"][0] == 503 and "PG_LEASE_READY_TIMEOUT" in during["ready"][1], during
+        assert during["again"][0] == 503 and "has not returned" in during["again"][1], during
+        assert during["live"][0] == 200 and during["head"] == [200, ""], during
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+        server.destroy()
