@@ -22,6 +22,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, tran
 from psycopg import sql as pgsql
 
 from . import conf, seats, sql
+from .metrics import database_view
 from .sql import Statement, run, statements
 
 
@@ -279,6 +280,7 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     absent, lacking = missing(using)
     sync_key_scopes(using)
     sync_role_limits(using)
+    database_view.sync_metrics_rule(using)
     if absent:
         raise ImproperlyConfigured(
             f"declared lease roles {', '.join(absent)} do not exist in database {using!r}'s cluster: "

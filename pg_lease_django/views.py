@@ -107,9 +107,14 @@ def _check() -> str | None:
         return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     finally:
         connections.close_all()  # this thread's own, never left idle
-    privileged, scope = row if row is not None else (False, None)
+    privileged, scope, monitors = row if row is not None else (False, None, False)
+    if not privileged and monitors:
+        return "this role is a monitor's (it reads the metrics, calls no lease function): probe its process with live"
     if not privileged:
-        return "this role may not run every lease function a worker needs: run manage.py leases grant"
+        return (
+            "this role may not run every lease function a worker needs: declare it (or a group role it is a "
+            "member of) in PG_LEASE_WORKER_ROLES, then run manage.py leases grant as the lease tables' owner"
+        )
     if scope == []:
         return "key scopes are configured and none applies to this role: every lease call would be refused"
     return None

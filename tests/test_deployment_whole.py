@@ -193,10 +193,12 @@ def test_the_multi_tenant_deployment_of_the_docs_works_from_every_seat_and_refus
         done = d.script(f"tenant_{tenant}_web", JOB.format(key=key))
         assert done["epoch"] >= 1 and done["probes"] == [{"status": "ok"}, {"status": "ok"}], done
         rows[tenant] = (key, done["pk"])
-    # The monitoring role scrapes the database's view: up, small, no key in it.
+    # The monitoring role scrapes the database's view: up, small, a series per tenant, no key in it.
     scraped = d.script("app_monitor", SCRAPE)
     assert scraped["up"] == ["pg_lease_db_up 1.0"] and scraped["series"] < 200, scraped
-    assert prefixes["a"] not in scraped["text"] and "invoices" not in scraped["text"]
+    for tenant in "ab":
+        assert f'pg_lease_db_leases{{prefix="{prefixes[tenant]}",state="held"}}' in scraped["text"], scraped["text"]
+    assert "invoices" not in scraped["text"]
     # The operator watches every tenant's leases.
     watched = json.loads(d.run("app_operator", "-m", "django", "leases", "watch", "--once", "--json").stdout)
     keys = json.dumps(watched)
@@ -477,3 +479,34 @@ def test_the_probes_answer_while_the_database_is_frozen() -> None:
         child.kill()
         child.wait()
         server.destroy()
+
+
+def test_the_monitor_reads_counts_by_the_databases_rule_never_keys(deployment: Deployment) -> None:
+    """Issue 51, item 5: ``pg_lease_metrics`` takes no separator, cap or rule from its caller (one
+    call per character read keys back); a callable ``PG_LEASE_METRICS_KEY_LABEL`` labels the process's
+    own metrics and leaves the database's view up for the monitor and the operator (it was down:
+    the per-key read is no seat's but the owner's); the monitor's ready probe names its own probe."""
+    d = deployment
+    with d.connect("app_monitor") as monitor:
+        with pytest.raises(psycopg.Error) as refused:
+            monitor.execute("SELECT * FROM public.pg_lease_metrics(':'::text, 1000000::integer, true)")
+        assert refused.value.sqlstate == "42883"  # no such function: no rule to pass
+        labels = {label for _kind, label, *_ in monitor.execute("SELECT * FROM public.pg_lease_metrics()")}
+    assert not any("invoices" in label or "nightly" in label for label in labels), labels
+    saved = dict(d.settings)
+    d.settings["PG_LEASE_METRICS_KEY_LABEL"] = "pg_lease_django.metrics.whole_key"
+    try:
+        for seat in ("app_monitor", "app_operator"):
+            scraped = d.script(seat, SCRAPE)
+            assert scraped["up"] == ["pg_lease_db_up 1.0"] and "invoices" not in scraped["text"], (seat, scraped)
+    finally:
+        d.settings = saved
+    probe = "from django.test import RequestFactory\nfrom pg_lease_django.views import live, ready\n"
+    probe += "print(json.dumps([json.loads(view(RequestFactory().get('/')).content) for view in (ready, live)]))"
+    d.settings["PG_LEASE_HEALTH_DETAILS"] = True
+    try:
+        ready, live = d.script("app_monitor", probe)
+    finally:
+        d.settings = saved
+    assert "probe its process with live" in ready["reason"] and "leases grant" not in ready["reason"], ready
+    assert live["status"] == "ok", live

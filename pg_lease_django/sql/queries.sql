@@ -111,11 +111,15 @@ SELECT CASE WHEN c.collname = 'default'
  WHERE a.attrelid = %s::pg_catalog.regclass AND a.attname = 'key'
 
 -- readiness --
--- Whether this role may run every function a worker needs (the app migrated, the grants made), and
--- the key prefixes it may use (NULL: every key; an empty array: none, every call refused).
-SELECT coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 'EXECUTE')), false),
-       {schema}.pg_lease_session_scope()
-  FROM {schema}.pg_lease_privileges() p WHERE p.role = 'worker' AND p.kind = 'FUNCTION'
+-- Whether this role may run every function a worker needs (the app migrated, the grants made), the
+-- key prefixes it may use (NULL: every key; an empty array: none, every call refused), and whether
+-- it may read the metrics (a monitor's seat, which calls no lease function).
+SELECT coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 'EXECUTE'))
+                  FILTER (WHERE p.role = 'worker'), false),
+       {schema}.pg_lease_session_scope(),
+       coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 'EXECUTE'))
+                  FILTER (WHERE p.role = 'monitor'), false)
+  FROM {schema}.pg_lease_privileges() p WHERE p.role IN ('worker', 'monitor') AND p.kind = 'FUNCTION'
 
 -- lock_timeout_local --
 -- A lock timeout for this transaction only (settling a release: it must not wait forever).
@@ -142,35 +146,9 @@ SELECT pg_catalog.pg_cancel_backend(a.pid) FROM pg_catalog.pg_stat_activity a
 -- Let a test database be flushed (TRUNCATE of the lease and fenced tables), for roles that may opt out.
 ALTER DATABASE {database} SET pg_lease.allow_truncate = on
 
--- work_mem_room --
--- Room for a hash of every key: the planner cannot estimate how many labels an expression yields,
--- guesses a group per row and sorts every row without it. For this transaction only, never lowered.
-SELECT pg_catalog.set_config('work_mem', '32MB', true)
- WHERE pg_catalog.pg_size_bytes(pg_catalog.current_setting('work_mem')) < 33554432
-
 -- metrics --
--- The database's view for Prometheus by label (pg_lease_metrics: separator, label cap, history on).
-SELECT kind, label, state, count, oldest_lapse FROM {schema}.pg_lease_metrics(%s::text, %s::integer, %s::boolean)
-
--- metrics_per_key --
--- The same per key, for a label rule of Python's (a callable): the lease rows by key and state
--- against one clock read, the waiters whose registration has not run out, and the ended tenures
--- (only with history on: a constant false filter skips the scan). An operator's: it reads the tables.
-WITH now AS MATERIALIZED (SELECT pg_catalog.clock_timestamp() AS t)
-SELECT 'lease', l.key, {schema}.pg_lease_status(l.owner, l.expires_at, now.t),
-       count(*)::float8, max(extract(epoch FROM now.t - l.expires_at))::float8
-  FROM {schema}.pg_lease_django_lease l, now
- GROUP BY 2, 3
-UNION ALL
-SELECT 'waiter', w.key, '', count(*)::float8, NULL
-  FROM {schema}.pg_lease_django_waiter w, now
- WHERE w.until > now.t
- GROUP BY 2
-UNION ALL
-SELECT 'tenure', t.key, t.end_reason, count(*)::float8, NULL
-  FROM {schema}.pg_lease_django_tenure t
- WHERE %s::boolean AND t.end_reason IS NOT NULL
- GROUP BY 2, 3
+-- The database's view for Prometheus by label (pg_lease_metrics: the rule is the database's).
+SELECT kind, label, state, count, oldest_lapse FROM {schema}.pg_lease_metrics()
 
 -- status_function --
 -- The lease functions' status rule, named for a Django Func over the lease table (querysets.StatusAt:
@@ -261,6 +239,15 @@ DELETE FROM {schema}.pg_lease_django_role_limit
 -- role_limits_add --
 INSERT INTO {schema}.pg_lease_django_role_limit (role, max_leases, max_tenures_per_key)
 SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::int[]), pg_catalog.unnest(%s::int[]))
+
+-- metrics_rule --
+-- The metrics' label rule the database holds: separator, label cap (no row before migration 0010).
+SELECT separator, max_labels FROM {schema}.pg_lease_django_metrics_rule
+
+-- metrics_rule_set --
+-- Set it (one row, whoever syncs at once: the second write wins, as the settings are the same).
+INSERT INTO {schema}.pg_lease_django_metrics_rule (id, separator, max_labels) VALUES (true, %s::text, %s::integer)
+ON CONFLICT (id) DO UPDATE SET separator = excluded.separator, max_labels = excluded.max_labels
 
 -- absent_roles --
 -- Which of these names are no role of the cluster (a typo, a rename, a drop).
