@@ -424,33 +424,77 @@ print(json.dumps(answers), flush=True)
 """
 
 
+class Frozen:
+    """A throwaway PostgreSQL server the test may freeze (SIGSTOP) and thaw, and Django processes on it."""
+
+    def __init__(self, server: LocalServer) -> None:
+        self.server = server
+        self.postmaster = int((server.datadir / "postmaster.pid").read_text().split()[0])
+        self.stopped: list[int] = []
+
+    def env(self, **settings: Any) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+        env.update(
+            DJANGO_SETTINGS_MODULE="tests.deployment_settings",
+            DATABASE_URL=self.server.url(),
+            PG_LEASE_DEPLOYMENT_SETTINGS=json.dumps(settings),
+            PYTHONPATH=str(REPO),
+        )
+        return env
+
+    def freeze(self) -> None:
+        # The postmaster first (it forks no one while stopped), then its children: each backend is
+        # the leader of a process group of its own.
+        children = subprocess.run(["pgrep", "-P", str(self.postmaster)], capture_output=True, text=True).stdout
+        for pid in [self.postmaster, *map(int, children.split())]:
+            os.kill(pid, signal.SIGSTOP)
+            self.stopped.append(pid)
+
+    def thaw(self) -> None:
+        while self.stopped:
+            os.kill(self.stopped.pop(), signal.SIGCONT)
+
+
+@pytest.fixture
+def frozen() -> Iterator[Frozen]:
+    server = LocalServer(throwaway_datadir("frozen"))
+    server.start()
+    made = Frozen(server)
+    try:
+        yield made
+    finally:
+        made.thaw()
+        server.destroy()
+
+
+PROBES_FROZEN = """
+import json, os, signal, sys
+import django
+django.setup()
+from django.core.management import call_command
+from django.test import RequestFactory
+from pg_lease_django.views import live, ready
+
+call_command("migrate", "pg_lease_django", verbosity=0)
+def probe(view, method="get"):
+    response = view(getattr(RequestFactory(), method)("/"))
+    return [response.status_code, response.content.decode()]
+answers = {"ready": probe(ready), "head": probe(ready, "head"), "live": probe(live)}
+print(json.dumps(answers), flush=True)
+sys.stdin.readline()  # the test freezes the server now
+answers = {"ready": probe(ready), "again": probe(ready), "live": probe(live), "head": probe(live, "head")}
+print(json.dumps(answers), flush=True)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_the_probes_answer_while_the_database_is_frozen() -> None:
+def test_the_probes_answer_while_the_database_is_frozen(frozen: Frozen) -> None:
     """Issue 51, item 6: with PostgreSQL frozen (SIGSTOP), ``ready`` answers 503 past its own bound
     (``PG_LEASE_READY_TIMEOUT``), a second probe at once while the first check still hangs, and
     ``live`` answers 200 meanwhile; HEAD gets the status and no body. Before, ``ready`` waited for
     the database as long as it hung (the process below never answered)."""
-    server = LocalServer(throwaway_datadir("frozen-probes"))
-    server.start()
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
-    env.update(
-        DJANGO_SETTINGS_MODULE="tests.deployment_settings",
-        DATABASE_URL=server.url(),
-        PG_LEASE_DEPLOYMENT_SETTINGS=json.dumps({"PG_LEASE_READY_TIMEOUT": 1, "PG_LEASE_HEALTH_DETAILS": True}),
-        PYTHONPATH=str(REPO),
-    )
-    postmaster = int((server.datadir / "postmaster.pid").read_text().split()[0])
-    frozen: list[int] = []
-
-    def signal_server(signum: int) -> None:
-        # The postmaster first (it forks no one while stopped), then its children: each backend is
-        # the leader of a process group of its own.
-        children = subprocess.run(["pgrep", "-P", str(postmaster)], capture_output=True, text=True).stdout.split()
-        for pid in [postmaster, *map(int, children)]:
-            os.kill(pid, signum)
-            frozen.append(pid)
-
+    env = frozen.env(PG_LEASE_READY_TIMEOUT=1, PG_LEASE_HEALTH_DETAILS=True)
     child = subprocess.Popen(
         [sys.executable, "-c", PROBES_FROZEN],
         cwd=REPO,
@@ -464,7 +508,7 @@ def test_the_probes_answer_while_the_database_is_frozen() -> None:
         before = json.loads(child.stdout.readline())
         assert before["ready"][0] == 200 and before["live"][0] == 200, before
         assert before["head"] == [200, ""], before
-        signal_server(signal.SIGSTOP)
+        frozen.freeze()
         child.stdin.write("go\n")
         child.stdin.flush()
         # Without the bound the child never answers: communicate() times out and the test fails.
@@ -474,39 +518,39 @@ def test_the_probes_answer_while_the_database_is_frozen() -> None:
         assert during["again"][0] == 503 and "has not returned" in during["again"][1], during
         assert during["live"][0] == 200 and during["head"] == [200, ""], during
     finally:
-        for pid in frozen:
-            os.kill(pid, signal.SIGCONT)
+        frozen.thaw()
         child.kill()
         child.wait()
-        server.destroy()
 
 
-def test_the_monitor_reads_counts_by_the_databases_rule_never_keys(deployment: Deployment) -> None:
-    """Issue 51, item 5: ``pg_lease_metrics`` takes no separator, cap or rule from its caller (one
-    call per character read keys back); a callable ``PG_LEASE_METRICS_KEY_LABEL`` labels the process's
-    own metrics and leaves the database's view up for the monitor and the operator (it was down:
-    the per-key read is no seat's but the owner's); the monitor's ready probe names its own probe."""
-    d = deployment
-    with d.connect("app_monitor") as monitor:
-        with pytest.raises(psycopg.Error) as refused:
-            monitor.execute("SELECT * FROM public.pg_lease_metrics(':'::text, 1000000::integer, true)")
-        assert refused.value.sqlstate == "42883"  # no such function: no rule to pass
-        labels = {label for _kind, label, *_ in monitor.execute("SELECT * FROM public.pg_lease_metrics()")}
-    assert not any("invoices" in label or "nightly" in label for label in labels), labels
-    saved = dict(d.settings)
-    d.settings["PG_LEASE_METRICS_KEY_LABEL"] = "pg_lease_django.metrics.whole_key"
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_leases_run_says_released_only_for_a_release_that_committed(frozen: Frozen) -> None:
+    """Issue 51, item 7: stopped (SIGTERM) while the database does not answer, ``leases run`` said
+    "released" after its release failed; it says the release did not complete and when the lease
+    lapses, and exits with COMMAND's status."""
+    env = frozen.env()
+    django = [sys.executable, "-m", "django"]
+    migrated = subprocess.run([*django, "migrate", "pg_lease_django", "-v", "0"], cwd=REPO, env=env, timeout=300)
+    assert migrated.returncode == 0
+    run = subprocess.Popen(
+        [*django, "leases", "run", "stop:job", "--ttl", "6", "-v", "2", "--", "sleep", "60"],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        for seat in ("app_monitor", "app_operator"):
-            scraped = d.script(seat, SCRAPE)
-            assert scraped["up"] == ["pg_lease_db_up 1.0"] and "invoices" not in scraped["text"], (seat, scraped)
+        assert run.stderr is not None
+        started = run.stderr.readline()
+        assert "acquired 'stop:job'" in started, started
+        frozen.freeze()
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=120)
     finally:
-        d.settings = saved
-    probe = "from django.test import RequestFactory\nfrom pg_lease_django.views import live, ready\n"
-    probe += "print(json.dumps([json.loads(view(RequestFactory().get('/')).content) for view in (ready, live)]))"
-    d.settings["PG_LEASE_HEALTH_DETAILS"] = True
-    try:
-        ready, live = d.script("app_monitor", probe)
-    finally:
-        d.settings = saved
-    assert "probe its process with live" in ready["reason"] and "leases grant" not in ready["reason"], ready
-    assert live["status"] == "ok", live
+        frozen.thaw()
+        run.kill()
+        run.wait()
+    assert run.returncode == 128 + signal.SIGTERM, (run.returncode, err)
+    assert "released" not in err and "did not complete: the lease lapses at" in err, err
+    assert "Traceback" not in err, err  # the failed release is one line of the log too

@@ -273,7 +273,13 @@ class Supervisor:
                 f"lease {self._key} (epoch {lease.epoch}) was lost while {self._name} ran ({error.code}): {what}",
                 ExitCode.LOST,
             )
-        self._say(f"released {self._key} (epoch {lease.epoch}); {self._name} {describe_exit(returncode)}", level=2)
+        if lease.released:
+            self._say(f"released {self._key} (epoch {lease.epoch}); {self._name} {describe_exit(returncode)}", level=2)
+        else:  # the release did not commit (the database did not answer in time): say so, never "released"
+            self._say(
+                f"{self._name} {describe_exit(returncode)}; the release of {self._key} (epoch {lease.epoch}) did not "
+                f"complete: the lease lapses at {lease.expires_at.isoformat(timespec='milliseconds')} (server clock)"
+            )
         return returncode if returncode >= 0 else 128 - returncode
 
     def _holder(self) -> str:
