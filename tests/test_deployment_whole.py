@@ -19,6 +19,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -447,12 +448,14 @@ class Frozen:
         # the leader of a process group of its own.
         children = subprocess.run(["pgrep", "-P", str(self.postmaster)], capture_output=True, text=True).stdout
         for pid in [self.postmaster, *map(int, children.split())]:
-            os.kill(pid, signal.SIGSTOP)
-            self.stopped.append(pid)
+            with suppress(ProcessLookupError):  # a backend that ended meanwhile
+                os.kill(pid, signal.SIGSTOP)
+                self.stopped.append(pid)
 
     def thaw(self) -> None:
         while self.stopped:
-            os.kill(self.stopped.pop(), signal.SIGCONT)
+            with suppress(ProcessLookupError):
+                os.kill(self.stopped.pop(), signal.SIGCONT)
 
 
 @pytest.fixture
@@ -554,3 +557,78 @@ def test_leases_run_says_released_only_for_a_release_that_committed(frozen: Froz
     assert run.returncode == 128 + signal.SIGTERM, (run.returncode, err)
     assert "released" not in err and "did not complete: the lease lapses at" in err, err
     assert "Traceback" not in err, err  # the failed release is one line of the log too
+
+
+def findings(done: subprocess.CompletedProcess[str], *names: str) -> list[tuple[str, str, str]]:
+    """The lease app's check findings (id, message, hint) that name one of ``names``: other tests'
+    and other sessions' roles share the server, and cluster-wide checks see them too."""
+    found = re.findall(r"\(pg_lease_django\.(\w+)\) (.*?)\n\s*HINT: (.*?)\n", done.stdout + done.stderr)
+    return [(code, message, hint) for code, message, hint in found if any(name in message for name in names)]
+
+
+@pytest.mark.parametrize("parameter", [True, False], ids=["and-a-parameter-to-public", "roles"])
+def test_the_checks_see_the_mistakes_each_with_its_remedy(deployment: Deployment, parameter: bool) -> None:
+    """Issue 51, item 8: a tenant group declared an operator, a privilege granted to a group (once,
+    with the REVOKE that works: the group's, not each member's), a CREATEROLE role (before
+    PostgreSQL 16), ``GRANT SET ON PARAMETER session_replication_role TO PUBLIC``, migrating as a
+    superuser: each is a finding with the statement or setting that removes it."""
+    d = deployment
+    tenant, crew, maker = d.roles["tenant_a"], f"pgl_{d.tag}_crew", f"pgl_{d.tag}_maker"
+    saved = dict(d.settings)
+    d.settings["PG_LEASE_OPERATOR_ROLES"] = [*saved["PG_LEASE_OPERATOR_ROLES"], tenant]
+    try:
+        done = d.run("app_owner", "-m", "django", "check", check=False)
+        [(code, message, hint)] = findings(done, f"{tenant!r} is declared an operator")
+    finally:
+        d.settings = saved
+    assert code == "W008" and "PG_LEASE_OPERATOR_ROLES" in message and f"Remove {tenant!r}" in hint, message
+    with psycopg.connect(psycopg.conninfo.make_conninfo(conninfo(), dbname=d.database), autocommit=True) as admin:
+        modern = admin.info.server_version >= 150000
+        for statement in (
+            pgsql.SQL("CREATE ROLE {} NOLOGIN").format(pgsql.Identifier(crew)),
+            pgsql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(pgsql.Identifier(crew + "_1"), pgsql.Identifier(crew)),
+            pgsql.SQL("CREATE ROLE {} LOGIN CREATEROLE").format(pgsql.Identifier(maker)),
+            pgsql.SQL("GRANT SELECT ON public.pg_lease_django_lease TO {}").format(pgsql.Identifier(crew)),
+        ):
+            admin.execute(statement)
+        public = parameter and modern
+        try:
+            if public:
+                admin.execute("GRANT SET ON PARAMETER session_replication_role TO PUBLIC")
+            checked = d.run("app_owner", "-m", "django", "check", "--database", "default", check=False)
+        finally:
+            if public:
+                admin.execute("REVOKE SET ON PARAMETER session_replication_role FROM PUBLIC")
+            for role in (crew + "_1", crew, maker):
+                admin.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(role)))
+                admin.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(role)))
+        version = admin.info.server_version
+    [(code, message, hint)] = findings(checked, crew)  # once, the group's: none for its member
+    assert code == "W008" and f'REVOKE SELECT ON TABLE pg_lease_django_lease FROM "{crew}"' in hint, hint
+    made = findings(checked, maker)
+    if version < 160000:
+        [(code, message, hint)] = made
+        assert "CREATEROLE" in message and f'ALTER ROLE "{maker}" NOCREATEROLE' in hint, (message, hint)
+    else:
+        assert made == [], made  # from 16 on, CREATEROLE grants no membership of roles it did not create
+    replica = findings(checked, "'PUBLIC' may SET")
+    if public:
+        [(code, message, hint)] = replica
+        assert hint == "REVOKE SET, ALTER SYSTEM ON PARAMETER session_replication_role FROM PUBLIC", hint
+    else:
+        assert replica == []
+    if not parameter:
+        return
+    # Migrating as a superuser: the lease functions would run as one.
+    fresh = f"pgl_{d.tag}_super"
+    with psycopg.connect(psycopg.conninfo.make_conninfo(conninfo(), dbname="postgres"), autocommit=True) as admin:
+        superuser = admin.execute("SELECT current_user").fetchone()[0]  # type: ignore[index]
+        admin.execute(pgsql.SQL("CREATE DATABASE {}").format(pgsql.Identifier(fresh)))
+        d.roles["superuser"] = superuser
+        try:
+            d.run("superuser", "-m", "django", "migrate", "--noinput", "-v", "0", database=fresh)
+            checked = d.run("superuser", "-m", "django", "check", "--database", "default", database=fresh, check=False)
+        finally:
+            admin.execute(pgsql.SQL("DROP DATABASE {} WITH (FORCE)").format(pgsql.Identifier(fresh)))
+    [(code, message, hint)] = findings(checked, f"superuser {superuser!r}")
+    assert "not a superuser" in hint and "OWNER TO" in hint, hint

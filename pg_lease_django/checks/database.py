@@ -7,6 +7,7 @@ from typing import Any
 
 from django.apps import apps
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections, router, transaction
 
 from pg_lease_django.sql import run, statements
@@ -328,6 +329,41 @@ def around_the_rules(alias: str) -> list[checks.CheckMessage]:
     ]
 
 
+def check_owner_is_not_a_superuser(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """pg_lease_django.W008: roles are declared, and the lease tables' owner is a superuser (``check --database``).
+
+    The lease functions are SECURITY DEFINER: they run as their owner. A deployment that declares
+    seats (``PG_LEASE_*_ROLES``) means the owner to be a role of its own (docs/security.md), and a
+    ``migrate`` run as a superuser made every function run as one. A project that declares no role
+    (one role does everything, as in development) is not told.
+    """
+    from pg_lease_django import privileges, sql
+
+    warnings: list[checks.CheckMessage] = []
+    for alias in databases or ():
+        connection = connections[alias]
+        if connection.vendor != "postgresql" or not privileges.declared():
+            continue
+        try:
+            relation = f"{sql.schema(connection)}.pg_lease_django_lease"
+            superuser = run.first(connection, statements.SUPERUSER_OWNER, [relation])
+        except (DatabaseError, ImproperlyConfigured):
+            continue  # not migrated: W002/W004/W007 say so
+        if superuser is not None:
+            warnings.append(
+                checks.Warning(
+                    f"database {alias!r}: the lease tables and functions are owned by superuser {superuser!r} "
+                    "(migrate ran as it): their SECURITY DEFINER functions run as a superuser.",
+                    hint="Migrate as an owner role that is not a superuser (docs/security.md, app_owner): on a "
+                    "fresh database, or move these with ALTER TABLE / ALTER FUNCTION ... OWNER TO that role.",
+                    id="pg_lease_django.W008",
+                )
+            )
+    return warnings
+
+
 # ---- plain `check`: the lease database's checks, when that database answers at once ------------
 
 #: The longest wait (seconds) of plain ``check`` for the lease database before it says nothing.
@@ -375,6 +411,7 @@ def check_lease_database_without_database_option(
             check_history_scope_is_current,
             check_fence_triggers_are_current,
             check_declared_roles_are_granted,
+            check_owner_is_not_a_superuser,
         ):
             found += check(app_configs, databases=[alias])
         return found
@@ -388,7 +425,6 @@ def check_lease_database_without_database_option(
 def _answers_at_once(connection: Any) -> bool:
     """Whether a connection with ``connection``'s settings opens within `PROBE_CONNECT_TIMEOUT` seconds."""
     import psycopg
-    from django.core.exceptions import ImproperlyConfigured
 
     try:
         params = connection.get_connection_params()

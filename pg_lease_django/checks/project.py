@@ -214,3 +214,32 @@ def check_metrics_settings(app_configs: Any = None, **kwargs: Any) -> list[check
             advice = f"{hint}; the metrics are not registered until it is fixed."
             found.append(checks.Error(str(exc), hint=advice, id="pg_lease_django.E005"))
     return found
+
+
+def check_operators_are_not_tenants(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """W008: a role of ``PG_LEASE_OPERATOR_ROLES`` has a tenant's key scope (a list of prefixes).
+
+    Operators read the lease and history tables, which key scopes do not cover: a tenant's group
+    declared an operator lets each of its members read every tenant's keys, holders and epochs.
+    """
+    from django.core.exceptions import ImproperlyConfigured
+
+    from pg_lease_django import conf
+
+    try:
+        scopes, operators = conf.key_scopes(), conf.operator_roles()
+    except ImproperlyConfigured:
+        return []  # the settings' own checks say why
+    return [
+        checks.Warning(
+            f"role {role!r} is declared an operator (PG_LEASE_OPERATOR_ROLES) and has a tenant's key scope "
+            f"{list(scopes[role])!r}: operators read every tenant's leases and history (keys, holders, epochs), "
+            "which key scopes do not cover, so each of its members would.",
+            hint=f"Remove {role!r} from PG_LEASE_OPERATOR_ROLES (an operator is a role of its own, listed with "
+            f'"*" in PG_LEASE_KEY_SCOPES), then run, as the owner: manage.py leases grant --check, and the '
+            "REVOKE lines it prints.",
+            id="pg_lease_django.W008",
+        )
+        for role in operators
+        if scopes.get(role, ("",)) != ("",)
+    ]
