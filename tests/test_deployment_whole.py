@@ -405,26 +405,6 @@ def test_a_command_from_the_wrong_seat_names_the_seat_to_use(deployment: Deploym
             admin.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(stray)))
 
 
-PROBES_FROZEN = """
-import json, os, signal, sys
-import django
-django.setup()
-from django.core.management import call_command
-from django.test import RequestFactory
-from pg_lease_django.views import live, ready
-
-call_command("migrate", "pg_lease_django", verbosity=0)
-def probe(view, method="get"):
-    response = view(getattr(RequestFactory(), method)("/"))
-    return [response.status_code, response.content.decode()]
-answers = {"ready": probe(ready), "head": probe(ready, "head"), "live": probe(live)}
-print(json.dumps(answers), flush=True)
-sys.stdin.readline()  # the test freezes the server now
-answers = {"ready": probe(ready), "again": probe(ready), "live": probe(live), "head": probe(live, "head")}
-print(json.dumps(answers), flush=True)
-"""
-
-
 class Frozen:
     """A throwaway PostgreSQL server the test may freeze (SIGSTOP) and thaw, and Django processes on it."""
 
