@@ -612,3 +612,51 @@ def test_the_checks_see_the_mistakes_each_with_its_remedy(deployment: Deployment
             admin.execute(pgsql.SQL("DROP DATABASE {} WITH (FORCE)").format(pgsql.Identifier(fresh)))
     [(code, message, hint)] = findings(checked, f"superuser {superuser!r}")
     assert "not a superuser" in hint and "OWNER TO" in hint, hint
+
+
+def test_each_seat_runs_its_documented_commands_with_the_documented_exit_status(deployment: Deployment) -> None:
+    """Issue 51: every documented command from every seat, its exit status, and for a refusal one
+    line without a traceback (the other tests of this module look closer at each)."""
+    d = deployment
+    key = d.settings["PG_LEASE_KEY_SCOPES"][d.roles["tenant_a"]][0] + "matrix"
+    leases, run = ("-m", "django", "leases"), ("-m", "django", "leases", "run", key, "--ttl", "10")
+    table: list[tuple[str, tuple[str, ...], int]] = [
+        ("app_owner", ("-m", "django", "migrate", "--noinput"), 0),
+        ("app_owner", (*leases, "grant"), 0),
+        ("app_owner", (*leases, "grant", "--check"), 0),
+        ("app_owner", ("-m", "django", "check", "--database", "default"), 0),
+        ("tenant_a_web", ("-m", "django", "check", "--database", "default"), 0),
+        ("tenant_a_web", (*run, "--", "true"), 0),
+        ("tenant_a_web", (*run, "--", "sh", "-c", "exit 3"), 3),
+        ("tenant_a_web", ("-m", "django", "leased_job", key), 0),
+        ("tenant_a_web", (*leases, "list"), 1),
+        ("tenant_a_web", (*leases, "grant"), 1),
+        ("tenant_a_web", ("-m", "django", "migrate", "--noinput"), 1),
+        ("app_operator", ("-m", "django", "check", "--database", "default"), 0),
+        ("app_operator", (*leases, "list"), 0),
+        ("app_operator", (*leases, "show", key), 0),
+        ("app_operator", (*leases, "watch", "--once", "--json"), 0),
+        ("app_operator", (*leases, "grant"), 1),
+        ("app_monitor", ("-m", "django", "check", "--database", "default"), 0),
+        ("app_monitor", (*leases, "list"), 1),
+    ]
+    busy: list[tuple[str, tuple[str, ...], int]] = [  # a holder elsewhere: busy, a wait that runs out
+        ("tenant_a_web", (*run, "--", "true"), 75),
+        ("tenant_a_web", (*run, "--wait", "0.5", "--", "true"), 77),
+        ("app_operator", (*leases, "handoff", key), 0),
+        ("app_operator", (*leases, "release", key, "--force"), 0),
+    ]
+    seen = []
+    for seat, args, status in table + busy:
+        if (seat, args, status) == busy[0]:
+            with d.connect("tenant_a_web") as worker:
+                worker.execute(
+                    "SELECT * FROM public.pg_lease_acquire(%s::text, 'elsewhere'::text, '60 seconds')", [key]
+                )
+        done = d.run(seat, *args, check=False)
+        seen.append((seat, " ".join(args[2:]), done.returncode))
+        assert done.returncode == status, (seat, args, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr, (seat, args, done.stderr)
+        if status not in (0, 3):
+            one_line(done, status)
+    print("\n".join(f"{seat:>14}  {status:>3}  {command}" for seat, command, status in seen))
