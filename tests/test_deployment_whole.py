@@ -567,7 +567,8 @@ def findings(done: subprocess.CompletedProcess[str], *names: str) -> list[tuple[
 
 @pytest.mark.parametrize("parameter", [True, False], ids=["and-a-parameter-to-public", "roles"])
 def test_the_checks_see_the_mistakes_each_with_its_remedy(deployment: Deployment, parameter: bool) -> None:
-    """Issue 51, item 8: a tenant group declared an operator, a privilege granted to a group (once,
+    """Issue 51, item 8: a tenant group declared an operator, a role limit on a login member (its
+    scope is its group's: the limit applies to nothing), a privilege granted to a group (once,
     with the REVOKE that works: the group's, not each member's), a CREATEROLE role (before
     PostgreSQL 16), ``GRANT SET ON PARAMETER session_replication_role TO PUBLIC``, migrating as a
     superuser: each is a finding with the statement or setting that removes it."""
@@ -575,12 +576,15 @@ def test_the_checks_see_the_mistakes_each_with_its_remedy(deployment: Deployment
     tenant, crew, maker = d.roles["tenant_a"], f"pgl_{d.tag}_crew", f"pgl_{d.tag}_maker"
     saved = dict(d.settings)
     d.settings["PG_LEASE_OPERATOR_ROLES"] = [*saved["PG_LEASE_OPERATOR_ROLES"], tenant]
+    d.settings["PG_LEASE_ROLE_LIMITS"] = {**saved["PG_LEASE_ROLE_LIMITS"], d.roles["tenant_a_web"]: {"leases": 5}}
     try:
         done = d.run("app_owner", "-m", "django", "check", check=False)
         [(code, message, hint)] = findings(done, f"{tenant!r} is declared an operator")
+        [(limit, limited, cure)] = findings(done, f"limits role {d.roles['tenant_a_web']!r}")
     finally:
         d.settings = saved
     assert code == "W008" and "PG_LEASE_OPERATOR_ROLES" in message and f"Remove {tenant!r}" in hint, message
+    assert limit == "W008" and "limits nothing" in limited and "group role" in cure, (limited, cure)
     with psycopg.connect(psycopg.conninfo.make_conninfo(conninfo(), dbname=d.database), autocommit=True) as admin:
         modern = admin.info.server_version >= 150000
         for statement in (
