@@ -258,6 +258,22 @@ def role_limits() -> dict[str, tuple[int | None, int | None]]:
     return {role: (limits.get("leases"), limits.get("tenures_per_key")) for role, limits in sorted(value.items())}
 
 
+def ready_timeout() -> float:
+    """``PG_LEASE_READY_TIMEOUT`` (float seconds, default ``2.0``): the longest `views.ready` waits.
+
+    The readiness probe connects and runs its statement on a thread of its own; past this long it
+    answers 503 at once, so a database that hangs (frozen, a network that drops packets) never holds
+    the web worker that serves the probe, nor the ``live`` requests queued behind it.
+
+    Raises:
+        ImproperlyConfigured: the setting is not a positive, finite number of seconds.
+    """
+    value = getattr(settings, "PG_LEASE_READY_TIMEOUT", 2.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ImproperlyConfigured(f"PG_LEASE_READY_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def health_details() -> bool:
     """``PG_LEASE_HEALTH_DETAILS`` (bool, default ``False``): the probes' details for every caller.
 

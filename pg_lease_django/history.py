@@ -12,9 +12,9 @@ import sys
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 
-from . import conf, sql
+from . import conf, seats, sql
 from .sql import run, statements
 
 HISTORY_SCOPE_TABLE = "pg_lease_django_history_scope"
@@ -72,10 +72,16 @@ def sync_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwar
 
     if not router.allow_migrate_model(using, Lease) or not _has_scope_table(using):
         return
-    before = recorded_prefixes(using)
-    after = sync_scope(using)
+    stdout = kwargs.get("stdout") or sys.stdout
+    try:
+        before = recorded_prefixes(using)
+        after = sync_scope(using)
+    except DatabaseError as exc:  # a role that may migrate Django's tables, not the lease app's
+        if not seats.denied(exc):
+            raise
+        stdout.write(f"  pg_lease_django: history scope not synced: {seats.remedy(using, 'migrate')}\n")
+        return
     if verbosity >= 1 and before != after:
-        stdout = kwargs.get("stdout") or sys.stdout
         stdout.write(
             f"  pg_lease_django: database {using!r} now records the lease history of keys starting with "
             f"{list(after)!r} (PG_LEASE_HISTORY; it recorded {list(before or ())!r})\n"

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 from psycopg import sql as pgsql
 
-from . import conf, sql
+from . import conf, seats, sql
+from .metrics import database_view
 from .sql import Statement, run, statements
 
 
@@ -119,16 +120,18 @@ def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     declared role the role is (or is a member of: a login role in a declared group role holds the
     group's grants). Anything else is reported (an operator's function held by a worker, a table
     granted by ``GRANT ... ON ALL TABLES``), and so is every privilege held WITH GRANT OPTION (a
-    role that can pass it on), as ``grantable``. One round trip.
+    role that can pass it on), as ``grantable``. Each is reported once, for the role it was granted
+    to (a group role, not each member that inherits it): the REVOKE that removes it is there. One
+    round trip.
     """
     roles = declared()
     tiers = [",".join(_tiers(kinds, allowed=True)) for kinds in roles.values()]
     rows = run.rows(connections[using], statements.HELD_PRIVILEGES, [list(roles), tiers])
     through_public = {(kind, obj, privilege) for name, kind, obj, privilege, *_ in rows if name == "PUBLIC"}
     extra = []
-    for name, kind, obj, privilege, grantable, tiers, allowed in rows:
-        if name != "PUBLIC" and (kind, obj, privilege) in through_public:
-            continue  # reported once, as PUBLIC's
+    for name, kind, obj, privilege, grantable, tiers, allowed, direct in rows:
+        if not direct or (name != "PUBLIC" and (kind, obj, privilege) in through_public):
+            continue  # reported once, where it was granted (PUBLIC, a group): a REVOKE there takes it from all
         if not set(tiers or ()) & ({"public"} | set(allowed or ())):
             extra.append(Grant(name, kind, obj, privilege))
         elif grantable:
@@ -181,9 +184,19 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     # Parameter privileges exist from PostgreSQL 15 on (pg_parameter_acl is unknown before).
     modern = connection.pg_version >= 150000  # type: ignore[attr-defined]
     replica = statements.REPLICA_GRANTS.compose(None) if modern else pgsql.SQL("false")
-    rows = run.rows(connection, statements.BYPASSES, replica=replica)
+    createrole = pgsql.SQL("r.rolcreaterole" if connection.pg_version < 160000 else "false")  # type: ignore[attr-defined]
+    rows = run.rows(connection, statements.BYPASSES, replica=replica, createrole=createrole)
     found: list[Bypass] = []
-    for name, replica_mode, reads_all, writes_all, maintains, reads_secret in rows:
+    for name, replica_mode, reads_all, writes_all, maintains, reads_secret, creates_roles in rows:
+        if creates_roles:
+            found.append(
+                Bypass(
+                    name,
+                    "has CREATEROLE: before PostgreSQL 16 it may grant itself membership of the lease tables' "
+                    "owner, then write lease rows and fenced rows with no fence",
+                    _printed(statements.NO_CREATEROLE, name),
+                )
+            )
         if replica_mode:
             found.append(
                 Bypass(
@@ -238,7 +251,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
 
 def _printed(statement: Statement[Any], role: str, predefined: str | None = None) -> str:
     """A remedy to print: ``statement`` for ``role`` (and the predefined role it is a member of)."""
-    parts = {"role": pgsql.Identifier(role)}
+    parts: dict[str, pgsql.Composable] = {"role": pgsql.SQL("PUBLIC") if role == "PUBLIC" else pgsql.Identifier(role)}
     if predefined is not None:
         parts["predefined"] = pgsql.Identifier(predefined)
     return statement.compose(None, **parts).as_string(None)
@@ -279,6 +292,7 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     absent, lacking = missing(using)
     sync_key_scopes(using)
     sync_role_limits(using)
+    database_view.sync_metrics_rule(using)
     if absent:
         raise ImproperlyConfigured(
             f"declared lease roles {', '.join(absent)} do not exist in database {using!r}'s cluster: "
@@ -400,6 +414,11 @@ def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwa
         granted = grant(using)
     except ImproperlyConfigured as exc:
         stdout.write(f"  pg_lease_django: {exc}\n")
+        return
+    except DatabaseError as exc:  # a role that may migrate Django's tables, not write the lease grants
+        if not seats.denied(exc):
+            raise
+        stdout.write(f"  pg_lease_django: grants and key scopes not synced: {seats.remedy(using, 'migrate')}\n")
         return
     if granted and verbosity >= 1:
         roles = sorted({g.role for g in granted})

@@ -6,17 +6,18 @@ Mount them in your URLconf (docs/deployment.md wires them as a Kubernetes pod's 
 
     urlpatterns += [path("health/leases/ready/", ready), path("health/leases/live/", live)]
 
-Both answer ``GET`` and ``HEAD`` with JSON. An anonymous caller learns ``{"status": "ok"}`` or
-``{"status": "unavailable"}`` and nothing else: no key, owner, epoch, host, port or role (a fence is
-a credential, the database's address an attacker's map). A user with the ``pg_lease_django.view_lease``
-permission, or everyone with ``PG_LEASE_HEALTH_DETAILS = True``, also gets the details: the leases
-this process holds now and, when not ready, why.
+Both answer ``GET`` with JSON, ``HEAD`` with the same status and no body. An anonymous caller learns
+``{"status": "ok"}`` or ``{"status": "unavailable"}`` and nothing else: no key, owner, epoch, host,
+port or role (a fence is a credential, the database's address an attacker's map). A user with the
+``pg_lease_django.view_lease`` permission, or everyone with ``PG_LEASE_HEALTH_DETAILS = True``, also
+gets the details: the leases this process holds now and, when not ready, why.
 
 - `ready` (readiness: "send me traffic"): 200 when the lease database answers, the app is migrated
   there (0007 at least), the role this process connects as may run every function a worker needs,
   and a key scope applies to it when scopes are configured (else every call would be refused); 503
-  otherwise. One read-only catalog statement (no key, so no key scope is involved: it works for
-  every tenant's role), no write, no lock.
+  otherwise, and 503 past ``PG_LEASE_READY_TIMEOUT`` (2 s) when the database does not answer. One
+  read-only catalog statement (no key, so no key scope is involved: it works for every tenant's
+  role), no write, no lock, on a thread and a connection of its own.
 - `live` (liveness: "restart me"): 200 unless this process's lease machinery is wedged (holds
   registered whose renewal thread is gone); it never looks at the database, so a database outage
   does not restart every pod at once.
@@ -24,10 +25,11 @@ this process holds now and, when not ready, why.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError, connections, router, transaction
+from django.db import DatabaseError, connections, router
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_safe
@@ -67,21 +69,52 @@ def live(request: HttpRequest) -> JsonResponse:
 health = ready
 
 
+# The readiness check running now, if any: at most one per process, however many probes come.
+_checking: threading.Thread | None = None
+_checking_lock = threading.Lock()
+
+
 def _not_ready() -> str | None:
-    """Why this process's role cannot work with leases now, or None."""
+    """Why this process's role cannot work with leases now, or None; within ``PG_LEASE_READY_TIMEOUT``.
+
+    The check runs on a thread of its own, on that thread's own connection: a database that does not
+    answer (frozen, packets dropped) cannot be cut short from the client, so the probe stops waiting
+    for it at the bound and answers 503, and the next probes answer 503 at once while it still hangs
+    (one such thread per process, never one per probe).
+    """
+    global _checking
+    timeout = conf.ready_timeout()
+    answer: list[str | None] = []
+    with _checking_lock:
+        if _checking is not None and _checking.is_alive():
+            return "the previous readiness check has not returned: the lease database does not answer"
+        _checking = threading.Thread(target=lambda: answer.append(_check()), name="pg_lease ready", daemon=True)
+        _checking.start()
+        checking = _checking
+    checking.join(timeout)
+    if not answer:
+        return f"the lease database did not answer within {timeout:g}s (PG_LEASE_READY_TIMEOUT)"
+    return answer[0]
+
+
+def _check() -> str | None:
     from .models import Lease
 
     alias = router.db_for_write(Lease)
-    connection = connections[alias]
     try:
-        # A savepoint inside a request's transaction (ATOMIC_REQUESTS): a failed probe breaks nothing.
-        with transaction.atomic(using=alias):
-            row = run.first(connection, statements.READINESS)
+        row = run.first(connections[alias], statements.READINESS)
     except (DatabaseError, ImproperlyConfigured) as exc:
         return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    privileged, scope = row if row is not None else (False, None)
+    finally:
+        connections.close_all()  # this thread's own, never left idle
+    privileged, scope, monitors = row if row is not None else (False, None, False)
+    if not privileged and monitors:
+        return "this role is a monitor's (it reads the metrics, calls no lease function): probe its process with live"
     if not privileged:
-        return "this role may not run every lease function a worker needs: run manage.py leases grant"
+        return (
+            "this role may not run every lease function a worker needs: declare it (or a group role it is a "
+            "member of) in PG_LEASE_WORKER_ROLES, then run manage.py leases grant as the lease tables' owner"
+        )
     if scope == []:
         return "key scopes are configured and none applies to this role: every lease call would be refused"
     return None
@@ -104,7 +137,10 @@ def _answer(request: HttpRequest, ok: bool, details: dict[str, Any]) -> JsonResp
     body = dict(OK if ok else UNAVAILABLE)
     if conf.health_details() or _may_see_details(request):
         body.update(details)
-    return JsonResponse(body, status=200 if ok else 503)
+    response = JsonResponse(body, status=200 if ok else 503)
+    if request.method == "HEAD":
+        response.content = b""  # the status is the answer; a body to HEAD is a protocol error servers log
+    return response
 
 
 def _may_see_details(request: HttpRequest) -> bool:

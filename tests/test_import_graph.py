@@ -55,6 +55,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "views",
             "metrics.database_view",
             "privileges",
+            "seats",
             "patroni",
         },
     ),

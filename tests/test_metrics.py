@@ -21,6 +21,7 @@ import threading
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -218,14 +219,17 @@ def test_the_database_view_counts_states_lapses_waiters_and_tenures(served: Call
     assert value(served(), "pg_lease_db_tenures_ended", prefix=p, reason="released") == 0
 
 
-def test_a_callable_label_groups_the_database_view_the_same_way(prefix: str) -> None:
+def test_a_callable_label_leaves_the_database_view_to_the_databases_rule(prefix: str) -> None:
+    """Issue 51: the database's view labels by the rule the database holds (no caller chooses it,
+    and no per-key read only the owner could make): a callable labels this process's metrics."""
     held(f"{prefix}/x:1")
     held(f"{prefix}/y:2")
     registry = CollectorRegistry()
     with override_settings(PG_LEASE_METRICS_KEY_LABEL="tests.test_metrics.slash_label"):
         database_view.register(registry)
         samples = parse(prometheus_client.generate_latest(registry).decode())
-    assert value(samples, "pg_lease_db_leases", prefix=prefix, state="held") == 2
+    assert value(samples, "pg_lease_db_up") == 1
+    assert value(samples, "pg_lease_db_leases", prefix=f"{prefix}/x", state="held") == 1
 
 
 def slash_label(key: str) -> str:
@@ -777,6 +781,21 @@ def monitor(transactional_db: None) -> Iterator[str]:
         admin.close()
 
 
+@contextmanager
+def database_rule(separator: str, cap: int) -> Iterator[None]:
+    """The metrics' label rule the database holds, set (committed) for a while: the view's labels
+    follow it, never the scraping process's settings."""
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT separator, max_labels FROM pg_lease_django_metrics_rule")
+        saved = cursor.fetchone()
+        cursor.execute("UPDATE pg_lease_django_metrics_rule SET separator = %s, max_labels = %s", [separator, cap])
+    try:
+        yield
+    finally:
+        with connections["default"].cursor() as cursor:
+            cursor.execute("UPDATE pg_lease_django_metrics_rule SET separator = %s, max_labels = %s", list(saved))
+
+
 def scrape_as(role: str, **settings: Any) -> str:
     """The database view's exposition text, read on a connection that logs in as ``role``."""
     from tests.helpers import conninfo
@@ -819,7 +838,8 @@ def test_the_database_view_works_for_a_monitoring_role_and_stays_small_over_junk
             "FROM generate_series(1, 3000) i, pg_lease_django_epoch_floor f",
             [tag, tag],
         )
-    text = scrape_as(monitor, PG_LEASE_METRICS_MAX_LABELS=16)
+    with database_rule(":", 16):
+        text = scrape_as(monitor)
     samples = parse(text)
     assert value(samples, "pg_lease_db_up") == 1
     series = [line for line in text.splitlines() if line and not line.startswith("#")]
@@ -844,14 +864,17 @@ def test_the_database_view_works_for_a_monitoring_role_and_stays_small_over_junk
 
 @pytest.mark.django_db
 def test_the_database_and_the_process_label_a_key_alike(key: str) -> None:
-    """Both views spell the same labels: a key without the separator, and the labels past the cap."""
+    """Both views spell the same labels: a key without the separator, and the labels past the cap
+    (the database's cap is the one its rule holds: set here in the test's transaction)."""
     held(f"no-separator-{uuid.uuid4().hex}")
     held(f"{key}:x")
-    query = "SELECT DISTINCT label FROM public.pg_lease_metrics(':', %s, false) WHERE kind = 'lease'"
+    query = "SELECT DISTINCT label FROM public.pg_lease_metrics() WHERE kind = 'lease'"
     with connections["default"].cursor() as cursor:
-        cursor.execute(query, [1_000_000])
+        cursor.execute("UPDATE pg_lease_django_metrics_rule SET max_labels = 1000000")
+        cursor.execute(query)
         wide = {row[0] for row in cursor.fetchall()}
-        cursor.execute(query, [1])
+        cursor.execute("UPDATE pg_lease_django_metrics_rule SET max_labels = 1")
+        cursor.execute(query)
         narrow = {row[0] for row in cursor.fetchall()}
     assert metrics.NO_PREFIX_LABEL in wide and key in wide
     assert len(narrow) == 2 and metrics.OTHER_LABEL in narrow

@@ -694,6 +694,8 @@ HARMLESS_FOR_PUBLIC = {
     "pg_lease_presented_fences()",
     "pg_lease_replication_apply()",
     "pg_lease_session_scope()",
+    # 0010: a key's metrics label from the arguments it is given (pg_lease_metrics passes the rule).
+    "pg_lease_metrics_label(text,text[],text)",
 }
 
 
@@ -908,13 +910,14 @@ def test_grant_check_and_w008_say_what_a_declared_role_lacks(roles: Roles) -> No
                 ["PUBLIC"],
             ),
             # A membership of an undeclared role that holds an operator's function (a login role in a
-            # declared role's group holds the group's grants: declared, issue 46's deployment).
+            # declared role's group holds the group's grants: declared, issue 46's deployment). Issue
+            # 51: reported once, where it was granted (the REVOKE that works), not for the member too.
             (
                 "GRANT EXECUTE ON FUNCTION public.pg_lease_force_release(text, bigint) TO {attacker}; "
                 "GRANT {attacker} TO {worker}",
                 "REVOKE {attacker} FROM {worker}; "
                 "REVOKE EXECUTE ON FUNCTION public.pg_lease_force_release(text, bigint) FROM {attacker}",
-                [roles.attacker, roles.worker],
+                [roles.attacker],
             ),
             (
                 "GRANT SELECT ON public.pg_lease_django_secret TO {worker}",
@@ -1152,17 +1155,17 @@ def test_a_fenced_write_never_reads_the_opt_out_secret(roles: Roles, key: str) -
     }
 
 
-def test_w008_says_when_key_scopes_cannot_be_compared_or_name_no_role(roles: Roles) -> None:
-    """Review findings: run as a worker (which may not read the scope table), the scope comparison
-    was silently skipped; a scope for a role that does not exist (a typo, a rename) limits nobody;
-    an empty prefix would limit nothing."""
+def test_w008_names_a_scope_of_no_role_and_says_nothing_a_worker_cannot_compare(roles: Roles) -> None:
+    """Review findings: a scope for a role that does not exist (a typo, a rename) limits nobody; an
+    empty prefix would limit nothing. Issue 51: run as a worker (which may not read the scope table),
+    the scope comparison is the owner's check's to make: no W008 the worker can never fix."""
     from pg_lease_django.checks import check_declared_roles_are_granted
 
     scopes = {roles.worker: ["tenantA:"], f"pgl_{roles.suffix}_typo": ["tenantB:"]}
     with override_settings(PG_LEASE_WORKER_ROLES=[roles.worker], PG_LEASE_KEY_SCOPES=scopes):
         with django_as(roles.worker):
             messages = [w.msg for w in roles.findings()]
-        assert any("may not read the key scopes" in m for m in messages), messages
+        assert not any("scope" in m and "compare" in m for m in messages), messages
         assert any(f"pgl_{roles.suffix}_typo" in m and "does not exist" in m for m in messages), messages
     with override_settings(PG_LEASE_KEY_SCOPES={roles.worker: [""]}), pytest.raises(ImproperlyConfigured):
         check_declared_roles_are_granted(databases=["default"])

@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 import threading
+from datetime import UTC, datetime, timedelta
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,9 @@ from django.core.management.base import OutputWrapper
 from django.db import connections
 
 from pg_lease_django import Lease
-from pg_lease_django.display import LeaseRow
 from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.commands.leases import Command
+from pg_lease_django.operations import LeaseState
 from pg_lease_django.run.child_process import Child
 from pg_lease_django.run.status_line import StatusLine
 from pg_lease_django.run.supervisor import RunError, Supervisor
@@ -168,15 +169,14 @@ def test_keys_owners_and_command_names_are_shown_escaped(key: str, tmp_path: Pat
 
 
 def test_the_wait_status_line_shows_the_holder_escaped() -> None:
-    row = LeaseRow(
+    now = datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC)
+    row = LeaseState(
         key=f"k{HOSTILE}",
-        state=LeaseStatus.HELD,
+        status="held",
         owner=f"them{HOSTILE}",
         epoch=3,
-        acquired_at="2026-01-01T00:00:00.000000+00:00",
-        expires_at="2026-01-01T00:00:30.000000+00:00",
-        expires_in=29.0,
-        server_time="2026-01-01T00:00:01.000000+00:00",
+        expires_at=now + timedelta(seconds=29),
+        server_time=now,
     )
     stderr = StringIO()
     status = StatusLine(row.key, lambda: row, OutputWrapper(stderr), wait=30)

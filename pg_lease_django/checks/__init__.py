@@ -17,6 +17,7 @@ from pg_lease_django.checks.database import (
     check_lease_database_without_database_option,
     check_lease_migrations_are_complete,
     check_lease_table_is_reachable,
+    check_owner_is_not_a_superuser,
 )
 from pg_lease_django.checks.project import (
     check_database_is_postgresql,
@@ -26,6 +27,7 @@ from pg_lease_django.checks.project import (
     check_fenced_models_have_fenced_parents,
     check_fenced_models_share_the_lease_database,
     check_metrics_settings,
+    check_operators_are_not_tenants,
 )
 
 __all__ = [
@@ -43,6 +45,8 @@ __all__ = [
     "check_lease_migrations_are_complete",
     "check_lease_table_is_reachable",
     "check_metrics_settings",
+    "check_operators_are_not_tenants",
+    "check_owner_is_not_a_superuser",
     "register",
     "register_without_database_option",
 ]
@@ -51,6 +55,7 @@ __all__ = [
 def register() -> None:
     checks.register(check_database_is_postgresql, checks.Tags.compatibility)
     checks.register(check_metrics_settings)
+    checks.register(check_operators_are_not_tenants)
     checks.register(check_fenced_models_share_the_lease_database, checks.Tags.models)
     checks.register(check_fenced_models_have_fenced_parents, checks.Tags.models)
     checks.register(check_fenced_models_have_a_fenced_admin, checks.Tags.admin)
@@ -61,6 +66,7 @@ def register() -> None:
     checks.register(check_history_scope_is_current, checks.Tags.database)
     checks.register(check_fence_triggers_are_current, checks.Tags.database)
     checks.register(check_declared_roles_are_granted, checks.Tags.database)
+    checks.register(check_owner_is_not_a_superuser, checks.Tags.database)
 
 
 def register_without_database_option() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.apps import apps
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections, router, transaction
 
 from pg_lease_django.sql import run, statements
@@ -22,15 +23,10 @@ def check_lease_table_is_reachable(
     recorded as applied but the connection cannot see the table (another schema, a changed
     search_path, a restored dump without it).
     """
-    from django.db.migrations.recorder import MigrationRecorder
-
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
         connection = connections[alias]
-        if connection.vendor != "postgresql":
-            continue
-        recorder = MigrationRecorder(connection)
-        if not recorder.has_table() or not any(app == "pg_lease_django" for app, _ in recorder.applied_migrations()):
+        if connection.vendor != "postgresql" or not recorded_migrations(connection):
             continue
         if not run.one(connection, statements.LEASE_TABLE_VISIBLE):
             warnings.append(
@@ -58,15 +54,12 @@ def check_lease_migrations_are_complete(
     """
     from django.db.migrations.exceptions import NodeNotFoundError
     from django.db.migrations.loader import MigrationLoader
-    from django.db.migrations.recorder import MigrationRecorder
 
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
         connection = connections[alias]
-        if connection.vendor != "postgresql":
+        if connection.vendor != "postgresql" or (recorded := recorded_migrations(connection)) is None:
             continue
-        recorder = MigrationRecorder(connection)
-        recorded = {name for app, name in recorder.applied_migrations() if app == "pg_lease_django"}
         replaced = [name for app, name in _baseline().replaces if app == "pg_lease_django"]
         unfinished = [name for name in replaced if name not in recorded]
         if recorded & set(replaced) and unfinished:
@@ -97,6 +90,22 @@ def check_lease_migrations_are_complete(
                 )
             )
     return warnings
+
+
+def recorded_migrations(connection: Any) -> set[str] | None:
+    """The lease app's migrations ``connection``'s database records as applied (none without a
+    ``django_migrations`` table); None where this role may not read it: a worker's or the monitor's
+    seat cannot compare what only the owner's ``migrate`` changes, so its checks say nothing of it."""
+    from django.db.migrations.recorder import MigrationRecorder
+
+    recorder = MigrationRecorder(connection)
+    try:
+        with transaction.atomic(using=connection.alias):  # a refused read must not break the connection
+            if not recorder.has_table():
+                return set()
+            return {name for app, name in recorder.applied_migrations() if app == "pg_lease_django"}
+    except DatabaseError:
+        return None
 
 
 def _baseline() -> Any:
@@ -230,16 +239,7 @@ def check_declared_roles_are_granted(
             with transaction.atomic(using=alias):  # a refused read must not break the checks' connection
                 stored = privileges.stored_key_scopes(alias)
         except DatabaseError:
-            stored = None
-            if wanted:
-                warnings.append(
-                    checks.Warning(
-                        f"database {alias!r}: this role may not read the key scopes the database enforces "
-                        "(pg_lease_django_key_scope), so they could not be compared with PG_LEASE_KEY_SCOPES.",
-                        hint=f"Run, as the lease functions' owner: manage.py leases grant --check --database {alias}",
-                        id="pg_lease_django.W008",
-                    )
-                )
+            stored = None  # only the owner may read them: its check and migrate compare them, not this seat's
         for role in privileges.absent_roles(sorted(wanted), alias):
             warnings.append(
                 checks.Warning(
@@ -329,6 +329,41 @@ def around_the_rules(alias: str) -> list[checks.CheckMessage]:
     ]
 
 
+def check_owner_is_not_a_superuser(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[checks.CheckMessage]:
+    """pg_lease_django.W008: roles are declared, and the lease tables' owner is a superuser (``check --database``).
+
+    The lease functions are SECURITY DEFINER: they run as their owner. A deployment that declares
+    seats (``PG_LEASE_*_ROLES``) means the owner to be a role of its own (docs/security.md), and a
+    ``migrate`` run as a superuser made every function run as one. A project that declares no role
+    (one role does everything, as in development) is not told.
+    """
+    from pg_lease_django import privileges, sql
+
+    warnings: list[checks.CheckMessage] = []
+    for alias in databases or ():
+        connection = connections[alias]
+        if connection.vendor != "postgresql" or not privileges.declared():
+            continue
+        try:
+            relation = f"{sql.schema(connection)}.pg_lease_django_lease"
+            superuser = run.first(connection, statements.SUPERUSER_OWNER, [relation])
+        except (DatabaseError, ImproperlyConfigured):
+            continue  # not migrated: W002/W004/W007 say so
+        if superuser is not None:
+            warnings.append(
+                checks.Warning(
+                    f"database {alias!r}: the lease tables and functions are owned by superuser {superuser!r} "
+                    "(migrate ran as it): their SECURITY DEFINER functions run as a superuser.",
+                    hint="Migrate as an owner role that is not a superuser (docs/security.md, app_owner): on a "
+                    "fresh database, or move these with ALTER TABLE / ALTER FUNCTION ... OWNER TO that role.",
+                    id="pg_lease_django.W008",
+                )
+            )
+    return warnings
+
+
 # ---- plain `check`: the lease database's checks, when that database answers at once ------------
 
 #: The longest wait (seconds) of plain ``check`` for the lease database before it says nothing.
@@ -356,11 +391,11 @@ def check_lease_database_without_database_option(
     opened = connection.connection is None
     if connection.vendor != "postgresql" or (opened and not _answers_at_once(connection)):
         return []
-    from django.db.migrations.recorder import MigrationRecorder
-
     try:
-        recorder = MigrationRecorder(connection)
-        if not recorder.has_table() or not any(app == "pg_lease_django" for app, _ in recorder.applied_migrations()):
+        recorded = recorded_migrations(connection)
+        if recorded is None:
+            return []  # a seat that may not read django_migrations: the owner's check says it
+        if not recorded:
             return [
                 checks.Warning(
                     f"database {alias!r} holds no lease tables: pg_lease_django is not migrated there, so every "
@@ -376,6 +411,7 @@ def check_lease_database_without_database_option(
             check_history_scope_is_current,
             check_fence_triggers_are_current,
             check_declared_roles_are_granted,
+            check_owner_is_not_a_superuser,
         ):
             found += check(app_configs, databases=[alias])
         return found
@@ -389,7 +425,6 @@ def check_lease_database_without_database_option(
 def _answers_at_once(connection: Any) -> bool:
     """Whether a connection with ``connection``'s settings opens within `PROBE_CONNECT_TIMEOUT` seconds."""
     import psycopg
-    from django.core.exceptions import ImproperlyConfigured
 
     try:
         params = connection.get_connection_params()

@@ -214,3 +214,47 @@ def check_metrics_settings(app_configs: Any = None, **kwargs: Any) -> list[check
             advice = f"{hint}; the metrics are not registered until it is fixed."
             found.append(checks.Error(str(exc), hint=advice, id="pg_lease_django.E005"))
     return found
+
+
+def check_operators_are_not_tenants(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """W008: a role of ``PG_LEASE_OPERATOR_ROLES`` has a tenant's key scope (a list of prefixes); a
+    role of ``PG_LEASE_ROLE_LIMITS`` has no key scope of its own.
+
+    Operators read the lease and history tables, which key scopes do not cover: a tenant's group
+    declared an operator lets each of its members read every tenant's keys, holders and epochs. A
+    limit counts the keys under the limited role's own scope prefixes: set on a login member whose
+    scope is its group's, it limits nothing.
+    """
+    from django.core.exceptions import ImproperlyConfigured
+
+    from pg_lease_django import conf
+
+    try:
+        scopes, operators, limits = conf.key_scopes(), conf.operator_roles(), conf.role_limits()
+    except ImproperlyConfigured:
+        return []  # the settings' own checks say why
+    unscoped: list[checks.CheckMessage] = [
+        checks.Warning(
+            f"PG_LEASE_ROLE_LIMITS limits role {role!r}, which has no key scope of its own in PG_LEASE_KEY_SCOPES: "
+            "a limit counts the keys under the limited role's own prefixes, so this one limits nothing (a login "
+            "member's keys are under its group's scope).",
+            hint=f"Set the limit on the role whose scope {role!r} uses (its group role), then run, as the owner: "
+            "manage.py leases grant",
+            id="pg_lease_django.W008",
+        )
+        for role in limits
+        if role not in scopes
+    ]
+    return unscoped + [
+        checks.Warning(
+            f"role {role!r} is declared an operator (PG_LEASE_OPERATOR_ROLES) and has a tenant's key scope "
+            f"{list(scopes[role])!r}: operators read every tenant's leases and history (keys, holders, epochs), "
+            "which key scopes do not cover, so each of its members would.",
+            hint=f"Remove {role!r} from PG_LEASE_OPERATOR_ROLES (an operator is a role of its own, listed with "
+            f'"*" in PG_LEASE_KEY_SCOPES), then run, as the owner: manage.py leases grant --check, and the '
+            "REVOKE lines it prints.",
+            id="pg_lease_django.W008",
+        )
+        for role in operators
+        if scopes.get(role, ("",)) != ("",)
+    ]

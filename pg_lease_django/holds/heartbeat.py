@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Literal
 
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from pg_lease_django.exceptions import HeartbeatFailedError, LeaseLostError
 from pg_lease_django.metrics import hooks as metrics
@@ -291,14 +291,17 @@ class Heartbeat:
                     return "freed"  # by the interrupted release (or its completion): not a loss
                 self.tenure.declare_lost(exc, definitive=True)  # lost unnoticed (a no-op if already known)
                 return "gone"
-            except Exception:
+            except Exception as exc:
                 if attempt == 2 or call.interrupted:  # a release that hung would hang again: give up
+                    # One line for the database's failure (unreachable, cut off: an operator reads it
+                    # in a stop's log); a traceback only for anything else, which would be a bug.
                     logger.warning(
-                        "releasing lease %r failed; it lapses at its expiry (%s)%s",
+                        "releasing lease %r failed (%s); it lapses at its expiry (%s)%s",
                         lease.key,
+                        (str(exc).strip().splitlines() or [type(exc).__name__])[0],
                         lease.expires_at,
                         self._own_transaction_hint(),
-                        exc_info=True,
+                        exc_info=not isinstance(exc, DatabaseError),
                     )
                     return "unknown"
                 continue

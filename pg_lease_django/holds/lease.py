@@ -46,6 +46,7 @@ class Tenure:
         trusted_until: the instant the holder stops trusting itself (only ever pushed later, by `renewed`).
         error: why the lease was lost (first verdict), or None.
         ended_at: the instant the hold ended (`end`), or None.
+        released: the hold's release committed (a release that failed or was cut short: False).
         handoff_requested: a renewal said someone asked this holder to step down.
         lost_event: set on loss (what ``wait_lost`` sleeps on).
         stop_event: set on loss and on a hand-off request (what ``wait_stop`` sleeps on).
@@ -67,6 +68,7 @@ class Tenure:
         self.trusted_until = sent_at + trust_span
         self.error: LeaseLostError | None = None
         self.ended_at: float | None = None
+        self.released = False  # the hold's release committed (set once its exit knows)
         self.handoff_requested = False
         self.lost_event = threading.Event()
         self.stop_event = threading.Event()
@@ -219,6 +221,16 @@ class HeldLease:
         turns false again. Stays false after a normal exit.
         """
         return self._tenure.error is not None or self._tenure.trust_expired()
+
+    @property
+    def released(self) -> bool:
+        """True once the hold has ended and its release committed: the key is free now.
+
+        False while held, and after an exit whose release did not commit (the database did not
+        answer in time, the lease was already lost, or ``hold_at_least`` kept it): the lease then
+        lapses at ``expires_at``, the server's expiry after the last renewal that succeeded.
+        """
+        return self._tenure.released
 
     @property
     def handoff_requested(self) -> bool:

@@ -189,11 +189,12 @@ class LeaseConnection:
                 return operations.acquire_or_raise(self.wrapper, key, owner, ttl, in_flight.marker)
             except NotAcquirableError:
                 raise
-            except BaseException:
+            except BaseException as exc:
                 # The blocking wait settles its own. A lost connection is not settled (no server to
-                # settle on; the outcome is unknown, as for any lost call) unless an interrupt shut it.
+                # settle on; the outcome is unknown, as for any lost call) unless an interrupt shut it;
+                # nor is a refusal (out of scope, no grant): the server answered, nothing was granted.
                 raw = self.wrapper.connection
-                if interrupted() or not (raw is None or raw.closed):
+                if interrupted() or not (raw is None or raw.closed or run.refused_by_server(exc)):
                     settling.settle(self.wrapper, key, owner, in_flight)
                 raise
         except NotAcquirableError:

@@ -198,6 +198,7 @@ class HoldSession:
         finally:  # also when an interrupt goes on once the release is completed: the hold has ended
             if heartbeat.ended and not self.told:
                 self.told = True
+                heartbeat.tenure.released = heartbeat.outcome == "freed"
                 if not lease.lost:
                     logger.debug("ended the hold of lease %r (%s)", lease.key, heartbeat.outcome)
                     send_lease_signal(lease_released, lease, freed=heartbeat.outcome == "freed")

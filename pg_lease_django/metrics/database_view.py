@@ -6,32 +6,41 @@ and free by key label, the oldest lapse not yet taken over, the waiters register
 prometheus_client's default registry (``PG_LEASE_METRICS_DATABASE_VIEW``); in multiprocess mode
 register it in the registry your ``/metrics`` view builds (`register`).
 
-With a one-character ``PG_LEASE_METRICS_KEY_LABEL`` (the default ``:``) it calls
-``pg_lease_metrics()``, which a role declared in ``PG_LEASE_MONITOR_ROLES`` may run and which
-returns counts by label, never a key: the labels are bounded there (keys without the separator
-share ``"(none)"``, at most ``PG_LEASE_METRICS_MAX_LABELS`` labels, the rest ``"(other)"``). A
-callable label reads a row per key (an operator's SELECT on the lease tables) and is bounded here.
+It calls ``pg_lease_metrics()``, which a role declared in ``PG_LEASE_MONITOR_ROLES`` may run and
+which returns counts by label, never a key. The label rule is the database's, never the caller's
+(a caller choosing it could read keys back): a key under a declared scope prefix
+(``PG_LEASE_KEY_SCOPES``) is labelled by it, else by its part before the separator of
+``PG_LEASE_METRICS_KEY_LABEL`` (``"(none)"`` without it), at most ``PG_LEASE_METRICS_MAX_LABELS``
+labels, the rest ``"(other)"``: `sync_metrics_rule` copies the settings in at ``migrate``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from django.db import connections, router, transaction
 
-from pg_lease_django import conf
+from pg_lease_django import conf, sql
 from pg_lease_django.sql import run, statements
-
-from . import OTHER_LABEL
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
 
-__all__ = ["DATABASE_METRICS", "DatabaseCollector", "register"]
+__all__ = [
+    "DATABASE_METRICS",
+    "METRICS_RULE_TABLE",
+    "DatabaseCollector",
+    "metrics_rule",
+    "register",
+    "sync_metrics_rule",
+]
+
+#: The table holding the rule (migration 0011).
+METRICS_RULE_TABLE = "pg_lease_django_metrics_rule"
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +57,8 @@ DATABASE_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 class DatabaseCollector:
     """A prometheus_client collector: the database's view of the leases, read at each scrape.
 
-    With a one-character ``PG_LEASE_METRICS_KEY_LABEL`` the database groups by label itself
-    (``pg_lease_metrics()``, which a monitoring role may run); with a callable it returns a row per
-    key and state, grouped here (costlier on a large table, and an operator's SELECT on the lease
-    tables). Either way a scrape has at most ``PG_LEASE_METRICS_MAX_LABELS`` labels plus
+    The database groups by label itself (``pg_lease_metrics()``, which a monitoring role may run),
+    by the rule it holds: a scrape has at most ``PG_LEASE_METRICS_MAX_LABELS`` labels plus
     ``"(other)"``. A failed read (database down, no privilege) sets ``pg_lease_db_up`` to 0 and is
     logged; it never fails the scrape.
 
@@ -83,51 +90,45 @@ class DatabaseCollector:
         yield from _families(rows)
 
     def read(self) -> list[tuple[str, str, str, float, float | None]]:
-        """The view's rows, labelled: (kind, prefix, state or reason, count, oldest lapse in seconds)."""
+        """The view's rows, labelled by the database's rule: (kind, prefix, state or reason, count,
+        oldest lapse in seconds)."""
         from pg_lease_django.models import Lease
 
         alias = self.using or router.db_for_write(Lease)
         connection = connections[alias]
-        rule = conf.metrics_key_label()
-        cap = conf.metrics_max_labels()
-        history_on = bool(conf.history_prefixes())
         opened = connection.connection is None
         try:
             with transaction.atomic(using=alias):
-                if isinstance(rule, str):
-                    return run.rows(connection, statements.METRICS, [rule, cap, history_on])
-                # The planner cannot estimate how many keys share a label, guesses a group per row
-                # and sorts every row, on disk past work_mem; with room for a hash of that guess it
-                # hashes instead (2-3x faster at 100k rows). For this transaction only, never lowered.
-                run.run(connection, statements.WORK_MEM_ROOM)
-                raw = run.rows(connection, statements.METRICS_PER_KEY, [history_on])
+                return run.rows(connection, statements.METRICS)
         finally:
             # A scrape thread of prometheus_client's server is new each time: close what it opened.
             if opened and not connection.in_atomic_block:
                 connection.close()
-        return _regroup(raw, rule, cap)
 
 
-def _regroup(
-    raw: list[tuple[str, str, str, float, float | None]], label: Callable[[str], str], cap: int
-) -> list[tuple[str, str, str, float, float | None]]:
-    """Rows per key labelled by ``label``: the ``cap`` labels with the most lease rows keep their own,
-    the rest are counted as `OTHER_LABEL` (as ``pg_lease_metrics()`` bounds them in SQL)."""
-    labels = {key: str(label(key)) for _kind, key, *_ in raw}
-    rows: dict[str, float] = defaultdict(float)
-    for kind, key, _what, count, _lapse in raw:
-        if kind == "lease":
-            rows[labels[key]] += count
-    kept = set(sorted(rows, key=lambda name: (-rows[name], name))[:cap])
-    counts: dict[tuple[str, str, str], float] = defaultdict(float)
-    lapses: dict[tuple[str, str, str], float | None] = {}
-    for kind, key, what, count, lapse in raw:
-        group = (kind, labels[key] if labels[key] in kept else OTHER_LABEL, what)
-        counts[group] += count
-        if lapse is not None:
-            known = lapses.get(group)
-            lapses[group] = lapse if known is None else max(known, lapse)
-    return [(*group, count, lapses.get(group)) for group, count in counts.items()]
+def metrics_rule() -> tuple[str, int]:
+    """The label rule the database is to hold: ``PG_LEASE_METRICS_KEY_LABEL``'s separator (``":"``
+    when the setting is a callable, which labels this process's own metrics only) and
+    ``PG_LEASE_METRICS_MAX_LABELS``."""
+    rule = conf.metrics_key_label()
+    return (rule if isinstance(rule, str) else ":"), conf.metrics_max_labels()
+
+
+def sync_metrics_rule(using: str) -> bool:
+    """Make database ``using`` label the database's view by `metrics_rule`; whether anything changed.
+
+    Called by ``migrate`` and ``manage.py leases grant`` (`pg_lease_django.privileges.grant`), as the
+    owner: ``pg_lease_metrics()`` takes no rule from its caller. Nothing to do before migration 0011.
+    """
+    connection = connections[using]
+    if not run.one(connection, statements.RELATION_EXISTS, [sql.schema_name(connection), METRICS_RULE_TABLE]):
+        return False
+    wanted = metrics_rule()
+    stored = run.first(connection, statements.METRICS_RULE)
+    if stored is not None and tuple(stored) == wanted:
+        return False
+    run.run(connection, statements.METRICS_RULE_SET, [*wanted])
+    return True
 
 
 def _families(rows: list[tuple[str, str, str, float, float | None]]) -> Iterator[Metric]:

@@ -11,10 +11,11 @@ from datetime import timedelta
 from django.core.management.base import OutputWrapper
 from django.db import connections
 
-from pg_lease_django.display import LeaseRow, format_duration, printable
+from pg_lease_django.display import describe_expiry, format_duration, printable
+from pg_lease_django.operations import LeaseState
 from pg_lease_django.status import LeaseStatus
 
-__all__ = ["StatusLine"]
+__all__ = ["StatusLine", "expiry_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,15 +24,22 @@ logger = logging.getLogger(__name__)
 _STATUS_REFRESH = 0.25
 
 
+def expiry_of(state: LeaseState) -> str:
+    """When the lease ``pg_lease_inspect`` saw expires, for people: ``in 29s``, ``lapsed 3s ago``, ``-``."""
+    expires_in = None if state.expires_at is None else state.expires_at - state.server_time
+    return describe_expiry(LeaseStatus(state.status), expires_in)
+
+
 class StatusLine(threading.Thread):
     """On a terminal: one line on stderr, rewritten in place, while ``--wait`` waits for the lease.
 
-    Reads the lease as ``leases show`` does, on a connection of this thread's own (the waiting
-    acquire has its own too), and never blocks the wait: any failure only ends the status line.
+    Reads the lease through ``pg_lease_inspect`` (what a worker may read of its keys), on a
+    connection of this thread's own (the waiting acquire has its own too), and never blocks the
+    wait: any failure only ends the status line.
     The key and the holder are others' text: shown through `printable`, never obeyed by the terminal.
     """
 
-    def __init__(self, key: str, read_lease: Callable[[], LeaseRow | None], stderr: OutputWrapper, wait: float) -> None:
+    def __init__(self, key: str, read_lease: Callable[[], LeaseState], stderr: OutputWrapper, wait: float) -> None:
         super().__init__(name=f"leases run status {key}"[:100], daemon=True)
         self.key, self.read_lease, self.stderr, self.wait = key, read_lease, stderr, wait
         self._stopped = threading.Event()
@@ -43,15 +51,15 @@ class StatusLine(threading.Thread):
         key = printable(self.key)
         try:
             while not self._stopped.wait(_STATUS_REFRESH):
-                row = self.read_lease()
-                owner = printable(row.owner or "") if row is not None else ""
+                state = self.read_lease()
+                owner = printable(state.owner or "")
                 waited = format_duration(timedelta(seconds=time.monotonic() - started))
-                if row is None or row.state == LeaseStatus.FREE:
+                if state.status == LeaseStatus.FREE.value:
                     text = f"waiting for {key} (free now)"
-                elif row.state == LeaseStatus.LAPSED:
+                elif state.status == LeaseStatus.LAPSED.value:
                     text = f"waiting for {key} (lapsed, last held by {owner})"
                 else:
-                    text = f"waiting for {key} held by {owner}, expires {row.expiry}"
+                    text = f"waiting for {key} held by {owner}, expires {expiry_of(state)}"
                 self._show(f"{text} (waited {waited} of {format_duration(timedelta(seconds=self.wait))})")
         except Exception:
             logger.debug("the wait status line for %r failed", self.key, exc_info=True)

@@ -34,16 +34,16 @@ from typing import Any
 from django.core.management.base import OutputWrapper
 from django.db import connections, router
 
-from pg_lease_django.display import LeaseRow, printable
+from pg_lease_django.display import printable
 from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
 from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.holds.holding import hold
 from pg_lease_django.holds.lease import HeldLease
 from pg_lease_django.models import Lease
-from pg_lease_django.status import LeaseStatus
+from pg_lease_django.operations import LeaseState
 
 from .child_process import Child, describe_exit, signal_name, terminal_foreground
-from .status_line import StatusLine
+from .status_line import StatusLine, expiry_of
 
 __all__ = ["DEFAULT_GRACE", "FORWARDED_SIGNALS", "RunError", "Supervisor", "quoted"]
 
@@ -136,9 +136,11 @@ class Supervisor:
         self._wake_lock = threading.Lock()
         self._wake_r = self._wake_w = -1  # a pipe while running: the hold's on_lost wakes the main thread
 
-    def read_lease(self) -> LeaseRow | None:
-        """The lease as ``leases show`` reads it (None when it has no row), on this thread's connection."""
-        return Lease.objects.db_manager(self.using).row(self.key)
+    def read_lease(self) -> LeaseState:
+        """The lease as ``pg_lease_inspect`` sees it, on this thread's connection: what a worker may
+        read of its own keys (the lease table is the operators'), so busy and timed out stay 75 and 77
+        from every seat that may hold the key."""
+        return Lease.objects.db_manager(self.using).inspect(self.key)
 
     # -- messages ------------------------------------------------------------------------------------
 
@@ -271,15 +273,21 @@ class Supervisor:
                 f"lease {self._key} (epoch {lease.epoch}) was lost while {self._name} ran ({error.code}): {what}",
                 ExitCode.LOST,
             )
-        self._say(f"released {self._key} (epoch {lease.epoch}); {self._name} {describe_exit(returncode)}", level=2)
+        if lease.released:
+            self._say(f"released {self._key} (epoch {lease.epoch}); {self._name} {describe_exit(returncode)}", level=2)
+        else:  # the release did not commit (the database did not answer in time): say so, never "released"
+            self._say(
+                f"{self._name} {describe_exit(returncode)}; the release of {self._key} (epoch {lease.epoch}) did not "
+                f"complete: the lease lapses at {lease.expires_at.isoformat(timespec='milliseconds')} (server clock)"
+            )
         return returncode if returncode >= 0 else 128 - returncode
 
     def _holder(self) -> str:
-        row = self.read_lease()
+        state = self.read_lease()
         connections[self.using].close()  # no idle connection left behind by a status query
-        if row is None or row.state != LeaseStatus.HELD or row.owner is None:
+        if not state.held or state.owner is None:
             return f"lease {self._key} was held by another owner"
-        return f"lease {self._key} is held by {quoted(row.owner)} (epoch {row.epoch}, expires {row.expiry})"
+        return f"lease {self._key} is held by {quoted(state.owner)} (epoch {state.epoch}, expires {expiry_of(state)})"
 
     def _supervise(self, lease: HeldLease) -> int:
         """Start COMMAND and wait for it, signalling it if the lease is lost; its Popen return code."""

@@ -104,19 +104,35 @@ NOTIFY_CHANNEL = "pg_lease_django"
 
 # The lease table's schema per database alias, looked up once per process (one catalog query).
 _schemas: dict[str, str] = {}
+# (alias, PG_LEASE_SCHEMA) pairs whose schema was seen to hold the lease table.
+_verified: set[tuple[str, str]] = set()
 
 
 def schema_name(connection: BaseDatabaseWrapper) -> str:
     """The schema of the lease functions in ``connection``'s database, unquoted.
 
-    ``PG_LEASE_SCHEMA`` names it outright; otherwise it is the one schema of the search_path that
-    has the ``pg_lease_django_lease`` table, looked up once per database alias.
+    ``PG_LEASE_SCHEMA`` names it outright (checked once per database alias to hold the lease table);
+    otherwise it is the one schema of the search_path that has the ``pg_lease_django_lease`` table,
+    looked up once per database alias.
 
     Raises:
-        ImproperlyConfigured: no schema of the search_path has the lease table (the app is not
-            migrated), or several do (set ``PG_LEASE_SCHEMA``).
+        ImproperlyConfigured: no schema of the search_path (or not ``PG_LEASE_SCHEMA``) has the
+            lease table (the app is not migrated), or several do (set ``PG_LEASE_SCHEMA``).
     """
-    name = known_schema(connection.alias)
+    configured = conf.schema()
+    if configured is not None:
+        # Checked as the lookup is, so that an unmigrated database names migrate, not "function ... does not exist".
+        if (connection.alias, configured) not in _verified:
+            with connection.cursor() as cursor:
+                cursor.execute(queries()["relation_exists"], (configured, "pg_lease_django_lease"))
+                if not cursor.fetchone()[0]:
+                    raise ImproperlyConfigured(
+                        f"database {connection.alias!r} has no lease table in schema {configured!r} (PG_LEASE_SCHEMA): "
+                        f"run `manage.py migrate pg_lease_django --database {connection.alias}`"
+                    )
+            _verified.add((connection.alias, configured))
+        return configured
+    name = _schemas.get(connection.alias)
     if name is None:
         with connection.cursor() as cursor:
             cursor.execute(queries()["schema_lookup"], ())

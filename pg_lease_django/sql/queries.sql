@@ -113,11 +113,15 @@ SELECT CASE WHEN c.collname = 'default'
  WHERE a.attrelid = %s::pg_catalog.regclass AND a.attname = 'key'
 
 -- readiness --
--- Whether this role may run every function a worker needs (the app migrated, the grants made), and
--- the key prefixes it may use (NULL: every key; an empty array: none, every call refused).
-SELECT coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 'EXECUTE')), false),
-       {schema}.pg_lease_session_scope()
-  FROM {schema}.pg_lease_privileges() p WHERE p.role = 'worker' AND p.kind = 'FUNCTION'
+-- Whether this role may run every function a worker needs (the app migrated, the grants made), the
+-- key prefixes it may use (NULL: every key; an empty array: none, every call refused), and whether
+-- it may read the metrics (a monitor's seat, which calls no lease function).
+SELECT coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 'EXECUTE'))
+                  FILTER (WHERE p.role = 'worker'), false),
+       {schema}.pg_lease_session_scope(),
+       coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 'EXECUTE'))
+                  FILTER (WHERE p.role = 'monitor'), false)
+  FROM {schema}.pg_lease_privileges() p WHERE p.role IN ('worker', 'monitor') AND p.kind = 'FUNCTION'
 
 -- lock_timeout_local --
 -- A lock timeout for this transaction only (settling a release: it must not wait forever).
@@ -147,35 +151,9 @@ SELECT CASE WHEN (a.pid = %s OR a.wait_event_type = 'Lock') AND pg_catalog.pg_ha
 -- Let a test database be flushed (TRUNCATE of the lease and fenced tables), for roles that may opt out.
 ALTER DATABASE {database} SET pg_lease.allow_truncate = on
 
--- work_mem_room --
--- Room for a hash of every key: the planner cannot estimate how many labels an expression yields,
--- guesses a group per row and sorts every row without it. For this transaction only, never lowered.
-SELECT pg_catalog.set_config('work_mem', '32MB', true)
- WHERE pg_catalog.pg_size_bytes(pg_catalog.current_setting('work_mem')) < 33554432
-
 -- metrics --
--- The database's view for Prometheus by label (pg_lease_metrics: separator, label cap, history on).
-SELECT kind, label, state, count, oldest_lapse FROM {schema}.pg_lease_metrics(%s::text, %s::integer, %s::boolean)
-
--- metrics_per_key --
--- The same per key, for a label rule of Python's (a callable): the lease rows by key and state
--- against one clock read, the waiters whose registration has not run out, and the ended tenures
--- (only with history on: a constant false filter skips the scan). An operator's: it reads the tables.
-WITH now AS MATERIALIZED (SELECT pg_catalog.clock_timestamp() AS t)
-SELECT 'lease', l.key, {schema}.pg_lease_status(l.owner, l.expires_at, now.t),
-       count(*)::float8, max(extract(epoch FROM now.t - l.expires_at))::float8
-  FROM {schema}.pg_lease_django_lease l, now
- GROUP BY 2, 3
-UNION ALL
-SELECT 'waiter', w.key, '', count(*)::float8, NULL
-  FROM {schema}.pg_lease_django_waiter w, now
- WHERE w.until > now.t
- GROUP BY 2
-UNION ALL
-SELECT 'tenure', t.key, t.end_reason, count(*)::float8, NULL
-  FROM {schema}.pg_lease_django_tenure t
- WHERE %s::boolean AND t.end_reason IS NOT NULL
- GROUP BY 2, 3
+-- The database's view for Prometheus by label (pg_lease_metrics: the rule is the database's).
+SELECT kind, label, state, count, oldest_lapse FROM {schema}.pg_lease_metrics()
 
 -- status_function --
 -- The lease functions' status rule, named for a Django Func over the lease table (querysets.StatusAt:
@@ -207,6 +185,19 @@ SELECT EXISTS (
   SELECT FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
    WHERE n.nspname = %s AND c.relname = %s
 )
+
+-- seat --
+-- Who this session logged in as, and who owns a relation (the lease table, django_migrations): a
+-- refusal from the wrong seat names the role to use (NULL where the relation is not there).
+SELECT session_user::text,
+       (SELECT pg_catalog.pg_get_userbyid(c.relowner)::text
+          FROM pg_catalog.pg_class c WHERE c.oid = pg_catalog.to_regclass(%s::text))
+
+-- superuser_owner --
+-- The lease tables' owner, when it is a superuser (migrated as one): its SECURITY DEFINER functions
+-- then run as a superuser, and no membership check leaves anyone out of it.
+SELECT r.rolname::text FROM pg_catalog.pg_class c JOIN pg_catalog.pg_roles r ON r.oid = c.relowner
+ WHERE c.oid = pg_catalog.to_regclass(%s::text) AND r.rolsuper
 
 -- function_exists --
 SELECT pg_catalog.to_regprocedure(%s) IS NOT NULL
@@ -260,6 +251,15 @@ DELETE FROM {schema}.pg_lease_django_role_limit
 INSERT INTO {schema}.pg_lease_django_role_limit (role, max_leases, max_tenures_per_key)
 SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::int[]), pg_catalog.unnest(%s::int[]))
 
+-- metrics_rule --
+-- The metrics' label rule the database holds: separator, label cap (no row before migration 0010).
+SELECT separator, max_labels FROM {schema}.pg_lease_django_metrics_rule
+
+-- metrics_rule_set --
+-- Set it (one row, whoever syncs at once: the second write wins, as the settings are the same).
+INSERT INTO {schema}.pg_lease_django_metrics_rule (id, separator, max_labels) VALUES (true, %s::text, %s::integer)
+ON CONFLICT (id) DO UPDATE SET separator = excluded.separator, max_labels = excluded.max_labels
+
 -- absent_roles --
 -- Which of these names are no role of the cluster (a typo, a rename, a drop).
 SELECT n FROM pg_catalog.unnest(%s::text[]) n
@@ -298,6 +298,10 @@ REVOKE SET, ALTER SYSTEM ON PARAMETER session_replication_role FROM {role}
 -- one that bypasses row-level security,
 ALTER ROLE {role} NOBYPASSRLS
 
+-- no_createrole --
+-- one that may make itself a member of any role but a superuser (CREATEROLE before PostgreSQL 16),
+ALTER ROLE {role} NOCREATEROLE
+
 -- revoke_membership --
 -- one that a predefined role ({predefined}) lets around the rules.
 REVOKE {predefined} FROM {role}
@@ -306,7 +310,8 @@ REVOKE {predefined} FROM {role}
 -- Who holds what on the package's objects, through every membership: per role (and PUBLIC), each
 -- privilege held, whether WITH GRANT OPTION, the tiers of pg_lease_privileges() that name it, and
 -- the tiers the role may hold through the declared roles it is a member of (itself included: a
--- login role in a declared group role holds what the group is granted, as PostgreSQL means it).
+-- login role in a declared group role holds what the group is granted, as PostgreSQL means it), and
+-- whether the role was granted it itself (its ACL entry) rather than through a role it is a member of.
 -- Privileges pg_read_all_data / pg_write_all_data explain are left to `bypasses` (their remedy is
 -- the membership, not the table). Roles are checked by OID: by name, a role dropped after this
 -- statement's snapshot is looked up in the current catalog and fails the whole read.
@@ -314,11 +319,13 @@ WITH lease_schema AS (SELECT n.oid FROM pg_catalog.pg_namespace n WHERE n.nspnam
 owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c, lease_schema s
            WHERE c.relnamespace = s.oid AND c.relname = 'pg_lease_django_lease'),
 objects AS (
-  SELECT 'FUNCTION' AS kind, p.oid, p.oid::pg_catalog.regprocedure::text AS object FROM pg_catalog.pg_proc p
+  SELECT 'FUNCTION' AS kind, p.oid, p.oid::pg_catalog.regprocedure::text AS object,
+         coalesce(p.proacl, pg_catalog.acldefault('f', p.proowner)) AS acl FROM pg_catalog.pg_proc p
    WHERE p.pronamespace = (SELECT s.oid FROM lease_schema s) AND p.proname LIKE 'pg\_lease\_%%'
      AND p.prorettype <> 'pg_catalog.trigger'::pg_catalog.regtype
   UNION ALL
-  SELECT 'TABLE', c.oid, c.oid::pg_catalog.regclass::text FROM pg_catalog.pg_class c
+  SELECT 'TABLE', c.oid, c.oid::pg_catalog.regclass::text, coalesce(c.relacl, pg_catalog.acldefault('r', c.relowner))
+    FROM pg_catalog.pg_class c
    WHERE c.relnamespace = (SELECT s.oid FROM lease_schema s) AND c.relname LIKE 'pg\_lease\_django\_%%'
      AND c.relkind IN ('r', 'p')),
 wanted AS (
@@ -343,6 +350,8 @@ privileges AS (
                  ('TABLE', 'DELETE'), ('TABLE', 'TRUNCATE'), ('TABLE', 'REFERENCES'), ('TABLE', 'TRIGGER')) v (kind, privilege)),
 held AS (
   SELECT g.name, o.kind, o.object, o.oid, v.privilege, g.allowed,
+         EXISTS (SELECT FROM pg_catalog.aclexplode(o.acl) a
+                  WHERE a.grantee = coalesce(g.oid, 0) AND a.privilege_type = v.privilege) AS direct,
          CASE WHEN g.oid IS NULL AND o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege('public', o.oid, v.passing)
               WHEN g.oid IS NULL THEN pg_catalog.has_table_privilege('public', o.oid, v.passing)
               WHEN o.kind = 'FUNCTION' THEN pg_catalog.has_function_privilege(g.oid, o.oid, v.passing)
@@ -355,23 +364,26 @@ held AS (
      AND NOT (o.kind = 'TABLE' AND v.privilege = 'SELECT' AND g.reads_all)
      AND NOT (o.kind = 'TABLE' AND v.privilege IN ('INSERT', 'UPDATE', 'DELETE') AND g.writes_all))
 SELECT h.name, h.kind, h.object, h.privilege, h.grantable,
-       pg_catalog.array_agg(w.tier) FILTER (WHERE w.tier IS NOT NULL), h.allowed
+       pg_catalog.array_agg(w.tier) FILTER (WHERE w.tier IS NOT NULL), h.allowed, h.direct
   FROM held h LEFT JOIN wanted w ON w.oid = h.oid AND w.privilege = h.privilege
- GROUP BY 1, 2, 3, 4, 5, 7 ORDER BY 1, 2, 3, 4
+ GROUP BY 1, 2, 3, 4, 5, 7, 8 ORDER BY 1, 2, 3, 4
 
 -- bypasses --
 -- Roles PostgreSQL lets around the lease rules, beside table and function grants: SET or ALTER
 -- SYSTEM on session_replication_role ({replica}: `replica_grants` from PostgreSQL 15 on, when
 -- parameter privileges arrived; else false), membership of pg_read_all_data, pg_write_all_data and
 -- pg_maintain (PostgreSQL 17+), and BYPASSRLS with a way to read the secret. Each reported where it
--- was granted, not in every member that inherits it: revoking it there removes it from them all.
--- Superusers and the owner's members are trusted and left out.
+-- was granted, not in every member that inherits it: revoking it there removes it from them all;
+-- PUBLIC (oid 0) for a parameter granted to every role. And CREATEROLE ({createrole}: before
+-- PostgreSQL 16, such a role may grant itself membership of any role but a superuser, the owner
+-- included; else false). Superusers and the owner's members are trusted and left out.
 WITH lease_schema AS (SELECT n.oid FROM pg_catalog.pg_namespace n WHERE n.nspname = {schema_name}),
 owner AS (SELECT c.relowner AS oid FROM pg_catalog.pg_class c, lease_schema s
            WHERE c.relnamespace = s.oid AND c.relname = 'pg_lease_django_lease'),
 roles AS (
-  SELECT r.rolname::text AS name, r.oid, r.rolbypassrls FROM pg_catalog.pg_roles r, owner
-   WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE')),
+  SELECT r.rolname::text AS name, r.oid, r.rolbypassrls, {createrole} AS createrole FROM pg_catalog.pg_roles r, owner
+   WHERE NOT r.rolsuper AND r.rolname !~ '^pg_' AND NOT pg_catalog.pg_has_role(r.oid, owner.oid, 'USAGE')
+  UNION ALL SELECT 'PUBLIC', 0::pg_catalog.oid, false, false),
 member_of AS (
   SELECT m.member, m.roleid::pg_catalog.regrole::text AS predefined FROM pg_catalog.pg_auth_members m
    WHERE m.roleid::pg_catalog.regrole::text IN ('pg_read_all_data', 'pg_write_all_data', 'pg_maintain'))
@@ -379,8 +391,9 @@ SELECT r.name, {replica},
        EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_read_all_data'),
        EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_write_all_data'),
        EXISTS (SELECT FROM member_of m WHERE m.member = r.oid AND m.predefined = 'pg_maintain'),
-       r.rolbypassrls AND (pg_catalog.pg_has_role(r.oid, 'pg_read_all_data', 'USAGE')
-                           OR pg_catalog.has_table_privilege(r.oid, secret.oid, 'SELECT'))
+       CASE WHEN r.rolbypassrls THEN pg_catalog.pg_has_role(r.oid, 'pg_read_all_data', 'USAGE')
+                                     OR pg_catalog.has_table_privilege(r.oid, secret.oid, 'SELECT') ELSE false END,
+       r.createrole
   FROM roles r, (SELECT c.oid FROM pg_catalog.pg_class c, lease_schema s
                   WHERE c.relnamespace = s.oid AND c.relname = 'pg_lease_django_secret') secret
  ORDER BY r.name

@@ -81,6 +81,22 @@ def rows(
         return [statement.decode(row, params) for row in cursor.fetchall()]
 
 
+#: The SQLSTATE classes of a statement the server refused before it could write anything: a bad
+#: argument (22), a name out of the caller's scope or a missing privilege or function (42), a limit
+#: reached (53). A lost connection (no SQLSTATE, 08), a shutdown (57P) or a cancel stay unknown.
+REFUSED_CLASSES = frozenset({"22", "42", "53"})
+
+
+def refused_by_server(error: BaseException) -> bool:
+    """Whether ``error`` (Django's or psycopg's) is the server refusing a statement outright.
+
+    Such an attempt granted nothing: there is nothing to settle, and a scope refusal or a missing
+    grant stays the one line the server wrote, not a settling's failure logged around it.
+    """
+    cause = error if isinstance(error, psycopg.Error) else error.__cause__
+    return isinstance(cause, psycopg.Error) and (cause.sqlstate or "")[:2] in REFUSED_CLASSES
+
+
 def run(
     connection: BaseDatabaseWrapper, statement: Statement[Any], params: Params = (), **parts: pgsql.Composable
 ) -> None:

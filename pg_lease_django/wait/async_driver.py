@@ -30,7 +30,7 @@ from django.db.utils import DatabaseErrorWrapper, load_backend
 from pg_lease_django import conf, operations, sql
 from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Attempt, Grant
-from pg_lease_django.sql import statements
+from pg_lease_django.sql import run, statements
 from pg_lease_django.sql.arun import Session
 
 from .plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
@@ -140,13 +140,13 @@ async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta
                     answer = Lost(exc, sent=attempting)
                 step = advance(plan, answer)
             return step.grant
-        except BaseException:
+        except BaseException as exc:
             # Cancelled (or timed out by asyncio.timeout) during an attempt: psycopg cancelled the
             # statement and read out its result, which may have been a committed grant: settle it
             # before the cancellation goes on (a second cancellation does not cut it short: `settled_anyway`). So is an
             # attempt answered with an unconfirmed commit (UnconfirmedCommitError), as the sync wait
-            # settles it: its grant is nobody's.
-            if attempting and session is not None and not session.closed:
+            # settles it: its grant is nobody's. One the server refused (out of scope) granted nothing.
+            if attempting and session is not None and not session.closed and not run.refused_by_server(exc):
                 await settled_anyway(asettle(session, key, owner), f"the interrupted acquire of {key!r} by {owner!r}")
             raise
         finally:

@@ -62,13 +62,15 @@ def wait_and_acquire(
     with metrics.waiting(key):
         try:
             return waiter.run(wait_plan(key, owner, wait, rejoin=own_commit), before_attempt)
-        except BaseException:
+        except BaseException as exc:
             # An attempt whose answer never came (interrupted, cancelled) may have committed a grant,
             # and a grant answered but not returned (interrupted while leaving LISTEN) is nobody's:
             # settle either before the exception goes on. A grant answered with an unconfirmed commit
             # (UnconfirmedCommitError leaves in_flight set) is settled too. Inside a transaction the
-            # attempt went with it; a lost connection is the plan's to report: nothing to settle.
-            if own_commit and (waiter.in_flight is not None or waiter.granted is not None):
+            # attempt went with it; a lost connection is the plan's to report, and an attempt the
+            # server refused (out of scope, no grant) granted nothing: nothing to settle.
+            in_flight = waiter.in_flight is not None and not run.refused_by_server(exc)
+            if own_commit and (in_flight or waiter.granted is not None):
                 settle(connection, key, owner, waiter.in_flight)
             raise
 

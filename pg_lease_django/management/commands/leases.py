@@ -27,6 +27,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError, router
 
+from pg_lease_django import seats
 from pg_lease_django.display import printable
 from pg_lease_django.exceptions import InvalidInputError
 from pg_lease_django.exit_codes import ExitCode
@@ -106,4 +107,6 @@ class Command(ReadingSubcommands, OperatingSubcommands, RunSubcommand):
             first_line = printable(str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
             if getattr(exc.__cause__, "sqlstate", None) == "42P01":  # undefined_table: not migrated (that far)
                 first_line += f"; run `manage.py migrate pg_lease_django --database {alias}`"
+            elif seats.denied(exc):  # the wrong seat: name the one to use
+                first_line += f"; {seats.remedy(alias, subcommand)}"
             raise CommandError(f"database error: {first_line}", returncode=ExitCode.DATABASE_ERROR) from None

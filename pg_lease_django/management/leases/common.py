@@ -26,7 +26,11 @@ def database(alias: str) -> str:
         raise CommandError(f"unknown database alias {alias!r}", returncode=ExitCode.USAGE)
     vendor = connections[alias].vendor
     if vendor != "postgresql":
-        raise CommandError(f"database {alias!r} is {vendor}, not PostgreSQL", returncode=ExitCode.USAGE)
+        raise CommandError(  # the words of operations.require_postgresql (check E001): the setting to change
+            f"database {alias!r} is {vendor}, not PostgreSQL: pass --database with an alias whose ENGINE is "
+            "'django.db.backends.postgresql', or route the pg_lease_django app to one (DATABASE_ROUTERS)",
+            returncode=ExitCode.USAGE,
+        )
     return alias
 
 

@@ -179,10 +179,14 @@ class OperatingSubcommands(BaseCommand):
             if scopes_differ:
                 self.stdout.write("the database's key scopes differ from PG_LEASE_KEY_SCOPES")
             if absent or lacking or extra or scopes_differ:
+                # `leases grant` creates no role and revokes nothing: each finding gets the cure that works.
+                cures = [f"run `manage.py leases grant --database {alias}`"] if lacking or scopes_differ else []
+                cures += ["run the REVOKE lines above (or declare those roles)"] if extra else []
+                cures += ["create the missing roles, then `manage.py leases grant`"] if absent else []
                 raise CommandError(  # exit 1, as for any database state that stops the leases working
                     f"{len(absent)} declared role(s) missing, {len(lacking)} grant(s) missing, "
                     f"{len(extra)} undeclared grant(s){', key scopes differ' if scopes_differ else ''}: "
-                    f"run `manage.py leases grant --database {alias}` as the lease functions' owner",
+                    f"{'; '.join(cures)}, as the lease functions' owner",
                     returncode=ExitCode.DATABASE_ERROR,
                 )
             self.stdout.write(f"Every declared role holds its lease privileges in {alias!r}.")
