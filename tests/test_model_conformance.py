@@ -268,14 +268,15 @@ class Conformance(RuleBasedStateMachine):
         return any(self.model.last.values())
 
     def presented(self, data: st.DataObject) -> tuple[str, int]:
-        """A client that held a grant (the key's holder, live or lapsed, half of the time), and the
-        epoch it presents: its own (live, lapsed, or taken over since), the one before it (stale),
-        or the key's current one (live, or someone else's)."""
-        held = st.sampled_from([c for c in CLIENTS if self.model.last[c]])
-        client = data.draw(st.one_of(st.just(self.model.owner), held) if self.model.owner else held, label="client")
+        """Who presents which epoch: the key's holder with its epoch (a live grant, or a lapsed one
+        once the clock has passed its expiry), a client that held a grant with the epoch it last
+        held (taken over or released since, or the holder's), or with the one before (stale)."""
+        kind = data.draw(st.sampled_from(("holder", "own", "stale")), label="presents")
+        if kind == "holder" and self.model.owner:
+            return self.model.owner, self.model.epoch
+        client = data.draw(st.sampled_from([c for c in CLIENTS if self.model.last[c]]), label="client")
         own = self.model.last[client]
-        epoch = data.draw(st.sampled_from(sorted({own, max(1, own - 1), self.model.epoch})), label="epoch")
-        return client, epoch
+        return client, own if kind != "stale" else max(1, own - 1)
 
     def judged(self, what: str, client: str, epoch: int, call: Callable[[], object]) -> bool:
         """``call()`` by ``client`` with ``epoch``, its answer compared with the model's verdict;
@@ -348,6 +349,13 @@ class Conformance(RuleBasedStateMachine):
     def tick(self) -> None:
         """The server clock moves on one tick."""
         self.model.now += 1
+        self.clock.set(self.model.now)
+
+    @precondition(lambda self: self.model.status() == "held")
+    @rule()
+    def tick_to_expiry(self) -> None:
+        """The clock moves on, tick by tick, onto the holder's expiry instant: lapsed there already."""
+        self.model.now = self.model.expires
         self.clock.set(self.model.now)
 
     @rule(by=st.integers(min_value=1, max_value=3))
