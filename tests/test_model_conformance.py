@@ -268,10 +268,11 @@ class Conformance(RuleBasedStateMachine):
         return any(self.model.last.values())
 
     def presented(self, data: st.DataObject) -> tuple[str, int]:
-        """Who presents which epoch: the key's holder with its epoch (a live grant, or a lapsed one
-        once the clock has passed its expiry), a client that held a grant with the epoch it last
-        held (taken over or released since, or the holder's), or with the one before (stale)."""
-        kind = data.draw(st.sampled_from(("holder", "own", "stale")), label="presents")
+        """Who presents which epoch: half of the time the key's holder with its epoch (a live grant,
+        or a lapsed one once the clock has passed its expiry); else a client that held a grant with
+        the epoch it last held (taken over or released since, or the holder's), or with the one
+        before (stale)."""
+        kind = data.draw(st.sampled_from(("holder", "own", "holder", "stale")), label="presents")
         if kind == "holder" and self.model.owner:
             return self.model.owner, self.model.epoch
         client = data.draw(st.sampled_from([c for c in CLIENTS if self.model.last[c]]), label="client")
