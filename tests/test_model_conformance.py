@@ -269,15 +269,16 @@ class Conformance(RuleBasedStateMachine):
 
     def presented(self, data: st.DataObject) -> tuple[str, int]:
         """Who presents which epoch: half of the time the key's holder with its epoch (a live grant,
-        or a lapsed one once the clock has passed its expiry); else a client that held a grant with
-        the epoch it last held (taken over or released since, or the holder's), or with the one
-        before (stale)."""
-        kind = data.draw(st.sampled_from(("holder", "own", "holder", "stale")), label="presents")
+        or a lapsed one once the clock has passed its expiry); a quarter, the holder with the epoch
+        before (stale); else a client that held a grant with the epoch it last held (released or
+        taken over since, or the holder's)."""
+        kind = data.draw(st.sampled_from(("holder", "stale", "holder", "former")), label="presents")
         if kind == "holder" and self.model.owner:
             return self.model.owner, self.model.epoch
+        if kind == "stale" and self.model.owner and self.model.epoch > 1:
+            return self.model.owner, self.model.epoch - 1
         client = data.draw(st.sampled_from([c for c in CLIENTS if self.model.last[c]]), label="client")
-        own = self.model.last[client]
-        return client, own if kind != "stale" else max(1, own - 1)
+        return client, self.model.last[client]
 
     def judged(self, what: str, client: str, epoch: int, call: Callable[[], object]) -> bool:
         """``call()`` by ``client`` with ``epoch``, its answer compared with the model's verdict;
