@@ -137,7 +137,7 @@ $(QUINT_DIR)/.installed: spec/package.json spec/package-lock.json
 	touch $@
 
 model: venv $(QUINT_DIR)/.installed
-	$(BIN)/python -m devkit.quint_model --samples 20000 --mutation-samples 5000 $(MODEL_ARGS)
+	$(BIN)/python -m devkit.quint_model --samples 20000 --mutation-samples 5000 --random-too $(MODEL_ARGS)
 	PG_LEASE_MODEL_EXAMPLES=300 $(BIN)/python -m pytest tests/test_model_conformance.py
 
 model-check: venv $(QUINT_DIR)/.installed
