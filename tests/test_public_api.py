@@ -99,6 +99,7 @@ SIGNATURES: dict[str, str] = {
     "HeldLease.error": "property",
     "HeldLease.handoff_requested": "property",
     "HeldLease.lost": "property",
+    "HeldLease.released": "property",
     "HeldLease.trust_remaining": "property",
     "HeldLease.wait_lost": "(self, timeout: 'float | None' = None) -> 'bool'",
     "HeldLease.wait_stop": "(self, timeout: 'float | None' = None) -> 'bool'",

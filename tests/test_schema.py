@@ -120,6 +120,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_guard_update",  # every acquire and release; names every built-in and operator with its schema
         "pg_lease_key_allowed",  # every operation, inlined; revoked from PUBLIC, names every built-in with its schema
         "pg_lease_presented_fences",  # every fenced write; names every built-in with its schema
+        "pg_lease_metrics_label",  # every row of a scrape, inlined; pure, as pg_lease_status
     }
     for name, security_definer, config in rows:
         # Workers need no privilege on the lease table: the operations run as its owner. The rest
