@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from tests import tiers
 from tests.helpers import conninfo, free, held, lapsed, sessions_left
 
 _counter = itertools.count()
@@ -42,6 +43,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # A plugin, not a hook of this conftest: pytest calls a conftest's hooks only for the fixtures of
     # its directory, and django_db_setup is pytest-django's, set up at the session's level.
     config.pluginmanager.register(NoSessionLeft(), "tests-no-session-left")
+    tiers.register(config)  # the legs' markers (pooler, server_version) and make test's last line
 
 
 class NoSessionLeft:
