@@ -10,7 +10,7 @@ DJANGO6_PYTHON ?= python3.12
 DJANGO6_SPEC ?= Django>=6.1,<6.2
 DJANGO6_VENV ?= .venvs/django6
 
-.PHONY: venv test test-soak test-django6 test-fast lint type migrations-check check demo bench clean tox
+.PHONY: venv test test-all test-soak test-pooler test-server-version test-django6 lint type migrations-check check demo bench clean tox
 
 venv: $(STAMP)
 
@@ -26,25 +26,44 @@ $(STAMP): pyproject.toml
 TEST_WORKERS ?= 4
 XDIST_ARGS := -n $(TEST_WORKERS) --dist loadgroup
 
-# Which tests by marker (pyproject.toml): the long soak runs have their own target and CI leg.
-MARKERS ?= not soak
+# pytest keeps the modules it rewrites (assertions) in __pycache__ unless bytecode writing is off
+# (PYTHONDONTWRITEBYTECODE): each worker then rewrites ~260 modules again, 3-4 s of CPU per process.
+unexport PYTHONDONTWRITEBYTECODE
 
-## make test: the suite on a real PostgreSQL, in TEST_WORKERS parallel workers (0: one process), all but the soak runs.
+# Which tests by marker (pyproject.toml, tests/tiers.py): make test leaves out the long, soak,
+# cluster and browser tiers (its last line counts them); make test-all runs every test (CI runs it).
+MARKERS ?= not (slow or soak or cluster or browser)
+# CI's pooled leg and server-version matrix: the tests whose behaviour depends on what they vary.
+POOLER_MARKERS := pooler and not (slow or soak or cluster or chaos or browser or acceptance)
+SERVER_VERSION_MARKERS := server_version and not (soak or cluster or chaos or browser or acceptance)
+
+PYTEST := $(BIN)/python -m pytest $(XDIST_ARGS)
+
+## make test: what a contributor needs for any change, on a real PostgreSQL, in TEST_WORKERS parallel workers (0: one process); its last line counts the tests it left out.
 test: venv
-	$(BIN)/python -m pytest $(XDIST_ARGS) -m "$(MARKERS)" $(PYTEST_ARGS)
+	PG_LEASE_TEST_LEFT_OUT="make test-all" $(PYTEST) -m "$(MARKERS)" $(PYTEST_ARGS)
+
+## make test-all: every test, the long, soak, cluster and browser tiers included (CI runs it on PostgreSQL 15 and the embedded 18); MARKERS_ALL selects among them.
+test-all: venv
+	$(PYTEST) $(if $(MARKERS_ALL),-m "$(MARKERS_ALL)") $(PYTEST_ARGS)
 
 ## make test-soak: the long history-checked runs under faults (stress, faults, failovers under load).
 test-soak: venv
-	$(MAKE) test MARKERS=soak
+	$(PYTEST) -m soak $(PYTEST_ARGS)
+
+## make test-pooler: the tests whose behaviour depends on a pooler (CI: behind PgBouncer, .ci/with-pgbouncer).
+test-pooler: venv
+	$(PYTEST) -m "$(POOLER_MARKERS)" $(PYTEST_ARGS)
+
+## make test-server-version: the tests whose behaviour depends on the PostgreSQL major (CI: .ci/matrix).
+test-server-version: venv
+	$(PYTEST) -m "$(SERVER_VERSION_MARKERS)" $(PYTEST_ARGS)
 
 test-django6:
 	$(DJANGO6_PYTHON) -m venv $(DJANGO6_VENV)
 	$(DJANGO6_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(DJANGO6_VENV)/bin/python -m pip install --quiet "$(DJANGO6_SPEC)" -e ".[test]"
 	$(DJANGO6_VENV)/bin/python -m pytest $(PYTEST_ARGS)
-
-test-fast: venv
-	$(BIN)/python -m pytest $(XDIST_ARGS) -m "not slow and not soak" -x
 
 lint: venv
 	$(BIN)/ruff check pg_lease_django devkit tests demo benchmarks stress

@@ -22,6 +22,7 @@ from django.test import override_settings
 from psycopg import sql as pgsql
 
 from pg_lease_django import history, privileges
+from tests import tiers
 from tests.helpers import Tenants, conninfo, free, held, lapsed, sessions_left
 
 _counter = itertools.count()
@@ -48,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # A plugin, not a hook of this conftest: pytest calls a conftest's hooks only for the fixtures of
     # its directory, and django_db_setup is pytest-django's, set up at the session's level.
     config.pluginmanager.register(NoSessionLeft(), "tests-no-session-left")
+    tiers.register(config)  # the legs' markers (pooler, server_version) and make test's last line
 
 
 class NoSessionLeft:

@@ -297,6 +297,19 @@ def manage(dbname: str, *args: str, cwd: Path = REPO) -> str:
     return done.stdout
 
 
+def migrate(dbname: str, *targets: str, cwd: Path = REPO) -> str:
+    """``manage.py migrate pg_lease_django TARGET`` for each target in turn ("" for the latest), in one
+    process of its own: Django's start-up costs more than a migration, once per process is enough."""
+    steps = "".join(
+        f"call_command('migrate', 'pg_lease_django', {target!r}, interactive=False)\n"
+        if target
+        else "call_command('migrate', 'pg_lease_django', interactive=False)\n"
+        for target in targets
+    )
+    script = f"from django.core.management import call_command\n{steps}"
+    return manage(dbname, "shell", "--no-imports", "-c", script, cwd=cwd)
+
+
 def psql(dbname: str, script: str) -> None:
     """Run ``script`` with psql on ``dbname``, in one transaction, stopping at the first error."""
     binary = shutil.which("psql")

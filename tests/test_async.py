@@ -553,7 +553,10 @@ def test_notifications_for_other_keys_neither_grant_nor_stretch_the_timeout(key:
 
     with override_settings(PG_LEASE_LISTEN=True, PG_LEASE_POLL_INTERVAL=NEVER):
         noise, elapsed = run(scenario)
-    assert noise > 10
+    # Notifications kept coming while it waited (a round is far shorter than its 1 s timeout): a wait
+    # that each one stretched would have lasted until the noise stopped. How many rounds fit in the
+    # second depends on the machine's load, so only "more than one" is asserted.
+    assert noise >= 2, noise
     heard = [n.payload for n in listener.notifies(timeout=HANG, stop_after=noise)]
     assert heard == [other] * noise, "every release of the other key notified the channel the waiter listens on"
     assert 1.0 <= elapsed < HANG, elapsed

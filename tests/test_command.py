@@ -89,8 +89,17 @@ def test_plain_leases_lists(key: str, trio: dict[str, str]) -> None:
         assert lease_key in everything.out
 
 
+def _server_clock() -> datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        (instant,) = cursor.fetchone()
+    return instant  # type: ignore[no-any-return]
+
+
 def test_list_json_has_stable_fields_and_iso_times(key: str, trio: dict[str, str]) -> None:
+    before = _server_clock()
     document = leases("list", "--prefix", key, "--json").json()
+    after = _server_clock()
     assert set(document) == {"server_time", "count", "leases"}
     assert document["count"] == 3
     server_time = datetime.fromisoformat(document["server_time"])
@@ -104,7 +113,10 @@ def test_list_json_has_stable_fields_and_iso_times(key: str, trio: dict[str, str
     assert (holder["state"], holder["owner"], holder["epoch"]) == ("held", "worker-1", 1)
     expires_at = datetime.fromisoformat(holder["expires_at"])
     assert datetime.fromisoformat(holder["acquired_at"]) < server_time < expires_at
-    assert holder["expires_in_seconds"] == pytest.approx((expires_at - server_time).total_seconds())
+    assert before <= server_time <= after
+    # Counted from a reading of the server's clock of its own, microseconds from server_time's
+    # (querysets.ServerNow): one taken during the statement, so bounded by the readings around it.
+    assert (expires_at - after).total_seconds() <= holder["expires_in_seconds"] <= (expires_at - before).total_seconds()
     assert 0 < holder["expires_in_seconds"] <= 30
 
     former = rows[trio["lapsed"]]
@@ -563,30 +575,23 @@ def cli(transactional_db: None) -> Callable[..., subprocess.CompletedProcess[str
 
 @pytest.mark.django_db(transaction=True)
 def test_exit_codes_from_a_real_process(key: str, cli: Callable[..., subprocess.CompletedProcess[str]]) -> None:
-    # Held for longer than the nine processes below can take on a loaded machine (each starts
-    # Python and Django): the forced release must find it held, not lapsed.
+    """Each way out of a process: success, argparse's usage error, the command's own refusal of an
+    argument, and a refusal raised with its code (the tests above, in-process, give every code
+    its cause; here one process per kind of exit, the rest of the table by value)."""
+    # Held for longer than the processes below can take on a loaded machine (each starts Python and
+    # Django): the forced release must find it held, not lapsed.
     epoch = held(key, "w1", ttl=3600)
     outcomes = {
         "ok": cli("show", key),
         "usage": cli("list", "--state", "bogus"),
         "bad key": cli("show", ""),
-        "bad epoch": cli("release", key, "--force", "--epoch", "x"),
-        "not found": cli("show", key + "-unknown"),
-        "not forced": cli("release", key),
         "moved on": cli("release", key, "--force", "--epoch", str(epoch + 1)),
     }
     released = cli("release", key, "--force", "--no-color")
     already_free = cli("release", key, "--force")
     codes = {name: proc.returncode for name, proc in outcomes.items()}
-    assert codes == {
-        "ok": 0,
-        "usage": 2,
-        "bad key": 2,
-        "bad epoch": 2,
-        "not found": 3,
-        "not forced": 4,
-        "moved on": 5,
-    }
+    assert codes == {"ok": 0, "usage": 2, "bad key": 2, "moved on": 5}
+    assert (ExitCode.NOT_FOUND, ExitCode.NOT_FORCED, ExitCode.MOVED_ON, ExitCode.ALREADY_FREE) == (3, 4, 5, 6)
     assert (released.returncode, released.stdout.strip()) == (
         0,
         f"Released {key!r} (held by 'w1' at epoch {epoch}). New epoch: {epoch + 1}",
@@ -594,7 +599,7 @@ def test_exit_codes_from_a_real_process(key: str, cli: Callable[..., subprocess.
     assert already_free.returncode == 6
     for proc in [*outcomes.values(), released, already_free]:
         assert "Traceback" not in proc.stderr
-    for name in ("bad key", "bad epoch", "not found", "not forced", "moved on"):
+    for name in ("bad key", "moved on"):
         assert outcomes[name].stderr.count("\n") == 1, outcomes[name].stderr  # one line
         assert outcomes[name].stdout == ""
     assert "invalid choice: 'bogus'" in outcomes["usage"].stderr

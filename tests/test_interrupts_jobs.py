@@ -379,6 +379,13 @@ def runs() -> Iterator[Callable[..., LeasesRun]]:
         run.kill()
 
 
+@pytest.fixture(scope="module")
+def counted() -> set[str]:
+    """The forms of ``leases run`` whose statements this worker has counted. Once per form is enough:
+    the count is pinned (`POINTS`), and a counting process per test doubled the cost of each point."""
+    return set()
+
+
 def _leases_run(runs: Callable[..., LeasesRun], target: str, form: str, marker: Path, **environ: str) -> LeasesRun:
     args = [arg.replace("MARKER", str(marker)) for arg in RUN_FORMS[form]]
     return runs(
@@ -386,7 +393,7 @@ def _leases_run(runs: Callable[..., LeasesRun], target: str, form: str, marker: 
     )
 
 
-@pytest.mark.slow  # 44 process pairs, about a minute: once per CI run (the machine's server), not per leg
+@pytest.mark.slow  # 44 processes (and a counting one per form and worker): once per CI run, not per leg
 @pytest.mark.parametrize(
     ("form", "signame", "step", "when"),
     [pytest.param(*case, id="-".join(map(str, case))) for case in RUN_CASES],
@@ -395,6 +402,7 @@ def test_leases_run_signalled_at_a_statement_leaves_nothing_granted(
     key: str,
     raw_connect: Connect,
     runs: Callable[..., LeasesRun],
+    counted: set[str],
     tmp_path: Path,
     form: str,
     signame: str,
@@ -405,15 +413,17 @@ def test_leases_run_signalled_at_a_statement_leaves_nothing_granted(
     its ``step``-th statement (`tests.interrupted_run`): before COMMAND started it exits 128 + N
     and COMMAND never runs; after, the signal goes to COMMAND's group and the run ends as it would
     have. Either way it exits (no hang), its sessions end, none idle in a transaction, and the
-    lease is not left granted to the run's owner."""
+    lease is not left granted to the run's owner. The run's statements are counted once per form
+    and worker (`counted`)."""
     watch = raw_connect()
     signum = int(getattr(signal, signame))
-    log = tmp_path / "statements"
-    counted = _leases_run(runs, f"{key}/count", form, tmp_path / "count-ran", PG_LEASE_TEST_STATEMENTS=str(log))
-    counted.finish(HANG_GUARD)
-    sent = log.read_text().splitlines()
-    _check_count(f"run/{form}", sent)
-    _settled(watch, f"{key}/count", "w-run")
+    if form not in counted:
+        log = tmp_path / "statements"
+        count = _leases_run(runs, f"{key}/count", form, tmp_path / "count-ran", PG_LEASE_TEST_STATEMENTS=str(log))
+        count.finish(HANG_GUARD)
+        _check_count(f"run/{form}", log.read_text().splitlines())
+        _settled(watch, f"{key}/count", "w-run")
+        counted.add(form)
 
     target, marker = f"{key}/{step}/{when}", tmp_path / "ran"
     run = _leases_run(runs, target, form, marker, PG_LEASE_TEST_SIGNAL_AT=f"{step}:{when}:{signum}")
