@@ -28,7 +28,10 @@ def poll_interval() -> float:
     Raises:
         ImproperlyConfigured: the setting is not a positive, finite number of seconds.
     """
-    return _positive_seconds("PG_LEASE_POLL_INTERVAL", 0.5)
+    value = getattr(settings, "PG_LEASE_POLL_INTERVAL", 0.5)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ImproperlyConfigured(f"PG_LEASE_POLL_INTERVAL must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def release_on_sigterm() -> bool:
@@ -126,14 +129,6 @@ def history_retention() -> timedelta:
     if not isinstance(value, timedelta) or value <= timedelta(0):
         raise ImproperlyConfigured(f"PG_LEASE_HISTORY_RETENTION must be a positive duration, got {value!r}")
     return value
-
-
-def _positive_seconds(name: str, default: float) -> float:
-    """The setting ``name`` (``default`` when unset) as seconds; ImproperlyConfigured unless positive and finite."""
-    value = getattr(settings, name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise ImproperlyConfigured(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 def _role_list(name: str, value: object) -> tuple[str, ...]:
@@ -273,7 +268,10 @@ def ready_timeout() -> float:
     Raises:
         ImproperlyConfigured: the setting is not a positive, finite number of seconds.
     """
-    return _positive_seconds("PG_LEASE_READY_TIMEOUT", 2.0)
+    value = getattr(settings, "PG_LEASE_READY_TIMEOUT", 2.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ImproperlyConfigured(f"PG_LEASE_READY_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def health_details() -> bool:
