@@ -36,6 +36,10 @@ REPO = Path(__file__).resolve().parent.parent
 #: A role a test makes: ``pgl_<the test's tag>_<name>`` (test_tenants, test_security, test_deployment_whole).
 TEST_ROLE = re.compile(r"\bpgl_([0-9a-f]{8,10})_")
 
+#: A parameter grant to PUBLIC is the server's, and names no role: a test that makes one
+#: (test_deployment_whole) reads it by name; every other test leaves it out.
+PUBLIC_PARAMETER = "role 'PUBLIC' may SET"
+
 #: A check's id as ``manage.py check`` prints it: ``(pg_lease_django.W008)``.
 CHECK_ID = re.compile(r"\(\w+\.[CEWID]\d{3}\)")
 
@@ -48,10 +52,13 @@ def own_findings(found: Iterable[Finding], tag: str, text: Callable[[Finding], s
     Roles, memberships and parameter grants belong to the server, not to a test database: check
     W008 and E006 see every role on it, those of tests running beside this one (another xdist
     worker, another lane, a run that was killed before its clean-up) included. A test asserts only
-    on findings that name its own roles or no test's role at all (PUBLIC, the owner); a test with no
-    roles of its own passes ``tag=""`` and keeps only the latter.
+    on findings that name its own roles or no test's role at all (the owner, PUBLIC's grants in this
+    database; a parameter granted to PUBLIC is the server's, so left out); a test with no roles of
+    its own passes ``tag=""`` and keeps only the latter.
     """
-    return [f for f in found if all(seen == tag for seen in TEST_ROLE.findall(text(f)))]
+    return [
+        f for f in found if all(seen == tag for seen in TEST_ROLE.findall(text(f))) and PUBLIC_PARAMETER not in text(f)
+    ]
 
 
 def checks_said(output: str, tag: str = "") -> list[str]:
@@ -75,11 +82,12 @@ def conninfo(alias: str = "default") -> str:
     return dbserver.conninfo(database)
 
 
+#: Whether Django's connections go through a transaction-pooling PgBouncer (.ci/with-pgbouncer).
+POOLED = bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER"))
+
 #: Tests that need the session of Django's own connection (its backend pid, LISTEN) cannot run
 #: through a transaction-pooling PgBouncer, which hands each transaction another server session.
-needs_session = pytest.mark.skipif(
-    bool(os.environ.get("PG_LEASE_TEST_PGBOUNCER")), reason="needs a server session; PgBouncer pools transactions"
-)
+needs_session = pytest.mark.skipif(POOLED, reason="needs a server session; PgBouncer pools transactions")
 
 
 def row_snapshot(conn: psycopg.Connection[Any], key: str) -> tuple[Any, ...] | None:
