@@ -305,7 +305,7 @@ def test_a_decoy_of_another_role_listed_first_does_not_stop_the_settling(tenants
         attempt = threading.Thread(target=_quietly(b, marked, [key, "b2", "60 seconds"], outcome))
         attempt.start()
         wait_until_blocked(tenants.admin, b.info.backend_pid)
-        still = run.on_psycopg(settler, statements.CANCEL_ATTEMPT, [2**31 - 1, marker])
+        still = run.on_psycopg(settler, statements.CANCEL_ATTEMPT, {"marker": marker, "pid": 2**31 - 1, "closed": None})
         assert sorted(still) == [False, True]  # the decoy: passed by; the attempt: cancelled
         attempt.join()
     assert outcome == ["57014"]

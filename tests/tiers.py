@@ -59,6 +59,7 @@ NOT_POOLER = {
     "test_sqlchange": _OWN_DATABASES,
     "test_testing": _OWN_DATABASES,
     "test_django_internals": _NO_SESSION,
+    "test_settling_unread": "direct sessions' server processes; behind a pooler the marker finds attempts",
 }
 
 #: Modules on every PostgreSQL major of the matrix (14, 16, 17): SQL whose meaning moved between
@@ -82,7 +83,7 @@ NOT_SERVER_VERSION = {
         "test_history", "test_history_display", "test_hold_pool", "test_interrupts", "test_interrupts_jobs",
         "test_jobs", "test_judged_under_lock", "test_metrics", "test_notify", "test_querysets",
         "test_settling_pooled", "test_sigterm", "test_sqlchange", "test_supervisor", "test_terminal_escapes",
-        "test_testing", "test_watch", "test_async_calls",
+        "test_testing", "test_watch", "test_async_calls", "test_settling_unread",
     )
 }  # fmt: skip
 

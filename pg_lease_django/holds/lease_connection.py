@@ -347,6 +347,10 @@ class LeaseConnection:
             self._discard()
             raise
 
+    def discard(self) -> None:
+        """Close the session (the pool then closes the connection instead of lending it again)."""
+        self._discard()
+
     def _discard(self) -> None:
         with self._guard:
             try:

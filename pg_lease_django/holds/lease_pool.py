@@ -71,6 +71,11 @@ class LeasePool:
         finally:
             if call is not None:
                 call.done.set()  # before the connection can be lent again
+                if call.interrupted:
+                    # An interrupt that saw no statement in flight shut the socket, maybe after the
+                    # answer came: the session looks clean and is not. (`InFlight.interrupt` sets
+                    # ``interrupted`` before it looks at ``done``, so one of the two sees the other.)
+                    conn.discard()
             self._give(conn)
 
     def acquire(

@@ -142,10 +142,16 @@ RESET statement_timeout
 -- is the process the call ran in, or (behind PgBouncer, whose pids are its own) when it waits on a
 -- lock (an attempt that does not wait ends on its own: the process may serve another client next).
 -- Only processes this session may signal are cancelled; the others are reported all the same.
-SELECT CASE WHEN (a.pid = %s OR a.wait_event_type = 'Lock') AND pg_catalog.pg_has_role(a.usesysid, 'MEMBER')
+-- Directly connected, also a row for the interrupted session's own process (%(closed)s) while it
+-- lives, whatever it runs: its client has closed the session, so it ends once it has answered
+-- what it had read, and an attempt sent just before the close may not be read (nor marked active)
+-- yet when the settling first looks; it would grant after the look.
+SELECT CASE WHEN a.state = 'active' AND pg_catalog.strpos(a.query, %(marker)s) > 0
+             AND (a.pid = %(pid)s OR a.wait_event_type = 'Lock') AND pg_catalog.pg_has_role(a.usesysid, 'MEMBER')
             THEN pg_catalog.pg_cancel_backend(a.pid) ELSE false END
   FROM pg_catalog.pg_stat_activity a
- WHERE a.state = 'active' AND a.pid <> pg_catalog.pg_backend_pid() AND pg_catalog.strpos(a.query, %s) > 0
+ WHERE a.pid <> pg_catalog.pg_backend_pid()
+   AND ((a.state = 'active' AND pg_catalog.strpos(a.query, %(marker)s) > 0) OR a.pid = %(closed)s)
 
 -- allow_truncate --
 -- Let a test database be flushed (TRUNCATE of the lease and fenced tables), for roles that may opt out.

@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from pg_lease_django import operations
+from pg_lease_django import conf, operations
 from pg_lease_django.exceptions import LeaseLostError
 from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Grant
@@ -43,22 +43,34 @@ UNSETTLED = "if it is granted, nobody holds the lease and it lapses at its expir
 # The interrupted attempt is cancelled from another session while it still runs (its own client may
 # no longer be able to: a shut socket, a cancel request that reached the server before the statement
 # did), until none runs. It is found by a marker of its own, never by what another statement could
-# quote (key, owner), nor by pid alone (behind PgBouncer, the pooler's): CANCEL_ATTEMPT.
+# quote (key, owner), nor by pid alone (behind PgBouncer, the pooler's): CANCEL_ATTEMPT. Directly
+# connected, the attempt's own server process is waited out too (`InFlight.own_process`).
 
 
 @dataclass(frozen=True)
 class InFlight:
-    """An attempt about to be sent: its server process as the client sees it, and its marker (`sql.run.first`)."""
+    """An attempt about to be sent: its server process as the client sees it, and its marker (`sql.run.first`).
+
+    ``own_process``: ``backend_pid`` is the server process of the attempt's session (directly
+    connected), which the settling closes first and then waits out until it ends, so that an
+    attempt it had not read yet when the settling first looked cannot grant after. Behind a
+    pooler (``PG_LEASE_LISTEN = False``) the pid is the pooler's and the marker alone finds the attempt.
+    """
 
     backend_pid: int
     marker: str
+    own_process: bool = False
 
 
 def attempt_in_flight(connection: BaseDatabaseWrapper) -> InFlight:
     """The identity of the next attempt on ``connection`` (connected if need be): `settle` finds it, nothing else."""
     if connection.connection is None:
         connection.ensure_connection()
-    return InFlight(int(connection.connection.info.backend_pid), f"pg_lease_django attempt {uuid.uuid4().hex}")
+    return InFlight(
+        int(connection.connection.info.backend_pid),
+        f"pg_lease_django attempt {uuid.uuid4().hex}",
+        own_process=conf.listen_enabled(),
+    )
 
 
 def commits_on_its_own(connection: BaseDatabaseWrapper) -> bool:
@@ -261,10 +273,7 @@ def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, in_flight: In
 
 def _do(connection: BaseDatabaseWrapper, step: SettlingStep) -> Any:
     if isinstance(step, CancelAttempt):
-        return (
-            run.first(connection, statements.CANCEL_ATTEMPT, [step.in_flight.backend_pid, step.in_flight.marker])
-            is not None
-        )
+        return run.first(connection, statements.CANCEL_ATTEMPT, cancel_attempt_params(step.in_flight)) is not None
     if isinstance(step, PauseFor):
         time.sleep(step.seconds)
         return None
@@ -303,9 +312,19 @@ async def _arelease_within(session: Session, key: str, owner: str, epoch: int) -
 
 @dataclass(frozen=True)
 class CancelAttempt:
-    """Cancel the attempt ``in_flight`` still running, found by its marker; answered: whether one still runs."""
+    """Cancel the attempt ``in_flight`` still running, found by its marker; answered: whether one still
+    runs, or (directly connected) the attempt's own server process still lives (`InFlight.own_process`)."""
 
     in_flight: InFlight
+
+
+def cancel_attempt_params(in_flight: InFlight) -> dict[str, Any]:
+    """``cancel_attempt``'s parameters: the attempt's own process is waited out only when it is one (`InFlight`)."""
+    return {
+        "marker": in_flight.marker,
+        "pid": in_flight.backend_pid,
+        "closed": in_flight.backend_pid if in_flight.own_process else None,
+    }
 
 
 @dataclass(frozen=True)
