@@ -6,7 +6,7 @@ under ``if TYPE_CHECKING:`` (types only, never run) and model-registry lookups
 (``apps.get_model``), which import nothing. Importing ``a.b.c`` also runs ``a/__init__`` and
 ``a/b/__init__``; those edges are not counted (``holds/__init__`` is kept empty for that reason,
 see `test_holds_package_module_imports_nothing`). The layers are docs/architecture.md's; a new module gets a place
-in `LAYERS` (and a row there). No database: these tests read the code only.
+in `LAYERS` (and a line there). No database: these tests read the code only.
 """
 
 from __future__ import annotations
@@ -386,37 +386,45 @@ def test_every_module_is_at_most_450_lines() -> None:
 
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
-#: Folders whose modules the table covers by naming the folder: Django's migrations, one per change of
-#: the SQL, which ``make sql-change`` writes (a new one would otherwise need a row before its test passes).
+#: Folders whose modules the page covers by naming the folder: Django's migrations, one per change of
+#: the SQL, which ``make sql-change`` writes (a new one would otherwise need a line before its test passes).
 COVERED_BY_FOLDER = {"migrations"}
 
-
-def _module_table() -> list[str]:
-    """The "module" cell of each row of docs/architecture.md's table of modules."""
-    section = ARCHITECTURE.read_text(encoding="utf-8").split("\n## The modules\n", 1)[1].split("\n#", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("|")]
-    assert rows[0].split("|")[2].strip() == "module" and rows[1].startswith("|---"), rows[:2]
-    return [row.split("|")[2] for row in rows[2:]]
+#: A line of a section's list, and the file it starts with: ``- `lease.py`: HeldLease, ...``.
+_MODULE_LINE = re.compile(r"^- (`[\w/.]+`)")
 
 
-def _named_in(cell: str) -> tuple[set[str], set[str], list[str]]:
-    """The modules a cell names (relative, dotted), the folders it names, and the ``.py`` files it
-    names that are not in the package. A file is named by its path (``sql/files.py``), or by its name
-    after its folder (``holds/``: ``context.py``, ...); a name that is not in the last folder named is
-    a module of the package's root (``apps.py``, ``checks/`` (...), ``conf.py``)."""
+def _module_sections(page: str | None = None) -> list[str]:
+    """What each ``###`` section of ``page``'s "The modules" names (docs/architecture.md by default): its
+    heading, which may name the section's folder, then the file that starts each line of its list."""
+    if page is None:
+        page = ARCHITECTURE.read_text(encoding="utf-8")
+    section = page.split("\n## The modules\n", 1)[1].split("\n## ", 1)[0]
+    named = []
+    for part in section.split("\n### ")[1:]:
+        heading, *lines = part.splitlines()
+        starts = [match.group(1) for line in lines if (match := _MODULE_LINE.match(line))]
+        named.append(" ".join([heading, *starts]))
+    return named
+
+
+def _named_in(section: str) -> tuple[set[str], set[str], list[str]]:
+    """The modules ``section`` names (relative, dotted), the folders it names, and the ``.py`` files it
+    names that are not in the package. A file is named by its path in the last folder named
+    (``holds/``: ``context.py``; ``management/``: ``commands/leases.py``), or by its path in the
+    package (``sql/files.py``); with no folder named, it is a module of the package's root."""
     modules: set[str] = set()
     folders: set[str] = set()
     stale: list[str] = []
     folder = ""
-    for token in re.findall(r"`([\w/.]+)`", cell):
+    for token in re.findall(r"`([\w/.]+)`", section):
         if token.endswith("/"):
             folder = token
             folders.add(token.rstrip("/").replace("/", "."))
             continue
         if not token.endswith(".py"):
             continue
-        candidates = [token] if "/" in token else [folder + token, token]
-        found = next((c for c in candidates if (PACKAGE / c).is_file()), None)
+        found = next((c for c in (folder + token, token) if (PACKAGE / c).is_file()), None)
         if found is None:
             stale.append(token)
         else:
@@ -424,18 +432,18 @@ def _named_in(cell: str) -> tuple[set[str], set[str], list[str]]:
     return modules, folders, stale
 
 
-def test_every_module_is_named_in_the_architecture_table() -> None:
-    """docs/architecture.md's table of modules names every module of the package (a package's
-    ``__init__`` aside), and no file that is not in it: the page cannot fall behind the tree."""
+def test_every_module_has_a_line_in_the_architecture_map() -> None:
+    """docs/architecture.md gives every module of the package a line of its own (a package's
+    ``__init__`` aside), and names no file that is not in it: the page cannot fall behind the tree."""
     named: set[str] = set()
     folders: set[str] = set()
     stale: list[str] = []
-    for cell in _module_table():
-        modules, cell_folders, cell_stale = _named_in(cell)
+    for section in _module_sections():
+        modules, section_folders, section_stale = _named_in(section)
         named |= modules
-        folders |= cell_folders
-        stale += cell_stale
-    assert not stale, f"docs/architecture.md's table names files that are not in pg_lease_django/: {stale}"
+        folders |= section_folders
+        stale += section_stale
+    assert not stale, f"docs/architecture.md's lines of modules name files that are not in pg_lease_django/: {stale}"
     unnamed = sorted(
         name
         for name, path in _modules().items()
@@ -443,13 +451,26 @@ def test_every_module_is_named_in_the_architecture_table() -> None:
         and name not in named
         and not (name.partition(".")[0] in COVERED_BY_FOLDER and name.partition(".")[0] in folders)
     )
-    assert not unnamed, f"name these modules in docs/architecture.md's table (in a row, or its folder's): {unnamed}"
+    assert not unnamed, f"give these modules a line in docs/architecture.md (in their folder's section): {unnamed}"
 
 
-def test_the_architecture_table_reader_reads_folders_and_root_modules() -> None:
+def test_the_architecture_map_reader_reads_folders_and_root_modules() -> None:
     """The reader above would pass vacuously if it found nothing: it reads these forms."""
-    modules, folders, stale = _named_in("`holds/`: `context.py`, `lease.py`; `apps.py`, `sql/files.py`, `gone.py`")
-    assert modules == {"holds.context", "holds.lease", "apps", "sql.files"}
-    assert folders == {"holds"}
+    modules, folders, stale = _named_in(
+        "`holds/`: `context.py`, `lease.py`; `apps.py`, `sql/files.py`, `gone.py`; `management/`: `commands/leases.py`"
+    )
+    assert modules == {"holds.context", "holds.lease", "apps", "sql.files", "management.commands.leases"}
+    assert folders == {"holds", "management"}
     assert stale == ["gone.py"]
-    assert len(_module_table()) > 20
+    page = (
+        "# A page\n\n## The modules\n\nProse naming `display.py`.\n\n"
+        "### `wait/`: the wait\n\nProse naming `plans.py`.\n\n"
+        "- `plan.py`: the plan, beside `settling.py`,\n  and `sync_driver.py` on the line's second line.\n"
+        "- `gone.py`: stale.\n\n"
+        "### The root\n\n- `conf.py`: settings.\n\n"
+        "## Next\n\n- `views.py`: not a module line.\n"
+    )
+    assert _module_sections(page) == ["`wait/`: the wait `plan.py` `gone.py`", "The root `conf.py`"]
+    sections = _module_sections()
+    assert len(sections) > 10
+    assert sum(len(_named_in(section)[0]) for section in sections) > 60
