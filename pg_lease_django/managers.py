@@ -51,8 +51,9 @@ class LeaseManager(models.Manager["Lease"]):
     ``Lease.objects.db_manager(alias)`` for another database; by default the router's write
     database for `Lease` is used.
 
-    Each operation has an awaitable twin for async code (`aacquire`, `arenew`, `arelease`,
-    `ainspect`, `aforce_release`) with the same arguments, rules, results and errors.
+    Each lease operation has an awaitable twin for async code (`aacquire`, `arenew`, `arelease`,
+    `ainspect`, `aforce_release`, `arequest_handoff`) with the same arguments, rules, results and
+    errors. The operators' maintenance calls, `prune` and `advance_epochs`, have none.
     """
 
     def _alias(self) -> str:

@@ -6,7 +6,7 @@ fenced table's ``FenceTrigger`` runs in users' migrations; `Statement` is one of
 ``sql.statements`` lists them all. Two executors send them: ``sql.run`` on a Django connection (the
 notice handler and commit confirmation of ``sql.confirmation``, Django's error mapping) and
 ``sql.arun`` on a psycopg async connection (the same handler); ``sql.run.on_psycopg`` serves the
-Patroni callback's plain psycopg connections. No other module calls ``execute()``.
+Patroni callback's plain psycopg connections. No module outside ``sql/`` calls ``execute()``.
 
 Every lease function is schema-qualified and each argument cast: PostgreSQL resolves an
 unqualified call to an exact-type match anywhere on the search_path before a function that needs a

@@ -1,6 +1,11 @@
 """Every statement of ``queries.sql`` as a value: its name, its rows' decoder, whether it confirms its commit.
 
-The executors (``sql.run``, ``sql.arun``) take these; nothing else in the package spells a statement.
+The executors (``sql.run``, ``sql.arun``) take these, and no module outside ``sql/`` spells a
+statement. Inside ``sql/``, two places still go around these values: ``sql.files`` spells
+``current_schema()`` for the migrations it runs, and the schema lookup (``sql.schema_name``,
+``sql.arun.Session.connect``) sends the entries ``relation_exists`` and ``schema_lookup`` of
+``queries.sql`` on a raw cursor.
+
 A statement's parameters are what its decoder is given besides the row (``sql.rows``). The templates
 of ``fence_triggers.sql``, the DDL of users' fenced tables, are here too: `sql.render` composes them
 and Django's schema editor runs them (``FenceTrigger``).

@@ -1,13 +1,14 @@
 """The blocking acquire on the event loop: `wait.plan` driven on an async psycopg connection (``aacquire``).
 
-Nothing here is public API (see docs/async.md). The first try is the caller's (``first_try``: the
-way a non-blocking ``aacquire`` goes), so a free key costs no more than one. Refused, the wait holds
-no thread: the waiter opens a connection of its own from the alias's database settings (a
-`sql.arun.Session`), attempts and LISTENs there, and closes it when the call returns, raises or is
-cancelled; its errors are mapped to Django's by a connection object of its own, never the caller's
-(another thread's, which ``errors_occurred`` would mark). When the caller's connection is in a
-transaction, the attempts run there instead and the waiter polls. An attempt cut short by a
-cancellation is settled (`wait.settling.asettle`) before the cancellation goes on.
+Nothing here is public API (see docs/async.md). The first try is made as a non-blocking ``aacquire``
+makes it (``first_try``: on the lease pool, or on the caller's connection inside its transaction),
+so a free key costs no more than one. Refused, the wait holds no thread: the waiter opens a
+connection of its own from the alias's database settings (a `sql.arun.Session`), attempts and
+LISTENs there, and closes it when the call returns, raises or is cancelled; its errors are mapped
+to Django's by a connection object of its own, never the caller's (another thread's, which
+``errors_occurred`` would mark). When the caller's connection is in a transaction, the attempts run
+there instead and the waiter polls. An attempt cut short by a cancellation is settled
+(`wait.settling.asettle`) before the cancellation goes on.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta
                 answer: Any
                 try:
                     if session is None:
+                        # A schema this process has not looked up yet is looked up on this session,
+                        # never on the caller's connection, which stays closed if it was.
                         session = await Session.connect(
                             own.connect, own.alias, schema=sql.known_schema(own.alias), role=own.role, listen=own.listen
                         )
