@@ -18,7 +18,7 @@ the functions); it, and every other identifier, is composed with psycopg.sql, ne
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Generic, TypeVar
@@ -72,6 +72,7 @@ class Statement(Generic[T]):
             error raises it); the whole row as a tuple by default.
         confirms: a lease write whose commit must reach the synchronous standby: the executors turn
             the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`.
+        errors: SQLSTATE -> the package's error for it (``sql.errors``), applied by both executors.
         parts: the names of the identifiers and fragments besides ``schema`` it is composed with.
         source: the file of this directory it is written in.
     """
@@ -80,6 +81,7 @@ class Statement(Generic[T]):
     decode: Callable[[Sequence[Any], Any], T] = field(default=_whole_row, compare=False)
     confirms: bool = False
     parts: tuple[str, ...] = ()
+    errors: Mapping[str, Callable[[Any, Any], BaseException]] = field(default_factory=dict, compare=False)
     source: str = "queries.sql"
 
     @property
