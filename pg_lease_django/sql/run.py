@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 import psycopg
 from django.db import DatabaseError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.backends.postgresql.base import DatabaseWrapper as PostgreSQLDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from psycopg import sql as pgsql
 
@@ -30,6 +29,9 @@ from . import Statement, errors, render
 from .confirmation import UnconfirmedCommitNotices, check_caller_commit
 
 T = TypeVar("T")
+#: Django's PostgreSQL backend, named rather than imported: importing it loads the ORM (its test
+#: database creation imports the serializers), which the Patroni hook, a user of `on_psycopg`, never needs.
+_POSTGRESQL_BACKEND = ("django.db.backends.postgresql.base", "DatabaseWrapper")
 _MARKER = re.compile(r"[A-Za-z0-9_ ]+")
 Params = Sequence[Any] | dict[str, Any]
 
@@ -204,7 +206,7 @@ def _nothing_in_between(connection: BaseDatabaseWrapper) -> bool:
     (another app's, or `CallerCommitCheck`), no query log (``DEBUG``, ``assertNumQueries``), no patched
     ``connection.cursor`` (django-debug-toolbar) and an unpatched ``CursorWrapper`` (APM agents)."""
     return (
-        type(connection) is PostgreSQLDatabaseWrapper
+        (type(connection).__module__, type(connection).__qualname__) == _POSTGRESQL_BACKEND
         and not connection.execute_wrappers
         and not connection.queries_logged
         and "cursor" not in vars(connection)
