@@ -192,7 +192,8 @@ def pause_after_refusal(
     if deadline is not None and now >= deadline:
         waited = describe_seconds(wait) if wait is not None else "the wait"
         holder = "busy (a lock it needs was held)" if refused.owner is None else f"held by {refused.owner!r}"
-        raise LeaseTimeoutError(f"lease {key!r} still {holder} after waiting {waited}", key=key, owner=owner)
+        message = f"lease {key!r} still {holder} after waiting {waited}"
+        raise LeaseTimeoutError(message, key=key, owner=owner, holder=refused.owner, current_epoch=refused.epoch)
     pause: float = min(max((refused.expires_at - refused.server_time).total_seconds(), 0.0), conf.poll_interval())
     if deadline is not None:
         pause = min(pause, deadline - now)
