@@ -8,7 +8,9 @@ from django.db.utils import OperationalError
 
 __all__ = [
     "AlreadyFreeError",
+    "AlreadyLapsedError",
     "EpochMismatchError",
+    "EpochMovedOnError",
     "HeartbeatFailedError",
     "InvalidInputError",
     "LapsedError",
@@ -18,6 +20,8 @@ __all__ = [
     "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
+    "OperatorRefusalError",
+    "OutcomeUnknownError",
     "QuotaExceededError",
     "UnconfirmedCommitError",
     "UnfencedWriteError",
@@ -27,9 +31,15 @@ __all__ = [
 class LeaseError(Exception):
     """Base of every lease error.
 
+    The two sides of a call are kept apart on every error: ``owner`` and ``epoch`` are always the
+    caller's (what it named or presented), ``holder`` and ``current_epoch`` always the key's, as
+    the server saw it when it refused; None where not known or not sent.
+
     Attributes:
         code: the cause name from the spec (``not_owner``, ``lapsed``, ...).
-        key, owner, epoch: the lease the failed call was about, as the caller gave them.
+        key: the lease the failed call was about.
+        owner, epoch: the caller's identity and epoch, as the caller gave them.
+        holder, current_epoch: who held the key and at which epoch, when the server said so.
     """
 
     code = "lease_error"
@@ -41,11 +51,15 @@ class LeaseError(Exception):
         key: str | None = None,
         owner: str | None = None,
         epoch: int | None = None,
+        holder: str | None = None,
+        current_epoch: int | None = None,
     ) -> None:
         super().__init__(message)
         self.key = key
         self.owner = owner
         self.epoch = epoch
+        self.holder = holder
+        self.current_epoch = current_epoch
 
 
 class NotAcquirableError(LeaseError):
@@ -56,8 +70,8 @@ class NotAcquirableError(LeaseError):
 
     Attributes:
         owner: the caller's identity, as for every error; the holder is ``holder``.
-        holder, holder_epoch, expires_at: who held the key when it was refused, at which epoch,
-            and until when (server clock); None when unknown.
+        holder, current_epoch, expires_at: who held the key when it was refused, at which epoch,
+            and until when (server clock); None when unknown (``holder``: a lock it needed was busy).
     """
 
     code = "not_acquirable"
@@ -70,13 +84,16 @@ class NotAcquirableError(LeaseError):
         owner: str | None = None,
         epoch: int | None = None,
         holder: str | None = None,
-        holder_epoch: int | None = None,
+        current_epoch: int | None = None,
         expires_at: datetime | None = None,
     ) -> None:
-        super().__init__(message, key=key, owner=owner, epoch=epoch)
-        self.holder = holder
-        self.holder_epoch = holder_epoch
+        super().__init__(message, key=key, owner=owner, epoch=epoch, holder=holder, current_epoch=current_epoch)
         self.expires_at = expires_at
+
+    @property
+    def holder_epoch(self) -> int | None:
+        """The holder's epoch: ``current_epoch``, under its name before 1.0 (kept for old callers)."""
+        return self.current_epoch
 
 
 class LeaseTimeoutError(LeaseError):
@@ -94,7 +111,9 @@ class LeaseLostError(LeaseError):
     """The caller does not hold the lease it named: stop acting on its behalf.
 
     Base of `NotOwnerError`, `LapsedError`, `EpochMismatchError` and `HeartbeatFailedError`. Any work
-    guarded by the old epoch will be rejected; re-acquire (getting a new epoch) to continue.
+    guarded by the old epoch will be rejected; re-acquire (getting a new epoch) to continue. An
+    operator's call that found nothing to act on is an `OperatorRefusalError` instead: the operator
+    never held the lease, so there is nothing for it to stop.
     """
 
 
@@ -106,28 +125,6 @@ class NotOwnerError(LeaseLostError):
 
     code = "not_owner"
     sqlstate = "PL001"  # a fenced write the database refused for this cause
-
-
-class NeverAcquiredError(NotOwnerError):
-    """A force release of a key that has no row: it was never acquired (or was pruned).
-
-    Nothing changed. Check the key's spelling; there is nothing to release.
-    """
-
-    code = "not_found"
-
-
-class AlreadyFreeError(NotOwnerError):
-    """A force release of a key that is already free (released, or force-released by someone else).
-
-    Nothing changed. ``current_epoch`` is the key's epoch now; there is nothing to release.
-    """
-
-    code = "already_free"
-
-    def __init__(self, message: str, *, key: str | None = None, epoch: int | None = None, current_epoch: int) -> None:
-        super().__init__(message, key=key, epoch=epoch)
-        self.current_epoch = current_epoch
 
 
 class LapsedError(LeaseLostError):
@@ -159,6 +156,56 @@ class HeartbeatFailedError(LeaseLostError):
     """
 
     code = "heartbeat_failed"
+
+
+class OperatorRefusalError(LeaseError):
+    """An operator's call (``force_release()``, ``request_handoff()``) found nothing to act on.
+
+    The operator never held the lease, so this is not a `LeaseLostError`: nothing changed, and the
+    caller has nothing to stop. ``epoch`` is the epoch the operator named (None: any), ``holder``
+    and ``current_epoch`` what the key has now. ``owner`` is None: an operator is not a lease owner.
+    Read the key again (``inspect()``) and decide anew; retrying the same call will not help.
+    """
+
+    code = "operator_refused"
+
+
+class NeverAcquiredError(OperatorRefusalError):
+    """The key has no row: it was never acquired (or was pruned).
+
+    Nothing changed. Check the key's spelling; there is nothing to release or ask.
+    ``current_epoch`` is the epoch floor, where the key's first grant will start above.
+    """
+
+    code = "not_found"
+
+
+class AlreadyFreeError(OperatorRefusalError):
+    """The key is already free (released, or force-released by someone else).
+
+    Nothing changed. ``current_epoch`` is the key's epoch now; there is nothing to release or ask.
+    """
+
+    code = "already_free"
+
+
+class AlreadyLapsedError(OperatorRefusalError):
+    """A hand-off request for a lease that has lapsed: its ``holder`` stopped renewing, nobody to ask.
+
+    Nothing changed. The next acquire takes the key with a new epoch; a force release frees it now.
+    """
+
+    code = "lapsed"
+
+
+class EpochMovedOnError(OperatorRefusalError):
+    """The operator named an epoch (``epoch=``) that is not the key's current one.
+
+    The lease moved on since the operator looked: ``holder`` and ``current_epoch`` say to what.
+    Nothing changed; look again and decide whether to act on the new holder.
+    """
+
+    code = "epoch_mismatch"
 
 
 class InvalidInputError(LeaseError, ValueError):
@@ -195,16 +242,38 @@ class QuotaExceededError(LeaseError):
     sqlstate = "53400"
 
 
-class UnconfirmedCommitError(OperationalError):
+class OutcomeUnknownError(OperationalError):
+    """A lease call whose outcome nobody can know: it may or may not have taken effect on the server.
+
+    The connection was lost while the call's statement was in flight, or the server committed but
+    could not confirm the commit (`UnconfirmedCommitError`). A `django.db.OperationalError`
+    subclass, because that is what it is: a database call that did not come back with an answer;
+    code written for lost connections handles it already. Retry: an acquire again with the same
+    owner (a self-takeover gets a new epoch and fences any grant you missed), a renew or a release
+    again (a `NotOwnerError` or `EpochMismatchError` then means the first one went through).
+
+    Attributes:
+        code: ``"outcome_unknown"``.
+        key: the lease the call was about, when known.
+    """
+
+    code = "outcome_unknown"
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class UnconfirmedCommitError(OutcomeUnknownError):
     """The server committed the lease write locally but could not confirm it reached the synchronous standby.
 
     PostgreSQL answers a commit whose wait for the synchronous standby was cancelled (a cancel
     request, ``pg_cancel_backend``) with *success* and a WARNING (SQLSTATE ``01000``, "canceling
     wait for synchronous replication ... might not have been replicated"). Such a write is on the
     primary only: a failover now may lose it. It is not an acknowledgement, so the call raises
-    this instead of returning its result. A `django.db.OperationalError` subclass: treat it as
-    any lost connection, an unknown outcome (the write may or may not survive); retry, or for a
-    held lease count the renewal as unconfirmed (the heartbeat does).
+    this instead of returning its result. An `OutcomeUnknownError` (so a `django.db.OperationalError`):
+    treat it as any lost connection, an unknown outcome (the write may or may not survive); retry,
+    or for a held lease count the renewal as unconfirmed (the heartbeat does).
 
     Raised by a call whose statement commits on its own (autocommit, the default outside
     ``transaction.atomic()``); for a call inside the caller's ``atomic()``, out of that block, after
@@ -223,13 +292,3 @@ class UnconfirmedCommitError(OperationalError):
         self.severity = severity
         self.notice = notice
         self.detail = detail
-
-
-#: A renew/release verdict from the SQL functions (``not_owner``, ...) -> the error raised for it.
-LOST_ERRORS: dict[str, type[LeaseLostError]] = {
-    cls.code: cls for cls in (NotOwnerError, LapsedError, EpochMismatchError)
-}
-#: The SQLSTATE of a fenced write the triggers refused (``pg_lease_refuse``) -> the error raised for it.
-REFUSED_WRITE_ERRORS: dict[str, type[LeaseError]] = {
-    cls.sqlstate: cls for cls in (NotOwnerError, LapsedError, EpochMismatchError, UnfencedWriteError)
-}

@@ -51,9 +51,9 @@ class LeaseManager(models.Manager["Lease"]):
     ``Lease.objects.db_manager(alias)`` for another database; by default the router's write
     database for `Lease` is used.
 
-    Each lease operation has an awaitable twin for async code (`aacquire`, `arenew`, `arelease`,
-    `ainspect`, `aforce_release`, `arequest_handoff`) with the same arguments, rules, results and
-    errors. The operators' maintenance calls, `prune` and `advance_epochs`, have none.
+    Each operation but `prune` and `advance_epochs` has an awaitable twin for async code
+    (`aacquire`, `arenew`, `arelease`, `ainspect`, `aforce_release`, `arequest_handoff`) with the
+    same arguments, rules, results and errors.
     """
 
     def _alias(self) -> str:
@@ -227,9 +227,9 @@ class LeaseManager(models.Manager["Lease"]):
         Raises:
             AlreadyFreeError: nothing to release: the key is free (``current_epoch`` says its epoch).
             NeverAcquiredError: nothing to release: the key has no row (never acquired, or pruned).
-                Both are `NotOwnerError` subclasses.
-            EpochMismatchError: ``epoch`` was given and the lease has moved on; ``owner`` is the
-                current holder. Look again before releasing.
+            EpochMovedOnError: ``epoch`` was given and the lease has moved on; ``holder`` and
+                ``current_epoch`` are the key's now. Look again before releasing.
+                All three are `OperatorRefusalError`: nothing changed, and nothing to stop.
             InvalidInputError: bad argument; nothing was sent.
         """
         return self._force_release(key, epoch, operator)(self._connection())
@@ -260,9 +260,10 @@ class LeaseManager(models.Manager["Lease"]):
             The `HandoffRequest`: who was asked, at which epoch, since when.
 
         Raises:
-            NeverAcquiredError: the key has no row; AlreadyFreeError: it is free; LapsedError: it
-                lapsed: nobody holds it to ask (acquire it instead).
-            EpochMismatchError: ``epoch`` was given and the lease has moved on.
+            NeverAcquiredError: the key has no row; AlreadyFreeError: it is free; AlreadyLapsedError:
+                it lapsed: nobody holds it to ask (acquire it instead).
+            EpochMovedOnError: ``epoch`` was given and the lease has moved on.
+                All four are `OperatorRefusalError`: nothing changed.
             InvalidInputError: bad argument; nothing was sent.
         """
         return self._request_handoff(key, epoch)(self._connection())

@@ -11,16 +11,12 @@ re-export, and `EpochAdvance` (re-exported by `pg_lease_django.managers`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime, timedelta
 
-import psycopg
 from django.core.exceptions import ImproperlyConfigured
-from django.db import DatabaseError, DataError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from .exceptions import InvalidInputError, NotAcquirableError, QuotaExceededError
+from .exceptions import NotAcquirableError
 from .metrics import hooks as metrics
 from .sql import run, statements
 from .sql.rows import Attempt, EpochAdvance, Grant, HandoffRequest, LeaseState, Renewal
@@ -67,20 +63,6 @@ def require_postgresql(connection: BaseDatabaseWrapper) -> BaseDatabaseWrapper:
     return connection
 
 
-@contextmanager
-def quota_refusals(key: str) -> Iterator[None]:
-    """An acquire's refusal by ``PG_LEASE_ROLE_LIMITS`` (SQLSTATE 53400, Django's or psycopg's error)
-    raised as `QuotaExceededError`; every other error as it is."""
-    try:
-        yield
-    except (DatabaseError, psycopg.Error) as exc:
-        error = exc if isinstance(exc, psycopg.Error) else exc.__cause__
-        if getattr(error, "sqlstate", None) != QuotaExceededError.sqlstate:
-            raise
-        message = getattr(getattr(error, "diag", None), "message_primary", None) or str(error)
-        raise QuotaExceededError(message, key=key) from exc
-
-
 def attempted(key: str, tried: Attempt) -> Attempt:
     """``tried``, an attempt of ``key`` the server answered; a grant is counted in the metrics.
 
@@ -96,8 +78,7 @@ def attempt(
     connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta, marker: str | None = None
 ) -> Attempt:
     """One non-blocking acquire; ``marker``: the identity it shows in ``pg_stat_activity`` (`run.first`)."""
-    with quota_refusals(key):
-        return attempted(key, run.one(connection, statements.ACQUIRE, [key, owner, ttl], marker=marker))
+    return attempted(key, run.one(connection, statements.ACQUIRE, [key, owner, ttl], marker=marker))
 
 
 def attempt_or_register(
@@ -114,8 +95,7 @@ def attempt_or_register(
     longest the attempt waits for a lock); ``marker`` as for `attempt`.
     """
     params = [key, owner, ttl, retry_within]
-    with quota_refusals(key):
-        return attempted(key, run.one(connection, statements.ACQUIRE_OR_REGISTER, params, marker=marker))
+    return attempted(key, run.one(connection, statements.ACQUIRE_OR_REGISTER, params, marker=marker))
 
 
 def acquire(
@@ -149,7 +129,7 @@ def acquire_or_raise(
         key=key,
         owner=owner,
         holder=tried.owner,
-        holder_epoch=tried.epoch,
+        current_epoch=tried.epoch,
         expires_at=expires_at,
     )
 
@@ -196,11 +176,4 @@ def advance_epochs(connection: BaseDatabaseWrapper, by: int, dry_run: bool) -> E
     Raises:
         InvalidInputError: an epoch or the floor would pass the limit (``MAX_ADVANCE``); nothing changed.
     """
-    try:
-        return run.one(connection, statements.ADVANCE_EPOCHS, [by, dry_run])
-    except DataError as exc:
-        cause = exc.__cause__
-        if getattr(cause, "sqlstate", None) != "22003":
-            raise
-        message = getattr(getattr(cause, "diag", None), "message_primary", None) or str(exc)
-        raise InvalidInputError(f"{message}; nothing was changed") from exc
+    return run.one(connection, statements.ADVANCE_EPOCHS, [by, dry_run])

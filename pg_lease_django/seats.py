@@ -14,7 +14,7 @@ from django.db import DatabaseError, connections
 
 from pg_lease_django import conf, sql
 from pg_lease_django.display import printable
-from pg_lease_django.sql import run, statements
+from pg_lease_django.sql import errors, run, statements
 
 __all__ = ["denied", "remedy"]
 
@@ -27,7 +27,7 @@ WORKERS = frozenset({"run"})
 def denied(error: BaseException) -> bool:
     """Whether ``error`` is PostgreSQL's "permission denied" (42501) for a table or a function, not a
     key scope's refusal (42501 too, which names the key and already says what to do)."""
-    return getattr(error.__cause__, "sqlstate", None) == "42501" and "permission denied" in str(error)
+    return errors.sqlstate(error) == "42501" and "permission denied" in str(error)
 
 
 def _seat(using: str, relation: str) -> tuple[str, str | None] | None:

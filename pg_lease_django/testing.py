@@ -32,7 +32,7 @@ from django.db.backends.base.creation import TEST_DATABASE_PREFIX
 from django.test.runner import DiscoverRunner
 from psycopg import sql as pgsql
 
-from .exceptions import NotOwnerError
+from .exceptions import OperatorRefusalError
 from .holds import lease_pool
 from .holds.lease import HeldLease
 from .managers import Grant, LeaseManager, LeaseState
@@ -271,7 +271,9 @@ def take_over_lease(
         The new owner's `Grant`.
 
     Raises:
-        EpochMismatchError: a `HeldLease` / `Grant` was given and the lease had moved on already.
+        EpochMovedOnError: a `HeldLease` / `Grant` was given and the lease had moved on already
+            (an `OperatorRefusalError`, as from ``force_release(epoch=...)``; ``AlreadyFreeError``
+            when it was free).
         AssertionError: the `HeldLease` did not notice the loss within ``wait`` seconds.
     """
     key = _key_of(lease)
@@ -280,7 +282,7 @@ def take_over_lease(
     with transaction.atomic(using=manager.db):
         try:
             manager.force_release(key, epoch=epoch)
-        except NotOwnerError:
+        except OperatorRefusalError:  # free, or never acquired: nothing to free first
             if epoch is not None:
                 raise
         grant = manager.acquire(key, owner, ttl)

@@ -35,7 +35,9 @@ from django.test import AsyncClient, override_settings
 
 from devkit.dbserver import free_port
 from pg_lease_django import (
+    AlreadyFreeError,
     EpochMismatchError,
+    EpochMovedOnError,
     Grant,
     InvalidInputError,
     LapsedError,
@@ -43,6 +45,7 @@ from pg_lease_django import (
     LeaseError,
     LeaseState,
     LeaseTimeoutError,
+    NeverAcquiredError,
     NotOwnerError,
 )
 from pg_lease_django.managers import NOTIFY_CHANNEL
@@ -240,17 +243,17 @@ def test_renew_and_release_failures_are_the_sync_ones_in_spec_order(key: str, ra
 
 def test_force_release_failures_are_the_sync_ones(key: str) -> None:
     error = assert_same_failure(lambda: Lease.objects.force_release(key), lambda: Lease.objects.aforce_release(key))
-    assert isinstance(error, NotOwnerError) and "never acquired" in str(error)
+    assert isinstance(error, NeverAcquiredError) and "never acquired" in str(error)
     grant = Lease.objects.acquire(key, "w1", ttl=30)
     assert grant is not None
     error = assert_same_failure(
         lambda: Lease.objects.force_release(key, epoch=grant.epoch + 1),
         lambda: Lease.objects.aforce_release(key, epoch=grant.epoch + 1),
     )
-    assert isinstance(error, EpochMismatchError) and error.owner == "w1"
+    assert isinstance(error, EpochMovedOnError) and (error.owner, error.holder) == (None, "w1")
     assert run(lambda: Lease.objects.aforce_release(key, epoch=grant.epoch)) == grant.epoch + 1
     error = assert_same_failure(lambda: Lease.objects.force_release(key), lambda: Lease.objects.aforce_release(key))
-    assert isinstance(error, NotOwnerError) and "already free" in str(error)
+    assert isinstance(error, AlreadyFreeError) and "already free" in str(error)
 
 
 BAD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
@@ -307,7 +310,7 @@ def test_each_call_is_one_statement_on_the_callers_connection_inside_a_transacti
             run(lambda: Lease.objects.ainspect(key))
         with django_assert_num_queries(1):
             run(lambda: Lease.objects.arelease(key, "w1", grant.epoch))
-        with django_assert_num_queries(1), pytest.raises(NotOwnerError):
+        with django_assert_num_queries(1), pytest.raises(AlreadyFreeError):
             run(lambda: Lease.objects.aforce_release(key))
         with django_assert_num_queries(1):  # granted at its first try, in the transaction
             assert run(lambda: Lease.objects.aacquire(key, "w1", ttl=30, blocking=True, timeout=5)).owner == "w1"
@@ -322,7 +325,7 @@ def test_outside_a_transaction_no_call_uses_the_callers_connection(key: str, dja
         run(lambda: Lease.objects.arenew(key, "w1", grant.epoch, ttl=30))
         assert run(lambda: Lease.objects.ainspect(key)).owner == "w1"
         run(lambda: Lease.objects.arelease(key, "w1", grant.epoch))
-        with pytest.raises(NotOwnerError):
+        with pytest.raises(AlreadyFreeError):
             run(lambda: Lease.objects.aforce_release(key))
         assert run(lambda: Lease.objects.aacquire(key, "w1", ttl=30, blocking=True, timeout=5)).owner == "w1"
 

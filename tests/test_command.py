@@ -24,11 +24,13 @@ from django.test.utils import CaptureQueriesContext
 
 from pg_lease_django import (
     AlreadyFreeError,
-    EpochMismatchError,
+    EpochMovedOnError,
     InvalidInputError,
     Lease,
+    LeaseLostError,
     NeverAcquiredError,
     NotOwnerError,
+    OperatorRefusalError,
     querysets,
 )
 from pg_lease_django.display import describe_expiry, format_duration
@@ -521,16 +523,21 @@ def test_force_release_returns_the_new_epoch(key: str) -> None:
     with pytest.raises(NeverAcquiredError, match="never acquired") as unknown:
         Lease.objects.force_release(key + "-unknown")
     assert unknown.value.code == "not_found"
-    assert isinstance(free.value, NotOwnerError) and isinstance(unknown.value, NotOwnerError)  # as before
+    # An operator's refusal, not a lost lease: the operator never held it, and has nothing to stop.
+    assert isinstance(free.value, OperatorRefusalError) and isinstance(unknown.value, OperatorRefusalError)
+    assert not isinstance(free.value, LeaseLostError) and not isinstance(unknown.value, LeaseLostError)
+    assert (unknown.value.owner, unknown.value.epoch, unknown.value.holder) == (None, None, None)
 
 
 def test_force_release_with_a_stale_epoch_names_the_current_holder(key: str) -> None:
     old = held(key, "w1")
     Lease.objects.force_release(key)
     held(key, "w2")
-    with pytest.raises(EpochMismatchError) as caught:
+    with pytest.raises(EpochMovedOnError) as caught:
         Lease.objects.force_release(key, epoch=old)
-    assert (caught.value.key, caught.value.owner, caught.value.epoch) == (key, "w2", old)
+    # The caller's side (no owner: an operator; the epoch it named), then the key's.
+    assert (caught.value.key, caught.value.owner, caught.value.epoch) == (key, None, old)
+    assert (caught.value.holder, caught.value.current_epoch) == ("w2", old + 2)
     assert Lease.objects.inspect(key).owner == "w2"
 
 

@@ -26,7 +26,7 @@ import pg_lease_django
 import pg_lease_django.holds.lease_connection
 from devkit.dbserver import LocalServer, throwaway_datadir
 from devkit.testapp.models import Invoice
-from pg_lease_django import Grant, Lease, unfenced_writes
+from pg_lease_django import Grant, Lease, OutcomeUnknownError, unfenced_writes
 from stress.agent import Agent
 from stress.checker import Op, check
 from stress.harness import Config, Run, migrate, run
@@ -268,9 +268,10 @@ def _fenced_increment(key: str, grant: Grant) -> int:
 def test_backend_terminated_mid_operation(key: str, operation: str) -> None:
     """pg_terminate_backend while the operation's statement runs (blocked on the lease row).
 
-    Documented outcome: the caller gets ``django.db.OperationalError`` (the connection is gone; the
-    next call reconnects); the statement's transaction was rolled back, so nothing changed. In
-    general (a termination right after the commit) the caller cannot tell whether it happened:
+    Documented outcome: the caller gets ``django.db.OperationalError``, for a lease call its subclass
+    ``OutcomeUnknownError`` (the connection is gone; the next call reconnects); the statement's
+    transaction was rolled back, so nothing changed. In general (a termination right after the
+    commit) the caller cannot tell whether it happened:
     acquire again with the same owner (a self-takeover gives a fresh epoch, fencing any grant it
     missed), renew again, release again (``not_owner`` then means it went through). Never a
     double grant: the epoch is where it was.
@@ -290,6 +291,8 @@ def test_backend_terminated_mid_operation(key: str, operation: str) -> None:
     }
     error = _terminate_blocked(key, calls[operation])
     assert isinstance(error, django.db.OperationalError), repr(error)
+    if operation != "fenced_write":  # a lease statement: the package's typed "no answer" (Django's own write: Django's)
+        assert isinstance(error, OutcomeUnknownError) and error.code == "outcome_unknown", repr(error)
     after = Lease.objects.inspect(key)
     assert (after.owner, after.epoch, after.status) == (before.owner, before.epoch, before.status)
     assert Invoice.objects.get(account=key).amount == 0

@@ -30,7 +30,7 @@ from django.test import override_settings
 from devkit.testapp.models import Invoice
 from pg_lease_django import InvalidInputError, Lease, NotAcquirableError, UnfencedWriteError, history, hold
 from pg_lease_django.checks import check_lease_database_without_database_option
-from pg_lease_django.management.commands.flush import truncate_refusal
+from pg_lease_django.sql.errors import truncate_refusal
 from tests.helpers import conninfo, own_findings
 
 # Plain `check` runs check W008 over the cluster's roles: beside the tests that make a role a bypass.
@@ -194,7 +194,7 @@ def test_a_nested_hold_of_the_same_key_says_so_at_once(key: str) -> None:
             nested_hold = hold(key, ttl=30, blocking=True, timeout=600) if blocking else hold(key, ttl=30)
             with pytest.raises(NotAcquirableError, match="already held by an enclosing hold") as nested, nested_hold:
                 pass
-            assert (nested.value.holder, nested.value.holder_epoch) == (outer.owner, outer.epoch)
+            assert (nested.value.holder, nested.value.current_epoch) == (outer.owner, outer.epoch)
         assert not outer.lost
         with hold(f"{key}:other", ttl=30):  # another key nests as before
             pass

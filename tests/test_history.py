@@ -24,9 +24,9 @@ from pg_lease_django import HeldLease, Lease, hold
 from pg_lease_django.checks import check_history_scope_is_current
 from pg_lease_django.exceptions import (
     AlreadyFreeError,
-    EpochMismatchError,
+    AlreadyLapsedError,
+    EpochMovedOnError,
     InvalidInputError,
-    LapsedError,
     NeverAcquiredError,
 )
 from pg_lease_django.history import recorded_prefixes, sync_scope
@@ -187,7 +187,7 @@ def test_request_handoff_refuses_when_nobody_holds(key: str) -> None:
     with pytest.raises(NeverAcquiredError):
         Lease.objects.request_handoff(key)
     epoch = held(key, "w1")
-    with pytest.raises(EpochMismatchError):
+    with pytest.raises(EpochMovedOnError):
         Lease.objects.request_handoff(key, epoch=epoch + 1)
     first = Lease.objects.request_handoff(key, epoch=epoch)
     again = Lease.objects.request_handoff(key)
@@ -197,8 +197,10 @@ def test_request_handoff_refuses_when_nobody_holds(key: str) -> None:
     with pytest.raises(AlreadyFreeError):
         Lease.objects.request_handoff(key)
     lapsed(key)
-    with pytest.raises(LapsedError):
+    with pytest.raises(AlreadyLapsedError) as gone:
         Lease.objects.request_handoff(key)
+    state = Lease.objects.inspect(key)  # the lapsed holder: the key's side of the error
+    assert (gone.value.owner, gone.value.holder, gone.value.current_epoch) == (None, state.owner, state.epoch)
     with pytest.raises(InvalidInputError):
         Lease.objects.request_handoff("")
     # A new grant clears the request.

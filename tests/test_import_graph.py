@@ -6,13 +6,15 @@ under ``if TYPE_CHECKING:`` (types only, never run) and model-registry lookups
 (``apps.get_model``), which import nothing. Importing ``a.b.c`` also runs ``a/__init__`` and
 ``a/b/__init__``; those edges are not counted (``holds/__init__`` is kept empty for that reason,
 see `test_holds_package_module_imports_nothing`). The layers are docs/architecture.md's; a new module gets a place
-in `LAYERS` (and a line there). No database: these tests read the code only.
+in `LAYERS` (and a line there). No database: these tests read the code, and the last ones import it in a child process.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -474,3 +476,53 @@ def test_the_architecture_map_reader_reads_folders_and_root_modules() -> None:
     sections = _module_sections()
     assert len(sections) > 10
     assert sum(len(_named_in(section)[0]) for section in sections) > 60
+
+
+#: What ``import pg_lease_django.patroni`` loads of the package: the statement layer and what it
+#: stands on. The hook runs during a failover, before clients get in: the lazy package root
+#: (``__init__``, PEP 562) keeps the manager, the models, holds, elections and fencing out of it.
+PATRONI_LOADS = {
+    "pg_lease_django",
+    "pg_lease_django.conf",
+    "pg_lease_django.exceptions",
+    "pg_lease_django.patroni",
+    "pg_lease_django.sql",
+    "pg_lease_django.sql.confirmation",
+    "pg_lease_django.sql.errors",
+    "pg_lease_django.sql.rows",
+    "pg_lease_django.sql.run",
+    "pg_lease_django.sql.statements",
+}
+#: Modules of Django that mean the ORM was loaded (models, fields, migrations, the admin).
+ORM_MODULES = {"django.db.models", "django.db.migrations", "django.contrib.admin", "django.forms"}
+
+
+def _loaded_by(module: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after ``import module`` (no settings, no database)."""
+    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(done.stdout.split())
+
+
+def test_the_patroni_hook_imports_only_the_statement_layer() -> None:
+    loaded = _loaded_by("pg_lease_django.patroni")
+    assert {name for name in loaded if name.startswith(ROOT)} == PATRONI_LOADS
+    assert not loaded & ORM_MODULES, sorted(loaded & ORM_MODULES)
+
+
+def test_the_statement_layer_imports_no_orm_and_the_root_nothing() -> None:
+    """``pg_lease_django.sql`` needs no ORM; the package root alone imports nothing of the package."""
+    loaded = _loaded_by("pg_lease_django.sql")
+    assert {name for name in loaded if name.startswith(ROOT)} == {ROOT, "pg_lease_django.conf", "pg_lease_django.sql"}
+    assert not loaded & ORM_MODULES, sorted(loaded & ORM_MODULES)
+    assert {name for name in _loaded_by(ROOT) if name.startswith(ROOT)} == {ROOT}
+
+
+def test_the_package_root_still_exports_every_name_on_first_use() -> None:
+    """``from pg_lease_django import Grant`` imports the name's module then (no settings needed here)."""
+    code = (
+        "import sys; from pg_lease_django import Grant, LeaseError, Seconds; "
+        "print(Grant.__module__, LeaseError.__module__, 'pg_lease_django.holds.holding' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["pg_lease_django.sql.rows", "pg_lease_django.exceptions", "False"]

@@ -181,7 +181,7 @@ def test_busy_key_raises_not_acquirable_and_leaves_the_holder_alone(key: str) ->
     assert caught.value.key == key and caught.value.code == "not_acquirable"
     # It names the holder (owner stays the caller, as for every error).
     error = caught.value
-    assert (error.holder, error.holder_epoch, error.expires_at) == ("someone-else", other.epoch, other.expires_at)
+    assert (error.holder, error.current_epoch, error.expires_at) == ("someone-else", other.epoch, other.expires_at)
     assert error.owner != "someone-else" and "'someone-else' at epoch" in str(error)
     state = Lease.objects.inspect(key)
     assert (state.owner, state.epoch) == ("someone-else", other.epoch)

@@ -54,8 +54,8 @@ from devkit.dbserver import LocalServer, database_settings, throwaway_datadir
 from devkit.testapp.models import Invoice
 from pg_lease_django import (
     AlreadyFreeError,
+    AlreadyLapsedError,
     Grant,
-    LapsedError,
     Lease,
     LeaseLostError,
     LeaseTimeoutError,
@@ -343,9 +343,9 @@ class Conformance(RuleBasedStateMachine):
         try:
             request = self.manager.request_handoff(self.key)
             answer = "ok"
-        except (NeverAcquiredError, AlreadyFreeError, LapsedError) as exc:
+        except (NeverAcquiredError, AlreadyFreeError, AlreadyLapsedError) as exc:
             answer = type(exc).__name__
-        expected = {"held": "ok", "lapsed": "LapsedError"}.get(
+        expected = {"held": "ok", "lapsed": "AlreadyLapsedError"}.get(
             status, "AlreadyFreeError" if self.model.row else "NeverAcquiredError"
         )
         assert answer == expected, f"request_handoff: model {expected}, code {answer}"

@@ -13,15 +13,20 @@ import inspect
 from typing import Any
 
 import pytest
+from django.db import OperationalError
 from django.utils.module_loading import import_string
 
 import pg_lease_django
 
 PUBLIC_NAMES = {
     "AlreadyFreeError",
+    "AlreadyLapsedError",
     "Election",
     "EndReason",
+    "EpochAdvance",
     "EpochMismatchError",
+    "EpochMovedOnError",
+    "Fence",
     "FencedManager",
     "FencedModel",
     "FencedQuerySet",
@@ -37,12 +42,20 @@ PUBLIC_NAMES = {
     "LeaseLostError",
     "LeaseManager",
     "LeaseState",
+    "LeaseStatus",
     "LeaseTenure",
     "LeaseTimeoutError",
     "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
+    "OnBusy",
+    "OnLost",
+    "OperatorRefusalError",
+    "OutcomeUnknownError",
     "QuotaExceededError",
+    "RaisingDecorator",
+    "Seconds",
+    "SkippingDecorator",
     "UnconfirmedCommitError",
     "UnfencedWriteError",
     "aelect",
@@ -65,7 +78,6 @@ PUBLIC_NAMES = {
 # (properties as "property"). Constructors of HeldLease and Holding are not public: the library
 # builds them.
 SIGNATURES: dict[str, str] = {
-    "AlreadyFreeError.__init__": "(self, message: 'str', *, key: 'str | None' = None, epoch: 'int | None' = None, current_epoch: 'int') -> 'None'",
     "Election.__enter__": "(self) -> 'Election'",
     "Election.__exit__": "(self, exc_type: 'type[BaseException] | None', exc: 'BaseException | None', tb: 'TracebackType | None') -> 'None'",
     "Election.__init__": "(self, key: 'str', *, ttl: 'Seconds', on_started_leading: 'Callable[[HeldLease], Any]', on_stopped_leading: 'Callable[[], Any]', on_new_leader: 'Callable[[str], Any] | None' = None, owner: 'str | None' = None, using: 'str | None' = None) -> 'None'",
@@ -107,7 +119,10 @@ SIGNATURES: dict[str, str] = {
     "Holding.__aexit__": "(self, exc_type: 'type[BaseException] | None', exc: 'BaseException | None', tb: 'TracebackType | None') -> 'None'",
     "Holding.__enter__": "(self) -> 'HeldLease'",
     "Holding.__exit__": "(self, exc_type: 'type[BaseException] | None', exc: 'BaseException | None', tb: 'TracebackType | None') -> 'None'",
-    "LeaseError.__init__": "(self, message: 'str', *, key: 'str | None' = None, owner: 'str | None' = None, epoch: 'int | None' = None) -> 'None'",
+    "EpochAdvance.__init__": "(self, by: 'int', leases: 'int', held: 'int', epoch_floor: 'int', max_epoch: 'int', server_time: 'datetime', dry_run: 'bool') -> None",
+    "Fence.epoch": "property",
+    "Fence.owner": "property",
+    "LeaseError.__init__": "(self, message: 'str', *, key: 'str | None' = None, owner: 'str | None' = None, epoch: 'int | None' = None, holder: 'str | None' = None, current_epoch: 'int | None' = None) -> 'None'",
     "LeaseManager.aacquire": "(self, key: 'str', owner: 'str', ttl: 'Seconds', *, blocking: 'bool' = False, timeout: 'Seconds | None' = None) -> 'Grant | None'",
     "LeaseManager.acquire": "(self, key: 'str', owner: 'str', ttl: 'Seconds', *, blocking: 'bool' = False, timeout: 'Seconds | None' = None) -> 'Grant | None'",
     "LeaseManager.advance_epochs": "(self, *, by: 'int', dry_run: 'bool' = False) -> 'EpochAdvance'",
@@ -124,7 +139,9 @@ SIGNATURES: dict[str, str] = {
     "LeaseManager.request_handoff": "(self, key: 'str', *, epoch: 'int | None' = None) -> 'HandoffRequest'",
     "LeaseState.__init__": "(self, key: 'str', status: \"Literal['free', 'held', 'lapsed']\", owner: 'str | None', epoch: 'int', expires_at: 'datetime | None', server_time: 'datetime') -> None",
     "LeaseState.held": "property",
-    "NotAcquirableError.__init__": "(self, message: 'str', *, key: 'str | None' = None, owner: 'str | None' = None, epoch: 'int | None' = None, holder: 'str | None' = None, holder_epoch: 'int | None' = None, expires_at: 'datetime | None' = None) -> 'None'",
+    "NotAcquirableError.__init__": "(self, message: 'str', *, key: 'str | None' = None, owner: 'str | None' = None, epoch: 'int | None' = None, holder: 'str | None' = None, current_epoch: 'int | None' = None, expires_at: 'datetime | None' = None) -> 'None'",
+    "NotAcquirableError.holder_epoch": "property",
+    "OutcomeUnknownError.__init__": "(self, message: 'str', *, key: 'str | None' = None) -> 'None'",
     "UnconfirmedCommitError.__init__": "(self, message: 'str', *, severity: 'str | None', notice: 'str | None', detail: 'str | None') -> 'None'",
     "aelect": "(key: 'str', *, ttl: 'Seconds', on_started_leading: 'Callable[[HeldLease], Awaitable[Any]]', on_stopped_leading: 'Callable[[], Any]', on_new_leader: 'Callable[[str], Any] | None' = None, owner: 'str | None' = None, using: 'str | None' = None) -> 'None'",
     "current_election": "() -> 'Election | None'",
@@ -135,6 +152,33 @@ SIGNATURES: dict[str, str] = {
     "leased": "(key: 'str | Callable[..., str]', ttl: 'Seconds', *, owner: 'str | None' = None, blocking: 'bool' = False, timeout: 'Seconds | None' = None, renew_every: 'Seconds | None' = None, hold_at_least: 'Seconds | None' = None, on_lost: 'OnLost | None' = None, using: 'str | None' = None, on_busy: 'OnBusy' = 'skip') -> 'SkippingDecorator | RaisingDecorator'",
     "unfenced_writes": "() -> 'Iterator[None]'",
 }
+
+# Every error class: its base among the package's errors (or the outside class it extends) and its
+# code. Frozen for 1.0 (CHANGELOG.md maps the names before it): catching a base must keep meaning
+# what it says. `LeaseLostError` means "stop acting on the holder's behalf"; an operator's call that
+# found nothing to act on is an `OperatorRefusalError`, never a lost lease.
+ERROR_TREE: dict[str, tuple[str, str]] = {
+    "LeaseError": ("Exception", "lease_error"),
+    "NotAcquirableError": ("LeaseError", "not_acquirable"),
+    "LeaseTimeoutError": ("LeaseError", "timeout"),
+    "LeaseLostError": ("LeaseError", "lease_error"),
+    "NotOwnerError": ("LeaseLostError", "not_owner"),
+    "LapsedError": ("LeaseLostError", "lapsed"),
+    "EpochMismatchError": ("LeaseLostError", "epoch_mismatch"),
+    "HeartbeatFailedError": ("LeaseLostError", "heartbeat_failed"),
+    "OperatorRefusalError": ("LeaseError", "operator_refused"),
+    "NeverAcquiredError": ("OperatorRefusalError", "not_found"),
+    "AlreadyFreeError": ("OperatorRefusalError", "already_free"),
+    "AlreadyLapsedError": ("OperatorRefusalError", "lapsed"),
+    "EpochMovedOnError": ("OperatorRefusalError", "epoch_mismatch"),
+    "InvalidInputError": ("LeaseError+ValueError", "invalid_input"),
+    "UnfencedWriteError": ("LeaseError", "unfenced"),
+    "QuotaExceededError": ("LeaseError", "quota"),
+    "OutcomeUnknownError": ("django.db.OperationalError", "outcome_unknown"),
+    "UnconfirmedCommitError": ("OutcomeUnknownError", "unconfirmed_commit"),
+}
+#: Attributes every `LeaseError` has: the caller's side (key, owner, epoch), the key's (holder, current_epoch).
+ERROR_FIELDS = ("code", "key", "owner", "epoch", "holder", "current_epoch")
 
 # Paths that users' migrations record (makemigrations writes them): they must import forever.
 MIGRATION_PATHS = {
@@ -184,6 +228,9 @@ ELECTION_HOOKS = {
 }
 
 _NOT_PINNED = {
+    "Fence.__init__",  # protocols: typed, never constructed
+    "RaisingDecorator.__init__",
+    "SkippingDecorator.__init__",
     "HeldLease.__init__",
     "Holding.__init__",
     "FencedModel.save_base",
@@ -210,7 +257,7 @@ def _signatures() -> dict[str, str]:
                         found[f"{name}.{attr}"] = str(inspect.signature(function))
                     except (TypeError, ValueError):
                         continue
-        elif callable(obj) and not hasattr(obj, "send"):  # signals are pinned by name only
+        elif inspect.isfunction(obj):  # signals and type aliases are pinned by name only
             found[name] = str(inspect.signature(obj))
     return found
 
@@ -229,6 +276,38 @@ def test_public_signatures_are_the_pinned_ones() -> None:
         if SIGNATURES.get(k) != found.get(k)
     }
     assert not changed, "public API changed (pinned, found): " + repr(changed)
+
+
+def _base_name(cls: type) -> str:
+    names = []
+    for base in cls.__bases__:
+        if base.__module__ == "django.db.utils":
+            names.append(f"django.db.{base.__name__}")
+        else:
+            names.append(base.__name__)
+    return "+".join(names)
+
+
+def test_the_error_tree_is_the_pinned_one() -> None:
+    errors = {name: getattr(pg_lease_django, name) for name in pg_lease_django.__all__ if name.endswith("Error")}
+    found = {name: (_base_name(cls), cls.code) for name, cls in errors.items()}
+    assert found == ERROR_TREE
+    assert issubclass(pg_lease_django.OutcomeUnknownError, OperationalError)
+    for name in ERROR_TREE:
+        if issubclass(errors[name], pg_lease_django.OperatorRefusalError):
+            assert not issubclass(errors[name], pg_lease_django.LeaseLostError), name
+
+
+def test_every_lease_error_carries_both_sides() -> None:
+    """``owner``/``epoch`` the caller's, ``holder``/``current_epoch`` the key's, on every error."""
+    error = pg_lease_django.EpochMovedOnError("moved", key="k", epoch=3, holder="them", current_epoch=4)
+    assert [getattr(error, field) for field in ERROR_FIELDS] == ["epoch_mismatch", "k", None, 3, "them", 4]
+    denied = pg_lease_django.NotAcquirableError("held", key="k", owner="me", holder="them", current_epoch=4)
+    assert (denied.owner, denied.holder, denied.current_epoch, denied.holder_epoch) == ("me", "them", 4, 4)
+    for name in ERROR_TREE:
+        cls = getattr(pg_lease_django, name)
+        if issubclass(cls, pg_lease_django.LeaseError):
+            assert all(hasattr(cls("m"), field) for field in ERROR_FIELDS), name
 
 
 @pytest.mark.parametrize("path", sorted(MIGRATION_PATHS))

@@ -25,7 +25,7 @@ from django.test.runner import DiscoverRunner
 
 from devkit import dbserver
 from devkit.testapp.models import Invoice
-from pg_lease_django import EpochMismatchError, Grant, Lease, LeaseState, NotOwnerError, current_lease, hold
+from pg_lease_django import EpochMovedOnError, Grant, Lease, LeaseState, NotOwnerError, current_lease, hold
 from pg_lease_django.testing import (
     TAKEOVER_OWNER,
     LeaseTestRunner,
@@ -440,7 +440,7 @@ def test_take_over_refuses_a_grant_that_moved_on(
     take_over_lease(lease_key, owner="worker-2")
     with pytest.raises(AssertionError, match="held by 'worker-2', not 'worker-1'"):
         assert_lease_held(old)
-    with pytest.raises(EpochMismatchError):
+    with pytest.raises(EpochMovedOnError):
         take_over_lease(old)
     assert Lease.objects.inspect(lease_key).owner == "worker-2"  # nothing changed
 

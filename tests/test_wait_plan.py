@@ -103,8 +103,11 @@ def test_a_refusal_at_the_deadline_raises_the_timeout() -> None:
     advance(plan, refused())
     clock.now += 2.0
     advance(plan, None)
-    with pytest.raises(LeaseTimeoutError, match="still held by 'holder' after waiting 2 s"):
+    with pytest.raises(LeaseTimeoutError, match="still held by 'holder' after waiting 2 s") as timed_out:
         advance(plan, refused())
+    # The caller's side, then the key's (the error model of every LeaseError).
+    error = timed_out.value
+    assert (error.key, error.owner, error.epoch, error.holder, error.current_epoch) == ("k", "me", None, "holder", 7)
 
 
 def test_no_deadline_waits_on() -> None:

@@ -17,9 +17,9 @@ from django.http import HttpRequest
 
 from pg_lease_django.exceptions import (
     AlreadyFreeError,
-    EpochMismatchError,
+    AlreadyLapsedError,
+    EpochMovedOnError,
     InvalidInputError,
-    LapsedError,
     NeverAcquiredError,
 )
 from pg_lease_django.models import Lease
@@ -61,10 +61,10 @@ def request_handoffs(
     for lease in leases:
         try:
             done = manager.request_handoff(lease.key, epoch=epochs[lease.key])
-        except EpochMismatchError as exc:
-            skipped.append(f"{lease.key!r} changed hands since it was shown (now held by {exc.owner!r})")
+        except EpochMovedOnError as exc:
+            skipped.append(f"{lease.key!r} changed hands since it was shown (now held by {exc.holder!r})")
             continue
-        except (AlreadyFreeError, LapsedError, NeverAcquiredError):
+        except (AlreadyFreeError, AlreadyLapsedError, NeverAcquiredError):
             skipped.append(f"{lease.key!r} is not held: nobody to ask")
             continue
         model_admin.log_change(request, lease, f"Requested a hand-off from {done.owner!r} at epoch {done.epoch}.")
@@ -93,8 +93,8 @@ def force_release_confirmed(model_admin: ModelAdmin[Lease], request: HttpRequest
             continue
         try:
             new_epoch = manager.force_release(lease.key, epoch=epoch, operator=request.user.get_username())
-        except EpochMismatchError as exc:
-            skipped.append(f"{lease.key!r} changed hands after you confirmed (now held by {exc.owner!r})")
+        except EpochMovedOnError as exc:
+            skipped.append(f"{lease.key!r} changed hands after you confirmed (now held by {exc.holder!r})")
             continue
         except (AlreadyFreeError, NeverAcquiredError):  # no row: pruned since, and only free leases are pruned
             skipped.append(f"{lease.key!r} was already free")

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,9 +17,8 @@ from django.db.models import Expression
 from django.db.models.sql.compiler import SQLCompiler
 
 from pg_lease_django import sql
-from pg_lease_django.exceptions import REFUSED_WRITE_ERRORS, LeaseError
 from pg_lease_django.metrics import hooks as metrics
-from pg_lease_django.sql import run, statements
+from pg_lease_django.sql import errors, run, statements
 
 from .resolution import FenceToken
 
@@ -57,25 +55,6 @@ def _present(connection: BaseDatabaseWrapper, token: FenceToken | None) -> None:
         run.run(connection, statements.PRESENT_FENCE, [token.key, token.owner, token.epoch])
 
 
-def _refusal(error: DatabaseError, action: str) -> LeaseError | None:
-    """The typed error for a write the database refused by its fence, or None for any other error."""
-    cause = error.__cause__
-    kind = REFUSED_WRITE_ERRORS.get(getattr(cause, "sqlstate", None) or "")
-    if kind is None:
-        return None
-    diag = cause.diag  # type: ignore[union-attr]
-    try:
-        fence = json.loads(diag.message_detail or "{}")
-    except ValueError:
-        fence = {}
-    return kind(
-        f"{action} refused: {diag.message_primary}",
-        key=fence.get("key"),
-        owner=fence.get("owner"),
-        epoch=fence.get("epoch"),
-    )
-
-
 @contextmanager
 def refusals_raised(action: str) -> Iterator[None]:
     """Turn the database's refusal of a fenced write into `NotOwnerError`, `LapsedError`, ...
@@ -86,7 +65,7 @@ def refusals_raised(action: str) -> Iterator[None]:
     try:
         yield
     except DatabaseError as error:
-        refusal = _refusal(error, action)
+        refusal = errors.fence_refusal(error, action)
         if refusal is None:
             raise
         metrics.fenced_write_refused(refusal.key, refusal.code)

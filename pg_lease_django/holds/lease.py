@@ -30,7 +30,14 @@ OnLost = Callable[["HeldLease"], object]
 
 def _fresh(error: LeaseLostError) -> LeaseLostError:
     # A new instance per raise: re-raising one instance would chain every traceback onto it.
-    return type(error)(str(error), key=error.key, owner=error.owner, epoch=error.epoch)
+    return type(error)(
+        str(error),
+        key=error.key,
+        owner=error.owner,
+        epoch=error.epoch,
+        holder=error.holder,
+        current_epoch=error.current_epoch,
+    )
 
 
 class Tenure:

@@ -128,7 +128,7 @@ class HoldSession:
                 key=self.key,
                 owner=owner,
                 holder=enclosing.owner,
-                holder_epoch=enclosing.epoch,
+                current_epoch=enclosing.epoch,
             )
         pool = pool_for(alias, io_timeout=interval)
         grant: Grant | None = None

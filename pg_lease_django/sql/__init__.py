@@ -18,9 +18,10 @@ the functions); it, and every other identifier, is composed with psycopg.sql, ne
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
@@ -31,9 +32,10 @@ from psycopg import sql as pgsql
 
 from pg_lease_django import conf
 
-from . import files
-
 T = TypeVar("T")
+#: This directory: the statements' files are read from it here, not through ``sql.files``, whose
+#: migration operation imports Django's migration machinery (the Patroni hook needs none of it).
+_DIRECTORY = Path(__file__).resolve().parent
 
 # procrastinate's file format: a line `-- name --`, its comment lines, then the statement.
 _HEADER = re.compile(r"^-- ([a-z0-9_]+) --$", re.MULTILINE)
@@ -44,7 +46,7 @@ def named(source: str) -> dict[str, str]:
     """Every statement of the file ``source`` (``queries.sql``, ``fence_triggers.sql``) by name, its
     comment lines left out (a fragment is composed into other statements, where a comment would
     swallow the rest of the line)."""
-    text = files.read(source)
+    text = (_DIRECTORY / source).read_text(encoding="utf-8")
     parts = _HEADER.split(text)[1:]
     found: dict[str, str] = {}
     for name, body in zip(parts[::2], parts[1::2], strict=True):
@@ -72,6 +74,7 @@ class Statement(Generic[T]):
             error raises it); the whole row as a tuple by default.
         confirms: a lease write whose commit must reach the synchronous standby: the executors turn
             the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`.
+        errors: SQLSTATE -> the package's error for it (``sql.errors``), applied by both executors.
         parts: the names of the identifiers and fragments besides ``schema`` it is composed with.
         source: the file of this directory it is written in.
     """
@@ -80,6 +83,7 @@ class Statement(Generic[T]):
     decode: Callable[[Sequence[Any], Any], T] = field(default=_whole_row, compare=False)
     confirms: bool = False
     parts: tuple[str, ...] = ()
+    errors: Mapping[str, Callable[[Any, Any], BaseException]] = field(default_factory=dict, compare=False)
     source: str = "queries.sql"
 
     @property

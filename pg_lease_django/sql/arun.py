@@ -5,8 +5,9 @@ interrupted, a statement on an async connection is cancelled with its task) with
 the sync executor keeps on Django's connections (``sql.confirmation``): a lease statement whose
 commit the synchronous standby did not confirm raises `UnconfirmedCommitError` here as there. Its
 statements are rendered for the lease app's schema and decoded by their own decoders (``sql.rows``).
-Errors are psycopg's: the caller maps them as Django's cursor would (the wait maps them with a
-Django connection object of its own, never the caller's, which another thread may be using).
+Errors are psycopg's, except where the statement's map (``sql.errors``) names the package's error
+for the server's answer: the caller maps the rest as Django's cursor would (the wait maps them with
+a Django connection object of its own, never the caller's, which another thread may be using).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql as pgsql
 
-from . import Statement, queries, remember_schema, statements
+from . import Statement, errors, queries, remember_schema, statements
 from .confirmation import UnconfirmedCommitNotices
 
 T = TypeVar("T")
@@ -62,15 +63,23 @@ class Session:
 
     async def one(self, statement: Statement[T], params: Sequence[Any] = ()) -> T:
         """Send ``statement``; its one row, decoded (a lease statement's commit confirmed)."""
-        with self.notices.confirmed():
-            row = await (await self.conn.execute(self._render(statement), params)).fetchone()
+        try:
+            with self.notices.confirmed():
+                row = await (await self.conn.execute(self._render(statement), params)).fetchone()
+        except psycopg.Error as exc:
+            errors.raise_mapped(exc, statement.errors, params)
+            raise
         assert row is not None, statement.name
         return statement.decode(row, params)
 
     async def run(self, statement: Statement[Any], params: Sequence[Any] = (), **parts: pgsql.Composable) -> None:
         """Send ``statement``, which answers nothing worth reading."""
         text = statement.compose(self.schema, **parts).as_string(None) if parts else self._render(statement)
-        await self.conn.execute(text, params)
+        try:
+            await self.conn.execute(text, params)
+        except psycopg.Error as exc:
+            errors.raise_mapped(exc, statement.errors, params)
+            raise
 
     def _render(self, statement: Statement[Any]) -> str:
         found = self._rendered.get(statement.name)

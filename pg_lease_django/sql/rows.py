@@ -1,7 +1,8 @@
 """The rows of the lease statements, typed: what each answer means, and its verdict as an error.
 
 Each decoder takes a statement's row and the parameters it was sent (``sql.statements`` pairs them
-with their statements): the one place a row is read by position. `Grant`, `LeaseState` and
+with their statements): the one place a row is read by position. A verdict that is an error is
+raised through ``sql.errors``, which holds every map from the database's answer to an error. `Grant`, `LeaseState` and
 `EpochAdvance` are public (``pg_lease_django`` and ``pg_lease_django.managers`` re-export them).
 """
 
@@ -10,16 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, NamedTuple, NoReturn
+from typing import Any, Literal, NamedTuple
 
-from pg_lease_django.exceptions import (
-    LOST_ERRORS,
-    AlreadyFreeError,
-    EpochMismatchError,
-    LapsedError,
-    NeverAcquiredError,
-)
-from pg_lease_django.status import LeaseStatus
+from . import errors
 
 Params = Sequence[Any]
 
@@ -66,7 +60,7 @@ class LeaseState:
     @property
     def held(self) -> bool:
         """True when someone holds the lease at ``server_time``."""
-        return self.status == LeaseStatus.HELD.value
+        return self.status == "held"  # LeaseStatus.HELD, a str: not imported, for the ORM it needs
 
 
 class Attempt(NamedTuple):
@@ -151,29 +145,31 @@ def state(row: Params, params: Params) -> LeaseState:
 def renewal(row: Params, params: Params) -> Renewal:
     """A renewal's row (sent: key, owner, epoch, ttl), or the `LeaseLostError` of its verdict."""
     outcome, expires_at, handoff_requested = row
-    _raise_unless_ok(outcome, "renew", *params[:3])
+    if outcome != "ok":
+        errors.lost(outcome, "renew", *params[:3])
     return Renewal(expires_at, bool(handoff_requested))
 
 
 def released(row: Params, params: Params) -> None:
     """A release's row (sent: key, owner, epoch), or the `LeaseLostError` of its verdict."""
-    _raise_unless_ok(row[0], "release", *params[:3])
+    if row[0] != "ok":
+        errors.lost(row[0], "release", *params[:3])
 
 
 def forced(row: Params, params: Params) -> int:
     """A force release's row (sent: key, expected epoch, operator): the new epoch, or why nothing was freed."""
-    outcome, owner, current_epoch, _server_time = row
+    outcome, holder, current_epoch, _server_time = row
     if outcome == "ok":
         return int(current_epoch)
-    _raise_not_held(outcome, params[0], owner, current_epoch, params[1], "nothing to release")
+    errors.operator_refusal(outcome, params[0], params[1], holder, current_epoch, "nothing to release")
 
 
 def handoff(row: Params, params: Params) -> HandoffRequest:
     """A hand-off request's row (sent: key, epoch): the request, or why nobody can be asked."""
-    outcome, owner, current_epoch, expires_at, requested_at, server_time = row
+    outcome, holder, current_epoch, expires_at, requested_at, server_time = row
     if outcome == "ok":
-        return HandoffRequest(params[0], owner, current_epoch, expires_at, requested_at, server_time)
-    _raise_not_held(outcome, params[0], owner, current_epoch, params[1], "nobody holds it to hand it off")
+        return HandoffRequest(params[0], holder, current_epoch, expires_at, requested_at, server_time)
+    errors.operator_refusal(outcome, params[0], params[1], holder, current_epoch, "nobody holds it to hand it off")
 
 
 def advance(row: Params, params: Params) -> EpochAdvance:
@@ -185,32 +181,3 @@ def advance(row: Params, params: Params) -> EpochAdvance:
 def scalar(row: Params, params: Any) -> Any:
     """The first column."""
     return row[0]
-
-
-def _raise_unless_ok(outcome: str, operation: str, key: str, owner: str, epoch: int) -> None:
-    if outcome == "ok":
-        return
-    error = LOST_ERRORS[outcome]
-    raise error(
-        f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch
-    )
-
-
-def _raise_not_held(outcome: str, key: str, owner: str | None, current: int, epoch: int | None, so: str) -> NoReturn:
-    """The error of an operator's call on ``key`` that found nobody holding it at ``epoch`` (``so``: what follows)."""
-    if outcome == "epoch_mismatch":
-        raise EpochMismatchError(
-            f"lease {key!r} has moved on: its epoch is {current} (held by {owner!r}), not {epoch}",
-            key=key,
-            owner=owner,
-            epoch=epoch,
-        )
-    if outcome == "not_found":
-        raise NeverAcquiredError(f"no lease with key {key!r} (never acquired): {so}", key=key, epoch=epoch)
-    if outcome == "lapsed":
-        raise LapsedError(
-            f"lease {key!r} lapsed (owner {owner!r}, epoch {current}): {so}", key=key, owner=owner, epoch=current
-        )
-    raise AlreadyFreeError(
-        f"lease {key!r} is already free (epoch {current}): {so}", key=key, epoch=epoch, current_epoch=current
-    )

@@ -5,7 +5,9 @@ that ``confirms`` (a lease operation) goes the hot path: the notice handler kept
 turns the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError` (at once, or out
 of the caller's ``atomic()``), and it is sent on a cursor of the psycopg connection itself when
 nothing but Django stands in between (`_nothing_in_between`). Every other statement goes through Django's cursor.
-Errors are Django's (``DatabaseError`` and its subclasses), as for any ORM call.
+Errors are Django's (``DatabaseError`` and its subclasses), as for any ORM call, except where the
+statement's map (``sql.errors``) names the package's error for the server's answer, and a lease
+statement whose connection was lost in flight, whose outcome is unknown (`OutcomeUnknownError`).
 """
 
 from __future__ import annotations
@@ -16,15 +18,20 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import psycopg
+from django.db import DatabaseError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.backends.postgresql.base import DatabaseWrapper as PostgreSQLDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from psycopg import sql as pgsql
 
-from . import Statement, render
+from pg_lease_django.exceptions import OutcomeUnknownError
+
+from . import Statement, errors, render
 from .confirmation import UnconfirmedCommitNotices, check_caller_commit
 
 T = TypeVar("T")
+#: Django's PostgreSQL backend, named rather than imported: importing it loads the ORM (its test
+#: database creation imports the serializers), which the Patroni hook, a user of `on_psycopg`, never needs.
+_POSTGRESQL_BACKEND = ("django.db.backends.postgresql.base", "DatabaseWrapper")
 _MARKER = re.compile(r"[A-Za-z0-9_ ]+")
 Params = Sequence[Any] | dict[str, Any]
 
@@ -55,17 +62,21 @@ def first(
     ``marker`` (a lease statement's): a comment put at the start of its text, the identity an
     interrupted attempt is found by in ``pg_stat_activity`` (`wait.settling`): ASCII letters, digits,
     underscores and spaces only, so it can never end the comment."""
-    if statement.confirms:
-        text = render(connection, statement)
-        if marker is not None:
-            if not _MARKER.fullmatch(marker):
-                raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
-            text = f"/* {marker} */ {text}"
-        row = _confirmed(connection, text, params, all_rows=False)
-        return None if row is None else statement.decode(row, params)
-    with connection.cursor() as cursor:
-        cursor.execute(render(connection, statement, **parts), params)
-        row = cursor.fetchone()
+    try:
+        if statement.confirms:
+            text = render(connection, statement)
+            if marker is not None:
+                if not _MARKER.fullmatch(marker):
+                    raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
+                text = f"/* {marker} */ {text}"
+            row = _confirmed(connection, text, params, all_rows=False)
+        else:
+            with connection.cursor() as cursor:
+                cursor.execute(render(connection, statement, **parts), params)
+                row = cursor.fetchone()
+    except DatabaseError as exc:
+        errors.raise_mapped(exc, statement.errors, params)
+        raise
     return None if row is None else statement.decode(row, params)
 
 
@@ -73,12 +84,17 @@ def rows(
     connection: BaseDatabaseWrapper, statement: Statement[T], params: Params = (), **parts: pgsql.Composable
 ) -> list[T]:
     """Send ``statement``; every row, decoded."""
-    if statement.confirms:
-        found = _confirmed(connection, render(connection, statement), params, all_rows=True)
-        return [statement.decode(row, params) for row in found]
-    with connection.cursor() as cursor:
-        cursor.execute(render(connection, statement, **parts), params)
-        return [statement.decode(row, params) for row in cursor.fetchall()]
+    try:
+        if statement.confirms:
+            found = _confirmed(connection, render(connection, statement), params, all_rows=True)
+        else:
+            with connection.cursor() as cursor:
+                cursor.execute(render(connection, statement, **parts), params)
+                found = cursor.fetchall()
+    except DatabaseError as exc:
+        errors.raise_mapped(exc, statement.errors, params)
+        raise
+    return [statement.decode(row, params) for row in found]
 
 
 #: The SQLSTATE classes of a statement the server refused before it could write anything: a bad
@@ -93,16 +109,19 @@ def refused_by_server(error: BaseException) -> bool:
     Such an attempt granted nothing: there is nothing to settle, and a scope refusal or a missing
     grant stays the one line the server wrote, not a settling's failure logged around it.
     """
-    cause = error if isinstance(error, psycopg.Error) else error.__cause__
-    return isinstance(cause, psycopg.Error) and (cause.sqlstate or "")[:2] in REFUSED_CLASSES
+    return (errors.sqlstate(error) or "")[:2] in REFUSED_CLASSES
 
 
 def run(
     connection: BaseDatabaseWrapper, statement: Statement[Any], params: Params = (), **parts: pgsql.Composable
 ) -> None:
     """Send ``statement``, which answers nothing worth reading."""
-    with connection.cursor() as cursor:
-        cursor.execute(render(connection, statement, **parts), params)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(render(connection, statement, **parts), params)
+    except DatabaseError as exc:
+        errors.raise_mapped(exc, statement.errors, params)
+        raise
 
 
 def on_psycopg(
@@ -129,7 +148,14 @@ def _confirmed(connection: BaseDatabaseWrapper, statement: str, params: Params, 
     notices = UnconfirmedCommitNotices.kept_on(connection)
     raw = connection.connection
     notices.seen.clear()
-    found = _send(connection, raw, statement, params, all_rows)
+    try:
+        found = _send(connection, raw, statement, params, all_rows)
+    except OperationalError as exc:
+        if raw.closed:  # open when sent (health-checked above): lost in flight, the outcome unknown
+            raise OutcomeUnknownError(
+                f"the connection was lost during a lease statement: its outcome is unknown ({exc})"
+            ) from exc
+        raise
     notices.raise_if_unconfirmed()
     check_caller_commit(connection)
     return found
@@ -180,7 +206,7 @@ def _nothing_in_between(connection: BaseDatabaseWrapper) -> bool:
     (another app's, or `CallerCommitCheck`), no query log (``DEBUG``, ``assertNumQueries``), no patched
     ``connection.cursor`` (django-debug-toolbar) and an unpatched ``CursorWrapper`` (APM agents)."""
     return (
-        type(connection) is PostgreSQLDatabaseWrapper
+        (type(connection).__module__, type(connection).__qualname__) == _POSTGRESQL_BACKEND
         and not connection.execute_wrappers
         and not connection.queries_logged
         and "cursor" not in vars(connection)

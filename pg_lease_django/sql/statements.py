@@ -1,12 +1,10 @@
 """Every statement of ``queries.sql`` as a value: its name, its rows' decoder, whether it confirms its commit.
 
-The executors (``sql.run``, ``sql.arun``) take these, and no module outside ``sql/`` spells a
-statement. Inside ``sql/``, two places still go around these values: ``sql.files`` spells
-``current_schema()`` for the migrations it runs, and the schema lookup (``sql.schema_name``,
-``sql.arun.Session.connect``) sends the entries ``relation_exists`` and ``schema_lookup`` of
-``queries.sql`` on a raw cursor.
-
-A statement's parameters are what its decoder is given besides the row (``sql.rows``). The templates
+The executors (``sql.run``, ``sql.arun``) take these. Three statements are still spelled outside
+this list: ``sql.files`` reads ``current_schema()`` for a migration, `sql.schema_name` runs
+``relation_exists`` and ``schema_lookup`` on a cursor of its own, and the admin shows an example
+``pg_lease_inspect`` call as text. A statement's parameters are what its decoder is given besides
+the row (``sql.rows``); its map of SQLSTATEs to the package's errors is ``sql.errors``'. The templates
 of ``fence_triggers.sql``, the DDL of users' fenced tables, are here too: `sql.render` composes them
 and Django's schema editor runs them (``FenceTrigger``).
 """
@@ -15,19 +13,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import Statement, rows
+from . import Statement, errors, rows
 
 # ---- the lease operations (confirmed: a lease write's commit must reach the synchronous standby) ----
 
-ACQUIRE: Statement[rows.Attempt] = Statement("acquire", rows.attempt, confirms=True)
-ACQUIRE_OR_REGISTER: Statement[rows.Attempt] = Statement("acquire_or_register", rows.attempt, confirms=True)
+ACQUIRE: Statement[rows.Attempt] = Statement("acquire", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS)
+ACQUIRE_OR_REGISTER: Statement[rows.Attempt] = Statement(
+    "acquire_or_register", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS
+)
 RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True)
 RELEASE: Statement[None] = Statement("release", rows.released, confirms=True)
 INSPECT: Statement[rows.LeaseState] = Statement("inspect", rows.state, confirms=True)
 FORCE_RELEASE: Statement[int] = Statement("force_release", rows.forced, confirms=True)
 REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement("request_handoff", rows.handoff, confirms=True)
 PRUNE: Statement[str] = Statement("prune", rows.scalar, confirms=True)
-ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement("advance_epochs", rows.advance, confirms=True)
+ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement(
+    "advance_epochs", rows.advance, confirms=True, errors=errors.ADVANCE_ERRORS
+)
 
 # ---- fencing ---------------------------------------------------------------------------------------
 

@@ -124,9 +124,8 @@ async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta
                     if isinstance(step, TryOnce):
                         params: list[Any] = [key, owner, ttl, step.register_for][: 4 if own.listen else 3]
                         attempting = True
-                        with operations.quota_refusals(key):
-                            # An unconfirmed grant raises here, the attempt still "in flight": settled below.
-                            tried = await session.one(attempt, params)
+                        # An unconfirmed grant raises here, the attempt still "in flight": settled below.
+                        tried = await session.one(attempt, params)
                         attempting = False
                         answer = operations.attempted(key, tried)
                     elif isinstance(step, ReadEpoch):

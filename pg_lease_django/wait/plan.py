@@ -3,7 +3,7 @@
 `wait_plan` decides; a driver does. It yields the next step (`TryOnce`, `ReadEpoch`, `PauseFor`,
 `Reconnect`) and is sent the step's answer: the attempt's row, the key's epoch, None, or `Lost`
 when the connection was lost while the step ran. It returns the grant or raises: the timeout
-(`LeaseTimeoutError`), a lost connection it gives up on, or ``OperationalError`` when a lost attempt
+(`LeaseTimeoutError`), a lost connection it gives up on, or `OutcomeUnknownError` when a lost attempt
 may have been granted unseen. Two drivers run it: `sync_driver.wait_and_acquire` on the caller's Django
 connection (blocking) and `async_driver.await_and_acquire` on a psycopg async connection (the event
 loop); what they share (the deadline, the pause after a refusal, the rejoin after a lost connection,
@@ -17,8 +17,8 @@ the promoted server. It keeps trying for `REJOIN_WITHIN` seconds of lost connect
 past its deadline, then raises the connection error. When the connection was lost during an
 attempt, that attempt may have been granted unseen: the plan first reads the key on the new
 connection, goes on only if its epoch is still the one the last refused attempt saw (no grant
-since, its own included), and otherwise raises ``OperationalError``: outcome unknown, as for any lost
-call. So a call returns at most one grant, the one it was told of.
+since, its own included), and otherwise raises `OutcomeUnknownError` (an ``OperationalError``):
+outcome unknown, as for any lost call. So a call returns at most one grant, the one it was told of.
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.db import OperationalError
-
 from pg_lease_django import conf
-from pg_lease_django.exceptions import LeaseTimeoutError
+from pg_lease_django.exceptions import LeaseTimeoutError, OutcomeUnknownError
 from pg_lease_django.operations import Attempt, Grant
 from pg_lease_django.validation import MAX_WAIT, describe_seconds
 
@@ -194,7 +192,8 @@ def pause_after_refusal(
     if deadline is not None and now >= deadline:
         waited = describe_seconds(wait) if wait is not None else "the wait"
         holder = "busy (a lock it needs was held)" if refused.owner is None else f"held by {refused.owner!r}"
-        raise LeaseTimeoutError(f"lease {key!r} still {holder} after waiting {waited}", key=key, owner=owner)
+        message = f"lease {key!r} still {holder} after waiting {waited}"
+        raise LeaseTimeoutError(message, key=key, owner=owner, holder=refused.owner, current_epoch=refused.epoch)
     pause: float = min(max((refused.expires_at - refused.server_time).total_seconds(), 0.0), conf.poll_interval())
     if deadline is not None:
         pause = min(pause, deadline - now)
@@ -270,10 +269,11 @@ class _Rejoin:
 def _nothing_granted(key: str, refused: Attempt, epoch: int, lost: BaseException) -> None:
     """Go on after losing the connection during an attempt only if ``key`` is still at the epoch of
     the last refused attempt: every grant raises the epoch, so the lost attempt granted nothing.
-    Otherwise raise OperationalError: the lost attempt's outcome is unknown."""
+    Otherwise raise `OutcomeUnknownError`: the lost attempt's outcome is unknown."""
     if epoch == refused.epoch:
         return
-    raise OperationalError(
+    raise OutcomeUnknownError(
         f"blocking acquire of {key!r}: the connection was lost during an attempt, and the lease has changed "
-        f"since (epoch {refused.epoch} -> {epoch}): the attempt's outcome is unknown ({lost})"
+        f"since (epoch {refused.epoch} -> {epoch}): the attempt's outcome is unknown ({lost})",
+        key=key,
     ) from lost

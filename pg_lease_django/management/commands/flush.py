@@ -17,28 +17,13 @@ from django.core.management.base import CommandError
 from django.core.management.commands import flush
 from django.db import connections
 
-#: SQLSTATEs of the two refusals: the lease table's guard (23001) and a fenced table's (PL004, unfenced).
-_REFUSALS = frozenset({"23001", "PL004"})
+from pg_lease_django.sql.errors import truncate_refusal
 
 TEST_SETUP = (
     'in tests, set TEST_RUNNER = "pg_lease_django.testing.LeaseTestRunner" (a runner of your own: subclass it), '
     "or run them with pytest-django, whose pg_lease_django plugin is on by default: either lets the test "
     "databases, and only them, be flushed (docs/testing.md)"
 )
-
-
-def truncate_refusal(error: BaseException | None) -> str | None:
-    """The database's message when ``error`` (or an exception it was raised from) is the lease app's
-    refusal of a TRUNCATE; else None."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        diag = getattr(error, "diag", None)
-        primary = getattr(diag, "message_primary", None) or ""
-        if getattr(diag, "sqlstate", None) in _REFUSALS and "TRUNCATE" in primary:
-            return primary
-        error = error.__cause__ or error.__context__
-    return None
 
 
 class Command(flush.Command):

@@ -37,6 +37,7 @@ from pg_lease_django.management.leases.operating import OperatingSubcommands
 from pg_lease_django.management.leases.reading import ReadingSubcommands
 from pg_lease_django.management.leases.running import RunSubcommand
 from pg_lease_django.models import Lease
+from pg_lease_django.sql import errors
 
 __doc__ = f"""{__doc__ or ""}
 Exit codes:
@@ -105,7 +106,7 @@ class Command(ReadingSubcommands, OperatingSubcommands, RunSubcommand):
             # The server's text may quote a key or an owner (a RAISE of a lease function): other
             # roles' data, shown escaped like them.
             first_line = printable(str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
-            if getattr(exc.__cause__, "sqlstate", None) == "42P01":  # undefined_table: not migrated (that far)
+            if errors.sqlstate(exc) == "42P01":  # undefined_table: not migrated (that far)
                 first_line += f"; run `manage.py migrate pg_lease_django --database {alias}`"
             elif seats.denied(exc):  # the wrong seat: name the one to use
                 first_line += f"; {seats.remedy(alias, subcommand)}"

@@ -15,8 +15,8 @@ from pg_lease_django import conf, privileges
 from pg_lease_django.display import LeaseRow, format_duration, json_text, printable
 from pg_lease_django.exceptions import (
     AlreadyFreeError,
-    EpochMismatchError,
-    LapsedError,
+    AlreadyLapsedError,
+    EpochMovedOnError,
     NeverAcquiredError,
 )
 from pg_lease_django.exit_codes import ExitCode
@@ -56,7 +56,7 @@ class OperatingSubcommands(BaseCommand):
             raise CommandError(not_found(key), returncode=ExitCode.NOT_FOUND) from None
         except AlreadyFreeError as exc:
             raise CommandError(str(exc), returncode=ExitCode.ALREADY_FREE) from None
-        except EpochMismatchError as exc:
+        except EpochMovedOnError as exc:
             raise CommandError(f"{exc}; nothing released", returncode=ExitCode.MOVED_ON) from None
         self._report(options, row, new_epoch, dry_run=False)
 
@@ -108,9 +108,9 @@ class OperatingSubcommands(BaseCommand):
             done = Lease.objects.db_manager(alias).request_handoff(key, epoch=epoch)
         except NeverAcquiredError:
             raise CommandError(not_found(key), returncode=ExitCode.NOT_FOUND) from None
-        except (AlreadyFreeError, LapsedError) as exc:  # nobody holds it: nobody to ask
+        except (AlreadyFreeError, AlreadyLapsedError) as exc:  # nobody holds it: nobody to ask
             raise CommandError(f"{exc}; nobody to hand off from", returncode=ExitCode.ALREADY_FREE) from None
-        except EpochMismatchError as exc:
+        except EpochMovedOnError as exc:
             raise CommandError(f"{exc}; nothing requested", returncode=ExitCode.MOVED_ON) from None
         if options.get("json"):
             document = {

@@ -1,0 +1,184 @@
+"""Where the database's answer becomes the package's error: every map from SQLSTATE or verdict, in one place.
+
+Both executors apply a statement's own map (``Statement.errors``) to what the driver raised: the sync
+one (``sql.run``) to Django's error, the async one (``sql.arun``) to psycopg's. The row verdicts
+(renew's ``not_owner``, force release's ``not_found``, ...) are raised by the decoders of
+``sql.rows`` through `lost` and `operator_refusal`. Two refusals come from statements no executor of
+ours sends, Django's own, so their callers ask here: a fenced write's (`fence_refusal`) and a
+TRUNCATE's (`truncate_refusal`). Everyone else who asks what the server said reads `sqlstate`: this
+module is the one that unwraps Django's ``__cause__`` and psycopg's ``diag``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+import psycopg
+
+from pg_lease_django.exceptions import (
+    AlreadyFreeError,
+    AlreadyLapsedError,
+    EpochMismatchError,
+    EpochMovedOnError,
+    InvalidInputError,
+    LapsedError,
+    LeaseError,
+    LeaseLostError,
+    NeverAcquiredError,
+    NotOwnerError,
+    OperatorRefusalError,
+    QuotaExceededError,
+    UnfencedWriteError,
+)
+
+Params = Sequence[Any] | dict[str, Any]
+#: A statement's map: SQLSTATE -> the package's error for it, given the driver's error and the parameters sent.
+ErrorMap = Mapping[str, Callable[[psycopg.Error, Any], BaseException]]
+
+#: How many causes deep `driver_error` looks: Django's wrapper, and a package error raised from it.
+_DEPTH = 3
+
+
+def driver_error(error: BaseException | None) -> psycopg.Error | None:
+    """The psycopg error ``error`` is, or was raised from (Django's wrapper, a package error); None if none."""
+    for _ in range(_DEPTH):
+        if error is None or isinstance(error, psycopg.Error):
+            return error
+        error = error.__cause__
+    return None
+
+
+def sqlstate(error: BaseException | None) -> str | None:
+    """The SQLSTATE the server answered with for ``error`` (Django's or psycopg's), None for no answer."""
+    found = driver_error(error)
+    return None if found is None else found.sqlstate
+
+
+def primary_message(error: BaseException) -> str:
+    """The server's primary message for ``error``, without its DETAIL and HINT; else ``str(error)``."""
+    found = driver_error(error)
+    return (found.diag.message_primary if found is not None else None) or str(error)
+
+
+def raise_mapped(error: BaseException, errors: ErrorMap, params: Any) -> None:
+    """Raise the package's error for ``error`` if ``errors`` (a statement's map) names its SQLSTATE.
+
+    The executors call this in their ``except`` clause, then re-raise ``error`` as it is when it returns.
+    """
+    if not errors:
+        return
+    found = driver_error(error)
+    mapped = errors.get((found.sqlstate or "") if found is not None else "")
+    if mapped is not None and found is not None:
+        raise mapped(found, params) from error
+
+
+# ---- the statements' maps ------------------------------------------------------------------------
+
+
+def _quota(error: psycopg.Error, params: Any) -> QuotaExceededError:
+    """53400 from an acquire (sent: key, owner, ...): the key's tenant is at its ``PG_LEASE_ROLE_LIMITS``."""
+    return QuotaExceededError(primary_message(error), key=params[0], owner=params[1])
+
+
+def _out_of_range(error: psycopg.Error, params: Any) -> InvalidInputError:
+    """22003 from an epoch advance: an epoch or the floor would pass the limit; the transaction changed nothing."""
+    return InvalidInputError(f"{primary_message(error)}; nothing was changed")
+
+
+#: An acquire's (``pg_lease_acquire``, ``pg_lease_acquire_or_register``).
+ACQUIRE_ERRORS: ErrorMap = {QuotaExceededError.sqlstate: _quota}
+#: An epoch advance's (``pg_lease_advance_epochs``).
+ADVANCE_ERRORS: ErrorMap = {"22003": _out_of_range}
+
+
+# ---- the row verdicts -----------------------------------------------------------------------------
+
+#: A renew/release verdict from the SQL functions (``not_owner``, ...) -> the error raised for it.
+LOST_ERRORS: dict[str, type[LeaseLostError]] = {
+    cls.code: cls for cls in (NotOwnerError, LapsedError, EpochMismatchError)
+}
+#: An operator's verdict (force release, hand-off request) -> the error raised for it. The SQL says
+#: ``free`` where the error's code says ``already_free``.
+OPERATOR_ERRORS: dict[str, type[OperatorRefusalError]] = {
+    "not_found": NeverAcquiredError,
+    "free": AlreadyFreeError,
+    "lapsed": AlreadyLapsedError,
+    "epoch_mismatch": EpochMovedOnError,
+}
+
+
+def lost(outcome: str, operation: str, key: str, owner: str, epoch: int) -> NoReturn:
+    """Raise the `LeaseLostError` of a renew's or release's verdict ``outcome`` for the caller ``(owner, epoch)``."""
+    raise LOST_ERRORS[outcome](
+        f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch
+    )
+
+
+def operator_refusal(
+    outcome: str, key: str, expected: int | None, holder: str | None, current: int, so: str
+) -> NoReturn:
+    """Raise the `OperatorRefusalError` of an operator's call on ``key`` that found nothing to act on.
+
+    ``expected``: the epoch the operator named (None: any); ``holder`` and ``current``: the key's now;
+    ``so``: what follows for the call ("nothing to release").
+    """
+    if outcome == "epoch_mismatch":
+        message = f"lease {key!r} has moved on: its epoch is {current} (held by {holder!r}), not {expected}"
+    elif outcome == "not_found":
+        message = f"no lease with key {key!r} (never acquired): {so}"
+    elif outcome == "lapsed":
+        message = f"lease {key!r} lapsed (holder {holder!r}, epoch {current}): {so}"
+    else:
+        message = f"lease {key!r} is already free (epoch {current}): {so}"
+    raise OPERATOR_ERRORS[outcome](message, key=key, epoch=expected, holder=holder, current_epoch=current)
+
+
+# ---- refusals of Django's own statements --------------------------------------------------------
+
+#: The SQLSTATE of a fenced write the triggers refused (``pg_lease_refuse``) -> the error raised for it.
+REFUSED_WRITE_ERRORS: dict[str, type[LeaseError]] = {
+    cls.sqlstate: cls for cls in (NotOwnerError, LapsedError, EpochMismatchError, UnfencedWriteError)
+}
+
+
+def fence_refusal(error: BaseException, action: str) -> LeaseError | None:
+    """The typed error for a write the database refused by its fence (PL001-PL004), or None for any other.
+
+    The server's DETAIL is the fence the writer presented, as JSON: the caller's ``key``, ``owner``
+    and ``epoch``.
+    """
+    found = driver_error(error)
+    kind = REFUSED_WRITE_ERRORS.get((found.sqlstate or "") if found is not None else "")
+    if kind is None or found is None:
+        return None
+    try:
+        fence = json.loads(found.diag.message_detail or "{}")
+    except ValueError:
+        fence = {}
+    return kind(
+        f"{action} refused: {found.diag.message_primary}",
+        key=fence.get("key"),
+        owner=fence.get("owner"),
+        epoch=fence.get("epoch"),
+    )
+
+
+#: SQLSTATEs of the two refusals of a TRUNCATE: the lease table's guard (23001) and a fenced table's (PL004).
+TRUNCATE_REFUSALS = frozenset({"23001", "PL004"})
+
+
+def truncate_refusal(error: BaseException | None) -> str | None:
+    """The database's message when ``error`` (or an exception it was raised from, or raised during) is
+    the lease app's refusal of a TRUNCATE; else None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        diag = getattr(error, "diag", None)
+        primary = getattr(diag, "message_primary", None) or ""
+        if getattr(diag, "sqlstate", None) in TRUNCATE_REFUSALS and "TRUNCATE" in primary:
+            return primary
+        error = error.__cause__ or error.__context__
+    return None
