@@ -97,7 +97,7 @@ async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta
     # and waits for it to end. No thread is taken even for the attempts, and, as in acquire(),
     # LISTEN and attempts share one session: a release committed while an attempt is in flight
     # is queued there, not missed. A lost connection (the server crashed, a failover) is opened again.
-    attempt = statements.ACQUIRE_OR_REGISTER if own.listen else statements.ACQUIRE
+    attempt = statements.ACQUIRE_OR_REGISTER if own.listen else statements.ACQUIRE_WITHIN
     attempting = False  # an attempt's statement is in flight: its outcome unknown if interrupted
     with own.errors:
         session: Session | None = None
@@ -119,7 +119,7 @@ async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta
                             own.connect, own.alias, schema=sql.known_schema(own.alias), role=own.role, listen=own.listen
                         )
                     if isinstance(step, TryOnce):
-                        params: list[Any] = [key, owner, ttl, step.register_for][: 4 if own.listen else 3]
+                        params = [key, owner, ttl, step.register_for if own.listen else step.within]
                         attempting = True
                         with operations.quota_refusals(key):
                             # An unconfirmed grant raises here, the attempt still "in flight": settled below.
@@ -165,7 +165,7 @@ async def _poll_in_transaction(
     step = advance(plan, None)
     while not isinstance(step, Granted):
         if isinstance(step, TryOnce):
-            step = advance(plan, await sync_to_async(_attempt_on)(connection_of, key, owner, ttl))
+            step = advance(plan, await sync_to_async(_attempt_on)(connection_of, key, owner, ttl, step.within))
         else:
             assert isinstance(step, PauseFor)
             await asyncio.sleep(step.seconds)
@@ -173,8 +173,10 @@ async def _poll_in_transaction(
     return step.grant
 
 
-def _attempt_on(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta) -> Attempt:
-    return operations.attempt(connection_of(), key, owner, ttl)
+def _attempt_on(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, within: timedelta | None
+) -> Attempt:
+    return operations.attempt_within(connection_of(), key, owner, ttl, within)
 
 
 def _own_wait(alias: str, owner: str) -> _OwnWait:
