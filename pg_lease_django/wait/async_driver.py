@@ -90,13 +90,14 @@ async def await_and_acquire(
 
 
 async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta, plan: Plan) -> Grant:
-    # Each attempt is one statement (ACQUIRE, or ACQUIRE_OR_REGISTER when it listens) on the
-    # waiter's own connection rather than an attempt in a thread: a thread cannot be interrupted,
-    # so an attempt stuck behind a row lock when the task is cancelled would run on and could
-    # commit a grant nobody receives, while psycopg cancels a statement in flight on cancellation
-    # and waits for it to end. No thread is taken even for the attempts, and, as in acquire(),
-    # LISTEN and attempts share one session: a release committed while an attempt is in flight
-    # is queued there, not missed. A lost connection (the server crashed, a failover) is opened again.
+    # Each attempt is one statement (ACQUIRE_WITHIN, whose lock waits end by the deadline, or
+    # ACQUIRE_OR_REGISTER when it listens) on the waiter's own connection rather than an attempt
+    # in a thread: a thread cannot be interrupted, so an attempt stuck behind a row lock (until the
+    # deadline) when the task is cancelled would run on and could commit a grant nobody receives,
+    # while psycopg cancels a statement in flight on cancellation and waits for it to end. No thread
+    # is taken even for the attempts, and, as in acquire(), LISTEN and attempts share one session: a
+    # release committed while an attempt is in flight is queued there, not missed. A lost connection
+    # (the server crashed, a failover) is opened again.
     attempt = statements.ACQUIRE_OR_REGISTER if own.listen else statements.ACQUIRE_WITHIN
     attempting = False  # an attempt's statement is in flight: its outcome unknown if interrupted
     with own.errors:
