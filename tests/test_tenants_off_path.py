@@ -285,7 +285,9 @@ def test_a_waiters_attempts_are_bounded_by_its_deadline_whatever_lock_they_meet(
         def waiter() -> tuple[Any, timedelta]:
             started = server_now(clock)
             try:
-                outcome: Any = blocking_acquire(way, key, "waiter")
+                # An owner of its own: behind a pooler, the async wait's connection leaves its name
+                # (application_name) on the server session, where test_async looks for its waiters.
+                outcome: Any = blocking_acquire(way, key, "deadline-bound waiter")
             except LeaseTimeoutError as exc:
                 outcome = exc
             return outcome, server_now(clock) - started
