@@ -370,7 +370,8 @@ $$;
 --   (A counter row would conflict instead, but every prune, scope and limit change would have to
 --   keep it exact; the refusal costs nothing and says what to do.)
 -- * The lock wait is bounded by the caller's lock_timeout, which a waiter sets to its deadline
---   (pg_lease_acquire_or_register, and the SQL wait of pg_lease_acquire(..., p_wait)).
+--   (pg_lease_acquire_or_register, pg_lease_acquire_within, and the SQL wait of
+--   pg_lease_acquire(..., p_wait)).
 CREATE FUNCTION @extschema@.pg_lease_check_lease_quota(p_key text)
 RETURNS void LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
