@@ -75,13 +75,25 @@ class LeaseManager(models.Manager["Lease"]):
         return await lease_calls.call(alias, call)
 
     async def _aattempt(
-        self, alias: str, in_transaction: bool, key: str, owner: str, ttl: timedelta, blocking: bool
+        self,
+        alias: str,
+        in_transaction: bool,
+        key: str,
+        owner: str,
+        ttl: timedelta,
+        blocking: bool,
+        wait: timedelta | None,
     ) -> Attempt:
         """One acquire attempt of an async call, where `_arun` says; cancelled in flight outside a
-        transaction, it is settled (`holds.lease_calls.attempt`); inside one it is the transaction's."""
+        transaction, it is settled (`holds.lease_calls.attempt`); inside one it is the transaction's.
+        The first try of a blocking one waits for a lock ``wait`` at most (its whole deadline)."""
         if in_transaction:
+            if blocking:
+                return await sync_to_async(self._on_callers)(
+                    lambda c: operations.attempt_within(c, key, owner, ttl, wait)
+                )
             return await sync_to_async(self._on_callers)(lambda c: operations.attempt(c, key, owner, ttl))
-        return await lease_calls.attempt(alias, key, owner, ttl, blocking=blocking)
+        return await lease_calls.attempt(alias, key, owner, ttl, blocking=blocking, within=wait)
 
     @overload
     def acquire(self, key: str, owner: str, ttl: Seconds, *, blocking: Literal[False] = False) -> Grant | None: ...
@@ -342,7 +354,7 @@ class LeaseManager(models.Manager["Lease"]):
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         alias = self._alias()
         in_transaction = await lease_calls.in_transaction(alias)
-        first_try = functools.partial(self._aattempt, alias, in_transaction, key, owner, ttl_delta, blocking)
+        first_try = functools.partial(self._aattempt, alias, in_transaction, key, owner, ttl_delta, blocking, wait)
         if not blocking:
             return operations.answer(key, await first_try())
         return await async_driver.await_and_acquire(

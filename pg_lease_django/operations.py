@@ -81,6 +81,19 @@ def attempt(
     return attempted(key, run.one(connection, statements.ACQUIRE, [key, owner, ttl], marker=marker))
 
 
+def attempt_within(
+    connection: BaseDatabaseWrapper,
+    key: str,
+    owner: str,
+    ttl: timedelta,
+    within: timedelta | None,
+    marker: str | None = None,
+) -> Attempt:
+    """One attempt of a waiter that polls: every lock it waits for, at most ``within`` (what is left
+    of its deadline; None: no deadline), or it is refused; ``marker`` as for `attempt`."""
+    return attempted(key, run.one(connection, statements.ACQUIRE_WITHIN, [key, owner, ttl, within], marker=marker))
+
+
 def attempt_or_register(
     connection: BaseDatabaseWrapper,
     key: str,

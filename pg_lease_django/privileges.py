@@ -161,6 +161,7 @@ SCOPED_FUNCTIONS = (
     "pg_lease_acquire(text, text, interval)",
     "pg_lease_acquire(text, text, interval, interval)",
     "pg_lease_acquire_or_register(text, text, interval, interval)",
+    "pg_lease_acquire_within(text, text, interval, interval)",
     "pg_lease_heartbeat(text, text, bigint, interval)",
     "pg_lease_renew(text, text, bigint, interval)",
     "pg_lease_release(text, text, bigint)",

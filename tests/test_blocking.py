@@ -627,6 +627,49 @@ def test_sql_blocking_acquire_grants_a_free_key_and_times_out_with_57014(key: st
         waiter.execute("SELECT * FROM pg_lease_acquire(%s, 'waiter', '60 s', '-1 s')", [key])
 
 
+WITHIN = (
+    "SELECT a.granted, a.owner, a.epoch, a.expires_at = a.server_time, clock_timestamp() - statement_timestamp() "
+    "FROM pg_lease_acquire_within(%s, 'waiter', '60 s', %s::interval) a"
+)
+
+
+def test_a_polling_attempt_waits_for_a_lock_within_its_bound_and_changes_nothing(
+    key: str, raw_connect: Connect
+) -> None:
+    """pg_lease_acquire_within, a polling waiter's attempt: a lock held open (here the lease row a
+    takeover needs) is waited for ``within`` at most, or the session's lock_timeout when shorter
+    (the server's clock: no less), then the attempt is refused, naming nobody (the key is free),
+    with nothing changed, no row lock kept, the caller's transaction usable and its lock_timeout
+    as it was."""
+    holder, blocker, waiter, observer = raw_connect(), raw_connect(autocommit=False), raw_connect(), raw_connect()
+    epoch, _ = hold(holder, key)
+    holder.execute("SELECT pg_lease_release(%s, 'holder', %s)", [key, epoch])
+    blocker.execute("SELECT 1 FROM pg_lease_django_lease WHERE key = %s FOR UPDATE", [key])
+    before = row_snapshot(observer, key)
+    with waiter.transaction():
+        refused = waiter.execute(WITHIN, [key, "200 ms"]).fetchone()
+        waiter.execute("SET LOCAL lock_timeout = '150ms'")
+        refused_sooner = waiter.execute(WITHIN, [key, "60 s"]).fetchone()  # not 55P03: a refusal
+        assert waiter.execute("SHOW lock_timeout").fetchone() == ("150ms",)
+        kept = observer.execute(
+            "SELECT count(*) FROM pg_locks WHERE pid = %s AND NOT (locktype IN ('virtualxid', 'transactionid') "
+            "OR mode = 'AccessShareLock')",
+            [waiter.info.backend_pid],
+        ).fetchone()
+    assert refused is not None and refused_sooner is not None
+    assert refused[:4] == refused_sooner[:4] == (False, None, epoch + 1, True)
+    assert refused[4] >= timedelta(milliseconds=200) and refused_sooner[4] >= timedelta(milliseconds=150)
+    assert kept == (0,)
+    assert waiter.execute("SHOW lock_timeout").fetchone() == ("0",)
+    assert row_snapshot(observer, key) == before
+    blocker.commit()
+    for bad in ("-1 s", "1 mon", "366 days"):
+        with pytest.raises(psycopg.errors.InvalidParameterValue):
+            waiter.execute(WITHIN, [key, bad])
+    # No bound of its own (no deadline): the plain acquire.
+    assert waiter.execute(WITHIN, [key, None]).fetchone()[:3] == (True, "waiter", epoch + 2)  # type: ignore[index]
+
+
 @pytest.mark.parametrize("wait", ["10 s", None], ids=["bounded", "unbounded"])
 def test_sql_blocking_acquire_wakes_on_release_and_at_lapse(key: str, raw_connect: Connect, wait: str | None) -> None:
     holder, waiter, observer = raw_connect(), raw_connect(), raw_connect()

@@ -81,6 +81,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
     operations = {
         "pg_lease_acquire",
         "pg_lease_acquire_or_register",
+        "pg_lease_acquire_within",
         "pg_lease_renew",
         "pg_lease_heartbeat",
         "pg_lease_release",

@@ -42,6 +42,7 @@ WORKER_FUNCTIONS = {
     "pg_lease_acquire(text,text,interval)",
     "pg_lease_acquire(text,text,interval,interval)",
     "pg_lease_acquire_or_register(text,text,interval,interval)",
+    "pg_lease_acquire_within(text,text,interval,interval)",
     "pg_lease_renew(text,text,bigint,interval)",
     "pg_lease_heartbeat(text,text,bigint,interval)",
     "pg_lease_release(text,text,bigint)",
@@ -761,6 +762,22 @@ def test_grants_survive_migrating_back_and_forth(roles: Roles, key: str) -> None
     with fails_with("42501"):
         roles.connect(roles.attacker).execute(INSPECT, [key])
     assert roles.connect(roles.operator).execute(FORCE_RELEASE, [key, 1]).fetchone() == ("ok", "w1", 2)
+
+
+def test_a_role_that_may_attempt_as_a_listening_waiter_may_attempt_as_a_polling_one(roles: Roles, key: str) -> None:
+    """Migration 0012 made pg_lease_acquire_within, a polling waiter's attempt: a role granted
+    pg_lease_acquire_or_register before it (here by `leases grant` while declared, no longer
+    declared when migrating) is granted it by the migration, so its waiters never meet 42501."""
+    with override_settings(PG_LEASE_WORKER_ROLES=[], PG_LEASE_OPERATOR_ROLES=[]):
+        call_command("migrate", "pg_lease_django", "0011", verbosity=0)
+        call_command("migrate", "pg_lease_django", verbosity=0)
+    worker = roles.connect(roles.worker)
+    within = (
+        "SELECT granted, epoch FROM public.pg_lease_acquire_within(%s::text, 'w1'::text, '30s'::interval, %s::interval)"
+    )
+    assert worker.execute(within, [key, "1 s"]).fetchone() == (True, 1)
+    with fails_with("42501"):
+        roles.connect(roles.attacker).execute(within, [key, "1 s"])
 
 
 def test_a_hand_set_opt_out_is_refused_inside_owner_run_functions(roles: Roles, key: str) -> None:

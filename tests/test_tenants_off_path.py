@@ -9,22 +9,25 @@ no bound, and a deploy queued behind a tenant's open transaction. Same seats as 
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import uuid
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from io import StringIO
 from typing import Any
 
 import psycopg
 import pytest
+from asgiref.sync import async_to_sync
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 
 from pg_lease_django import Lease, LeaseTimeoutError
 from pg_lease_django.sql import run, statements
-from tests.helpers import POOLED, Tenants, fails_with, wait_until, wait_until_blocked
+from tests.helpers import Tenants, fails_with, needs_session, row_snapshot, wait_until, wait_until_blocked
 from tests.test_tenants import ACQUIRE
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.xdist_group("cluster-roles")]
@@ -182,27 +185,149 @@ def test_a_blocking_acquire_waiting_on_a_sibling_is_answered_by_its_deadline(ten
         def waiter() -> list[str]:
             with fails_with("57014"):
                 b.execute(WAIT_ACQUIRE, [tenants.prefix("b") + "w1", "b1", "60 seconds", "1 second"])
-            if POOLED:
-                # Not yet behind a pooler (issue 52, left open): a blocking acquire that polls
-                # (no LISTEN: a pooler, PG_LEASE_LISTEN=False, inside atomic()) bounds each attempt by
-                # the caller's lock_timeout only, so its attempt waits on the limit row past the deadline.
-                return ["sql timed out"]
+            # Every path: LISTENing directly, polling behind a pooler (each attempt bounded by what is
+            # left of the deadline, pg_lease_acquire_within).
             with pytest.raises(LeaseTimeoutError, match="busy"):
                 Lease.objects.acquire(tenants.prefix("b") + "w2", "b2", ttl=60, blocking=True, timeout=1.0)
             return ["sql timed out", "python timed out"]
 
         answers, in_time = answered_before(waiter, sibling.commit, tenants=tenants, blocked=b.info.backend_pid)
-    assert answers == ["sql timed out"] + ([] if POOLED else ["python timed out"])
+    assert answers == ["sql timed out", "python timed out"]
     assert in_time  # while the sibling's transaction was open
 
 
+#: How a blocking acquire waits: LISTENing on a session of its own (acquire_or_register), polling
+#: (PG_LEASE_LISTEN = False, as behind a transaction pooler), polling inside the caller's atomic();
+#: and the same three for the async wait (whose first try is the caller's, the rest its own).
+WAYS = [
+    pytest.param("listen", marks=needs_session),
+    "poll",
+    "atomic",
+    pytest.param("async_listen", marks=needs_session),
+    "async_poll",
+    "async_atomic",
+]
+#: The blocking acquire's timeout, and how far past it the server's clock may read when it is
+#: answered: generous (a loaded machine; the wait it bounds lasted until the lock was let go, HOLD).
+TIMEOUT = 1.0
+SLACK = timedelta(seconds=3)
+#: How long the lock is held at most while the waiter is not answered (then let go).
+HOLD = 20.0
+
+
+def blocking_acquire(way: str, key: str, owner: str) -> Any:
+    """A blocking acquire of ``key`` (timeout TIMEOUT) waiting the way ``way`` names (`WAYS`).
+
+    Inside atomic() a refusal must leave the caller's transaction usable: it is used once more."""
+    acquire = functools.partial(Lease.objects.acquire, key, owner, ttl=60, blocking=True, timeout=TIMEOUT)
+    if way.startswith("async"):
+        acquire = functools.partial(
+            async_to_sync(Lease.objects.aacquire), key, owner, ttl=60, blocking=True, timeout=TIMEOUT
+        )
+    with override_settings(PG_LEASE_LISTEN=way.endswith("listen")):
+        if not way.endswith("atomic"):
+            return acquire()
+        with transaction.atomic():
+            try:
+                return acquire()
+            finally:
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT 1")  # not aborted by a lock wait cut short
+
+
+def server_now(conn: psycopg.Connection[Any]) -> datetime:
+    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+def hold_lease_row(tenants: Tenants, blocker: psycopg.Connection[Any]) -> str:
+    """A free lease row whose row lock ``blocker`` holds (a transaction left open): its key."""
+    key = tenants.prefix("a") + "row"
+    granted = tenants.admin.execute(ACQUIRE, [key, "holder", "60 seconds"]).fetchone()
+    assert granted is not None
+    tenants.admin.execute(
+        "SELECT outcome FROM public.pg_lease_release(%s::text, 'holder'::text, %s::bigint)", [key, granted[1]]
+    )
+    blocker.execute("SELECT 1 FROM pg_lease_django_lease WHERE key = %s FOR UPDATE", [key])
+    return key
+
+
+def hold_limit_row(tenants: Tenants, blocker: psycopg.Connection[Any]) -> str:
+    """B's role limit row, locked by ``blocker`` (the owner's session: row-level security lets no
+    other role lock it); a brand-new key of B's, whose acquire counts under that lock."""
+    call_command("leases", "grant", stdout=StringIO())
+    locked = blocker.execute(
+        "SELECT 1 FROM pg_lease_django_role_limit WHERE role = %s FOR NO KEY UPDATE", [tenants.role("b")]
+    ).fetchone()
+    assert locked == (1,)
+    return tenants.prefix("b") + "new"
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("lock", ["lease_row", "limit_row"])
+def test_a_waiters_attempts_are_bounded_by_its_deadline_whatever_lock_they_meet(
+    tenants: Tenants, lock: str, way: str
+) -> None:
+    """A blocking acquire that polls (a transaction pooler, PG_LEASE_LISTEN = False, atomic()) or the
+    async wait's first try bounded each attempt by the caller's lock_timeout only: behind a lock held
+    open it was answered when the lock was let go, 15-20 s past timeout=3 on CI's pooled leg. Each
+    attempt now waits for a lock at most what is left of the deadline: the waiter times out at its
+    deadline (the server's clock), while the lock is still held, and nothing is granted to it after."""
+    blocker = psycopg.connect(tenants.admin.info.dsn, autocommit=False)
+    tenants.opened.append(blocker)
+    clock = psycopg.connect(tenants.admin.info.dsn, autocommit=True)
+    tenants.opened.append(clock)
+    with limited(tenants):
+        key = hold_lease_row(tenants, blocker) if lock == "lease_row" else hold_limit_row(tenants, blocker)
+        before = row_snapshot(tenants.admin, key)
+
+        def waiter() -> tuple[Any, timedelta]:
+            started = server_now(clock)
+            try:
+                # An owner of its own: behind a pooler, the async wait's connection leaves its name
+                # (application_name) on the server session, where test_async looks for its waiters.
+                outcome: Any = blocking_acquire(way, key, "deadline-bound waiter")
+            except LeaseTimeoutError as exc:
+                outcome = exc
+            return outcome, server_now(clock) - started
+
+        left: list[Any] = []
+
+        def let_go() -> None:
+            # Once answered, while the lock is still held: no statement of the waiter's is left
+            # waiting on it, and no transaction but the blocker's is open.
+            left.extend(
+                tenants.admin.execute(
+                    "SELECT count(*) FILTER (WHERE wait_event_type = 'Lock'), "
+                    "count(*) FILTER (WHERE state LIKE 'idle in%%') "
+                    "FROM pg_stat_activity WHERE datname = current_database() AND pid <> %s",
+                    [blocker.info.backend_pid],
+                ).fetchall()
+            )
+            blocker.commit()
+
+        (outcome, elapsed), in_time = answered_before(waiter, let_go, hold_for=HOLD)
+    assert isinstance(outcome, LeaseTimeoutError), outcome
+    assert "busy" in str(outcome), str(outcome)
+    assert in_time
+    assert timedelta(seconds=TIMEOUT) <= elapsed < timedelta(seconds=TIMEOUT) + SLACK, elapsed
+    assert left == [(0, 0)]
+    assert row_snapshot(tenants.admin, key) == before  # nothing granted to the waiter, then or after
+
+
 def answered_before(
-    call: Callable[[], Any], let_go: Callable[[], object], *, tenants: Tenants | None = None, blocked: int = 0
+    call: Callable[[], Any],
+    let_go: Callable[[], object],
+    *,
+    tenants: Tenants | None = None,
+    blocked: int = 0,
+    hold_for: float = 60.0,
 ) -> tuple[Any, bool]:
     """Run ``call`` on a thread while what would hold it up is held, then ``let_go``: what it returned
     (or raised), and whether it was answered before the let-go. With ``tenants``, first wait until
-    backend ``blocked`` does wait for a lock (the hold is real). The thread gets 60 s before the
-    let-go: not a bound asserted, how long the hold lasts at most."""
+    backend ``blocked`` does wait for a lock (the hold is real). The thread gets ``hold_for`` seconds
+    before the let-go: not a bound asserted, how long the hold lasts at most."""
     outcome: list[Any] = []
 
     def run() -> None:
@@ -217,7 +342,7 @@ def answered_before(
     thread.start()
     if tenants is not None:
         wait_until_blocked(tenants.admin, blocked)
-    thread.join(timeout=60)
+    thread.join(timeout=hold_for)
     in_time = not thread.is_alive()
     let_go()
     thread.join()
@@ -346,6 +471,10 @@ def test_every_function_judges_input_before_the_scope(tenants: Tenants) -> None:
         "acquire": ("SELECT * FROM public.pg_lease_acquire(%s::text, %s::text, %s::interval)", ["o", "60 s"]),
         "acquire_or_register": (
             "SELECT * FROM public.pg_lease_acquire_or_register(%s::text, %s::text, %s::interval, '1 s'::interval)",
+            ["o", "60 s"],
+        ),
+        "acquire_within": (
+            "SELECT * FROM public.pg_lease_acquire_within(%s::text, %s::text, %s::interval, '1 s'::interval)",
             ["o", "60 s"],
         ),
         "heartbeat": ("SELECT * FROM public.pg_lease_heartbeat(%s::text, %s::text, %s::bigint, '60 s')", ["o", 1]),

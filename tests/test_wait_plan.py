@@ -31,6 +31,7 @@ from pg_lease_django.wait.plan import (
     Step,
     TryOnce,
     advance,
+    left_of,
     pause_after_refusal,
     retry_within,
     wait_plan,
@@ -122,7 +123,7 @@ def test_no_deadline_waits_on() -> None:
 def test_a_waiter_registers_for_the_poll_or_what_is_left_of_its_wait() -> None:
     clock = FakeClock()
     plan, first = start(clock, wait=5.0)
-    assert first == TryOnce(timedelta(seconds=0.5))
+    assert first == TryOnce(timedelta(seconds=0.5), timedelta(seconds=5))
     advance(plan, refused())
     clock.now += 4.8
     step = advance(plan, None)
@@ -130,6 +131,23 @@ def test_a_waiter_registers_for_the_poll_or_what_is_left_of_its_wait() -> None:
     assert step.register_for.total_seconds() == pytest.approx(0.2)
     assert retry_within(clock.now - 1.0, clock) == timedelta(0)  # never negative past the deadline
     assert retry_within(None, clock) == timedelta(seconds=0.5)
+
+
+def test_each_attempt_may_wait_for_a_lock_what_is_left_of_the_deadline_at_most() -> None:
+    """A polling waiter's attempt (pg_lease_acquire_within) waits for a lock no longer than the
+    deadline allows: what is left of it when the attempt is sent, none past it, no bound without one."""
+    clock = FakeClock()
+    plan, first = start(clock, wait=3.0)
+    assert isinstance(first, TryOnce) and first.within == timedelta(seconds=3)
+    advance(plan, refused())
+    clock.now += 2.25
+    step = advance(plan, None)
+    assert isinstance(step, TryOnce) and step.within is not None
+    assert step.within.total_seconds() == pytest.approx(0.75)
+    assert left_of(clock.now - 1.0, clock) == timedelta(0)
+    assert left_of(None, clock) is None
+    _, first = start(FakeClock(), wait=None)
+    assert isinstance(first, TryOnce) and first.within is None
 
 
 def test_pause_after_refusal_reads_the_server_clock_not_the_clients() -> None:

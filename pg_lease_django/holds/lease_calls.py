@@ -181,12 +181,15 @@ class _Attempting:
         self.finished = False
 
 
-async def attempt(alias: str, key: str, owner: str, ttl: timedelta, *, blocking: bool = False) -> Attempt:
+async def attempt(
+    alias: str, key: str, owner: str, ttl: timedelta, *, blocking: bool = False, within: timedelta | None = None
+) -> Attempt:
     """One acquire attempt of ``key`` on ``alias``'s lease pool (`operations.attempt`), settled when cancelled.
 
-    ``blocking``: the first try of a blocking acquire, which releases a grant whose commit the
-    synchronous standby did not confirm before it raises `UnconfirmedCommitError`, as every attempt
-    of a blocking wait does (a non-blocking call leaves it to its TTL).
+    ``blocking``: the first try of a blocking acquire, which waits for a lock ``within`` at most (its
+    deadline: `operations.attempt_within`) and releases a grant whose commit the synchronous standby
+    did not confirm before it raises `UnconfirmedCommitError`, as every attempt of a blocking wait
+    does (a non-blocking call leaves it to its TTL).
 
     When the awaiting task is cancelled (``asyncio.timeout`` too) while the statement runs, the
     statement is cancelled on the server (again until its thread has it back) and the thread, seeing
@@ -195,7 +198,7 @@ async def attempt(alias: str, key: str, owner: str, ttl: timedelta, *, blocking:
     cancellation does not cut that short (`wait.settling.settled_anyway`).
     """
     state = _Attempting()
-    running = in_thread(functools.partial(_attempt_on_lent, alias, key, owner, ttl, state, blocking))
+    running = in_thread(functools.partial(_attempt_on_lent, alias, key, owner, ttl, state, blocking, within))
     try:
         return await asyncio.shield(running)
     except asyncio.CancelledError:
@@ -208,7 +211,9 @@ async def attempt(alias: str, key: str, owner: str, ttl: timedelta, *, blocking:
         raise
 
 
-def _attempt_on_lent(alias: str, key: str, owner: str, ttl: timedelta, state: _Attempting, blocking: bool) -> Attempt:
+def _attempt_on_lent(
+    alias: str, key: str, owner: str, ttl: timedelta, state: _Attempting, blocking: bool, within: timedelta | None
+) -> Attempt:
     with _pool(alias).connection(None) as conn:
         conn.reset_timeout()
         conn.wrapper.ensure_connection()  # connected, so that its statement can be cancelled
@@ -217,6 +222,8 @@ def _attempt_on_lent(alias: str, key: str, owner: str, ttl: timedelta, state: _A
                 raise _NotSent  # nobody awaits it
             state.raw = conn.wrapper.connection
         try:
+            if blocking:
+                return operations.attempt_within(conn.wrapper, key, owner, ttl, within)
             return operations.attempt(conn.wrapper, key, owner, ttl)
         except UnconfirmedCommitError:
             if blocking:

@@ -19,6 +19,12 @@ SELECT granted, key, owner, epoch, expires_at, server_time
 SELECT granted, key, owner, epoch, expires_at, server_time
   FROM {schema}.pg_lease_acquire_or_register(%s::text, %s::text, %s::interval, %s::interval)
 
+-- acquire_within --
+-- A polling waiter's attempt: acquire, every lock wait of it bounded by what is left of the waiter's
+-- deadline (the last argument; NULL: no deadline), a wait that ran out answered as a refusal.
+SELECT granted, key, owner, epoch, expires_at, server_time
+  FROM {schema}.pg_lease_acquire_within(%s::text, %s::text, %s::interval, %s::interval)
+
 -- renew --
 -- A renewal that also says whether a hand-off was requested (pg_lease_renew without that column).
 -- server_time left out: nothing reads it, and each timestamp costs a parse per call.

@@ -132,7 +132,7 @@ class HandoffRequest:
 
 
 def attempt(row: Params, params: Params) -> Attempt:
-    """An acquire's row (``pg_lease_acquire``, ``pg_lease_acquire_or_register``)."""
+    """An acquire's row (``pg_lease_acquire``, ``pg_lease_acquire_within``, ``pg_lease_acquire_or_register``)."""
     return Attempt(*row)
 
 

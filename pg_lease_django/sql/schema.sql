@@ -370,7 +370,8 @@ $$;
 --   (A counter row would conflict instead, but every prune, scope and limit change would have to
 --   keep it exact; the refusal costs nothing and says what to do.)
 -- * The lock wait is bounded by the caller's lock_timeout, which a waiter sets to its deadline
---   (pg_lease_acquire_or_register, and the SQL wait of pg_lease_acquire(..., p_wait)).
+--   (pg_lease_acquire_or_register, pg_lease_acquire_within, and the SQL wait of
+--   pg_lease_acquire(..., p_wait)).
 CREATE FUNCTION @extschema@.pg_lease_check_lease_quota(p_key text)
 RETURNS void LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -629,6 +630,63 @@ BEGIN
 END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire(text, text, interval, interval) FROM PUBLIC;
+
+-- The attempt of a waiter that polls (behind a transaction pooler, PG_LEASE_LISTEN = False, inside
+-- the caller's transaction): pg_lease_acquire(key, owner, ttl), every lock wait of it bounded by
+-- p_within, what is left of the waiter's deadline, counted on the server from the call's start (and
+-- by the caller's own lock_timeout, when shorter): the lease row a takeover waits for, the limit row
+-- of a brand-new key, a concurrent insert of the same key, the epoch floor. A wait that ran out is
+-- answered as a refusal that changed nothing (its subtransaction rolled back, with every lock taken
+-- in it): naming the key's holder when it is held, none ("busy": a lock it needs was) otherwise,
+-- expiring now; the waiter, at its deadline by then, times out. Never granted past the deadline; the
+-- caller's transaction, inside atomic(), goes on. p_within NULL: no bound of its own (a waiter with
+-- no deadline), as the plain acquire.
+CREATE FUNCTION @extschema@.pg_lease_acquire_within(p_key text, p_owner text, p_ttl interval, p_within interval)
+RETURNS SETOF @extschema@.pg_lease_attempt
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  attempt @extschema@.pg_lease_attempt;
+  saved_lock_timeout text;
+  wait_ms double precision;
+BEGIN
+  -- Every input first (22023): the key, owner and TTL are judged by pg_lease_acquire, input before
+  -- the key scope, as in every lease function.
+  IF extract(year FROM p_within) <> 0 OR extract(month FROM p_within) <> 0
+     OR extract(epoch FROM p_within) < 0 OR extract(epoch FROM p_within) > 365 * 86400 THEN
+    RAISE EXCEPTION 'invalid_input: within must be between 0 and 365 days, without months, got %',
+      p_within USING ERRCODE = '22023';
+  END IF;
+  IF p_within IS NULL THEN
+    RETURN QUERY SELECT * FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl);
+    RETURN;
+  END IF;
+  saved_lock_timeout := current_setting('lock_timeout');
+  wait_ms := greatest(1, ceil(extract(epoch FROM p_within) * 1000));  -- 0 would mean no bound at all
+  IF saved_lock_timeout::interval > interval '0' THEN
+    wait_ms := least(wait_ms, extract(epoch FROM saved_lock_timeout::interval) * 1000);
+  END IF;
+  PERFORM set_config('lock_timeout', least(wait_ms, 2147483647)::bigint::text, true);
+  BEGIN
+    SELECT * INTO attempt FROM @extschema@.pg_lease_acquire(p_key, p_owner, p_ttl) AS a;
+  EXCEPTION WHEN lock_not_available THEN
+    -- Busy until the deadline: a refusal, naming the holder if the key is held, to time out now.
+    attempt := ROW(false, p_key, NULL, NULL, NULL, clock_timestamp());
+    SELECT CASE WHEN @extschema@.pg_lease_status(l.owner, l.expires_at, attempt.server_time) = 'held' THEN l.owner END,
+           l.epoch
+      INTO attempt.owner, attempt.epoch
+      FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
+    IF attempt.epoch IS NULL THEN
+      SELECT f.floor INTO attempt.epoch FROM @extschema@."pg_lease_django_epoch_floor" f;
+    END IF;
+    attempt.expires_at := attempt.server_time;
+  END;
+  PERFORM set_config('lock_timeout', saved_lock_timeout, true);
+  RETURN NEXT attempt;
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_acquire_within(text, text, interval, interval) FROM PUBLIC;
 
 -- The attempt of a waiter that LISTENs on pg_lease_django: pg_lease_acquire(key, owner, ttl), and
 -- when refused, a registration so that the next release of the key notifies, lasting until the
@@ -1963,6 +2021,7 @@ AS $$
     ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire(text, text, interval)', 'EXECUTE'),
     ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire(text, text, interval, interval)', 'EXECUTE'),
     ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire_or_register(text, text, interval, interval)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_acquire_within(text, text, interval, interval)', 'EXECUTE'),
     ('worker', 'FUNCTION', '@extschema@.pg_lease_heartbeat(text, text, bigint, interval)', 'EXECUTE'),
     ('worker', 'FUNCTION', '@extschema@.pg_lease_renew(text, text, bigint, interval)', 'EXECUTE'),
     ('worker', 'FUNCTION', '@extschema@.pg_lease_release(text, text, bigint)', 'EXECUTE'),

@@ -21,6 +21,9 @@ ACQUIRE: Statement[rows.Attempt] = Statement("acquire", rows.attempt, confirms=T
 ACQUIRE_OR_REGISTER: Statement[rows.Attempt] = Statement(
     "acquire_or_register", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS
 )
+ACQUIRE_WITHIN: Statement[rows.Attempt] = Statement(
+    "acquire_within", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS
+)
 RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True)
 RELEASE: Statement[None] = Statement("release", rows.released, confirms=True)
 INSPECT: Statement[rows.LeaseState] = Statement("inspect", rows.state, confirms=True)

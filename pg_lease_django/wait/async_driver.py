@@ -91,14 +91,15 @@ async def await_and_acquire(
 
 
 async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta, plan: Plan) -> Grant:
-    # Each attempt is one statement (ACQUIRE, or ACQUIRE_OR_REGISTER when it listens) on the
-    # waiter's own connection rather than an attempt in a thread: a thread cannot be interrupted,
-    # so an attempt stuck behind a row lock when the task is cancelled would run on and could
-    # commit a grant nobody receives, while psycopg cancels a statement in flight on cancellation
-    # and waits for it to end. No thread is taken even for the attempts, and, as in acquire(),
-    # LISTEN and attempts share one session: a release committed while an attempt is in flight
-    # is queued there, not missed. A lost connection (the server crashed, a failover) is opened again.
-    attempt = statements.ACQUIRE_OR_REGISTER if own.listen else statements.ACQUIRE
+    # Each attempt is one statement (ACQUIRE_WITHIN, whose lock waits end by the deadline, or
+    # ACQUIRE_OR_REGISTER when it listens) on the waiter's own connection rather than an attempt
+    # in a thread: a thread cannot be interrupted, so an attempt stuck behind a row lock (until the
+    # deadline) when the task is cancelled would run on and could commit a grant nobody receives,
+    # while psycopg cancels a statement in flight on cancellation and waits for it to end. No thread
+    # is taken even for the attempts, and, as in acquire(), LISTEN and attempts share one session: a
+    # release committed while an attempt is in flight is queued there, not missed. A lost connection
+    # (the server crashed, a failover) is opened again.
+    attempt = statements.ACQUIRE_OR_REGISTER if own.listen else statements.ACQUIRE_WITHIN
     attempting = False  # an attempt's statement is in flight: its outcome unknown if interrupted
     with own.errors:
         session: Session | None = None
@@ -122,7 +123,7 @@ async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta
                             own.connect, own.alias, schema=sql.known_schema(own.alias), role=own.role, listen=own.listen
                         )
                     if isinstance(step, TryOnce):
-                        params: list[Any] = [key, owner, ttl, step.register_for][: 4 if own.listen else 3]
+                        params = [key, owner, ttl, step.register_for if own.listen else step.within]
                         attempting = True
                         # An unconfirmed grant raises here, the attempt still "in flight": settled below.
                         tried = await session.one(attempt, params)
@@ -167,7 +168,7 @@ async def _poll_in_transaction(
     step = advance(plan, None)
     while not isinstance(step, Granted):
         if isinstance(step, TryOnce):
-            step = advance(plan, await sync_to_async(_attempt_on)(connection_of, key, owner, ttl))
+            step = advance(plan, await sync_to_async(_attempt_on)(connection_of, key, owner, ttl, step.within))
         else:
             assert isinstance(step, PauseFor)
             await asyncio.sleep(step.seconds)
@@ -175,8 +176,10 @@ async def _poll_in_transaction(
     return step.grant
 
 
-def _attempt_on(connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta) -> Attempt:
-    return operations.attempt(connection_of(), key, owner, ttl)
+def _attempt_on(
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, within: timedelta | None
+) -> Attempt:
+    return operations.attempt_within(connection_of(), key, owner, ttl, within)
 
 
 def _own_wait(alias: str, owner: str) -> _OwnWait:

@@ -56,9 +56,12 @@ Clock = Callable[[], float]
 @dataclass(frozen=True)
 class TryOnce:
     """Send one attempt; answer: its `Attempt` row. A driver that LISTENs registers as a waiter
-    until ``register_for`` from now (``pg_lease_acquire_or_register``): the longest it will pause."""
+    until ``register_for`` from now (``pg_lease_acquire_or_register``): the longest it will pause,
+    and the longest its attempt waits for a lock. One that polls waits for a lock ``within`` at most
+    (``pg_lease_acquire_within``): what is left of the deadline (None: no deadline)."""
 
     register_for: timedelta
+    within: timedelta | None = None
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ def wait_plan(
                 continue
             _nothing_granted(key, refused, answer, unsure)
             unsure = None
-        answer = yield TryOnce(retry_within(deadline, clock))
+        answer = yield TryOnce(retry_within(deadline, clock), left_of(deadline, clock))
         if isinstance(answer, Lost):
             if answer.sent:
                 unsure = answer.error
@@ -198,6 +201,15 @@ def pause_after_refusal(
     if deadline is not None:
         pause = min(pause, deadline - now)
     return pause
+
+
+def left_of(deadline: float | None, clock: Clock = time.monotonic) -> timedelta | None:
+    """What is left of ``deadline`` (``clock``), none past it; None: no deadline. The longest a polling
+    waiter's attempt may wait for a lock: the server counts it from the attempt's start, so no lock
+    wait outlasts the deadline (and the attempt is refused, changing nothing, when one would)."""
+    if deadline is None:
+        return None
+    return min(timedelta(seconds=max(deadline - clock(), 0.0)), MAX_WAIT)
 
 
 def retry_within(deadline: float | None, clock: Clock = time.monotonic) -> timedelta:

@@ -2,8 +2,9 @@
 
 Nothing here is public API: ``acquire(blocking=True)`` and ``hold(blocking=True)`` are (see
 docs/blocking.md). What to do next and when to give up is the plan's, written once; here is only
-how each step is done on a Django connection. An attempt is one statement (``pg_lease_acquire``, or
-``pg_lease_acquire_or_register`` when the waiter LISTENs for releases); a pause waits for a
+how each step is done on a Django connection. An attempt is one statement (``pg_lease_acquire_within``,
+or ``pg_lease_acquire_or_register`` when the waiter LISTENs for releases), whose lock waits end by
+the deadline; a pause waits for a
 notification or the time; a lost connection is dropped and opened again. Between attempts no
 transaction or snapshot is held (outside ``atomic()``), and a refused attempt takes no lock. An
 attempt interrupted in flight is settled (`wait.settling.settle`) before the interruption goes on.
@@ -140,7 +141,9 @@ class _Waiter:
                     self.connection, self.key, self.owner, self.ttl, step.register_for, in_flight.marker
                 )
             else:
-                tried = operations.attempt(self.connection, self.key, self.owner, self.ttl, in_flight.marker)
+                tried = operations.attempt_within(
+                    self.connection, self.key, self.owner, self.ttl, step.within, in_flight.marker
+                )
             self.in_flight = None
             return tried
         if isinstance(step, ReadEpoch):
