@@ -45,11 +45,9 @@ class LeaseManager(models.Manager["Lease"]):
     """Acquire, renew, release and inspect leases.
 
     Every method is one SQL statement (one round trip), except a blocking acquire, which repeats
-    its one-statement attempt (with LISTEN/UNLISTEN around the wait outside ``atomic()``).
-    Outside ``atomic()`` each statement commits on its own; inside, it is part of the caller's
-    transaction and rolls back with it. Use
-    ``Lease.objects.db_manager(alias)`` for another database; by default the router's write
-    database for `Lease` is used.
+    its one-statement attempt (with LISTEN/UNLISTEN around the wait outside ``atomic()``). Outside
+    ``atomic()`` each statement commits on its own; inside, it rolls back with the caller's
+    transaction. ``Lease.objects.db_manager(alias)`` picks another database than the router's.
 
     Each operation but `prune` and `advance_epochs` has an awaitable twin for async code
     (`aacquire`, `arenew`, `arelease`, `ainspect`, `aforce_release`, `arequest_handoff`) with the
