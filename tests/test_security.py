@@ -1140,7 +1140,12 @@ def test_a_fenced_write_never_reads_the_opt_out_secret(roles: Roles, key: str) -
 
     before = {
         name: calls(name)
-        for name in ("pg_lease_unfenced_allowed", "pg_lease_opt_out_token", "pg_lease_guard_key", "pg_lease_guard_one_key")
+        for name in (
+            "pg_lease_unfenced_allowed",
+            "pg_lease_opt_out_token",
+            "pg_lease_guard_key",
+            "pg_lease_guard_one_key",
+        )
     }
     for amount in range(3):
         with worker.transaction():
