@@ -226,4 +226,4 @@ AS $$
   ) w (role, kind, object, privilege)
 $$;
 
-DROP FUNCTION @extschema@.pg_lease_guard_one_key(text, text, bigint, bigint, bigint, text);
+DROP FUNCTION @extschema@.pg_lease_guard_one_key(text, text, bigint, bigint, text);
