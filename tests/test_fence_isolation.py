@@ -94,7 +94,7 @@ def test_raw_sql_with_a_stale_fence_presented_or_forged_is_refused(
     assert _refused_raw(conn, level, [presented]) in LOST
     # The fence written by hand exactly as pg_lease_check_fence writes it: the trigger's own read
     # of the lease row refuses it.
-    forged = [
+    forged: list[tuple[str, list[Any]]] = [
         ("SELECT set_config('pg_lease.fences', %s, true)", [json.dumps({key: [stale.owner, stale.epoch]})]),
         ("UPDATE testapp_invoice SET status = 'stolen', lease_epoch = %s WHERE id = %s", [stale.epoch, invoice.pk]),
     ]
