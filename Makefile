@@ -103,7 +103,7 @@ tox: $(TOX_VENV)/.installed
 demo: venv
 	$(BIN)/python -m demo
 
-## make bench-instructions: server instructions per acquire+release, renewal and inspect against the floor's, counted by callgrind (deterministic on a noisy machine; needs valgrind); e.g. BENCH_INSTRUCTIONS_ARGS='--bindir /usr/lib/postgresql/15/bin'.
+## make bench-instructions: server instructions per acquire+release, renewal, inspect, fenced save and fenced 1,000-row update against the floor's / a plain table's, counted by callgrind (deterministic on a noisy machine; needs valgrind); e.g. BENCH_INSTRUCTIONS_ARGS='--bindir /usr/lib/postgresql/15/bin'.
 .PHONY: bench-instructions
 bench-instructions: venv
 	$(BIN)/python benchmarks/instructions.py $(BENCH_INSTRUCTIONS_ARGS)

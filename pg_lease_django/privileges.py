@@ -173,6 +173,7 @@ SCOPED_FUNCTIONS = (
     "pg_lease_fence_outcome(text, text, bigint)",
     "pg_lease_check_fence(text, text, bigint)",
     "pg_lease_guard_key(text, jsonb, text)",
+    "pg_lease_guard_one_key(text, text, bigint, bigint, text)",
 )
 
 

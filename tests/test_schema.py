@@ -93,6 +93,7 @@ def test_functions_pin_their_search_path_and_the_operations_run_as_owner() -> No
         "pg_lease_prune",
         "pg_lease_advance_epochs",
         "pg_lease_guard_key",  # the triggers' lease-row check: locking it needs the owner's rights
+        "pg_lease_guard_one_key",  # the same check's common case, one locked read
         "pg_lease_request_handoff",
         "pg_lease_record_transition",  # the history trigger: whoever changes a lease row, its tenure is recorded
         "pg_lease_record_tenure",  # writes the tenure table for the lease table's triggers

@@ -51,6 +51,7 @@ WORKER_FUNCTIONS = {
     "pg_lease_check_fence(text,text,bigint)",
     "pg_lease_fence_outcome(text,text,bigint)",
     "pg_lease_guard_key(text,jsonb,text)",
+    "pg_lease_guard_one_key(text,text,bigint,bigint,text)",
 }
 #: An operator's, on top of a worker's.
 OPERATOR_FUNCTIONS = {
@@ -1155,7 +1156,13 @@ def test_a_fenced_write_never_reads_the_opt_out_secret(roles: Roles, key: str) -
         return int(row.fetchone()[0])  # type: ignore[index]
 
     before = {
-        name: calls(name) for name in ("pg_lease_unfenced_allowed", "pg_lease_opt_out_token", "pg_lease_guard_key")
+        name: calls(name)
+        for name in (
+            "pg_lease_unfenced_allowed",
+            "pg_lease_opt_out_token",
+            "pg_lease_guard_key",
+            "pg_lease_guard_one_key",
+        )
     }
     for amount in range(3):
         with worker.transaction():
@@ -1168,7 +1175,9 @@ def test_a_fenced_write_never_reads_the_opt_out_secret(roles: Roles, key: str) -
     assert {name: after[name] - before[name] for name in before} == {
         "pg_lease_unfenced_allowed": 0,
         "pg_lease_opt_out_token": 0,
-        "pg_lease_guard_key": 3,
+        # One fence, one key: the trigger's one locked read decides (the full check only on a refusal).
+        "pg_lease_guard_key": 0,
+        "pg_lease_guard_one_key": 3,
     }
 
 

@@ -36,7 +36,7 @@ POOLER = {
     "test_deployment", "test_fencing", "test_health", "test_hold_pool", "test_interrupts", "test_interrupts_jobs",
     "test_jobs", "test_judged_under_lock", "test_manager", "test_metrics", "test_notify", "test_security",
     "test_settling_pooled", "test_sigterm", "test_supervisor", "test_tenants", "test_validation", "test_first_hour",
-    "test_admin_fenced", "test_durability", "test_async_calls", "test_tenants_off_path",
+    "test_admin_fenced", "test_durability", "test_async_calls", "test_tenants_off_path", "test_fence_isolation",
 }  # fmt: skip
 
 #: Modules that talk to the server but whose behaviour does not depend on a pooler, and why.
@@ -69,7 +69,7 @@ SERVER_VERSION = {
     "test_manager", "test_concurrency", "test_schema", "test_validation", "test_fencing", "test_security",
     "test_sql_source", "test_lease_table_triggers", "test_lease_table_writers", "test_fence_trigger_version",
     "test_tenants", "test_health", "test_deployment_whole", "test_compat", "test_advance_epochs", "test_prune",
-    "test_durability", "test_tenants_off_path",
+    "test_durability", "test_tenants_off_path", "test_fence_isolation",
 }  # fmt: skip
 
 _SAME_SQL = "Python paths over the operations the matrix runs on every major: the same statements"

@@ -1,8 +1,8 @@
 """FencedModel: a row's ``save()`` and ``delete()`` present the fence that guards it.
 
 The public face of `pg_lease_django.fencing` (which re-exports it, with the queryset and manager of
-`queryset`): ``save()`` puts ``lease_epoch = (SELECT pg_lease_check_fence(key, owner, epoch))`` in
-its own UPDATE or INSERT; writes Django spreads over several statements (multi-table inheritance,
+`queryset`): ``save()`` puts ``lease_epoch = pg_lease_check_fence(key, owner, epoch)`` in its own
+UPDATE or INSERT of one row; writes Django spreads over several statements (multi-table inheritance,
 cascades) run in one transaction whose first statement presents the fence. Which fence that is,
 `resolution` decides; how it reaches SQL, `statements`; the tables' triggers that check it,
 `schema`, whose `add_fence_trigger` this module calls for every FencedModel Django prepares.

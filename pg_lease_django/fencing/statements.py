@@ -24,8 +24,9 @@ from .resolution import FenceToken
 
 
 class PresentFence(Expression):
-    """``(SELECT pg_lease_check_fence(key, owner, epoch))``: presents the fence, raises if it does not
-    hold, and evaluates to its epoch. Uncorrelated, so PostgreSQL runs it once per statement."""
+    """``pg_lease_check_fence(key, owner, epoch)``: presents the fence, raises if it does not hold,
+    and evaluates to its epoch. Only in a save's statement, which writes one row: a bare call runs
+    once, and costs less than a sub-select's InitPlan (``fence_expression`` in ``queries.sql``)."""
 
     output_field = models.BigIntegerField()
     #: Its SQL (``queries.sql``).

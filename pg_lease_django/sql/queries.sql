@@ -59,9 +59,12 @@ SELECT leases, held, epoch_floor, max_epoch, server_time FROM {schema}.pg_lease_
 SELECT {schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)
 
 -- fence_expression --
--- The same as an expression, inside Django's own UPDATE or INSERT (fencing.statements): uncorrelated,
--- so PostgreSQL runs it once per statement; the epoch.
-(SELECT {schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint))
+-- The same as a value, in the UPDATE or INSERT of one row that Django's save() sends
+-- (fencing.statements): the epoch. A bare call, not a sub-select: a save writes one row (its UPDATE
+-- names the primary key, its INSERT one row of values), so it runs once, after the row is found and
+-- before it is locked or written; an UPDATE that finds no row runs nothing and Django's INSERT that
+-- follows presents the fence. A sub-select would cost the statement an InitPlan to plan and run.
+{schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)
 
 -- fence_presented --
 -- The same as a condition, in the WHERE clause of Django's own UPDATE or DELETE: evaluated once,

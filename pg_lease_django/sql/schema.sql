@@ -1208,10 +1208,29 @@ RETURNS bigint LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-  cur record;
+  expires timestamptz;
   verdict text;
+  recorded text;
 BEGIN
-  -- Input first (22023), then the key scope (42501), then the lease: one condition, raising when it fails.
+  -- Fast path, the holder presenting its live fence of a key in the session's scope: one read that
+  -- locks the row only when it matches (a stale fence takes no lock and writes nothing), judged
+  -- again on the clock once the lock is held (the read may have waited behind a lock-only locker).
+  -- A stored row that matches implies valid inputs. The first fence of the transaction is written
+  -- as is (the text pg_lease_guard_one_key compares with); any other through pg_lease_remember_fence.
+  -- An assignment, not PERFORM: PERFORM runs a query, an assignment evaluates an expression.
+  SELECT l.expires_at INTO expires FROM @extschema@."pg_lease_django_lease" l
+   WHERE l.key = p_key AND l.owner = p_owner AND l.epoch = p_epoch AND l.expires_at > clock_timestamp()
+     AND @extschema@.pg_lease_key_allowed(p_key)
+     FOR KEY SHARE;
+  IF expires > clock_timestamp() AND coalesce(current_setting('pg_lease.fences', true), '') = '' THEN
+    recorded := set_config('pg_lease.fences', jsonb_build_object(p_key, jsonb_build_array(p_owner, p_epoch))::text, true);
+    RETURN p_epoch;
+  ELSIF expires > clock_timestamp() THEN
+    PERFORM @extschema@.pg_lease_remember_fence(p_key, p_owner, p_epoch);
+    RETURN p_epoch;
+  END IF;
+  -- Anything else: input first (22023), then the key scope (42501), then pg_lease_fence's way (a
+  -- renewal in flight awaited, the cause), raising when it fails.
   IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
      OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255 OR p_epoch IS NULL OR p_epoch < 1 THEN
     PERFORM @extschema@.pg_lease_check_name('key', p_key);
@@ -1219,17 +1238,6 @@ BEGIN
     PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
   END IF;
   PERFORM @extschema@.pg_lease_check_key_scope(p_key);
-  -- Fast path, the holder presenting its live fence: an unlocked look (a stale fence takes no lock
-  -- and writes nothing), then the lock and the decision. The match itself validates the owner and epoch.
-  -- Anything else takes pg_lease_fence's way: input checks, a renewal in flight awaited, the cause.
-  SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
-  IF @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
-    SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR KEY SHARE;
-    IF @extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()) = 'ok' THEN
-      PERFORM @extschema@.pg_lease_remember_fence(p_key, p_owner, p_epoch);
-      RETURN p_epoch;
-    END IF;
-  END IF;
   verdict := @extschema@.pg_lease_fence(p_key, p_owner, p_epoch);
   IF verdict = 'ok' THEN
     RETURN p_epoch;
@@ -1424,7 +1432,9 @@ BEGIN
     PERFORM @extschema@.pg_lease_refuse('unfenced', p_key, NULL, NULL,
                             format('the fence presented for lease %s in pg_lease.fences is not [owner, epoch]', p_key));
   END IF;
-  PERFORM @extschema@.pg_lease_check_key_scope(p_key);
+  IF NOT @extschema@.pg_lease_key_allowed(p_key) THEN
+    PERFORM @extschema@.pg_lease_check_key_scope(p_key);
+  END IF;
   -- One locked read decides the usual case (the fence was presented moments ago, and this
   -- transaction may already hold the lock); otherwise pg_lease_fence gives the exact cause.
   SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key FOR KEY SHARE;
@@ -1442,6 +1452,38 @@ END $$;
 
 REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_guard_key(text, jsonb, text) FROM PUBLIC;
 
+-- The common case of a fenced statement, decided in one locked read (pg_lease_guard_rows passes
+-- what one pass over its transition tables found): true when every row written or removed names
+-- one lease key (p_lo, the least key with a missing one counted as '', equals p_hi, the greatest),
+-- the transaction presented one fence, for that key, pg_lease.fences (p_fences) is still the text
+-- pg_lease_check_fence wrote for it ({key: [owner, epoch]}), that fence holds now, every row
+-- written records its epoch (p_new_min, the least written, NULL when none is; a NULL epoch counts
+-- as 0) and none written or removed is above it (p_top); true also when no row was written or
+-- removed. The read compares the setting with the live lease row's own fence, so nothing is parsed,
+-- and a setting forged by hand passes only when it names the live holder and epoch (what
+-- presenting the fence would have checked); the row is locked FOR KEY SHARE only when everything
+-- matches, and the clock is read again once the lock is held. Never raises: false (or NULL) sends
+-- the trigger the full way (pg_lease_guard_key), which refuses with the cause.
+CREATE FUNCTION @extschema@.pg_lease_guard_one_key(p_lo text, p_hi text, p_new_min bigint, p_top bigint, p_fences text)
+RETURNS boolean LANGUAGE plpgsql VOLATILE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+  expires timestamptz;
+BEGIN
+  IF p_lo IS NULL OR p_lo <> p_hi OR NOT @extschema@.pg_lease_key_allowed(p_lo) THEN
+    RETURN p_lo IS NULL;
+  END IF;
+  SELECT l.expires_at INTO expires FROM @extschema@."pg_lease_django_lease" l
+   WHERE l.key = p_lo AND l.expires_at > clock_timestamp()
+     AND jsonb_build_object(l.key, jsonb_build_array(l.owner, l.epoch))::text = p_fences
+     AND (p_new_min IS NULL OR p_new_min = l.epoch) AND (p_top IS NULL OR p_top <= l.epoch)
+     FOR KEY SHARE;
+  RETURN expires > clock_timestamp();
+END $$;
+
+REVOKE EXECUTE ON FUNCTION @extschema@.pg_lease_guard_one_key(text, text, bigint, bigint, text) FROM PUBLIC;
+
 -- Trigger of a fenced table (one carrying lease_key and lease_epoch), after each INSERT, UPDATE
 -- and DELETE statement, over its transition tables: every lease key the statement wrote or
 -- removed (old and new keys: moving a row to another lease needs both) has a live fence in this
@@ -1455,13 +1497,47 @@ DECLARE
   fences jsonb;
   r record;
   epoch bigint;
-  rows_table text := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
+  rows_table text;
+  done boolean;
 BEGIN
+  -- The common case first, in one query: no opt-out and no replica mode (NULL otherwise: asked
+  -- about below), and every row written or removed names the one lease key of the one fence the
+  -- transaction presented, which holds (pg_lease_guard_one_key). One pass over the transition
+  -- tables gives what that needs: the least key (a missing one counted as '', which no lease has)
+  -- and the greatest (an UPDATE leaves out old rows without a key, as below), the least epoch
+  -- written (a NULL one counts as 0, which no fence has) and the greatest written or removed.
+  -- Anything else, or a refusal, takes the full way below.
+  IF TG_OP = 'UPDATE' THEN
+    SELECT CASE WHEN current_setting('session_replication_role') = 'replica'
+                  OR coalesce(current_setting('pg_lease.unfenced', true), '') <> '' THEN NULL
+                ELSE @extschema@.pg_lease_guard_one_key(min(coalesce(k.key, '') COLLATE "C"), max(k.key COLLATE "C"),
+                       min(k.new_epoch), max(k.top), current_setting('pg_lease.fences', true)) END
+      INTO done
+      FROM (SELECT o.lease_key AS key, NULL::bigint AS new_epoch, o.lease_epoch AS top
+              FROM pg_lease_old o WHERE o.lease_key IS NOT NULL
+            UNION ALL
+            SELECT n.lease_key, coalesce(n.lease_epoch, 0), coalesce(n.lease_epoch, 0) FROM pg_lease_new n) k;
+  ELSIF TG_OP = 'INSERT' THEN
+    SELECT CASE WHEN current_setting('session_replication_role') = 'replica'
+                  OR coalesce(current_setting('pg_lease.unfenced', true), '') <> '' THEN NULL
+                ELSE @extschema@.pg_lease_guard_one_key(min(coalesce(n.lease_key, '') COLLATE "C"), max(n.lease_key COLLATE "C"),
+                       min(coalesce(n.lease_epoch, 0)), max(coalesce(n.lease_epoch, 0)), current_setting('pg_lease.fences', true)) END
+      INTO done FROM pg_lease_new n;
+  ELSE
+    SELECT CASE WHEN current_setting('session_replication_role') = 'replica'
+                  OR coalesce(current_setting('pg_lease.unfenced', true), '') <> '' THEN NULL
+                ELSE @extschema@.pg_lease_guard_one_key(min(coalesce(o.lease_key, '') COLLATE "C"), max(o.lease_key COLLATE "C"),
+                       NULL, max(o.lease_epoch), current_setting('pg_lease.fences', true)) END
+      INTO done FROM pg_lease_old o;
+  END IF;
+  IF done THEN
+    RETURN NULL;
+  END IF;
   -- The triggers fire ALWAYS, in replica mode too: only a trusted replication apply passes unchecked.
   IF current_setting('session_replication_role') = 'replica' AND @extschema@.pg_lease_replication_apply() THEN
     RETURN NULL;
   END IF;
-  -- coalesce: NULL AND f() still calls f() (the result could be false), and this runs on every write.
+  -- coalesce: NULL AND f() still calls f() (the result could be false).
   IF coalesce(current_setting('pg_lease.unfenced', true), '') <> '' AND @extschema@.pg_lease_unfenced_allowed() THEN
     -- Opted out: no fence asked, but a session with a key scope writes only rows of its keys.
     IF TG_OP = 'INSERT' THEN
@@ -1474,6 +1550,7 @@ BEGIN
     END IF;
     RETURN NULL;
   END IF;
+  rows_table := format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
   fences := @extschema@.pg_lease_presented_fences();
   IF TG_OP = 'INSERT' THEN
     FOR r IN SELECT n.lease_key AS key, NULL::bigint AS old_max, min(n.lease_epoch) AS new_min,
@@ -2030,6 +2107,7 @@ AS $$
     ('worker', 'FUNCTION', '@extschema@.pg_lease_fence_outcome(text, text, bigint)', 'EXECUTE'),
     ('worker', 'FUNCTION', '@extschema@.pg_lease_check_fence(text, text, bigint)', 'EXECUTE'),
     ('worker', 'FUNCTION', '@extschema@.pg_lease_guard_key(text, jsonb, text)', 'EXECUTE'),
+    ('worker', 'FUNCTION', '@extschema@.pg_lease_guard_one_key(text, text, bigint, bigint, text)', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_request_handoff(text, bigint)', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint)', 'EXECUTE'),
     ('operator', 'FUNCTION', '@extschema@.pg_lease_force_release(text, bigint, text)', 'EXECUTE'),
