@@ -32,7 +32,10 @@ from psycopg import sql as pgsql
 from devkit.dbserver import LocalServer, throwaway_datadir
 from tests.helpers import conninfo, own_findings
 
-pytestmark = pytest.mark.xdist_group("cluster-roles")  # it expects W008 silent: beside the tests that make bypasses
+# Its tests share one deployment (the module's fixture), so they run on one worker; they read the
+# cluster-wide checks through own_findings (their own roles only), so they need not wait for the
+# tests that make bypasses, except the one that grants a parameter to PUBLIC (below).
+pytestmark = pytest.mark.xdist_group("deployment-whole")
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "security.md"
@@ -561,6 +564,9 @@ def findings(done: subprocess.CompletedProcess[str], *names: str) -> list[tuple[
     return [(code, message, hint) for code, message, hint in found if any(name in message for name in names)]
 
 
+# GRANT SET ON PARAMETER session_replication_role TO PUBLIC lets every role switch the triggers off:
+# after, never beside, the tests that assert a worker cannot (tests/test_security.py).
+@pytest.mark.xdist_group("cluster-roles")
 @pytest.mark.parametrize("parameter", [True, False], ids=["and-a-parameter-to-public", "roles"])
 def test_the_checks_see_the_mistakes_each_with_its_remedy(deployment: Deployment, parameter: bool) -> None:
     """Issue 51, item 8: a tenant group declared an operator, a role limit on a login member (its
