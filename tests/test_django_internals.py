@@ -60,6 +60,7 @@ from devkit.testapp.models import ArchivedReport, CommitTicket, CreditNote, Invo
 from pg_lease_django.fencing import FencedModel, FenceTrigger
 from pg_lease_django.management.leases.arguments import SubcommandParser
 from pg_lease_django.models import Lease
+from tests.parsing import parse
 
 #: Where the internals are listed; every failure here points at it.
 DOC = 'docs/COMPATIBILITY.md, "Django internals we lean on"'
@@ -950,7 +951,7 @@ def _defined(path: Path) -> set[str]:
     """The names of the functions and classes ``path`` defines, at any depth (a method by its own name)."""
     return {
         node.name
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        for node in ast.walk(parse(path.read_text(encoding="utf-8")))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
     }
 

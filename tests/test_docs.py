@@ -37,6 +37,7 @@ from django.core.management.commands.shell import Command as ShellCommand
 from django.db import models
 
 from devkit.testapp.models import Invoice
+from tests.parsing import parse
 
 pytestmark = pytest.mark.acceptance
 
@@ -257,7 +258,7 @@ def _model_blocks(name: str) -> list[tuple[str, ast.ClassDef]]:
     for page in PAGES:
         for block in python_blocks(page):
             try:
-                tree = ast.parse(block.source)
+                tree = parse(block.source)
             except SyntaxError:  # a call signature, or a top-level await
                 continue
             for node in ast.walk(tree):

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import pg_lease_django
+from tests.parsing import parse
 
 PACKAGE = Path(pg_lease_django.__file__).parent
 ROOT = "pg_lease_django"
@@ -155,7 +156,7 @@ def _imported(name: str) -> set[str]:
     path = _modules()[name]
     package = _absolute(name) if path.name == "__init__.py" else _absolute(name).rpartition(".")[0]
     found: set[str] = set()
-    for node in _nodes(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in _nodes(parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -358,7 +359,7 @@ def test_no_module_detects_a_test_run() -> None:
     for name, path in _modules().items():
         if name in TEST_TOOLS:
             continue
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = parse(path.read_text(encoding="utf-8"))
         tells = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr in _TEST_RUN_TELLS:

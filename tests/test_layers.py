@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.parsing import parse
+
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("stress", "benchmarks", "demo")
 #: Each layer and the top-level names it must not import.
@@ -31,7 +33,7 @@ MODULE_PATH = re.compile(r"[a-z_]+(\.[a-z_]+)+")
 
 def imported(path: Path) -> Iterator[tuple[int, str]]:
     """(line, dotted name) of each module ``path`` imports or names as a module path in a string."""
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             yield from ((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

@@ -31,6 +31,7 @@ from django.db.migrations.operations.models import ModelOperation
 from pg_lease_django.sql import files
 from tests.catalog import differences
 from tests.helpers import catalog, manage, migrate, psql, sql
+from tests.parsing import parse
 
 REPO = Path(__file__).resolve().parent.parent
 MIGRATIONS = REPO / "pg_lease_django" / "migrations"
@@ -178,7 +179,7 @@ def test_no_migration_reads_another_migrations_text() -> None:
     """Migrations import only Django and the RunSQLFile operation; their SQL is in files, and only
     state operations (the models) are written in Python."""
     for path in sorted(MIGRATIONS.glob("[0-9]*.py")):
-        tree = ast.parse(path.read_text())
+        tree = parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 assert node.level == 0, f"{path.name}: relative import"

@@ -18,6 +18,7 @@ from psycopg import sql as pgsql
 import pg_lease_django
 from pg_lease_django import sql
 from pg_lease_django.sql import Statement, statements
+from tests.parsing import parse
 
 PACKAGE = Path(pg_lease_django.__file__).parent
 
@@ -42,7 +43,7 @@ def _outside_sql() -> list[tuple[str, ast.Module]]:
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
         if not name.startswith(("sql/", "migrations/")):
-            found.append((name, ast.parse(path.read_text(), name)))
+            found.append((name, parse(path.read_text(), name)))
     return found
 
 
