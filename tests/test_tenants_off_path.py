@@ -207,10 +207,8 @@ WAYS = [
     "async_poll",
     "async_atomic",
 ]
-#: The blocking acquire's timeout, and how far past it the server's clock may read when it is
-#: answered: generous (a loaded machine; the wait it bounds lasted until the lock was let go, HOLD).
+#: The blocking acquire's timeout: it must be answered while the lock is still held (HOLD).
 TIMEOUT = 1.0
-SLACK = timedelta(seconds=3)
 #: How long the lock is held at most while the waiter is not answered (then let go).
 HOLD = 20.0
 
@@ -311,7 +309,9 @@ def test_a_waiters_attempts_are_bounded_by_its_deadline_whatever_lock_they_meet(
     assert isinstance(outcome, LeaseTimeoutError), outcome
     assert "busy" in str(outcome), str(outcome)
     assert in_time
-    assert timedelta(seconds=TIMEOUT) <= elapsed < timedelta(seconds=TIMEOUT) + SLACK, elapsed
+    # Answered by the deadline: while the lock was still held (in_time, HOLD s), not after it went; no
+    # upper bound on the elapsed time, which a stalled machine could break.
+    assert elapsed >= timedelta(seconds=TIMEOUT), elapsed
     assert left == [(0, 0)]
     assert row_snapshot(tenants.admin, key) == before  # nothing granted to the waiter, then or after
 
