@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_ROLE = re.compile(r"\bpgl_([0-9a-f]{8,10})_")
 
 #: A parameter grant to PUBLIC is the server's, and names no role: a test that makes one
-#: (test_deployment_whole) reads it by name; every other test leaves it out.
+#: (test_tenants, in the cluster-roles group) reads it by name; every other test leaves it out.
 PUBLIC_PARAMETER = "role 'PUBLIC' may SET"
 
 #: A check's id as ``manage.py check`` prints it: ``(pg_lease_django.W008)``.

@@ -27,7 +27,16 @@ from psycopg import sql as pgsql
 from devkit.testapp.models import Invoice
 from pg_lease_django import InvalidInputError, Lease, QuotaExceededError, UnfencedWriteError, conf, history, privileges
 from pg_lease_django.wait.plan import WAKE_BURST, WAKE_RATE
-from tests.helpers import Background, Tenants, conninfo, fails_with, refused, wait_until, wait_until_blocked
+from tests.helpers import (
+    PUBLIC_PARAMETER,
+    Background,
+    Tenants,
+    conninfo,
+    fails_with,
+    refused,
+    wait_until,
+    wait_until_blocked,
+)
 
 # Cluster-wide roles: tests that make a role a bypass (pg_read_all_data, a parameter grant) and tests
 # that expect check W008 to be silent run one after another, on one worker.
@@ -390,6 +399,30 @@ def test_replica_mode_from_a_parameter_grant_turns_no_lease_trigger_off(tenants:
         assert "REVOKE SET, ALTER SYSTEM ON PARAMETER session_replication_role" in warning.hint
     finally:
         tenants.create("REVOKE SET ON PARAMETER session_replication_role FROM {}", "a_login")
+
+
+def test_a_parameter_granted_to_public_is_reported_once_with_the_revoke_that_works(tenants: Tenants) -> None:
+    """Issue 51, item 8: ``GRANT SET ON PARAMETER session_replication_role TO PUBLIC`` lets every role
+    turn triggers off. W008 reports it once, as PUBLIC's (not in each role), with the REVOKE that
+    removes it. The grant is the server's: this test runs in the group of the tests that assert a
+    worker cannot set replica mode (cluster-roles), never beside them."""
+    from pg_lease_django.checks import check_declared_roles_are_granted
+
+    if tenants.admin.info.server_version < 150000:
+        pytest.skip("parameter privileges arrived in PostgreSQL 15")
+
+    def public() -> list[str]:
+        found = check_declared_roles_are_granted(databases=["default"])
+        return [f"{m.id} {m.hint}" for m in found if PUBLIC_PARAMETER in m.msg]
+
+    assert public() == []
+    tenants.admin.execute("GRANT SET ON PARAMETER session_replication_role TO PUBLIC")
+    try:
+        said = public()
+    finally:
+        tenants.admin.execute("REVOKE SET ON PARAMETER session_replication_role FROM PUBLIC")
+    assert said == ["pg_lease_django.W008 REVOKE SET, ALTER SYSTEM ON PARAMETER session_replication_role FROM PUBLIC"]
+    assert public() == []
 
 
 def test_a_pg_read_all_data_member_reads_no_secret_and_forges_no_opt_out(tenants: Tenants) -> None:

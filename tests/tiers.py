@@ -10,6 +10,7 @@ server and is named in neither: a new test cannot silently fall out of a leg.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 from typing import Any
@@ -160,8 +161,30 @@ class Dump:
                 out.write(json.dumps({**row, "server": talks_to_server(item)}) + "\n")
 
 
+def refuse_lost_groups(config: pytest.Config) -> None:
+    """Stops a run whose tests would lose their ``xdist_group``.
+
+    Tests that must not overlap (roles, parameter grants: the server's, not a test database's) share
+    a group, and ``--dist loadgroup`` sends a group to one worker by a suffix pytest-xdist 3.8 writes
+    into each test's node id. pytest 9.2 keeps node ids where that write no longer lands
+    (pytest-dev/pytest-xdist#1386): the groups are dropped without a word, and such tests run side
+    by side and fail once in a while. The test extra pins pytest below 9.2; this says so when an
+    environment holds another.
+    """
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") != "loadgroup":
+        return
+    xdist = tuple(int(part) for part in importlib.metadata.version("pytest-xdist").split(".")[:2])
+    if pytest.version_tuple[:2] >= (9, 2) and xdist <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {'.'.join(map(str, xdist))} drops xdist_group "
+            "(pytest-dev/pytest-xdist#1386): tests that must not overlap would run side by side. "
+            "Install the test extra's pins: pip install -e '.[test]'"
+        )
+
+
 def register(config: pytest.Config) -> None:
     config.pluginmanager.register(Legs(), "tests-legs")
+    refuse_lost_groups(config)
     if dump := os.environ.get("PG_LEASE_TIERS_DUMP"):
         config.pluginmanager.register(Dump(dump), "tests-tiers-dump")
     command = os.environ.get("PG_LEASE_TEST_LEFT_OUT")
