@@ -669,13 +669,13 @@ class Worker:
                 self.events.append(json.loads(line))
                 self._lock.notify_all()
 
-    def expect(self, event: str, timeout: float = 15.0) -> dict[str, Any]:
+    def expect(self, event: str, timeout: float = 60.0) -> dict[str, Any]:
         with self._lock:
             found = self._lock.wait_for(lambda: any(e["event"] == event for e in self.events), timeout)
             assert found, f"worker never reported {event!r}; got {self.events}"
             return next(e for e in self.events if e["event"] == event)
 
-    def finish(self, timeout: float = 15.0) -> int:
+    def finish(self, timeout: float = 60.0) -> int:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
         code = self.proc.wait(timeout)
