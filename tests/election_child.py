@@ -216,7 +216,7 @@ class Campaigner:
         with self._changed:
             return [e for e in self.events if e["event"] == event]
 
-    def expect(self, event: str, count: int = 1, timeout: float = 30.0) -> dict[str, Any]:
+    def expect(self, event: str, count: int = 1, timeout: float = 90.0) -> dict[str, Any]:
         """Wait for the ``count``-th event of that kind; it."""
         deadline = time.monotonic() + timeout
         with self._changed:

@@ -291,7 +291,7 @@ def test_a_skipped_timer_job_exits_with_a_status_its_unit_counts_as_a_success(ke
         argv = [sys.executable, "-m", "tests.leased_child", "command", key, str(marker)]
         return subprocess.run(argv, cwd=REPO, env=environ, stdin=subprocess.DEVNULL, timeout=120).returncode
 
-    epoch = held(key, "another-machine")
+    epoch = held(key, "another-machine", ttl=3600)  # held however long the job takes to start
     skipped = job(tmp_path / "skipped")
     assert skipped == ExitCode.BUSY.value and skipped in success
     assert not (tmp_path / "skipped").exists()

@@ -445,7 +445,7 @@ def test_a_takeover_racing_guarded_writes_leaves_a_fenced_history(key: str) -> N
             (ticket,) = cursor.fetchone()
             Entry(account=key, writer=writer, ticket=ticket).save(fence=fence)
 
-    old = grant(key, "old", ttl=0.3)
+    old = grant(key, "old", ttl=2)  # long enough for a loaded machine to write once before it lapses
 
     def old_holder() -> type[LeaseLostError]:
         while True:
