@@ -37,10 +37,13 @@ def _lapsed(key: str) -> bool:
 def _stale_grant(key: str, how: str) -> tuple[Invoice, Grant]:
     """An invoice written under a first grant of ``key``, and that grant made stale: lapsed, or
     lapsed and taken over by another owner (a new epoch)."""
-    first = Lease.objects.acquire(key, "w1", ttl=0.3)
+    first = Lease.objects.acquire(key, "w1", ttl=30)
     assert first is not None
     invoice = Invoice(account=key, status="draft")
     invoice.save(fence=first)
+    # Then it lapses: renewed, same epoch, for a millisecond (a short first TTL could lapse before
+    # the save on a loaded machine).
+    assert Lease.objects.renew(key, "w1", first.epoch, 0.001) is not None
     wait_until(lambda: _lapsed(key), what=f"{key} to lapse")
     if how == "taken over":
         assert Lease.objects.acquire(key, "w2", ttl=30) is not None
