@@ -321,8 +321,9 @@ def test_the_election_drivers_stand_apart() -> None:
 
 
 def test_the_election_plan_does_no_io() -> None:
-    """The plan imports nothing that blocks, awaits or reaches the database: only the settings."""
-    assert _graph()["election.plan"] <= {"conf"}
+    """The plan imports nothing that blocks, awaits or reaches the database, not even the settings,
+    which it takes as arguments: only the plan protocol."""
+    assert _graph()["election.plan"] <= {"plans"}
     outside = {module.partition(".")[0] for module in _imported("election.plan")} - {ROOT}
     assert outside <= {"__future__", "collections", "dataclasses", "enum", "time", "typing"}, outside
 
