@@ -1,7 +1,7 @@
 """An election's decisions (`pg_lease_django.election.plan`), term and rest alike, with a fake clock.
 
 No database and no threads: each test plays a driver, answering the plan's steps and moving the
-clock on by each `Rest`. What the drivers themselves do (the hold, the callback, ``stop()`` and
+clock on by each `Pause`. What the drivers themselves do (the hold, the callback, ``stop()`` and
 cancellation) stays covered in real time by tests/test_election.py and tests/test_campaign.py.
 """
 
@@ -24,13 +24,13 @@ from pg_lease_django.election.plan import (
     Left,
     ReadLeader,
     Refused,
-    Rest,
     Step,
     StepDown,
     TermEnd,
     Won,
     term_end,
 )
+from pg_lease_django.plans import Pause
 
 POLL = 0.5
 TTL = 6.0
@@ -60,8 +60,8 @@ def campaign() -> tuple[Campaign, FakeClock, Steps]:
 
 
 def answer(steps: Steps, clock: FakeClock, step: Step, value: Any = None) -> Step:
-    """Answer ``step`` (a Rest moves the clock on by its seconds) and return the next step."""
-    if isinstance(step, Rest):
+    """Answer ``step`` (a Pause moves the clock on by its seconds) and return the next step."""
+    if isinstance(step, Pause):
         clock.now += step.seconds
     return steps.send(value)
 
@@ -83,16 +83,16 @@ def steps_after(steps: Steps, clock: FakeClock, attempt: Any, answers: Mapping[t
 
 def test_a_refusal_announces_the_holder_then_rests_one_poll_interval() -> None:
     _, clock, steps = campaign()
-    assert steps_after(steps, clock, Refused("them")) == [Announce("them"), Rest(POLL)]
-    assert steps_after(steps, clock, Refused(None)) == [Rest(POLL)]
+    assert steps_after(steps, clock, Refused("them")) == [Announce("them"), Pause(POLL)]
+    assert steps_after(steps, clock, Refused(None)) == [Pause(POLL)]
 
 
 def test_failed_attempts_back_off_doubling_up_to_one_ttl_and_a_served_term_resets_it() -> None:
     _, clock, steps = campaign()
     rests = [steps_after(steps, clock, Failed()) for _ in range(6)]
-    assert rests == [[Rest(0.5)], [Rest(1.0)], [Rest(2.0)], [Rest(4.0)], [Rest(TTL)], [Rest(TTL)]]
-    assert steps_after(steps, clock, Won(), RETURNED) == [*TERM, Rest(POLL)]
-    assert steps_after(steps, clock, Failed()) == [Rest(0.5)]
+    assert rests == [[Pause(0.5)], [Pause(1.0)], [Pause(2.0)], [Pause(4.0)], [Pause(TTL)], [Pause(TTL)]]
+    assert steps_after(steps, clock, Won(), RETURNED) == [*TERM, Pause(POLL)]
+    assert steps_after(steps, clock, Failed()) == [Pause(0.5)]
 
 
 # ---- a term ---------------------------------------------------------------------------------------
@@ -105,20 +105,20 @@ def test_a_won_term_announces_this_campaigner_leads_leaves_its_hold_then_steps_d
     assert answer(steps, clock, Announce("me")) == Lead()
     assert answer(steps, clock, Lead(), TermEnd.RETURNED) == Leave()
     assert answer(steps, clock, Leave(), Left(lost=False, handoff_requested=False)) == StepDown()
-    assert answer(steps, clock, StepDown()) == Rest(POLL)
+    assert answer(steps, clock, StepDown()) == Pause(POLL)
 
 
 def test_a_term_whose_callback_failed_steps_down_and_backs_off() -> None:
     _, clock, steps = campaign()
     failed = {**RETURNED, Lead: TermEnd.FAILED}
-    assert steps_after(steps, clock, Won(), failed) == [*TERM, Rest(0.5)]
-    assert steps_after(steps, clock, Won(), failed) == [*TERM, Rest(1.0)]
+    assert steps_after(steps, clock, Won(), failed) == [*TERM, Pause(0.5)]
+    assert steps_after(steps, clock, Won(), failed) == [*TERM, Pause(1.0)]
 
 
 def test_a_database_failure_leaving_the_hold_still_steps_down_and_backs_off() -> None:
     _, clock, steps = campaign()
-    assert steps_after(steps, clock, Won(), {**RETURNED, Leave: Failed()}) == [*TERM, Rest(0.5)]
-    assert steps_after(steps, clock, Won(), {**RETURNED, Leave: Failed()}) == [*TERM, Rest(1.0)]
+    assert steps_after(steps, clock, Won(), {**RETURNED, Leave: Failed()}) == [*TERM, Pause(0.5)]
+    assert steps_after(steps, clock, Won(), {**RETURNED, Leave: Failed()}) == [*TERM, Pause(1.0)]
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_a_term_cut_short_before_its_callback_started_leaves_the_hold_without_st
 ) -> None:
     """A task cancelled while announcing (``Lead`` answered None): no ``on_stopped_leading``."""
     _, clock, steps = campaign()
-    assert steps_after(steps, clock, Won(), {Lead: None, Leave: left}) == [Announce("me"), Lead(), Leave(), Rest(rest)]
+    assert steps_after(steps, clock, Won(), {Lead: None, Leave: left}) == [Announce("me"), Lead(), Leave(), Pause(rest)]
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,7 @@ def test_a_term_cut_short_before_its_callback_started_leaves_the_hold_without_st
 )
 def test_after_a_return_one_poll_interval_after_a_loss_no_rest(led: TermEnd, left: Left, rest: float) -> None:
     _, clock, steps = campaign()
-    assert steps_after(steps, clock, Won(), {Lead: led, Leave: left}) == [*TERM, Rest(rest)]
+    assert steps_after(steps, clock, Won(), {Lead: led, Leave: left}) == [*TERM, Pause(rest)]
 
 
 @pytest.mark.parametrize(
@@ -169,8 +169,8 @@ def test_every_won_term_leaves_its_hold_once_and_steps_down_after_it_iff_its_cal
     assert taken[:3] == [Announce("me"), Lead(), Leave()]
     assert taken.count(Leave()) == 1 and taken.count(Lead()) == 1
     assert taken.count(StepDown()) == (led is not None)
-    assert all(isinstance(step, StepDown | Rest | ReadLeader) for step in taken[3:])
-    assert isinstance(taken[-1], Rest)
+    assert all(isinstance(step, StepDown | Pause | ReadLeader) for step in taken[3:])
+    assert isinstance(taken[-1], Pause)
 
 
 # ---- after a hand-off -----------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_after_a_hand_off_the_watch_ends_when_another_leader_is_seen() -> None:
         assert step == taken
         step = answer(steps, clock, step, HANDOFF.get(type(step)))
     for holder in (None, "me", None):  # nobody yet, ourselves (a read racing the release), nobody
-        assert step == Rest(POLL)
+        assert step == Pause(POLL)
         assert answer(steps, clock, step) == ReadLeader()
         step = answer(steps, clock, ReadLeader(), holder)
     assert answer(steps, clock, answer(steps, clock, step), "them") == Announce("them")
@@ -202,7 +202,7 @@ def test_after_a_hand_off_the_watch_gives_up_after_one_ttl() -> None:
     assert taken[: len(TERM)] == TERM
     assert watch.count(ReadLeader()) == TTL / POLL - 1  # none after the last rest: its end is the deadline
     assert clock.now - started == pytest.approx(TTL)
-    assert all(step in (ReadLeader(), Rest(POLL)) for step in watch)
+    assert all(step in (ReadLeader(), Pause(POLL)) for step in watch)
 
 
 def test_a_hand_off_resets_the_back_off() -> None:
@@ -216,7 +216,7 @@ def test_a_hand_off_resets_the_back_off() -> None:
 
 def test_a_failed_term_with_a_hand_off_requested_backs_off_without_watching() -> None:
     _, clock, steps = campaign()
-    assert steps_after(steps, clock, Won(), {**HANDOFF, Lead: TermEnd.FAILED}) == [*TERM, Rest(0.5)]
+    assert steps_after(steps, clock, Won(), {**HANDOFF, Lead: TermEnd.FAILED}) == [*TERM, Pause(0.5)]
 
 
 # ---- a stop ---------------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_a_stop_ends_the_campaign_at_its_next_attempt_rest_or_read_never_inside_
 
 
 def test_the_steps_a_stop_ends_at() -> None:
-    assert set(ENDED_BY_STOP) == {Attempt, Rest, ReadLeader}
+    assert set(ENDED_BY_STOP) == {Attempt, Pause, ReadLeader}
 
 
 # ---- how a term ended -----------------------------------------------------------------------------

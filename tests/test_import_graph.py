@@ -321,10 +321,25 @@ def test_the_election_drivers_stand_apart() -> None:
 
 
 def test_the_election_plan_does_no_io() -> None:
-    """The plan imports nothing that blocks, awaits or reaches the database: only the settings."""
-    assert _graph()["election.plan"] <= {"conf"}
+    """The plan imports nothing that blocks, awaits or reaches the database, not even the settings,
+    which it takes as arguments: only the plan protocol."""
+    assert _graph()["election.plan"] <= {"plans"}
     outside = {module.partition(".")[0] for module in _imported("election.plan")} - {ROOT}
     assert outside <= {"__future__", "collections", "dataclasses", "enum", "time", "typing"}, outside
+
+
+def _steps_a_generator_by_hand(path: Path) -> bool:
+    """Whether the module catches StopIteration, the end of a generator it sends to or throws into."""
+    tree = parse(path.read_text(), str(path))
+    return any(isinstance(node, ast.Name) and node.id == "StopIteration" for node in ast.walk(tree))
+
+
+def test_every_plan_is_run_by_drive_or_adrive() -> None:
+    """One plan protocol: only ``plans`` steps a plan by hand, in `drive` and `adrive`; every other
+    module hands its plans to them."""
+    assert _steps_a_generator_by_hand(_modules()["plans"])  # the scan finds what it looks for
+    by_hand = sorted(name for name, path in _modules().items() if name != "plans" and _steps_a_generator_by_hand(path))
+    assert not by_hand, f"run these modules' plans with plans.drive or plans.adrive: {by_hand}"
 
 
 def test_fencing_reads_only_the_context_of_holds() -> None:

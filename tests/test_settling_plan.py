@@ -15,12 +15,12 @@ from typing import Any, Literal
 import pytest
 
 from pg_lease_django.operations import LeaseState
+from pg_lease_django.plans import Pause
 from pg_lease_django.wait.settling import (
     SETTLE_WITHIN,
     CancelAttempt,
     InFlight,
     Inspect,
-    PauseFor,
     ReleaseWithin,
     SettlingStep,
     settling_plan,
@@ -50,7 +50,7 @@ def steps(plan: Generator[SettlingStep, Any, None], answers: list[Any], clock: C
         step = plan.send(None)
         while True:
             asked.append(step)
-            if isinstance(step, PauseFor) and clock is not None:
+            if isinstance(step, Pause) and clock is not None:
                 clock.now += step.seconds
             answer = answers.pop(0)
             step = plan.throw(answer) if isinstance(answer, Exception) else plan.send(answer)
@@ -75,9 +75,9 @@ def test_the_attempt_is_cancelled_until_it_no_longer_runs_then_the_lease_is_read
     asked = steps(settling_plan("k", "me", SENT, clock), [True, None, True, None, False, state("free", None)], clock)
     assert asked == [
         CancelAttempt(SENT),
-        PauseFor(0.01),
+        Pause(0.01),
         CancelAttempt(SENT),
-        PauseFor(0.01),
+        Pause(0.01),
         CancelAttempt(SENT),
         Inspect("k"),
     ]
@@ -91,9 +91,9 @@ def test_an_attempt_that_runs_on_is_waited_for_settle_within_seconds_then_the_le
     plan = settling_plan("k", "me", SENT, clock)
     step = plan.send(None)
     cancels = 0
-    while isinstance(step, CancelAttempt | PauseFor):
+    while isinstance(step, CancelAttempt | Pause):
         cancels += isinstance(step, CancelAttempt)
-        if isinstance(step, PauseFor):
+        if isinstance(step, Pause):
             clock.now += step.seconds
         step = plan.send(True)  # still running, whatever is sent
     assert step == Inspect("k")

@@ -1,6 +1,6 @@
 """The blocking acquire's plan (`wait_plan`), driven by hand with a fake clock: no database, no waiting.
 
-Each test sends the answers a driver would (attempt rows, an epoch, `Lost`) and checks the steps the
+Each test sends the answers a driver would (attempt rows, an epoch) or throws its `Lost`, and checks the steps the
 plan asks for and the values it computes: the pause after a refusal, the deadline, the rejoin's
 back-off and its limits, the check of an attempt whose answer was lost. The real-time behaviour of
 the two drivers, on a real server, is tests/test_blocking.py, test_async.py, test_interrupts.py and
@@ -9,7 +9,7 @@ test_failover_listen.py (one per behaviour); the timing arithmetic is here.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -18,19 +18,17 @@ from django.db import OperationalError
 
 from pg_lease_django.exceptions import LeaseTimeoutError
 from pg_lease_django.operations import Attempt, Grant
+from pg_lease_django.plans import Pause, Plan
 from pg_lease_django.wait.plan import (
     REJOIN_PAUSES,
     REJOIN_WITHIN,
     WAKE_BURST,
     WAKE_RATE,
-    Granted,
     Lost,
-    PauseFor,
     ReadEpoch,
     Reconnect,
     Step,
     TryOnce,
-    advance,
     left_of,
     pause_after_refusal,
     retry_within,
@@ -40,9 +38,7 @@ from pg_lease_django.wait.plan import (
 NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
 
 
-@pytest.fixture(autouse=True)
-def _poll_interval(settings: Any) -> None:
-    settings.PG_LEASE_POLL_INTERVAL = 0.5
+POLL = 0.5
 
 
 class FakeClock:
@@ -54,7 +50,7 @@ class FakeClock:
 
 
 def seconds(step: Step | Granted) -> float:
-    assert isinstance(step, PauseFor | Reconnect)
+    assert isinstance(step, Pause | Reconnect)
     return step.seconds
 
 
@@ -66,11 +62,25 @@ def granted(epoch: int = 8) -> Attempt:
     return Attempt(True, "k", "me", epoch, NOW + timedelta(seconds=30), NOW)
 
 
-Plan = Generator[Step, Any, Grant]
+@dataclass(frozen=True)
+class Granted:
+    """Not a step: the plan's end, with the grant it returned."""
+
+    grant: Grant
 
 
-def start(clock: FakeClock, wait: float | None = 5.0, *, rejoin: bool = True) -> tuple[Plan, Step]:
-    plan = wait_plan("k", "me", None if wait is None else timedelta(seconds=wait), rejoin=rejoin, clock=clock)
+def advance(plan: Plan[Step, Grant], answer: Any) -> Step | Granted:
+    """Play the driver: send ``answer`` (None to start) or throw it in when it is `Lost`; the next step,
+    or `Granted` at the plan's end."""
+    try:
+        return plan.throw(answer) if isinstance(answer, Lost) else plan.send(answer)
+    except StopIteration as done:
+        return Granted(done.value)
+
+
+def start(clock: FakeClock, wait: float | None = 5.0, *, rejoin: bool = True) -> tuple[Plan[Step, Grant], Step]:
+    timeout = None if wait is None else timedelta(seconds=wait)
+    plan = wait_plan("k", "me", timeout, rejoin=rejoin, poll_interval=POLL, clock=clock)
     step = advance(plan, None)
     assert not isinstance(step, Granted)
     return plan, step
@@ -88,11 +98,11 @@ def test_a_grant_at_the_first_attempt_ends_the_plan() -> None:
 def test_the_pause_after_a_refusal_is_the_poll_the_expiry_or_the_deadline() -> None:
     clock = FakeClock()
     plan, _ = start(clock, wait=5.0)
-    assert advance(plan, refused(expires_in=10.0)) == PauseFor(0.5)  # the poll interval comes first
+    assert advance(plan, refused(expires_in=10.0)) == Pause(0.5)  # the poll interval comes first
     assert isinstance(advance(plan, None), TryOnce)
     assert seconds(advance(plan, refused(expires_in=0.2))) == pytest.approx(0.2)  # the holder's expiry
     assert isinstance(advance(plan, None), TryOnce)
-    assert advance(plan, refused(expires_in=-3.0)) == PauseFor(0.0)  # lapsed: try again at once
+    assert advance(plan, refused(expires_in=-3.0)) == Pause(0.0)  # lapsed: try again at once
     clock.now += 4.9
     assert isinstance(advance(plan, None), TryOnce)
     assert seconds(advance(plan, refused())) == pytest.approx(0.1)  # the deadline
@@ -116,7 +126,7 @@ def test_no_deadline_waits_on() -> None:
     plan, _ = start(clock, wait=None)
     for _ in range(3):
         clock.now += 1e6
-        assert advance(plan, refused()) == PauseFor(0.5)
+        assert advance(plan, refused()) == Pause(0.5)
         assert isinstance(advance(plan, None), TryOnce)
 
 
@@ -129,8 +139,8 @@ def test_a_waiter_registers_for_the_poll_or_what_is_left_of_its_wait() -> None:
     step = advance(plan, None)
     assert isinstance(step, TryOnce)
     assert step.register_for.total_seconds() == pytest.approx(0.2)
-    assert retry_within(clock.now - 1.0, clock) == timedelta(0)  # never negative past the deadline
-    assert retry_within(None, clock) == timedelta(seconds=0.5)
+    assert retry_within(clock.now - 1.0, POLL, clock) == timedelta(0)  # never negative past the deadline
+    assert retry_within(None, POLL, clock) == timedelta(seconds=0.5)
 
 
 def test_each_attempt_may_wait_for_a_lock_what_is_left_of_the_deadline_at_most() -> None:
@@ -154,7 +164,7 @@ def test_pause_after_refusal_reads_the_server_clock_not_the_clients() -> None:
     clock = FakeClock()
     # The holder's expiry is 0.3 s ahead on the server's clock, whatever the client's says.
     answer = Attempt(False, "k", "holder", 3, NOW + timedelta(days=1, seconds=0.3), NOW + timedelta(days=1))
-    assert pause_after_refusal("k", "me", answer, None, None, clock) == pytest.approx(0.3)
+    assert pause_after_refusal("k", "me", answer, None, None, POLL, clock) == pytest.approx(0.3)
 
 
 def test_a_connection_lost_before_any_answer_fails_the_call_at_once() -> None:
@@ -287,10 +297,10 @@ def test_forged_notifications_cost_a_bounded_number_of_attempts_a_second() -> No
         assert isinstance(step, TryOnce)
         attempts += 1
         step = advance(plan, refused(expires_in=30.0))
-        assert isinstance(step, PauseFor) and step.wakeable
+        assert isinstance(step, Pause) and step.wakeable
         clock.now += 0.001  # a notification arrives at once, every time
         step = advance(plan, None)
-        if isinstance(step, PauseFor):  # over budget: a pause no notification ends
+        if isinstance(step, Pause):  # over budget: a pause no notification ends
             assert not step.wakeable and 0 < step.seconds <= 1 / WAKE_RATE + 1e-9
             clock.now += step.seconds
             step = advance(plan, None)
@@ -306,7 +316,7 @@ def test_a_wake_after_a_quiet_pause_is_never_delayed() -> None:
     step: Step | Granted = first
     for _ in range(20):
         step = advance(plan, refused(expires_in=30.0))
-        assert isinstance(step, PauseFor)
+        assert isinstance(step, Pause)
         clock.now += step.seconds  # the poll interval passed: not woken
         step = advance(plan, None)
         assert isinstance(step, TryOnce)

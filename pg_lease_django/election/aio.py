@@ -21,6 +21,7 @@ from asgiref.sync import iscoroutinefunction
 from pg_lease_django.exceptions import InvalidInputError, LeaseLostError
 from pg_lease_django.holds.lease import HeldLease
 from pg_lease_django.metrics import hooks as metrics
+from pg_lease_django.plans import Pause, adrive
 from pg_lease_django.validation import Seconds
 
 from .candidate import Candidate, Term, leader_in
@@ -34,7 +35,6 @@ from .plan import (
     Left,
     ReadLeader,
     Refused,
-    Rest,
     Step,
     StepDown,
     TermEnd,
@@ -62,12 +62,7 @@ class AsyncElection:
         key = self.candidate.key
         metrics.campaigning(key, 1)
         try:
-            plan = self.candidate.campaign.plan()
-            step = next(plan)
-            while True:
-                if self._cancelled is not None and isinstance(step, ENDED_BY_STOP):
-                    raise self._cancelled
-                step = plan.send(await self._perform(step))
+            await adrive(self.candidate.campaign.plan(), self._perform)
         except BaseException as exc:
             await self._abandon_term(exc)
             raise
@@ -78,6 +73,8 @@ class AsyncElection:
         from pg_lease_django.models import Lease
 
         candidate = self.candidate
+        if self._cancelled is not None and isinstance(step, ENDED_BY_STOP):
+            raise self._cancelled
         match step:
             case Attempt():
                 return await self._attempt()
@@ -89,7 +86,7 @@ class AsyncElection:
                 return await self._leave()
             case StepDown():
                 await self._finish(candidate.call(candidate.on_stopped_leading), candidate.on_stopped_leading)
-            case Rest(seconds):
+            case Pause(seconds):
                 await asyncio.sleep(seconds)
             case ReadLeader():
                 try:

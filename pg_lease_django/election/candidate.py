@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pg_lease_django import conf
 from pg_lease_django.exceptions import InvalidInputError, NotAcquirableError
 from pg_lease_django.holds.holding import Holding, hold
 from pg_lease_django.holds.lease import HeldLease
@@ -77,7 +78,7 @@ class Candidate:
         self.on_stopped_leading = on_stopped_leading
         self.on_new_leader = on_new_leader
         self.using = using
-        self.campaign = Campaign(self.owner, self.ttl.total_seconds())
+        self.campaign = Campaign(self.owner, self.ttl.total_seconds(), poll_interval=conf.poll_interval)
         self.leader: str | None = None
         self.lease: HeldLease | None = None
 

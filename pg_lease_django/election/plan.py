@@ -1,8 +1,9 @@
 """An election written once: what a campaign does, term after term, as a generator that does no I/O.
 
 `Campaign.plan` decides; a driver does. It yields the next step and is sent the step's answer. Two
-drivers run it: `Election`'s thread (``elect()``: blocking calls, a `Rest` cut short by ``stop()``)
-and `AsyncElection`'s task (``aelect()``: awaits, a `Rest` cut short by cancellation). The decisions
+drivers run it with `pg_lease_django.plans.drive` and `adrive`: `Election`'s thread (``elect()``:
+blocking calls, a `Pause` cut short by ``stop()``) and `AsyncElection`'s task (``aelect()``: awaits,
+a `Pause` cut short by cancellation). The decisions
 are all here: campaign with one attempt at a time; after winning, announce this campaigner, lead,
 leave the hold, then call ``on_stopped_leading`` (only if the leader callback ran); how the term
 ended (`term_end`), how long to rest, the watch for a new leader after a hand-off, and which steps
@@ -23,11 +24,10 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from pg_lease_django import conf
+from pg_lease_django.plans import Pause, Plan
 
 Clock = Callable[[], float]
 
@@ -86,24 +86,18 @@ class StepDown:
 
 
 @dataclass(frozen=True)
-class Rest:
-    """Wait ``seconds`` (cut short by a stop or a cancellation, which end the campaign); answer: None."""
-
-    seconds: float
-
-
-@dataclass(frozen=True)
 class ReadLeader:
     """Read who holds the key (``inspect``); answer: the holder, None when nobody holds it or the
     read failed (the driver logs the failure)."""
 
 
-Step = Attempt | Announce | Lead | Leave | StepDown | Rest | ReadLeader
+Step = Attempt | Announce | Lead | Leave | StepDown | Pause | ReadLeader
 
-#: The steps a stopped campaign does not take: a driver ends when the plan comes to one once stopped
-#: (a thread returns, a task raises its CancelledError). A term in progress still ends as a term does
-#: (`Lead` returns, `Leave`, `StepDown`), and an announcement is still made.
-ENDED_BY_STOP = (Attempt, Rest, ReadLeader)
+#: The steps a stopped campaign does not take: once stopped, a driver throws its stop into the plan
+#: at the next of them, which ends the plan; a thread then returns and a task raises its CancelledError.
+#: A term in progress still ends as a term does (`Lead` returns, `Leave`, `StepDown`), and an
+#: announcement is still made.
+ENDED_BY_STOP = (Attempt, Pause, ReadLeader)
 
 
 # ---- the answers ----------------------------------------------------------------------------------
@@ -135,14 +129,18 @@ class Left:
 
 
 class Campaign:
-    """The decisions of one election (its back-off is the only state kept)."""
+    """The decisions of one election (its back-off is the only state kept).
+
+    ``poll_interval`` returns the pause between two attempts, read before each rest, so that the
+    caller decides where the setting comes from.
+    """
 
     def __init__(
         self,
         owner: str,
         ttl: float,
         *,
-        poll_interval: Callable[[], float] = conf.poll_interval,
+        poll_interval: Callable[[], float],
         clock: Clock = time.monotonic,
     ) -> None:
         self.owner = owner
@@ -151,7 +149,7 @@ class Campaign:
         self.clock = clock
         self.failures = 0  # terms (or attempts) in a row that failed: the back-off
 
-    def plan(self) -> Generator[Step, Any, None]:
+    def plan(self) -> Plan[Step, None]:
         """Campaign for ever: a driver stops at a step of `ENDED_BY_STOP` once stopped (or cancelled)."""
         while True:
             attempt = yield Attempt()
@@ -160,11 +158,11 @@ class Campaign:
             elif isinstance(attempt, Refused):
                 if attempt.holder is not None:
                     yield Announce(attempt.holder)
-                yield Rest(self.poll_interval())
+                yield Pause(self.poll_interval())
             else:
-                yield Rest(self.rest(TermEnd.FAILED))
+                yield Pause(self.rest(TermEnd.FAILED))
 
-    def term(self) -> Generator[Step, Any, None]:
+    def term(self) -> Plan[Step, None]:
         """A term won: announce this campaigner, lead, leave the hold, step down if the callback ran, rest."""
         yield Announce(self.owner)
         led: TermEnd | None = yield Lead()
@@ -179,7 +177,7 @@ class Campaign:
         if ended == TermEnd.HANDOFF:
             yield from self.watch(self.rest(ended))
         else:
-            yield Rest(self.rest(ended))
+            yield Pause(self.rest(ended))
 
     def rest(self, ended: TermEnd) -> float:
         """Seconds to wait before campaigning again after a term that ended so (module docstring)."""
@@ -192,11 +190,11 @@ class Campaign:
             return self.ttl
         return poll if ended == TermEnd.RETURNED else 0.0
 
-    def watch(self, seconds: float) -> Generator[Step, Any, None]:
+    def watch(self, seconds: float) -> Plan[Step, None]:
         """After a hand-off: rest until another leader is seen (announced) or ``seconds`` pass."""
         deadline = self.clock() + seconds
         while (remaining := deadline - self.clock()) > 0:
-            yield Rest(min(self.poll_interval(), remaining))
+            yield Pause(min(self.poll_interval(), remaining))
             if self.clock() >= deadline:
                 return
             holder = yield ReadLeader()

@@ -32,6 +32,7 @@ from pg_lease_django.holds.holding import report_next_acquire_to
 from pg_lease_django.holds.lease import HeldLease
 from pg_lease_django.holds.lease_connection import InFlight
 from pg_lease_django.metrics import hooks as metrics
+from pg_lease_django.plans import Pause, drive
 from pg_lease_django.validation import Seconds
 
 from .candidate import Candidate, Term, leader_in, logger
@@ -45,7 +46,6 @@ from .plan import (
     Left,
     ReadLeader,
     Refused,
-    Rest,
     Step,
     StepDown,
     TermEnd,
@@ -57,6 +57,11 @@ __all__ = ["Election", "current_election", "elect", "fail_term", "start"]
 #: Seconds between the cancel request of a campaign attempt interrupted by `Election.stop` and
 #: shutting its socket (the attempt is settled on the server either way: `wait.settling.settle`).
 _INTERRUPT_GRACE = 1.0
+
+
+class _Stopped(Exception):
+    """Thrown into the plan at a step a stopped campaign does not take: it ends the plan and the thread."""
+
 
 _current: ContextVar[Election | None] = ContextVar("pg_lease_current_election", default=None)
 
@@ -219,10 +224,9 @@ class Election:
         _current.set(self)
         metrics.campaigning(self.key, 1)
         try:
-            plan = self._candidate.campaign.plan()
-            step = next(plan)
-            while not (self._stop.is_set() and isinstance(step, ENDED_BY_STOP)):
-                step = plan.send(self._perform(step))
+            drive(self._candidate.campaign.plan(), self._perform)
+        except _Stopped:
+            pass
         except BaseException as exc:
             self._abandon_term(exc)
             logger.error("election %r (%s) crashed; it no longer campaigns", self.key, self.owner, exc_info=exc)
@@ -235,6 +239,8 @@ class Election:
         from pg_lease_django.models import Lease
 
         candidate = self._candidate
+        if self._stop.is_set() and isinstance(step, ENDED_BY_STOP):
+            raise _Stopped
         match step:
             case Attempt():
                 return self._attempt()
@@ -246,7 +252,7 @@ class Election:
                 return self._leave()
             case StepDown():
                 candidate.call(candidate.on_stopped_leading)
-            case Rest(seconds):
+            case Pause(seconds):
                 self._stop.wait(seconds)
             case ReadLeader():
                 try:

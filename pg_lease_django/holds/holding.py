@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from contextvars import Token
 from types import TracebackType
@@ -24,7 +24,7 @@ from asgiref.sync import iscoroutinefunction
 from pg_lease_django import sigterm
 from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
 from pg_lease_django.exit_codes import ExitCode
-from pg_lease_django.plans import adrive, drive
+from pg_lease_django.plans import Plan, adrive, drive
 from pg_lease_django.signals import lease_skipped
 from pg_lease_django.validation import Seconds, check_name
 
@@ -373,7 +373,7 @@ _ENTER, _CALL = object(), object()
 _Step = object
 
 
-def _held_call(func: Callable[..., Any], holding: Holding, on_busy: OnBusy) -> Generator[_Step, Any, Any]:
+def _held_call(func: Callable[..., Any], holding: Holding, on_busy: OnBusy) -> Plan[_Step, Any]:
     """One call of a ``@leased`` function: enter, call, exit with the call's exception (if any)."""
     try:
         yield _ENTER

@@ -1,4 +1,4 @@
-"""The blocking acquire on the event loop: `wait.plan` driven on an async psycopg connection (``aacquire``).
+"""The blocking acquire on the event loop: `wait.plan` run by `plans.adrive` on an async psycopg connection.
 
 Nothing here is public API (see docs/async.md). The first try is made as a non-blocking ``aacquire``
 makes it (``first_try``: on the lease pool, or on the caller's connection inside its transaction),
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,15 +31,14 @@ from django.db.utils import DatabaseErrorWrapper, load_backend
 from pg_lease_django import conf, operations, sql
 from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Attempt, Grant
+from pg_lease_django.plans import Pause, Plan, adrive
 from pg_lease_django.sql import run, statements
 from pg_lease_django.sql.arun import Session
 
-from .plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
+from .plan import Lost, ReadEpoch, Reconnect, Step, TryOnce, wait_plan
 from .settling import asettle, settled_anyway
 
 logger = logging.getLogger(__name__)
-
-Plan = Generator[Step, Any, Grant]
 
 
 @dataclass(frozen=True)
@@ -84,13 +83,13 @@ async def await_and_acquire(
         grant = (await first_try()).grant(key)
         if grant is not None:
             return grant
-        plan = wait_plan(key, owner, wait, rejoin=not in_transaction, since=started)
+        plan = wait_plan(key, owner, wait, rejoin=not in_transaction, poll_interval=conf.poll_interval(), since=started)
         if in_transaction:
             return await _poll_in_transaction(connection_of, key, owner, ttl, plan)
         return await _await_and_acquire(_own_wait(alias, owner), key, owner, ttl, plan)
 
 
-async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta, plan: Plan) -> Grant:
+async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta, plan: Plan[Step, Grant]) -> Grant:
     # Each attempt is one statement (ACQUIRE_WITHIN, whose lock waits end by the deadline, or
     # ACQUIRE_OR_REGISTER when it listens) on the waiter's own connection rather than an attempt
     # in a thread: a thread cannot be interrupted, so an attempt stuck behind a row lock (until the
@@ -101,48 +100,46 @@ async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta
     # (the server crashed, a failover) is opened again.
     attempt = statements.ACQUIRE_OR_REGISTER if own.listen else statements.ACQUIRE_WITHIN
     attempting = False  # an attempt's statement is in flight: its outcome unknown if interrupted
-    with own.errors:
-        session: Session | None = None
+    session: Session | None = None
+
+    async def do(step: Step) -> Any:
+        nonlocal session, attempting
+        if isinstance(step, Reconnect):
+            if session is not None:
+                await session.close()
+                session = None
+            await asyncio.sleep(step.seconds)
+            return None
+        attempting = False
         try:
-            step = advance(plan, None)
-            while not isinstance(step, Granted):
-                if isinstance(step, Reconnect):
-                    if session is not None:
-                        await session.close()
-                        session = None
-                    await asyncio.sleep(step.seconds)
-                    step = advance(plan, None)
-                    continue
+            if session is None:
+                # A schema this process has not looked up yet is looked up on this session,
+                # never on the caller's connection, which stays closed if it was.
+                session = await Session.connect(
+                    own.connect, own.alias, schema=sql.known_schema(own.alias), role=own.role, listen=own.listen
+                )
+            if isinstance(step, TryOnce):
+                params = [key, owner, ttl, step.register_for if own.listen else step.within]
+                attempting = True
+                # An unconfirmed grant raises here, the attempt still "in flight": settled below.
+                tried = await session.one(attempt, params)
                 attempting = False
-                answer: Any
-                try:
-                    if session is None:
-                        # A schema this process has not looked up yet is looked up on this session,
-                        # never on the caller's connection, which stays closed if it was.
-                        session = await Session.connect(
-                            own.connect, own.alias, schema=sql.known_schema(own.alias), role=own.role, listen=own.listen
-                        )
-                    if isinstance(step, TryOnce):
-                        params = [key, owner, ttl, step.register_for if own.listen else step.within]
-                        attempting = True
-                        # An unconfirmed grant raises here, the attempt still "in flight": settled below.
-                        tried = await session.one(attempt, params)
-                        attempting = False
-                        answer = operations.attempted(key, tried)
-                    elif isinstance(step, ReadEpoch):
-                        answer = (await session.one(statements.INSPECT, [key])).epoch
-                    else:
-                        if own.listen and step.wakeable:
-                            await _await_release(session.conn, key, step.seconds)
-                        else:
-                            await asyncio.sleep(step.seconds)
-                        answer = None
-                except psycopg.Error as exc:
-                    if not (session is None or session.closed):
-                        raise  # an error of the statement, the connection is fine
-                    answer = Lost(exc, sent=attempting)
-                step = advance(plan, answer)
-            return step.grant
+                return operations.attempted(key, tried)
+            if isinstance(step, ReadEpoch):
+                return (await session.one(statements.INSPECT, [key])).epoch
+            if own.listen and step.wakeable:
+                await _await_release(session.conn, key, step.seconds)
+            else:
+                await asyncio.sleep(step.seconds)
+            return None
+        except psycopg.Error as exc:
+            if not (session is None or session.closed):
+                raise  # an error of the statement, the connection is fine
+            raise Lost(exc, sent=attempting) from None
+
+    with own.errors:
+        try:
+            return await adrive(plan, do)
         except BaseException as exc:
             # Cancelled (or timed out by asyncio.timeout) during an attempt: psycopg cancelled the
             # statement and read out its result, which may have been a committed grant: settle it
@@ -160,20 +157,20 @@ async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta
 
 
 async def _poll_in_transaction(
-    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, plan: Plan
+    connection_of: Callable[[], BaseDatabaseWrapper], key: str, owner: str, ttl: timedelta, plan: Plan[Step, Grant]
 ) -> Grant:
     """The caller's connection is in a transaction: the grant must belong to it, so the attempts run
     there (in its thread) and the waiter polls, as acquire() does there. An attempt in flight when
     the task is cancelled finishes in that thread. A lost connection took the transaction: raised."""
-    step = advance(plan, None)
-    while not isinstance(step, Granted):
+
+    async def do(step: Step) -> Any:
         if isinstance(step, TryOnce):
-            step = advance(plan, await sync_to_async(_attempt_on)(connection_of, key, owner, ttl, step.within))
-        else:
-            assert isinstance(step, PauseFor)
-            await asyncio.sleep(step.seconds)
-            step = advance(plan, None)
-    return step.grant
+            return await sync_to_async(_attempt_on)(connection_of, key, owner, ttl, step.within)
+        assert isinstance(step, Pause)
+        await asyncio.sleep(step.seconds)
+        return None
+
+    return await adrive(plan, do)
 
 
 def _attempt_on(

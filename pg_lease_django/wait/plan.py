@@ -1,15 +1,15 @@
 """The blocking acquire's wait, written once: what to do next, as a generator that does no I/O.
 
-`wait_plan` decides; a driver does. It yields the next step (`TryOnce`, `ReadEpoch`, `PauseFor`,
-`Reconnect`) and is sent the step's answer: the attempt's row, the key's epoch, None, or `Lost`
-when the connection was lost while the step ran. It returns the grant or raises: the timeout
-(`LeaseTimeoutError`), a lost connection it gives up on, or `OutcomeUnknownError` when a lost attempt
-may have been granted unseen. Two drivers run it: `sync_driver.wait_and_acquire` on the caller's Django
-connection (blocking) and `async_driver.await_and_acquire` on a psycopg async connection (the event
-loop); what they share (the deadline, the pause after a refusal, the rejoin after a lost connection,
-the check of an attempt whose answer was lost) lives here only, and is tested with a fake clock
-(tests/test_wait_plan.py). This is psycopg's habit for its protocol (generators that yield what to
-wait for, run by a blocking and an async waiter), one level up: the steps are statements and pauses.
+`wait_plan` decides; a driver does. It is a `pg_lease_django.plans.Plan`: it yields the next step
+(`TryOnce`, `ReadEpoch`, `Pause`, `Reconnect`) and is sent the step's answer, the attempt's row, the
+key's epoch or None. A driver that lost its connection while a step ran throws `Lost` in instead. It
+returns the grant or raises: the timeout (`LeaseTimeoutError`), `OutcomeUnknownError` when a lost
+attempt may have been granted unseen, or the driver's error of a lost connection it gives up on. Two
+drivers run it with `drive` and `adrive`: `sync_driver.wait_and_acquire` on the caller's Django
+connection and `async_driver.await_and_acquire` on a psycopg async connection. What they share lives
+here only and is tested with a fake clock in tests/test_wait_plan.py: the deadline, the pause after a
+refusal, the rejoin after a lost connection and the check of an attempt whose answer was lost. The
+poll interval is an argument, which the drivers read from the settings when the wait starts.
 
 A waiter outside a transaction that loses its connection (the server crashed, a failover) reconnects
 and goes on waiting: through a multi-host ``HOST`` with ``target_session_attrs=read-write`` that is
@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from pg_lease_django import conf
 from pg_lease_django.exceptions import LeaseTimeoutError, OutcomeUnknownError
 from pg_lease_django.operations import Attempt, Grant
+from pg_lease_django.plans import Pause, Plan
 from pg_lease_django.validation import MAX_WAIT, describe_seconds
 
 logger = logging.getLogger(__name__)
@@ -70,38 +70,26 @@ class ReadEpoch:
 
 
 @dataclass(frozen=True)
-class PauseFor:
-    """Wait ``seconds`` for a release (a notification when LISTENing, unless not ``wakeable``) or the
-    time; answer: None."""
-
-    seconds: float
-    wakeable: bool = True
-
-
-@dataclass(frozen=True)
 class Reconnect:
     """Drop the lost connection and open a new one after ``seconds``; answer: None."""
 
     seconds: float
 
 
-@dataclass(frozen=True)
-class Granted:
-    """Not a step: the plan's end, the grant to return (see `advance`)."""
-
-    grant: Grant
+Step = TryOnce | ReadEpoch | Pause | Reconnect
 
 
-Step = TryOnce | ReadEpoch | PauseFor | Reconnect
+class Lost(Exception):
+    """What a driver throws into the plan when the connection was lost while a step ran.
 
+    ``error`` is the driver's error, raised again if the wait gives up. ``sent`` says the step's
+    statement had been sent: an attempt lost before that granted nothing.
+    """
 
-@dataclass(frozen=True)
-class Lost:
-    """The answer when the connection was lost while the step ran (``error``: the driver's error);
-    ``sent``: the step's statement had been sent (lost before that, an attempt granted nothing)."""
-
-    error: BaseException
-    sent: bool = True
+    def __init__(self, error: BaseException, sent: bool = True) -> None:
+        super().__init__(error)
+        self.error = error
+        self.sent = sent
 
 
 def wait_plan(
@@ -110,10 +98,13 @@ def wait_plan(
     wait: timedelta | None,
     *,
     rejoin: bool,
+    poll_interval: float,
     clock: Clock = time.monotonic,
     since: float | None = None,
-) -> Generator[Step, Any, Grant]:
+) -> Plan[Step, Grant]:
     """Attempt until granted, pausing after each refusal; None ``wait``: no deadline.
+
+    ``poll_interval``: the longest pause between two attempts, ``PG_LEASE_POLL_INTERVAL``.
 
     ``since``: when the wait began on ``clock`` (the async wait's first try is made before the plan
     starts, and counts); None: now.
@@ -129,13 +120,13 @@ def wait_plan(
     unsure: BaseException | None = None  # the loss of the connection during an attempt, until checked
     while True:
         if unsure is not None and refused is not None:
-            answer = yield ReadEpoch()
+            answer = yield from _answer(ReadEpoch())
             if isinstance(answer, Lost):
                 yield Reconnect(_rejoin_after(rejoining, answer.error))
                 continue
             _nothing_granted(key, refused, answer, unsure)
             unsure = None
-        answer = yield TryOnce(retry_within(deadline, clock), left_of(deadline, clock))
+        answer = yield from _answer(TryOnce(retry_within(deadline, poll_interval, clock), left_of(deadline, clock)))
         if isinstance(answer, Lost):
             if answer.sent:
                 unsure = answer.error
@@ -148,9 +139,9 @@ def wait_plan(
         if grant is not None:
             return grant
         refused = tried
-        pause = pause_after_refusal(key, owner, refused, wait, deadline, clock)
+        pause = pause_after_refusal(key, owner, refused, wait, deadline, poll_interval, clock)
         paused_at = clock()
-        answer = yield PauseFor(pause)
+        answer = yield from _answer(Pause(pause))
         if isinstance(answer, Lost):
             yield Reconnect(_rejoin_after(rejoining, answer.error))
             continue
@@ -158,17 +149,17 @@ def wait_plan(
         if woken_at - paused_at < pause:  # woken by a notification: a release, or a forged one
             rest = min(wakes.spend(woken_at), paused_at + pause - woken_at)
             if rest > 0:
-                answer = yield PauseFor(rest, wakeable=False)
+                answer = yield from _answer(Pause(rest, wakeable=False))
                 if isinstance(answer, Lost):
                     yield Reconnect(_rejoin_after(rejoining, answer.error))
 
 
-def advance(plan: Generator[Step, Any, Grant], answer: Any) -> Step | Granted:
-    """Send ``answer`` to ``plan`` (None to start it): its next step, or `Granted` when it is done."""
+def _answer(step: Step) -> Plan[Step, Any]:
+    """Yield ``step``: its answer, or the `Lost` a driver threw in at it."""
     try:
-        return plan.send(answer)
-    except StopIteration as done:
-        return Granted(done.value)
+        return (yield step)
+    except Lost as lost:
+        return lost
 
 
 def _rejoin_after(rejoining: _Rejoin | None, error: BaseException) -> float:
@@ -185,11 +176,12 @@ def pause_after_refusal(
     refused: Attempt,
     wait: timedelta | None,
     deadline: float | None,
+    poll_interval: float,
     clock: Clock = time.monotonic,
 ) -> float:
     """Seconds a waiter pauses after the refused attempt; LeaseTimeoutError once past ``deadline``.
 
-    Until the holder's expiry (server clock), a poll interval, or the deadline (``clock``).
+    Until the holder's expiry on the server clock, ``poll_interval``, or the deadline on ``clock``.
     """
     now = clock()
     if deadline is not None and now >= deadline:
@@ -197,7 +189,7 @@ def pause_after_refusal(
         holder = "busy (a lock it needs was held)" if refused.owner is None else f"held by {refused.owner!r}"
         message = f"lease {key!r} still {holder} after waiting {waited}"
         raise LeaseTimeoutError(message, key=key, owner=owner, holder=refused.owner, current_epoch=refused.epoch)
-    pause: float = min(max((refused.expires_at - refused.server_time).total_seconds(), 0.0), conf.poll_interval())
+    pause: float = min(max((refused.expires_at - refused.server_time).total_seconds(), 0.0), poll_interval)
     if deadline is not None:
         pause = min(pause, deadline - now)
     return pause
@@ -212,13 +204,13 @@ def left_of(deadline: float | None, clock: Clock = time.monotonic) -> timedelta 
     return min(timedelta(seconds=max(deadline - clock(), 0.0)), MAX_WAIT)
 
 
-def retry_within(deadline: float | None, clock: Clock = time.monotonic) -> timedelta:
+def retry_within(deadline: float | None, poll_interval: float, clock: Clock = time.monotonic) -> timedelta:
     """The longest a waiter pauses before its next attempt (unless woken): what it registers for.
 
-    The poll interval, or less when the deadline (``clock``) comes sooner; the holder's expiry, the
+    ``poll_interval``, or less when the deadline (``clock``) comes sooner; the holder's expiry, the
     other bound, the server knows from the attempt itself.
     """
-    seconds = conf.poll_interval()
+    seconds = poll_interval
     if deadline is not None:
         seconds = min(seconds, deadline - clock())
     return min(timedelta(seconds=max(seconds, 0.0)), MAX_WAIT)

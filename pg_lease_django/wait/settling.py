@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,7 +30,7 @@ from pg_lease_django import conf, operations
 from pg_lease_django.exceptions import LeaseLostError
 from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Grant
-from pg_lease_django.plans import adrive, drive
+from pg_lease_django.plans import Pause, Plan, adrive, drive
 from pg_lease_django.sql import run, statements
 from pg_lease_django.sql.arun import Session
 
@@ -274,7 +274,7 @@ def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, in_flight: In
 def _do(connection: BaseDatabaseWrapper, step: SettlingStep) -> Any:
     if isinstance(step, CancelAttempt):
         return run.first(connection, statements.CANCEL_ATTEMPT, cancel_attempt_params(step.in_flight)) is not None
-    if isinstance(step, PauseFor):
+    if isinstance(step, Pause):
         time.sleep(step.seconds)
         return None
     if isinstance(step, Inspect):
@@ -328,11 +328,6 @@ def cancel_attempt_params(in_flight: InFlight) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class PauseFor:
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Inspect:
     """Read the lease (`LeaseState`)."""
 
@@ -349,12 +344,12 @@ class ReleaseWithin:
     epoch: int
 
 
-SettlingStep = CancelAttempt | PauseFor | Inspect | ReleaseWithin
+SettlingStep = CancelAttempt | Pause | Inspect | ReleaseWithin
 
 
 def settling_plan(
     key: str, owner: str, in_flight: InFlight | None, clock: Callable[[], float] = time.monotonic
-) -> Generator[SettlingStep, Any, None]:
+) -> Plan[SettlingStep, None]:
     """What settling an interrupted attempt of ``owner`` does, for both drivers (`_settle` on Django's
     connection, `asettle` on an async `Session`): cancel the attempt still running (found by its
     marker) and wait it out (`SETTLE_WITHIN` s at most), then release a grant found in the owner's
@@ -365,7 +360,7 @@ def settling_plan(
         running, failed = True, None
         try:
             while (running := (yield CancelAttempt(in_flight))) and clock() < deadline:
-                yield PauseFor(0.01)
+                yield Pause(0.01)
         except Exception as exc:
             failed = exc
         if running:  # said once, with the lease's fate

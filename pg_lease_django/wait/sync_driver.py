@@ -2,9 +2,9 @@
 
 Nothing here is public API: ``acquire(blocking=True)`` and ``hold(blocking=True)`` are (see
 docs/blocking.md). What to do next and when to give up is the plan's, written once; here is only
-how each step is done on a Django connection. An attempt is one statement (``pg_lease_acquire_within``,
-or ``pg_lease_acquire_or_register`` when the waiter LISTENs for releases), whose lock waits end by
-the deadline; a pause waits for a
+how each step is done on a Django connection, with `plans.drive` running the plan. An attempt is
+one statement, ``pg_lease_acquire_within`` or, when the waiter LISTENs for releases,
+``pg_lease_acquire_or_register``, whose lock waits end by the deadline; a pause waits for a
 notification or the time; a lost connection is dropped and opened again. Between attempts no
 transaction or snapshot is held (outside ``atomic()``), and a refused attempt takes no lock. An
 attempt interrupted in flight is settled (`wait.settling.settle`) before the interruption goes on.
@@ -13,11 +13,11 @@ The same plan on the event loop is `wait.async_driver`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -27,9 +27,10 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from pg_lease_django import conf, operations
 from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Grant
+from pg_lease_django.plans import Pause, Plan, drive
 from pg_lease_django.sql import run, statements
 
-from .plan import Granted, Lost, PauseFor, ReadEpoch, Reconnect, Step, TryOnce, advance, wait_plan
+from .plan import Lost, ReadEpoch, Reconnect, Step, TryOnce, wait_plan
 from .settling import InFlight, abandon_statement, attempt_in_flight, commits_on_its_own, settle
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ def wait_and_acquire(
     waiter = _Waiter(connection, key, owner, ttl, listen=conf.listen_enabled() and own_commit, interrupted=interrupted)
     with metrics.waiting(key):
         try:
-            return waiter.run(wait_plan(key, owner, wait, rejoin=own_commit), before_attempt)
+            plan = wait_plan(key, owner, wait, rejoin=own_commit, poll_interval=conf.poll_interval())
+            return waiter.run(plan, before_attempt)
         except BaseException as exc:
             # An attempt whose answer never came (interrupted, cancelled) may have committed a grant,
             # and a grant answered but not returned (interrupted while leaving LISTEN) is nobody's:
@@ -77,7 +79,7 @@ def wait_and_acquire(
 
 
 class _Waiter:
-    """Runs a `wait_plan` on a Django connection, one session (a LISTEN) per connection."""
+    """Runs a `wait_plan` on a Django connection, one LISTEN per connection."""
 
     def __init__(
         self,
@@ -95,39 +97,73 @@ class _Waiter:
         self.in_flight: InFlight | None = None  # the attempt sent, until answered
         self.sent = False  # the current step's statement was sent
         self.granted: Grant | None = None  # answered, not yet returned (UNLISTEN still to send)
+        self.connected = False  # this connection's stretch of the wait began: LISTEN sent if listening
+        self.raised: BaseException | None = None  # what the last step raised, `Lost` for a lost connection
 
-    def run(self, plan: Generator[Step, Any, Grant], before_attempt: Callable[[], object] | None) -> Grant:
-        step = self._next(plan, None)
-        while True:
-            session = _Session()
-            try:
-                with _listening(self.connection, self.listen, session):
-                    while not isinstance(step, Granted | Reconnect):
-                        step = self._next(plan, self._do(step, before_attempt))
-            except (OperationalError, InterfaceError) as exc:
-                if not session.lost:
-                    raise
-                step = self._next(plan, Lost(exc, sent=self.sent))
-            if isinstance(step, Granted):
-                return step.grant
-            if isinstance(step, Reconnect):
-                with suppress(Exception):
-                    self.connection.close()  # already closed by _listening; the next cursor reconnects
-                time.sleep(step.seconds)
-                step = self._next(plan, None)
-
-    def _next(self, plan: Generator[Step, Any, Grant], answer: Any) -> Step | Granted:
+    def run(self, plan: Plan[Step, Grant], before_attempt: Callable[[], object] | None) -> Grant:
         try:
-            step = advance(plan, answer)
-        except BaseException:
-            # The plan raised (timeout, or a lost connection given up, or a lost attempt whose outcome
-            # is unknown): a lost attempt is reported, not settled; unless an interrupt shut its socket.
-            if not (isinstance(answer, Lost) and self.interrupted is not None and self.interrupted()):
+            grant = drive(plan, functools.partial(self._perform, before_attempt=before_attempt))
+        except BaseException as exc:
+            # Raised by the plan, not passed on from a step: the timeout, a lost connection given up, or
+            # a lost attempt whose outcome is unknown. A lost attempt is reported, not settled, unless an
+            # interrupt shut its socket.
+            shut = isinstance(self.raised, Lost) and self.interrupted is not None and self.interrupted()
+            if exc is not self.raised and not shut:
                 self.in_flight = None
+            self._disconnect(failed=True)
             raise
-        if isinstance(step, Granted):
-            self.granted = step.grant
-        return step
+        self.granted = grant
+        self._disconnect(failed=False)
+        return grant
+
+    def _perform(self, step: Step, before_attempt: Callable[[], object] | None) -> Any:
+        """Perform ``step``; what the plan raises is told from what a step raised by `raised`."""
+        try:
+            answer = self._perform_on_connection(step, before_attempt)
+        except BaseException as exc:
+            self.raised = exc
+            raise
+        self.raised = None
+        return answer
+
+    def _perform_on_connection(self, step: Step, before_attempt: Callable[[], object] | None) -> Any:
+        if isinstance(step, Reconnect):
+            with suppress(Exception):
+                self.connection.close()  # already closed by _disconnect; the next cursor reconnects
+            time.sleep(step.seconds)
+            return None
+        try:
+            if not self.connected:
+                self.connected = True
+                if self.listen:
+                    run.run(self.connection, statements.LISTEN)
+            return self._do(step, before_attempt)
+        except (OperationalError, InterfaceError) as exc:
+            if self._disconnect(failed=True):
+                raise Lost(exc, sent=self.sent) from None
+            raise
+        except BaseException:
+            self._disconnect(failed=True)
+            raise
+
+    def _disconnect(self, *, failed: bool) -> bool:
+        """End this connection's stretch of the wait, leaving no LISTEN and, when it ``failed``, no
+        running statement; whether the connection was lost (or never opened).
+
+        Cleanup never replaces the exception in flight (the timeout, a database error, or an
+        interrupt such as KeyboardInterrupt, an exception from a signal handler, a cancellation).
+        """
+        if not self.connected:
+            return False
+        self.connected = False
+        lost = False
+        if failed:
+            raw = self.connection.connection
+            lost = raw is None or raw.closed
+            abandon_statement(self.connection)
+        if self.listen:
+            _unlisten(self.connection)
+        return lost
 
     def _do(self, step: Step, before_attempt: Callable[[], object] | None) -> Any:
         self.sent = False
@@ -149,42 +185,12 @@ class _Waiter:
         if isinstance(step, ReadEpoch):
             self.sent = True
             return operations.inspect(self.connection, self.key).epoch
-        assert isinstance(step, PauseFor)
+        assert isinstance(step, Pause)
         if self.listen and step.wakeable:
             _wait_for_release(self.connection, self.key, step.seconds)
         else:
             time.sleep(step.seconds)
         return None
-
-
-@dataclass
-class _Session:
-    """One connection's stretch of a wait; ``lost``: it ended because the connection was lost."""
-
-    lost: bool = False
-
-
-@contextmanager
-def _listening(connection: BaseDatabaseWrapper, listen: bool, session: _Session) -> Iterator[None]:
-    """LISTEN for the wait (if ``listen``); on every way out leave no LISTEN and no running statement.
-
-    Cleanup never replaces the exception in flight (the timeout, a database error, or an
-    interrupt such as KeyboardInterrupt, an exception from a signal handler, a cancellation).
-    An exception with no open connection left (lost, or never opened) sets ``session.lost``.
-    """
-    try:
-        if listen:
-            run.run(connection, statements.LISTEN)
-        yield
-    except BaseException:
-        raw = connection.connection
-        session.lost = raw is None or raw.closed
-        abandon_statement(connection)
-        if listen:
-            _unlisten(connection)
-        raise
-    if listen:
-        _unlisten(connection)
 
 
 def _unlisten(connection: BaseDatabaseWrapper) -> None:
