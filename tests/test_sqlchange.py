@@ -154,6 +154,29 @@ def test_the_model_knows_signatures_privileges_and_firing() -> None:
         Schema.of([("s.sql", "DROP FUNCTION g();")], one_offs=False)
 
 
+def test_a_signature_names_types_as_postgresql_does() -> None:
+    """One type spelled two ways is one key; ``"char"`` (one byte) is not ``char`` (``character``)."""
+    schema = Schema.of(
+        [
+            (
+                "s.sql",
+                """
+                CREATE FUNCTION @extschema@.f(a pg_catalog.int4, b "char", c char(2) DEFAULT 'x', d text = f(1, 2))
+                RETURNS TABLE (n int8) LANGUAGE sql AS $$ SELECT 1::bigint $$;
+                REVOKE EXECUTE ON FUNCTION @extschema@.f(integer, "char", character, text) FROM PUBLIC;
+                """,
+            )
+        ],
+        one_offs=False,
+    )
+    [function] = schema.objects.values()
+
+    assert function.key == 'function f(integer, "char", character, text)'
+    assert function.drop == 'DROP FUNCTION @extschema@.f(pg_catalog.int4, "char", char(2), text)'
+    assert function.signature is not None and function.signature.defaults == (False, False, True, True)
+    assert function.signature.outputs == ("n bigint",) and function.privileges == {("EXECUTE", "public"): "revoked"}
+
+
 # -- the command on the repository --------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pglast import ast
+from pglast import ast, keywords
 from pglast.enums import FunctionParameterMode
 
 from devkit.sqlchange.text import PLACEHOLDER, STAND_IN, Statement, Token, quoted_name
@@ -32,6 +32,7 @@ _TYPE_NAMES = {
     "timetz": "time with time zone",
     "time": "time without time zone",
 }
+_KEYWORDS = keywords.RESERVED_KEYWORDS | keywords.COL_NAME_KEYWORDS | keywords.TYPE_FUNC_NAME_KEYWORDS
 _OUTPUTS = frozenset({FunctionParameterMode.FUNC_PARAM_OUT, FunctionParameterMode.FUNC_PARAM_TABLE})
 _RETURNED = _OUTPUTS | {FunctionParameterMode.FUNC_PARAM_INOUT}
 
@@ -139,12 +140,13 @@ def type_name(node: ast.TypeName) -> str:
     if node.pct_type:
         raise StatementError("a %TYPE parameter is not known")
     names = parts(node.names)
-    if len(names) == 2 and names[0] == "pg_catalog":
-        names = names[1:]
-    if names[0] == STAND_IN.strip('"') and len(names) > 1:
-        names[0] = PLACEHOLDER
-    text = ".".join(names if names[0] == PLACEHOLDER else [quoted_name(name) for name in names])
-    return ("setof " if node.setof else "") + _TYPE_NAMES.get(text, text) + "[]" * len(node.arrayBounds or ())
+    if len(names) == 2 and names[0] == "pg_catalog":  # how the grammar writes a standard type (int, char)
+        text = _TYPE_NAMES.get(names[1], names[1])
+    elif len(names) == 1:  # a keyword as a type's name was quoted ("char"), and still needs its quotes
+        text = _TYPE_NAMES.get(names[0], f'"{names[0]}"' if names[0] in _KEYWORDS else quoted_name(names[0]))
+    else:
+        text = ".".join(PLACEHOLDER if name == STAND_IN.strip('"') else quoted_name(name) for name in names)
+    return ("setof " if node.setof else "") + text + "[]" * len(node.arrayBounds or ())
 
 
 def signature(statement: Statement, node: ast.CreateFunctionStmt) -> Signature:
