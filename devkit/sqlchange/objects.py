@@ -206,11 +206,12 @@ class Schema:
         self.objects[obj_key] = obj
 
     def _create_table(self, statement: Statement, node: ast.CreateStmt) -> None:
-        if given(node.relation, "a table").relpersistence == "t":
+        made = given(node.relation, "a table")
+        if made.relpersistence == "t":
             raise StatementError("a temporary table is a migration's one-off, not an object of the schema")
         code = statement.tokens
-        name = relation(statement, node.relation)
-        at = statement.at(given(given(node.relation, "a table").location, "a location"))
+        name = relation(statement, made)
+        at = statement.at(given(made.location, "a location"))
         table = Table(head=f"{normal_form(code[:at])} {name.key}", columns=[], constraints=[], options="")
         close = name_at(statement, at)[1] + 1  # the list's closing parenthesis, when it is empty
         for element in node.tableElts or ():
@@ -234,12 +235,13 @@ class Schema:
             subtype = command.subtype
             if subtype in (AlterTableType.AT_AddColumn, AlterTableType.AT_AddConstraint):
                 made = command.def_
-                assert isinstance(made, ast.ColumnDef | ast.Constraint)
+                if not isinstance(made, ast.ColumnDef | ast.Constraint):
+                    raise StatementError(f"ALTER TABLE ... ADD {type(made).__name__} is not known")
                 listed = table.constraints if isinstance(made, ast.Constraint) else table.columns
                 listed.append(normal_form(item(statement, made.location)))
             elif subtype in (AlterTableType.AT_DropColumn, AlterTableType.AT_DropConstraint):
                 if command.behavior == DropBehavior.DROP_CASCADE:
-                    raise StatementError("DROP ... CASCADE/RESTRICT: the model cannot see what it drops")
+                    raise StatementError("DROP ... CASCADE: the model cannot see what it drops")
                 gone = quoted_name(command.name)
                 if subtype == AlterTableType.AT_DropConstraint:
                     table.constraints = [made for made in table.constraints if made.split()[:2] != ["constraint", gone]]
