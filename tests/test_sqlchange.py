@@ -155,15 +155,17 @@ def test_the_model_knows_signatures_privileges_and_firing() -> None:
 
 
 def test_a_signature_names_types_as_postgresql_does() -> None:
-    """One type spelled two ways is one key; ``"char"`` (one byte) is not ``char`` (``character``)."""
+    """One type spelled two ways is one key; ``"char"`` (one byte) is not ``char`` (``character``); a
+    type of several words is not a parameter's name and a type (the hand-written grammar's mistake)."""
     schema = Schema.of(
         [
             (
                 "s.sql",
                 """
-                CREATE FUNCTION @extschema@.f(a pg_catalog.int4, b "char", c char(2) DEFAULT 'x', d text = f(1, 2))
+                CREATE FUNCTION @extschema@.f(a pg_catalog.int4, b "char", c char(2) DEFAULT 'x', d text = f(1, 2),
+                  interval day to second, integer ARRAY)
                 RETURNS TABLE (n int8) LANGUAGE sql AS $$ SELECT 1::bigint $$;
-                REVOKE EXECUTE ON FUNCTION @extschema@.f(integer, "char", character, text) FROM PUBLIC;
+                REVOKE EXECUTE ON FUNCTION @extschema@.f(integer, "char", character, text, interval, int[]) FROM PUBLIC;
                 """,
             )
         ],
@@ -171,9 +173,11 @@ def test_a_signature_names_types_as_postgresql_does() -> None:
     )
     [function] = schema.objects.values()
 
-    assert function.key == 'function f(integer, "char", character, text)'
-    assert function.drop == 'DROP FUNCTION @extschema@.f(pg_catalog.int4, "char", char(2), text)'
-    assert function.signature is not None and function.signature.defaults == (False, False, True, True)
+    assert function.key == 'function f(integer, "char", character, text, interval, integer[])'
+    assert function.drop == (
+        'DROP FUNCTION @extschema@.f(pg_catalog.int4, "char", char(2), text, interval day to second, integer ARRAY)'
+    )
+    assert function.signature is not None and function.signature.defaults == (False, False, True, True, False, False)
     assert function.signature.outputs == ("n bigint",) and function.privileges == {("EXECUTE", "public"): "revoked"}
 
 
