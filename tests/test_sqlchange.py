@@ -1,6 +1,7 @@
 """``python -m devkit.sqlchange NAME`` (issue 47): a SQL change is one command.
 
-- The splitter reads PostgreSQL's quoting: strings, dollar quotes, quoted identifiers, comments.
+- The splitter is PostgreSQL's own parser (pglast): strings, dollar quotes, quoted identifiers,
+  comments and ``BEGIN ATOMIC`` bodies end no statement, and a syntax error names its line.
 - On the repository's files, the migrations replayed state what ``schema.sql`` states: nothing to do.
 - On a copy of the package in tmp_path (the real files are never touched), an edit of
   ``schema.sql`` becomes the next migration, proved with the real machinery on throwaway databases:
@@ -81,10 +82,11 @@ def test_a_statement_keeps_the_comment_lines_right_above_it() -> None:
 @pytest.mark.parametrize(
     ("script", "what"),
     [
-        ("SELECT 1;\nSELECT 'open;", "line 2: unterminated string"),
-        ("SELECT $x$ open;", "line 1: unterminated dollar-quoted string $x$"),
+        ("SELECT 1;\nSELECT 'open;", "line 2: unterminated quoted string"),
+        ("SELECT $x$ open;", "line 1: unterminated dollar-quoted string"),
         ('SELECT "open;', "line 1: unterminated quoted identifier"),
         ("SELECT 1; /* /* */", "line 1: unterminated /* comment"),
+        ("SELECT 1;\nCREATE FOO bar;", 'line 2: syntax error at or near "FOO"'),
     ],
 )
 def test_an_unterminated_quote_or_comment_is_named_with_its_line(script: str, what: str) -> None:
@@ -92,10 +94,18 @@ def test_an_unterminated_quote_or_comment_is_named_with_its_line(script: str, wh
         text.split(script)
 
 
-def test_the_lexer_loses_nothing_of_the_packages_sql() -> None:
-    for path in sorted((REPO / "pg_lease_django" / "sql").rglob("*.sql")):
+def test_only_comments_and_layout_lie_between_the_statements_of_the_schema_and_migrations() -> None:
+    sql = REPO / "pg_lease_django" / "sql"
+    for path in [sql / "schema.sql", *sorted((sql / "migrations").glob("*.sql"))]:
         source = path.read_text()
-        assert "".join(token.text for token in text.tokens(source)) == source, path
+        statements = text.split(source)
+        ends = [0, *(statement.offset + len(statement.text) for statement in statements)]
+        starts = [statement.offset for statement in statements] + [len(source)]
+        for statement in statements:
+            assert source[statement.offset :].startswith(statement.text), (path, statement.line)
+        for end, start in zip(ends, starts, strict=True):
+            between = [token.text for token in text.tokens(source[end:start]) if token.kind != "comment"]
+            assert between in ([], [";"]), (path, source[end:start])
 
 
 def test_the_normal_form_ignores_layout_comments_and_case_but_not_bodies_or_strings() -> None:
@@ -142,6 +152,33 @@ def test_the_model_knows_signatures_privileges_and_firing() -> None:
     assert table is not None and table.columns == ["k text", "n int"] and table.row_security == (True, False)
     with pytest.raises(SchemaError, match=r"s\.sql, line 1 .*names function g\(\), which does not exist"):
         Schema.of([("s.sql", "DROP FUNCTION g();")], one_offs=False)
+
+
+def test_a_signature_names_types_as_postgresql_does() -> None:
+    """One type spelled two ways is one key; ``"char"`` (one byte) is not ``char`` (``character``); a
+    type of several words is not a parameter's name and a type (the hand-written grammar's mistake)."""
+    schema = Schema.of(
+        [
+            (
+                "s.sql",
+                """
+                CREATE FUNCTION @extschema@.f(a pg_catalog.int4, b "char", c char(2) DEFAULT 'x', d text = f(1, 2),
+                  interval day to second, integer ARRAY)
+                RETURNS TABLE (n int8) LANGUAGE sql AS $$ SELECT 1::bigint $$;
+                REVOKE EXECUTE ON FUNCTION @extschema@.f(integer, "char", character, text, interval, int[]) FROM PUBLIC;
+                """,
+            )
+        ],
+        one_offs=False,
+    )
+    [function] = schema.objects.values()
+
+    assert function.key == 'function f(integer, "char", character, text, interval, integer[])'
+    assert function.drop == (
+        'DROP FUNCTION @extschema@.f(pg_catalog.int4, "char", char(2), text, interval day to second, integer ARRAY)'
+    )
+    assert function.signature is not None and function.signature.defaults == (False, False, True, True, False, False)
+    assert function.signature.outputs == ("n bigint",) and function.privileges == {("EXECUTE", "public"): "revoked"}
 
 
 # -- the command on the repository --------------------------------------------------------------

@@ -11,14 +11,12 @@ replayed in order (``repository``, ``objects``). That is what a database migrate
 migration holds, whatever is committed, and it works on a copy of the package (the tests') or with
 a migration not yet committed (a second run finds nothing to do).
 
-The modules, each importing only those before it: ``text`` (a lexer and statement splitter that
-knows PostgreSQL's quoting), ``grammar`` (names, parenthesised lists, function signatures),
-``objects`` (the objects a sequence of statements leaves), ``plan`` (the delta and reverse between
-two of them, and what a tool must not write), ``repository`` (the package's files), ``__main__``
-(the command).
+The modules, each importing only those before it: ``text`` (a file split into statements by
+PostgreSQL's own parser, each with its parse tree and its text as written), ``grammar`` (keys and
+signatures read from the tree, names and types as written), ``objects`` (the objects a sequence of
+statements leaves), ``plan`` (the delta and reverse between two of them, and what a tool must not
+write), ``repository`` (the package's files), ``__main__`` (the command).
 
-No SQL library: sqlparse (Django's dependency) splits these files too, but not nested ``/* */``
-comments, and gives no signatures or objects; pglast (libpg_query) would parse exactly, at the cost
-of a compiled dependency tied to one PostgreSQL grammar. The statements here are the few kinds the
-package writes, and what the model does not know it refuses by name.
+The parser is pglast (libpg_query: PostgreSQL's own lexer and grammar, built into the wheel), a
+development dependency only, in the ``test`` extra. What the model does not know it refuses by name.
 """

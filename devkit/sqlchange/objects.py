@@ -7,33 +7,67 @@ types, comments, and each one's privileges (``GRANT`` / ``REVOKE``). ``schema.sq
 is the schema as written; the migrations' forward files applied in order are what the migrations
 build. Comparing the two object by object is ``plan``'s job.
 
-A statement the model does not know raises ``SchemaError`` naming it: better no answer than a wrong
+Each statement is read from the tree PostgreSQL's parser built (``text``, ``grammar``). A
+statement the model does not know raises ``SchemaError`` naming it: better no answer than a wrong
 one. One-off statements of a migration (``UPDATE``, ``SELECT``, ``DO``, a temporary table it makes
 and drops) leave no object and are skipped there; ``schema.sql`` holds objects only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from pglast import ast
+from pglast.enums import AlterTableType, DropBehavior, GrantTargetType, ObjectType, RoleSpecType
 
 from devkit.sqlchange.grammar import (
     Signature,
     StatementError,
-    after_word,
-    comma_separated,
+    after_keyword,
+    function_key,
+    given,
+    item,
+    key,
     name_at,
-    parenthesised,
+    parts,
+    relation,
     signature,
-    words,
 )
-from devkit.sqlchange.text import PLACEHOLDER, Statement, Token, normal_form, split
+from devkit.sqlchange.text import PLACEHOLDER, Statement, normal_form, quoted_name, split
 
 #: What a (privilege, grantee) pair holds.
 GRANTED, GRANTABLE, REVOKED = "granted", "granted with grant option", "revoked"
-_ONE_OFF = frozenset({"SELECT", "UPDATE", "DELETE", "DO", "SET", "RESET", "ANALYZE", "VACUUM", "NOTIFY"})
-_CONSTRAINT_WORDS = frozenset({"CONSTRAINT", "PRIMARY", "UNIQUE", "CHECK", "FOREIGN", "EXCLUDE"})
-_NOT_KINDS = frozenset({"OR", "REPLACE", "UNIQUE", "UNLOGGED", "CONSTRAINT"})
+_ONE_OFF = (
+    ast.SelectStmt,
+    ast.UpdateStmt,
+    ast.DeleteStmt,
+    ast.DoStmt,
+    ast.VariableSetStmt,
+    ast.VacuumStmt,
+    ast.NotifyStmt,
+)
+_FIRING = {
+    AlterTableType.AT_EnableTrig: "ENABLE",
+    AlterTableType.AT_EnableAlwaysTrig: "ENABLE ALWAYS",
+    AlterTableType.AT_EnableReplicaTrig: "ENABLE REPLICA",
+    AlterTableType.AT_DisableTrig: "DISABLE",
+}
+_ROW_SECURITY = {
+    AlterTableType.AT_EnableRowSecurity: (0, True),
+    AlterTableType.AT_DisableRowSecurity: (0, False),
+    AlterTableType.AT_ForceRowSecurity: (1, True),
+    AlterTableType.AT_NoForceRowSecurity: (1, False),
+}
+#: The kinds of object a DROP or a COMMENT may name, by the parser's word for them.
+_KINDS = {
+    ObjectType.OBJECT_FUNCTION: "function",
+    ObjectType.OBJECT_TABLE: "table",
+    ObjectType.OBJECT_INDEX: "index",
+    ObjectType.OBJECT_TRIGGER: "trigger",
+    ObjectType.OBJECT_POLICY: "policy",
+    ObjectType.OBJECT_TYPE: "type",
+}
 
 
 class SchemaError(ValueError):
@@ -103,36 +137,39 @@ class Schema:
 
     def apply(self, statement: Statement, source: str, *, one_offs: bool = False) -> None:
         """What ``statement`` (of file ``source``) does to the objects."""
-        said = words(statement.tokens[:5])
         try:
-            if one_offs and self._temporary(statement, said):
+            if one_offs and self._temporary(statement):
                 return
-            if said[0] in ("CREATE", "DROP"):
-                kind = next((word for word in said[1:] if word not in _NOT_KINDS), "")
-                if kind not in ("FUNCTION", "TABLE", "INDEX", "TRIGGER", "POLICY", "TYPE"):
-                    raise StatementError(f"{said[0]} {kind} is not one of the objects devkit.sqlchange knows")
-                made = {
-                    "FUNCTION": self._create_function,
-                    "TABLE": self._create_table,
-                    "INDEX": self._create_index,
-                    "TRIGGER": self._create_trigger,
-                    "POLICY": self._create_policy,
-                    "TYPE": self._create_type,
-                }
-                (made[kind] if said[0] == "CREATE" else self._drop)(statement)
-            elif said[:2] == ["ALTER", "TABLE"]:
-                self._alter_table(statement)
-            elif said[0] in ("GRANT", "REVOKE"):
-                self._grant(statement)
-            elif said[:2] == ["COMMENT", "ON"]:
-                self._comment(statement)
-            elif said[:2] == ["INSERT", "INTO"]:
-                self._table(name_at(statement, 2)[0].key).rows.append(statement)
-            elif not (one_offs and said[0] in _ONE_OFF):
-                raise StatementError(f"{said[0]} is not a statement devkit.sqlchange knows in this file")
+            match statement.node:
+                case ast.CreateFunctionStmt() as node:
+                    self._create_function(statement, node)
+                case ast.CreateStmt() as node:
+                    self._create_table(statement, node)
+                case ast.IndexStmt() as node:
+                    self._create_index(statement, node)
+                case ast.CreateTrigStmt() as node:
+                    self._create_trigger(statement, node)
+                case ast.CreatePolicyStmt() as node:
+                    self._create_policy(statement, node)
+                case ast.CompositeTypeStmt() as node:
+                    self._create_type(statement, node)
+                case ast.DropStmt() as node:
+                    self._drop(node)
+                case ast.AlterTableStmt() as node:
+                    self._alter_table(statement, node)
+                case ast.GrantStmt() as node:
+                    self._grant(statement, node)
+                case ast.CommentStmt() as node:
+                    self._comment(statement, node)
+                case ast.InsertStmt() as node:
+                    self._table(relation(statement, node.relation).key).rows.append(statement)
+                case node if not (one_offs and isinstance(node, _ONE_OFF)):
+                    raise StatementError(
+                        f"{type(node).__name__} is not a statement devkit.sqlchange knows in this file"
+                    )
         except StatementError as error:
             raise SchemaError(statement, source, str(error)) from None
-        except (ValueError, IndexError):
+        except (ValueError, IndexError, AttributeError, TypeError):
             raise SchemaError(statement, source, "not understood by devkit.sqlchange") from None
 
     def remove(self, key: str) -> None:
@@ -154,229 +191,222 @@ class Schema:
 
     # -- functions and tables ---------------------------------------------------------------------
 
-    def _create_function(self, statement: Statement) -> None:
-        code = statement.tokens
-        name, at = name_at(statement, after_word(code, "FUNCTION"))
-        arguments, at = parenthesised(code, at)
-        interface = signature(statement, arguments, code[at:])
-        key = f"function {name.key}({', '.join(interface.identity)})"
+    def _create_function(self, statement: Statement, node: ast.CreateFunctionStmt) -> None:
+        if node.is_procedure:
+            raise StatementError("a procedure is not one of the objects devkit.sqlchange knows")
+        name, _ = name_at(statement, after_keyword(statement, "FUNCTION"))
+        interface = signature(statement, node)
+        obj_key = f"function {key(node.funcname)}({', '.join(interface.identity)})"
         target = f"{name.written}({', '.join(interface.written_types)})"
-        shape = normal_form(code).replace("create or replace function", "create function", 1)
-        obj = SqlObject("function", key, statement, shape, drop=f"DROP FUNCTION {target}", signature=interface)
+        shape = normal_form(statement.tokens).replace("create or replace function", "create function", 1)
+        obj = SqlObject("function", obj_key, statement, shape, drop=f"DROP FUNCTION {target}", signature=interface)
         obj.grant_target = f"FUNCTION {target}"
-        if (kept := self.objects.get(key)) is not None:  # CREATE OR REPLACE keeps the privileges (and the place)
+        if (kept := self.objects.get(obj_key)) is not None:  # CREATE OR REPLACE keeps the privileges (and the place)
             obj.privileges, obj.grant_target = kept.privileges, kept.grant_target
-        self.objects[key] = obj
+        self.objects[obj_key] = obj
 
-    def _create_table(self, statement: Statement) -> None:
+    def _create_table(self, statement: Statement, node: ast.CreateStmt) -> None:
+        made = given(node.relation, "a table")
+        if made.relpersistence == "t":
+            raise StatementError("a temporary table is a migration's one-off, not an object of the schema")
         code = statement.tokens
-        at = after_word(code, "TABLE")
-        if words(code[at : at + 3]) == ["IF", "NOT", "EXISTS"]:
-            at += 3
-        head = normal_form(code[:at])
-        name, at = name_at(statement, at)
-        inside, after = parenthesised(code, at)
-        table = Table(head=f"{head} {name.key}", columns=[], constraints=[], options=normal_form(code[after:]))
-        for item in comma_separated(inside):
-            (table.constraints if item[0].upper in _CONSTRAINT_WORDS else table.columns).append(normal_form(item))
-        key = f"table {name.key}"
-        self.objects[key] = SqlObject(
-            "table", key, statement, "", drop=f"DROP TABLE {name.written}", grant_target=name.written, table=table
+        name = relation(statement, made)
+        at = statement.at(given(made.location, "a location"))
+        table = Table(head=f"{normal_form(code[:at])} {name.key}", columns=[], constraints=[], options="")
+        close = name_at(statement, at)[1] + 1  # the list's closing parenthesis, when it is empty
+        for element in node.tableElts or ():
+            if not isinstance(element, ast.ColumnDef | ast.Constraint):
+                raise StatementError(f"a table's {type(element).__name__} is not known")
+            tokens = item(statement, element.location)
+            (table.constraints if isinstance(element, ast.Constraint) else table.columns).append(normal_form(tokens))
+            close = statement.at(given(element.location, "a location")) + len(tokens)
+        table.options = normal_form(code[close + 1 :])
+        obj_key = f"table {name.key}"
+        self.objects[obj_key] = SqlObject(
+            "table", obj_key, statement, "", drop=f"DROP TABLE {name.written}", grant_target=name.written, table=table
         )
 
-    def _alter_table(self, statement: Statement) -> None:
-        code = statement.tokens
-        at = 2
-        while code[at].upper in ("IF", "EXISTS", "ONLY"):
-            at += 1
-        name, at = name_at(statement, at)
+    def _alter_table(self, statement: Statement, node: ast.AlterTableStmt) -> None:
+        if node.objtype != ObjectType.OBJECT_TABLE:
+            raise StatementError(f"ALTER {given(node.objtype, 'a kind').name.removeprefix('OBJECT_')} is not known")
+        name = relation(statement, node.relation)
         table = self._table(name.key)
-        for action in comma_separated(code[at:]):
-            said = words(action)
-            if said[0] == "ADD":
-                rest = action[1 + (said[1:2] == ["COLUMN"]) :]
-                if words(rest[:3]) == ["IF", "NOT", "EXISTS"]:
-                    rest = rest[3:]
-                (table.constraints if rest[0].upper in _CONSTRAINT_WORDS else table.columns).append(normal_form(rest))
-            elif said[0] == "DROP":
-                rest = [token for token in action[1:] if token.upper not in ("COLUMN", "IF", "EXISTS")]
-                if rest[-1].upper in ("CASCADE", "RESTRICT"):
-                    raise StatementError("DROP ... CASCADE/RESTRICT: the model cannot see what it drops")
-                if rest[0].upper == "CONSTRAINT":
-                    gone = ["constraint", rest[1].normal()]
-                    table.constraints = [item for item in table.constraints if item.split()[:2] != gone]
+        for command in node.cmds or ():
+            subtype = command.subtype
+            if subtype in (AlterTableType.AT_AddColumn, AlterTableType.AT_AddConstraint):
+                made = command.def_
+                if not isinstance(made, ast.ColumnDef | ast.Constraint):
+                    raise StatementError(f"ALTER TABLE ... ADD {type(made).__name__} is not known")
+                listed = table.constraints if isinstance(made, ast.Constraint) else table.columns
+                listed.append(normal_form(item(statement, made.location)))
+            elif subtype in (AlterTableType.AT_DropColumn, AlterTableType.AT_DropConstraint):
+                if command.behavior == DropBehavior.DROP_CASCADE:
+                    raise StatementError("DROP ... CASCADE: the model cannot see what it drops")
+                gone = quoted_name(command.name)
+                if subtype == AlterTableType.AT_DropConstraint:
+                    table.constraints = [made for made in table.constraints if made.split()[:2] != ["constraint", gone]]
                 else:
-                    table.columns = [item for item in table.columns if item.split()[0] != rest[0].normal()]
-            elif said[-3:] == ["ROW", "LEVEL", "SECURITY"] and said[:-3] in (["ENABLE"], ["DISABLE"]):
-                table.row_security = (said[0] == "ENABLE", table.row_security[1])
-            elif said[-3:] == ["ROW", "LEVEL", "SECURITY"] and said[:-3] in (["FORCE"], ["NO", "FORCE"]):
-                table.row_security = (table.row_security[0], said[0] == "FORCE")
-            elif len(said) >= 3 and said[-2] == "TRIGGER" and said[0] in ("ENABLE", "DISABLE"):
-                trigger = self._object(f"trigger {action[-1].normal()} on {name.key}")
-                trigger.firing = " ".join(said[:-2])
+                    table.columns = [made for made in table.columns if made.split()[0] != gone]
+            elif subtype in _ROW_SECURITY:
+                which, value = _ROW_SECURITY[subtype]
+                security = list(table.row_security)
+                security[which] = value
+                table.row_security = (security[0], security[1])
+            elif subtype in _FIRING:
+                trigger = self._object(f"trigger {quoted_name(command.name)} on {name.key}")
+                trigger.firing = _FIRING[subtype]
             else:
-                raise StatementError(f"ALTER TABLE ... {' '.join(said[:4])} is not known")
+                raise StatementError(f"ALTER TABLE ... {subtype.name.removeprefix('AT_')} is not known")
 
     # -- what hangs on a table --------------------------------------------------------------------
 
-    def _create_index(self, statement: Statement) -> None:
-        code = statement.tokens
-        at = after_word(code, "INDEX")
-        while code[at].upper in ("CONCURRENTLY", "IF", "NOT", "EXISTS"):
-            at += 1
-        if code[at].upper == "ON":
+    def _create_index(self, statement: Statement, node: ast.IndexStmt) -> None:
+        if node.idxname is None:
             raise StatementError("an index without a name: name it, so that a migration can drop it")
-        name, at = name_at(statement, at)
-        at = after_word(code, "ON", at)
-        table, _ = name_at(statement, at + (code[at].upper == "ONLY"))
+        name, _ = name_at(statement, after_keyword(statement, "ON") - 2)  # the name is written right before ON
+        table = relation(statement, node.relation)
         schema = f"{PLACEHOLDER}." if table.written.startswith(f"{PLACEHOLDER}.") and "." not in name.key else ""
-        key = f"index {name.key}"
-        self.objects[key] = SqlObject(
+        obj_key = f"index {quoted_name(node.idxname)}"
+        self.objects[obj_key] = SqlObject(
             "index",
-            key,
+            obj_key,
             statement,
-            normal_form(code),
+            normal_form(statement.tokens),
             drop=f"DROP INDEX {schema}{name.written}",
             owner=f"table {table.key}",
         )
 
-    def _create_trigger(self, statement: Statement) -> None:
-        code = statement.tokens
-        name, at = name_at(statement, after_word(code, "TRIGGER"))
-        table, _ = name_at(statement, after_word(code, "ON", at))
-        key = f"trigger {name.key} on {table.key}"
-        shape = normal_form(code).replace("create or replace ", "create ", 1)
+    def _create_trigger(self, statement: Statement, node: ast.CreateTrigStmt) -> None:
+        name, _ = name_at(statement, after_keyword(statement, "TRIGGER"))
+        table = relation(statement, node.relation)
+        obj_key = f"trigger {quoted_name(given(node.trigname, 'a name'))} on {table.key}"
+        shape = normal_form(statement.tokens).replace("create or replace ", "create ", 1)
         obj = SqlObject(
             "trigger",
-            key,
+            obj_key,
             statement,
             shape,
             drop=f"DROP TRIGGER {name.written} ON {table.written}",
             owner=f"table {table.key}",
         )
         obj.firing_sql = f"ALTER TABLE {table.written} {{firing}} TRIGGER {name.written}"
-        self.objects[key] = obj
+        self.objects[obj_key] = obj
 
-    def _create_type(self, statement: Statement) -> None:
-        code = statement.tokens
-        name, at = name_at(statement, after_word(code, "TYPE"))
-        if code[at].upper != "AS" or code[at + 1].text != "(":
-            raise StatementError("only composite types (CREATE TYPE name AS (...)) are known")
-        key = f"type {name.key}"
-        self.objects[key] = SqlObject("type", key, statement, normal_form(code), drop=f"DROP TYPE {name.written}")
+    def _create_type(self, statement: Statement, node: ast.CompositeTypeStmt) -> None:
+        name = relation(statement, node.typevar)
+        obj_key = f"type {name.key}"
+        self.objects[obj_key] = SqlObject(
+            "type", obj_key, statement, normal_form(statement.tokens), drop=f"DROP TYPE {name.written}"
+        )
 
-    def _temporary(self, statement: Statement, said: list[str]) -> bool:
+    def _temporary(self, statement: Statement) -> bool:
         """Whether ``statement`` makes or drops a temporary table of the migration (a one-off)."""
-        if said[0] == "CREATE" and said[1] in ("TEMP", "TEMPORARY") and said[2] == "TABLE":
-            self.temporary.add(name_at(statement, 3)[0].key)
+        node = statement.node
+        made = node.relation if isinstance(node, ast.CreateStmt) else None
+        made = given(node.into, "a table").rel if isinstance(node, ast.CreateTableAsStmt) else made
+        if made is not None and made.relpersistence == "t":
+            self.temporary.add(relation(statement, made).key)
             return True
-        if said[:2] == ["DROP", "TABLE"] and self.temporary:
-            names = {
-                name_at(statement, statement.tokens.index(item[0]))[0].key
-                for item in comma_separated(statement.tokens[2:])
-            }
+        if isinstance(node, ast.DropStmt) and node.removeType == ObjectType.OBJECT_TABLE and self.temporary:
+            names = {key(named) for named in node.objects or ()}
             if names <= self.temporary:
                 self.temporary -= names
                 return True
         return False
 
-    def _create_policy(self, statement: Statement) -> None:
-        name, at = name_at(statement, 2)
-        table, _ = name_at(statement, after_word(statement.tokens, "ON", at))
-        key = f"policy {name.key} on {table.key}"
-        self.objects[key] = SqlObject(
+    def _create_policy(self, statement: Statement, node: ast.CreatePolicyStmt) -> None:
+        name, _ = name_at(statement, 2)
+        table = relation(statement, node.table)
+        obj_key = f"policy {quoted_name(given(node.policy_name, 'a name'))} on {table.key}"
+        self.objects[obj_key] = SqlObject(
             "policy",
-            key,
+            obj_key,
             statement,
             normal_form(statement.tokens),
             drop=f"DROP POLICY {name.written} ON {table.written}",
             owner=f"table {table.key}",
         )
 
-    def _comment(self, statement: Statement) -> None:
+    def _comment(self, statement: Statement, node: ast.CommentStmt) -> None:
         code = statement.tokens
-        is_at = max(i for i, token in enumerate(code) if token.upper == "IS")
-        target = code[2:is_at]
-        key, owner = self._commented(statement, target)
-        if words(code[is_at + 1 :]) == ["NULL"]:
-            self.objects.pop(key, None)
+        target = code[2 : max(i for i, token in enumerate(code) if token.upper == "IS")]
+        obj_key, owner = self._commented(node, normal_form(target))
+        if node.comment is None:
+            self.objects.pop(obj_key, None)
             return
         drop = f"COMMENT ON {statement.written(target[0], target[-1])} IS NULL"
-        self.objects[key] = SqlObject("comment", key, statement, normal_form(code), drop=drop, owner=owner)
+        self.objects[obj_key] = SqlObject("comment", obj_key, statement, normal_form(code), drop=drop, owner=owner)
 
-    def _commented(self, statement: Statement, target: Sequence[Token]) -> tuple[str, str | None]:
+    def _commented(self, node: ast.CommentStmt, target: str) -> tuple[str, str | None]:
         """The key of a comment on ``target``, and the key of the object it is on (None when the
         model holds no such objects: nothing drops the comment then)."""
-        kind, at = target[0].upper, statement.tokens.index(target[0]) + 1
-        if kind == "FUNCTION":
-            owner = self._function_named(statement, at)
-        elif kind in ("TABLE", "INDEX"):
-            owner = f"{kind.lower()} {name_at(statement, at)[0].key}"
-        elif kind == "COLUMN":
-            column = name_at(statement, at)[0].key
+        kind, named = _KINDS.get(given(node.objtype, "a kind")), node.object
+        if isinstance(named, ast.ObjectWithArgs):
+            owner = function_key(named)
+        elif node.objtype == ObjectType.OBJECT_COLUMN:
+            column = key(named)
             return f"comment on column {column}", f"table {column.rsplit('.', 1)[0]}"
-        elif kind in ("TRIGGER", "POLICY"):
-            name, at = name_at(statement, at)
-            owner = f"{kind.lower()} {name.key} on {name_at(statement, after_word(statement.tokens, 'ON', at))[0].key}"
+        elif kind in ("table", "index"):
+            owner = f"{kind} {key(named)}"
+        elif kind in ("trigger", "policy"):
+            *table, name = parts(named)
+            owner = f"{kind} {key([name])} on {key(table)}"
         else:
-            return f"comment on {normal_form(target)}", None
+            return f"comment on {target}", None
         self._object(owner)
         return f"comment on {owner}", owner
 
     # -- privileges and drops ---------------------------------------------------------------------
 
-    def _grant(self, statement: Statement) -> None:
+    def _grant(self, statement: Statement, node: ast.GrantStmt) -> None:
+        kind = _KINDS.get(given(node.objtype, "a kind"))
+        if node.targtype != GrantTargetType.ACL_TARGET_OBJECT or kind not in ("function", "table"):
+            raise StatementError(
+                f"privileges ON {given(node.objtype, 'a kind').name.removeprefix('OBJECT_')} are not known"
+            )
+        if len(node.objects or ()) != 1 or any(privilege.cols for privilege in node.privileges or ()):
+            raise StatementError("privileges on more than one object, or on columns, are not known")
         code = statement.tokens
-        said = words(code)
-        grant = said[0] == "GRANT"
-        option_only = said[1:4] == ["GRANT", "OPTION", "FOR"]
-        on = said.index("ON")
-        to = max(i for i, word in enumerate(said) if word == ("TO" if grant else "FROM"))
-        privileges = [normal_form(item).upper() for item in comma_separated(code[1 + 3 * option_only : on])]
-        privileges = ["ALL" if privilege == "ALL PRIVILEGES" else privilege for privilege in privileges]
-        target = code[on + 1 : to]
-        if target[0].upper == "FUNCTION":
-            obj = self._object(self._function_named(statement, on + 2))
+        to = max(i for i, token in enumerate(code) if token.upper == ("TO" if node.is_grant else "FROM"))
+        privileges = [privilege.priv_name.upper() for privilege in node.privileges or ()] or ["ALL"]
+        [target] = node.objects or ()
+        if isinstance(target, ast.ObjectWithArgs):
+            obj, first = self._object(function_key(target)), after_keyword(statement, "ON")
             privileges = ["EXECUTE" if privilege == "ALL" else privilege for privilege in privileges]
-        elif target[0].upper in ("SCHEMA", "SEQUENCE", "ALL", "DATABASE", "TYPE", "LANGUAGE", "DOMAIN", "PROCEDURE"):
-            raise StatementError(f"privileges ON {target[0].upper} are not known")
         else:
-            if target[0].upper == "TABLE":  # a table is named without TABLE
-                target = target[1:]
-            obj = self._table_object(name_at(statement, statement.tokens.index(target[0]))[0].key)
-        rest = [token for token in code[to + 1 :] if token.upper not in ("CASCADE", "RESTRICT")]
-        with_option = words(rest[-3:]) == ["WITH", "GRANT", "OPTION"]
-        obj.grant_target = statement.written(target[0], target[-1])
+            obj, first = self._table_object(relation(statement, target).key), statement.at(target.location)
+        obj.grant_target = statement.written(code[first], code[to - 1])
         for privilege in privileges:
-            for grantee in comma_separated(rest[:-3] if with_option else rest):
-                key = (privilege, normal_form(grantee))
-                if not grant:
-                    value = GRANTED if option_only and obj.privilege(key) != REVOKED else REVOKED
+            for grantee in node.grantees or ():
+                pair = (privilege, _grantee(grantee))
+                if not node.is_grant:
+                    value = GRANTED if node.grant_option and obj.privilege(pair) != REVOKED else REVOKED
                 else:
-                    value = GRANTABLE if with_option or obj.privilege(key) == GRANTABLE else GRANTED
-                obj.privileges[key] = value
+                    value = GRANTABLE if node.grant_option or obj.privilege(pair) == GRANTABLE else GRANTED
+                obj.privileges[pair] = value
 
-    def _drop(self, statement: Statement) -> None:
-        code = statement.tokens
-        kind = code[1].upper
-        at = 2
-        while code[at].upper in ("IF", "EXISTS", "CONCURRENTLY"):
-            at += 1
-        if code[-1].upper == "CASCADE":
+    def _drop(self, node: ast.DropStmt) -> None:
+        dropped = given(node.removeType, "a kind")
+        kind = _KINDS.get(dropped)
+        if kind is None:
+            what = dropped.name.removeprefix("OBJECT_")
+            raise StatementError(f"DROP {what} is not one of the objects devkit.sqlchange knows")
+        if node.behavior == DropBehavior.DROP_CASCADE:
             raise StatementError("DROP ... CASCADE: the model cannot see what it drops")
-        if kind == "FUNCTION":
-            keys = [self._function_named(statement, code.index(item[0])) for item in comma_separated(code[at:])]
-        elif kind in ("TRIGGER", "POLICY"):
-            name, after = name_at(statement, at)
-            keys = [f"{kind.lower()} {name.key} on {name_at(statement, after_word(code, 'ON', after))[0].key}"]
-        else:
-            keys = [
-                f"{kind.lower()} {name_at(statement, code.index(item[0]))[0].key}"
-                for item in comma_separated(code[at:])
-            ]
-        for key in keys:
-            self._object(key)
-            self.remove(key)
+        keys = []
+        for named in node.objects or ():
+            if isinstance(named, ast.ObjectWithArgs):
+                keys.append(function_key(named))
+            elif isinstance(named, ast.TypeName):
+                keys.append(f"{kind} {key(named.names)}")
+            elif kind in ("trigger", "policy"):
+                *table, name = parts(named)
+                keys.append(f"{kind} {key([name])} on {key(table)}")
+            else:
+                keys.append(f"{kind} {key(named)}")
+        for gone in keys:
+            self._object(gone)
+            self.remove(gone)
 
     # -- lookups ----------------------------------------------------------------------------------
 
@@ -395,8 +425,9 @@ class Schema:
         assert table is not None
         return table
 
-    def _function_named(self, statement: Statement, at: int) -> str:
-        """The key of ``name(types)`` at token ``at``, as DROP FUNCTION, GRANT and COMMENT write it."""
-        name, at = name_at(statement, at)
-        arguments, _ = parenthesised(statement.tokens, at)
-        return f"function {name.key}({', '.join(signature(statement, arguments, ()).identity)})"
+
+def _grantee(role: ast.RoleSpec) -> str:
+    """A grantee as a key: ``public``, a role's name, or ``current_user`` and its kin."""
+    if role.roletype == RoleSpecType.ROLESPEC_CSTRING:
+        return quoted_name(given(role.rolename, "a role"))
+    return given(role.roletype, "a role").name.removeprefix("ROLESPEC_").lower()
