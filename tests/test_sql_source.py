@@ -30,7 +30,7 @@ from django.db.migrations.operations.models import ModelOperation
 
 from pg_lease_django.sql import files
 from tests.catalog import differences
-from tests.helpers import catalog, manage, migrate, psql, sql
+from tests.helpers import catalog, manage, migrator, psql, sql
 from tests.parsing import parse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,17 +93,18 @@ def test_the_app_migrated_to_zero_and_back_rebuilds_the_same_catalog(new_databas
     assert before["functions"] and before["tables"]
 
     last_epoch = 0
-    for earlier in reversed(_migration_names()[:-1]):  # each delta unapplied and applied again
-        [(epoch,)] = sql(name, "SELECT epoch FROM public.pg_lease_acquire('kept', 'w', '1 minute')")
-        assert epoch > last_epoch
-        migrate(name, earlier, "")  # down to it and up again, in one process
-        assert differences(before, catalog(name)) == [], earlier
-        [(last_epoch,)] = sql(name, "SELECT epoch FROM public.pg_lease_inspect('kept')")
-        assert last_epoch == epoch  # the lease table was kept, and its epochs with it
-        sql(name, "SELECT * FROM public.pg_lease_release('kept', 'w', %s)", [epoch])
-    manage(name, "migrate", "pg_lease_django", "zero", "--noinput")
-    assert catalog(name) == {"functions": {}, "tables": {}}  # nothing of the lease app is left behind
-    manage(name, "migrate", "pg_lease_django", "--noinput")
+    with migrator(name) as migrate:  # every step in one process
+        for earlier in reversed(_migration_names()[:-1]):  # each delta unapplied and applied again
+            [(epoch,)] = sql(name, "SELECT epoch FROM public.pg_lease_acquire('kept', 'w', '1 minute')")
+            assert epoch > last_epoch
+            migrate(earlier, "")  # down to it and up again
+            assert differences(before, catalog(name)) == [], earlier
+            [(last_epoch,)] = sql(name, "SELECT epoch FROM public.pg_lease_inspect('kept')")
+            assert last_epoch == epoch  # the lease table was kept, and its epochs with it
+            sql(name, "SELECT * FROM public.pg_lease_release('kept', 'w', %s)", [epoch])
+        migrate("zero")
+        assert catalog(name) == {"functions": {}, "tables": {}}  # nothing of the lease app is left behind
+        migrate("")
 
     assert differences(before, catalog(name)) == []
 
