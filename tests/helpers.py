@@ -311,7 +311,7 @@ def manage(dbname: str, *args: str, cwd: Path = REPO) -> str:
 def migrator(dbname: str, cwd: Path = REPO) -> Iterator[Callable[..., None]]:
     """A function that runs ``manage.py migrate pg_lease_django TARGET`` on ``dbname`` for each of its
     targets in turn ("" for the latest), in one process of its own kept between calls: Django's
-    start-up costs ~0.6 s of CPU and a migration almost none, so a test that migrates step by step and
+    start-up costs 0.6-0.9 s of CPU and a migration almost none, so a test that migrates step by step and
     looks at the database in between pays it once (issue 56)."""
     script = (
         "import json, sys\nfrom django.core.management import call_command\n"
