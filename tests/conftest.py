@@ -23,7 +23,7 @@ from psycopg import sql as pgsql
 
 from pg_lease_django import history, privileges
 from tests import tiers
-from tests.helpers import Tenants, conninfo, free, held, lapsed, sessions_left
+from tests.helpers import Tenants, conninfo, free, held, lapsed, manage, sessions_left
 
 _counter = itertools.count()
 
@@ -142,16 +142,37 @@ def trio(key: str) -> dict[str, str]:
 _databases = itertools.count()
 
 
+@pytest.fixture(scope="session")
+def migrated_template(django_db_setup: None) -> Iterator[str]:
+    """A database ``manage.py migrate pg_lease_django`` built from empty, once per worker: its copies
+    are what the migrations build, for the price of a file copy rather than a Django process and
+    every migration's DDL (issue 56). Dropped at the session's end; nobody else connects to it, as
+    ``CREATE DATABASE ... TEMPLATE`` requires."""
+    name = f"pg_lease_tpl_{os.getpid()}"
+    with psycopg.connect(conninfo(), autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
+    try:
+        manage(name, "migrate", "pg_lease_django", "--noinput")
+        yield name
+    finally:
+        with psycopg.connect(conninfo(), autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
-def new_database() -> Iterator[Callable[[], str]]:
-    """Make empty databases on the test server (dropped afterwards); returns each one's name."""
+def new_database(request: pytest.FixtureRequest) -> Iterator[Callable[..., str]]:
+    """Make databases on the test server (dropped afterwards); returns each one's name. Empty, or
+    with ``migrated=True`` a copy of ``migrated_template``: the lease app migrated to its last
+    migration, as a fresh ``manage.py migrate pg_lease_django`` leaves it."""
     made: list[str] = []
     admin = psycopg.connect(conninfo(), autocommit=True)
 
-    def make() -> str:
+    def make(*, migrated: bool = False) -> str:
+        template = request.getfixturevalue("migrated_template") if migrated else "template0"
         name = f"pg_lease_src_{os.getpid()}_{next(_databases)}"
         admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
         made.append(name)
         return name
 

@@ -30,7 +30,7 @@ from django.db.migrations.operations.models import ModelOperation
 
 from pg_lease_django.sql import files
 from tests.catalog import differences
-from tests.helpers import catalog, manage, migrate, psql, sql
+from tests.helpers import catalog, manage, migrator, psql, sql
 from tests.parsing import parse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,11 +40,10 @@ CHAIN_0010 = Path(__file__).resolve().parent / "fixtures" / "pg_lease_django_001
 pytestmark = pytest.mark.django_db
 
 
-def test_a_database_of_the_development_chain_carries_on(new_database: Callable[[], str]) -> None:
+def test_a_database_of_the_development_chain_carries_on(new_database: Callable[..., str]) -> None:
     """At 0010, ``migrate`` applies only what came after the baseline, the catalog is a fresh
     database's, and epochs go on growing."""
-    fresh, upgraded = new_database(), new_database()
-    manage(fresh, "migrate", "pg_lease_django", "--noinput")
+    fresh, upgraded = new_database(migrated=True), new_database()
     psql(upgraded, CHAIN_0010.read_text())
     sql(upgraded, "SELECT * FROM public.pg_lease_acquire('kept', 'w', '1 minute')")
     sql(upgraded, "SELECT * FROM public.pg_lease_release('kept', 'w', 1)")
@@ -60,10 +59,9 @@ def test_a_database_of_the_development_chain_carries_on(new_database: Callable[[
     assert (granted, epoch) == (True, 3)  # 1 granted, 2 released: above both
 
 
-def test_schema_sql_applied_with_psql_builds_what_the_migrations_build(new_database: Callable[[], str]) -> None:
+def test_schema_sql_applied_with_psql_builds_what_the_migrations_build(new_database: Callable[..., str]) -> None:
     """docs/sql.md's by-hand install: ``sed 's/@extschema@/"public"/g' schema.sql | psql``."""
-    migrated, by_hand = new_database(), new_database()
-    manage(migrated, "migrate", "pg_lease_django", "--noinput")
+    migrated, by_hand = new_database(migrated=True), new_database()
     rendered = subprocess.run(
         ["sed", 's/@extschema@/"public"/g', str(files.SCHEMA_FILE)], capture_output=True, text=True, check=True
     ).stdout
@@ -74,10 +72,9 @@ def test_schema_sql_applied_with_psql_builds_what_the_migrations_build(new_datab
     assert (granted, epoch) == (True, 1)
 
 
-def test_a_function_changed_in_one_place_only_is_caught(new_database: Callable[[], str]) -> None:
+def test_a_function_changed_in_one_place_only_is_caught(new_database: Callable[..., str]) -> None:
     """A function edited in one source and not the other: the comparison names it, and only it."""
-    migrated, edited = new_database(), new_database()
-    manage(migrated, "migrate", "pg_lease_django", "--noinput")
+    migrated, edited = new_database(migrated=True), new_database()
     schema = files.render(files.SCHEMA_FILE.read_text(), '"public"')
     rule = "WHEN p_expires_at > p_now THEN 'held'"
     assert schema.count(rule) == 1
@@ -90,24 +87,24 @@ def test_a_function_changed_in_one_place_only_is_caught(new_database: Callable[[
     assert "/definition:" in found[0]
 
 
-def test_the_app_migrated_to_zero_and_back_rebuilds_the_same_catalog(new_database: Callable[[], str]) -> None:
-    name = new_database()
-    manage(name, "migrate", "pg_lease_django", "--noinput")
+def test_the_app_migrated_to_zero_and_back_rebuilds_the_same_catalog(new_database: Callable[..., str]) -> None:
+    name = new_database(migrated=True)
     before = catalog(name)
     assert before["functions"] and before["tables"]
 
     last_epoch = 0
-    for earlier in reversed(_migration_names()[:-1]):  # each delta unapplied and applied again
-        [(epoch,)] = sql(name, "SELECT epoch FROM public.pg_lease_acquire('kept', 'w', '1 minute')")
-        assert epoch > last_epoch
-        migrate(name, earlier, "")  # down to it and up again, in one process
-        assert differences(before, catalog(name)) == [], earlier
-        [(last_epoch,)] = sql(name, "SELECT epoch FROM public.pg_lease_inspect('kept')")
-        assert last_epoch == epoch  # the lease table was kept, and its epochs with it
-        sql(name, "SELECT * FROM public.pg_lease_release('kept', 'w', %s)", [epoch])
-    manage(name, "migrate", "pg_lease_django", "zero", "--noinput")
-    assert catalog(name) == {"functions": {}, "tables": {}}  # nothing of the lease app is left behind
-    manage(name, "migrate", "pg_lease_django", "--noinput")
+    with migrator(name) as migrate:  # every step in one process
+        for earlier in reversed(_migration_names()[:-1]):  # each delta unapplied and applied again
+            [(epoch,)] = sql(name, "SELECT epoch FROM public.pg_lease_acquire('kept', 'w', '1 minute')")
+            assert epoch > last_epoch
+            migrate(earlier, "")  # down to it and up again
+            assert differences(before, catalog(name)) == [], earlier
+            [(last_epoch,)] = sql(name, "SELECT epoch FROM public.pg_lease_inspect('kept')")
+            assert last_epoch == epoch  # the lease table was kept, and its epochs with it
+            sql(name, "SELECT * FROM public.pg_lease_release('kept', 'w', %s)", [epoch])
+        migrate("zero")
+        assert catalog(name) == {"functions": {}, "tables": {}}  # nothing of the lease app is left behind
+        migrate("")
 
     assert differences(before, catalog(name)) == []
 

@@ -508,7 +508,7 @@ SCENARIOS: dict[str, tuple[list[tuple[str, str]], str, list[str], list[str]]] = 
 @pytest.mark.django_db
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_the_written_migration_builds_what_schema_sql_states_and_its_reverse_restores_the_last(
-    package: Package, new_database: Callable[[], str], scenario: str
+    package: Package, new_database: Callable[..., str], scenario: str
 ) -> None:
     edits, appended, in_delta, in_reverse = SCENARIOS[scenario]
     schema = edit(package, *edits) + appended
@@ -526,9 +526,8 @@ def test_the_written_migration_builds_what_schema_sql_states_and_its_reverse_res
     module = (package.migrations / f"{NEXT}_the_change.py").read_text()
     assert f'reverse_sha256="{hashlib.sha256((package.sql / reverse_file).read_bytes()).hexdigest()}"' in module
 
-    migrated, by_hand = new_database(), new_database()
+    migrated, by_hand = new_database(migrated=True), new_database()  # migrated: 0001 .. LAST, from empty
     root = package.root.parent  # the copy comes first on the migrating process's path
-    manage(migrated, "migrate", "pg_lease_django", LAST, "--noinput", cwd=root)
     last = catalog(migrated)
     applied = manage(migrated, "migrate", "pg_lease_django", "--noinput", cwd=root)
     psql(by_hand, files.render(schema, '"public"'))
