@@ -167,7 +167,7 @@ def advance(conninfo: str, dbname: str, by: int) -> tuple[int, int]:
         schemas = run.on_psycopg(conn, statements.SCHEMA_LOOKUP)
         if len(schemas) != 1:
             raise RuntimeError(f"database {dbname!r}: {len(schemas)} schemas with a lease table on the search_path")
-        [done] = run.on_psycopg(conn, statements.ADVANCE_EPOCHS, [by, False], schema=schemas[0])
+        [done] = run.on_psycopg(conn, statements.ADVANCE_EPOCHS, schema=schemas[0], by=by, dry_run=False)
     return done.leases, done.max_epoch
 
 

@@ -21,7 +21,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 from psycopg import sql as pgsql
 
-from . import conf, seats, sql
+from . import conf, seats
 from .metrics import database_view
 from .sql import Statement, run, statements
 
@@ -87,10 +87,10 @@ def installed(using: str) -> bool:
     """Whether database ``using`` has ``pg_lease_privileges()`` (the lease app migrated to 0003 or later)."""
     connection = connections[using]
     try:
-        function = f"{sql.schema(connection)}.pg_lease_privileges()"
+        function = f"{run.schema(connection)}.pg_lease_privileges()"
     except ImproperlyConfigured:
         return False  # no lease table: not migrated (or migrated to zero)
-    return bool(run.one(connection, statements.FUNCTION_EXISTS, [function]))
+    return bool(run.one(connection, statements.FUNCTION_EXISTS, function=function))
 
 
 def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
@@ -103,7 +103,7 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
     if not roles:
         return [], []
     tiers = [",".join(_tiers(kinds)) for kinds in roles.values()]
-    rows = run.rows(connections[using], statements.MISSING_GRANTS, [list(roles), tiers])
+    rows = run.rows(connections[using], statements.MISSING_GRANTS, roles=list(roles), tiers=tiers)
     absent = sorted({name for name, exists, *_ in rows if not exists})
     lacking = [
         Grant(name, kind, obj, privilege) for name, exists, kind, obj, privilege, held in rows if exists and not held
@@ -126,7 +126,7 @@ def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     """
     roles = declared()
     tiers = [",".join(_tiers(kinds, allowed=True)) for kinds in roles.values()]
-    rows = run.rows(connections[using], statements.HELD_PRIVILEGES, [list(roles), tiers])
+    rows = run.rows(connections[using], statements.HELD_PRIVILEGES, roles=list(roles), tiers=tiers)
     through_public = {(kind, obj, privilege) for name, kind, obj, privilege, *_ in rows if name == "PUBLIC"}
     extra = []
     for name, kind, obj, privilege, grantable, tiers, allowed, direct in rows:
@@ -187,7 +187,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     modern = connection.pg_version >= 150000  # type: ignore[attr-defined]
     replica = statements.REPLICA_GRANTS.compose(None) if modern else pgsql.SQL("false")
     createrole = pgsql.SQL("r.rolcreaterole" if connection.pg_version < 160000 else "false")  # type: ignore[attr-defined]
-    rows = run.rows(connection, statements.BYPASSES, replica=replica, createrole=createrole)
+    rows = run.rows(connection, statements.BYPASSES, parts={"replica": replica, "createrole": createrole})
     found: list[Bypass] = []
     for name, replica_mode, reads_all, writes_all, maintains, reads_secret, creates_roles in rows:
         if creates_roles:
@@ -267,8 +267,10 @@ def unscoped(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     (every key). One round trip; needs SELECT on the key scope table (the owner, operators).
     """
     connection = connections[using]
-    schema = sql.schema(connection)
-    names = run.rows(connection, statements.UNSCOPED, [[f"{schema}.{function}" for function in SCOPED_FUNCTIONS]])
+    schema = run.schema(connection)
+    names = run.rows(
+        connection, statements.UNSCOPED, functions=[f"{schema}.{function}" for function in SCOPED_FUNCTIONS]
+    )
     return [
         Bypass(
             name,
@@ -304,7 +306,7 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     connection = connections[using]
     with transaction.atomic(using=using):
         for needed in lacking:
-            run.run(connection, statements.GRANT, (), **needed.parts())
+            run.run(connection, statements.GRANT, parts=needed.parts())
     if lacking and missing(using)[1]:
         raise ImproperlyConfigured(
             f"the role database {using!r} connects as may not grant the lease privileges (PostgreSQL only "
@@ -319,7 +321,9 @@ KEY_SCOPE_TABLE = "pg_lease_django_key_scope"
 def stored_key_scopes(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[str, ...]] | None:
     """The key scopes database ``using`` enforces, as ``PG_LEASE_KEY_SCOPES`` spells them; None before 0004."""
     connection = connections[using]
-    if not run.one(connection, statements.RELATION_EXISTS, [sql.schema_name(connection), KEY_SCOPE_TABLE]):
+    if not run.one(
+        connection, statements.RELATION_EXISTS, namespace=run.schema_name(connection), relation=KEY_SCOPE_TABLE
+    ):
         return None
     scopes: dict[str, list[str]] = {}
     for role, prefix in run.rows(connection, statements.KEY_SCOPES):
@@ -353,7 +357,7 @@ def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
         run.run(connection, statements.KEY_SCOPES_LOCK)
         run.run(connection, statements.KEY_SCOPES_CLEAR)
         if pairs:
-            run.run(connection, statements.KEY_SCOPES_ADD, [[r for r, _ in pairs], [p for _, p in pairs]])
+            run.run(connection, statements.KEY_SCOPES_ADD, roles=[r for r, _ in pairs], prefixes=[p for _, p in pairs])
     return True
 
 
@@ -363,7 +367,9 @@ ROLE_LIMIT_TABLE = "pg_lease_django_role_limit"
 def stored_role_limits(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[int | None, int | None]] | None:
     """The per-role limits database ``using`` enforces, as `conf.role_limits` returns them; None before 0007."""
     connection = connections[using]
-    if not run.one(connection, statements.RELATION_EXISTS, [sql.schema_name(connection), ROLE_LIMIT_TABLE]):
+    if not run.one(
+        connection, statements.RELATION_EXISTS, namespace=run.schema_name(connection), relation=ROLE_LIMIT_TABLE
+    ):
         return None
     return {role: (leases, tenures) for role, leases, tenures in run.rows(connection, statements.ROLE_LIMITS)}
 
@@ -386,18 +392,23 @@ def sync_role_limits(using: str = DEFAULT_DB_ALIAS) -> bool:
     if stored == wanted:
         return False
     connection = connections[using]
-    limits = [list(wanted), [leases for leases, _ in wanted.values()], [kept for _, kept in wanted.values()]]
     with transaction.atomic(using=using):
         run.run(connection, statements.ROLE_LIMITS_LOCK)
         run.run(connection, statements.ROLE_LIMITS_CLEAR)
         if wanted:
-            run.run(connection, statements.ROLE_LIMITS_ADD, limits)
+            run.run(
+                connection,
+                statements.ROLE_LIMITS_ADD,
+                roles=list(wanted),
+                max_leases=[leases for leases, _ in wanted.values()],
+                max_tenures_per_key=[kept for _, kept in wanted.values()],
+            )
     return True
 
 
 def absent_roles(names: list[str], using: str = DEFAULT_DB_ALIAS) -> list[str]:
     """Which of ``names`` are no role of database ``using``'s cluster (a typo, a rename, a drop)."""
-    return run.rows(connections[using], statements.ABSENT_ROLES, [names])
+    return run.rows(connections[using], statements.ABSENT_ROLES, names=names)
 
 
 def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:

@@ -99,7 +99,7 @@ def test_the_direct_path_refuses_a_broken_transaction_as_django_does(key: str) -
 def test_the_direct_path_wraps_database_errors_as_django_does(key: str) -> None:
     assert executor._nothing_in_between(connection)
     with pytest.raises(DatabaseError) as info:  # django.db's, not psycopg's
-        executor.one(connection, statements.INSPECT, ["x" * 300])  # invalid_input, raised by the function
+        executor.one(connection, statements.INSPECT, key="x" * 300)  # invalid_input, raised by the function
     assert type(info.value).__module__ == "django.db.utils"
 
 

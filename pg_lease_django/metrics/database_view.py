@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from django.db import connections, router, transaction
 
-from pg_lease_django import conf, sql
+from pg_lease_django import conf
 from pg_lease_django.sql import run, statements
 
 if TYPE_CHECKING:
@@ -121,13 +121,15 @@ def sync_metrics_rule(using: str) -> bool:
     owner: ``pg_lease_metrics()`` takes no rule from its caller. Nothing to do before migration 0011.
     """
     connection = connections[using]
-    if not run.one(connection, statements.RELATION_EXISTS, [sql.schema_name(connection), METRICS_RULE_TABLE]):
+    if not run.one(
+        connection, statements.RELATION_EXISTS, namespace=run.schema_name(connection), relation=METRICS_RULE_TABLE
+    ):
         return False
     wanted = metrics_rule()
     stored = run.first(connection, statements.METRICS_RULE)
     if stored is not None and tuple(stored) == wanted:
         return False
-    run.run(connection, statements.METRICS_RULE_SET, [*wanted])
+    run.run(connection, statements.METRICS_RULE_SET, separator=wanted[0], max_labels=wanted[1])
     return True
 
 

@@ -1,12 +1,13 @@
 """Every statement of ``queries.sql`` as a value: its name, its rows' decoder, whether it confirms its commit.
 
-The executors (``sql.run``, ``sql.arun``) take these. Three statements are still spelled outside
-this list: ``sql.files`` reads ``current_schema()`` for a migration, `sql.schema_name` runs
-``relation_exists`` and ``schema_lookup`` on a cursor of its own, and the admin shows an example
-``pg_lease_inspect`` call as text. A statement's parameters are what its decoder is given besides
-the row (``sql.rows``); its map of SQLSTATEs to the package's errors is ``sql.errors``'. The templates
-of ``fence_triggers.sql``, the DDL of users' fenced tables, are here too: `sql.render` composes them
-and Django's schema editor runs them (``FenceTrigger``).
+The executors (``sql.run``, ``sql.arun``) take these, and nothing the package sends is spelled
+anywhere else (the admin only shows an example ``pg_lease_inspect`` call as text). A statement's
+parameters are named in its SQL (`Statement.parameters`): a call passes them as keywords, and its
+decoder (``sql.rows``) and its map of SQLSTATEs to the package's errors (``sql.errors``) are given
+them as keywords too. The templates of ``fence_triggers.sql``, the DDL of users' fenced tables, are
+here too: `sql.run.render` composes them and Django's schema editor runs them (``FenceTrigger``).
+Two fragments composed into Django's own statements, ``fence_expression`` and ``fence_presented``,
+keep positional ``%s``: Django's compiler joins their parameters to its own by position.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ CANCEL_ATTEMPT: Statement[Any] = Statement("cancel_attempt", rows.scalar)
 # ---- reading: the server clock, listings, the operators' views, probes, metrics ----------------------
 
 SCHEMA_LOOKUP: Statement[str] = Statement("schema_lookup", rows.scalar)
+CURRENT_SCHEMA: Statement[str | None] = Statement("current_schema", rows.scalar)
 SERVER_NOW: Statement[Any] = Statement("server_now", rows.scalar)
 SERVER_NOW_TEXT: Statement[str] = Statement("server_now_text", rows.scalar)
 KEY_COLLATION: Statement[Any] = Statement("key_collation", rows.scalar)

@@ -116,8 +116,8 @@ class Watcher:
     def _read_transitions(self) -> list[Transition]:
         connection = connections[self.using]
         like = None if self.glob is None else glob_to_like(self.glob)[0]
-        params = {"prefix": self.prefix, "like": like, "limit": self.transitions}
-        return [Transition(*row) for row in run.rows(connection, statements.TRANSITIONS, params)]
+        found = run.rows(connection, statements.TRANSITIONS, prefix=self.prefix, like=like, limit=self.transitions)
+        return [Transition(*row) for row in found]
 
 
 def _since(seconds: float | None) -> str:
