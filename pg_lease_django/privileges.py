@@ -104,10 +104,8 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
         return [], []
     tiers = [",".join(_tiers(kinds)) for kinds in roles.values()]
     rows = run.rows(connections[using], statements.MISSING_GRANTS, roles=list(roles), tiers=tiers)
-    absent = sorted({name for name, exists, *_ in rows if not exists})
-    lacking = [
-        Grant(name, kind, obj, privilege) for name, exists, kind, obj, privilege, held in rows if exists and not held
-    ]
+    absent = sorted({row.role for row in rows if not row.exists})
+    lacking = [Grant(row.role, row.kind, row.object, row.privilege) for row in rows if row.exists and not row.held]
     return absent, lacking
 
 
@@ -127,15 +125,15 @@ def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     roles = declared()
     tiers = [",".join(_tiers(kinds, allowed=True)) for kinds in roles.values()]
     rows = run.rows(connections[using], statements.HELD_PRIVILEGES, roles=list(roles), tiers=tiers)
-    through_public = {(kind, obj, privilege) for name, kind, obj, privilege, *_ in rows if name == "PUBLIC"}
+    through_public = {(row.kind, row.object, row.privilege) for row in rows if row.role == "PUBLIC"}
     extra = []
-    for name, kind, obj, privilege, grantable, tiers, allowed, direct in rows:
-        if not direct or (name != "PUBLIC" and (kind, obj, privilege) in through_public):
+    for row in rows:
+        if not row.direct or (row.role != "PUBLIC" and (row.kind, row.object, row.privilege) in through_public):
             continue  # reported once, where it was granted (PUBLIC, a group): a REVOKE there takes it from all
-        if not set(tiers or ()) & ({"public"} | set(allowed or ())):
-            extra.append(Grant(name, kind, obj, privilege))
-        elif grantable:
-            extra.append(Grant(name, kind, obj, privilege, grantable=True))
+        if not set(row.tiers or ()) & ({"public"} | set(row.allowed or ())):
+            extra.append(Grant(row.role, row.kind, row.object, row.privilege))
+        elif row.grantable:
+            extra.append(Grant(row.role, row.kind, row.object, row.privilege, grantable=True))
     return extra
 
 
@@ -189,8 +187,9 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     createrole = pgsql.SQL("r.rolcreaterole" if connection.pg_version < 160000 else "false")  # type: ignore[attr-defined]
     rows = run.rows(connection, statements.BYPASSES, parts={"replica": replica, "createrole": createrole})
     found: list[Bypass] = []
-    for name, replica_mode, reads_all, writes_all, maintains, reads_secret, creates_roles in rows:
-        if creates_roles:
+    for row in rows:
+        name = row.role
+        if row.creates_roles:
             found.append(
                 Bypass(
                     name,
@@ -199,7 +198,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     _printed(statements.NO_CREATEROLE, name),
                 )
             )
-        if replica_mode:
+        if row.replica_mode:
             found.append(
                 Bypass(
                     name,
@@ -209,7 +208,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     _printed(statements.REVOKE_REPLICA_MODE, name),
                 )
             )
-        if reads_secret:
+        if row.reads_secret:
             found.append(
                 Bypass(
                     name,
@@ -220,7 +219,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     error=True,
                 )
             )
-        elif reads_all:
+        elif row.reads_all:
             found.append(
                 Bypass(
                     name,
@@ -229,7 +228,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     _printed(statements.REVOKE_MEMBERSHIP, name, "pg_read_all_data"),
                 )
             )
-        if writes_all:
+        if row.writes_all:
             found.append(
                 Bypass(
                     name,
@@ -239,7 +238,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     _printed(statements.REVOKE_MEMBERSHIP, name, "pg_write_all_data"),
                 )
             )
-        if maintains:
+        if row.maintains:
             found.append(
                 Bypass(
                     name,
@@ -326,8 +325,8 @@ def stored_key_scopes(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[str, ...
     ):
         return None
     scopes: dict[str, list[str]] = {}
-    for role, prefix in run.rows(connection, statements.KEY_SCOPES):
-        scopes.setdefault(role, []).append(prefix)
+    for scope in run.rows(connection, statements.KEY_SCOPES):
+        scopes.setdefault(scope.role, []).append(scope.prefix)
     return {role: tuple(prefixes) for role, prefixes in scopes.items()}
 
 
@@ -371,7 +370,8 @@ def stored_role_limits(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[int | N
         connection, statements.RELATION_EXISTS, namespace=run.schema_name(connection), relation=ROLE_LIMIT_TABLE
     ):
         return None
-    return {role: (leases, tenures) for role, leases, tenures in run.rows(connection, statements.ROLE_LIMITS)}
+    limits = run.rows(connection, statements.ROLE_LIMITS)
+    return {limit.role: (limit.max_leases, limit.max_tenures_per_key) for limit in limits}
 
 
 def sync_role_limits(using: str = DEFAULT_DB_ALIAS) -> bool:

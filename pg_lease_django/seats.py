@@ -33,10 +33,10 @@ def denied(error: BaseException) -> bool:
 def _seat(using: str, relation: str) -> tuple[str, str | None] | None:
     """This session's login role and the owner of ``relation``; None where even that cannot be read."""
     try:
-        login, owner = run.one(connections[using], statements.SEAT, relation=relation)
+        seat = run.one(connections[using], statements.SEAT, relation=relation)
     except DatabaseError:
         return None
-    return str(login), None if owner is None else str(owner)
+    return seat.login, seat.owner
 
 
 def remedy(using: str, what: str) -> str:

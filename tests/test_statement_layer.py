@@ -158,11 +158,16 @@ def test_each_statement_names_its_parameters(statement: Statement[object]) -> No
     assert not statement.parameters & EXECUTOR_KEYWORDS, statement.name
 
 
-def test_the_decoders_read_parameters_by_name() -> None:
-    """``sql.rows``' decoders name the parameters they read; none indexes them by position."""
+def test_every_row_is_typed_and_every_decoder_reads_parameters_by_name() -> None:
+    """Each statement's rows are a type of ``sql.rows`` (or None: no row worth reading), never a bare
+    tuple; ``sql.rows``' decoders name the parameters they read, none indexes them by position."""
+    values = (PACKAGE / "sql" / "statements.py").read_text()
+    assert not re.findall(r"Statement\[(?:Any|tuple)\b", values)
     source = (PACKAGE / "sql" / "rows.py").read_text()
     assert "params[" not in source
     assert re.search(r"def renewal\(row: Row, \*, key: str, owner: str, epoch: int", source)
+    assert statements.SEAT.decode(("me", None), relation="t").login == "me"
+    assert statements.LISTEN.decode(()) is None
 
 
 def test_the_scans_find_what_they_look_for() -> None:

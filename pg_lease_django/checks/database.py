@@ -176,11 +176,9 @@ def check_fence_triggers_are_current(
                 continue
             # One round trip: whether the table exists, and its fence triggers with their comments.
             table = connection.ops.quote_name(model._meta.db_table)
-            table_exists, names, comments = run.one(
-                connection, statements.FENCE_TRIGGERS, table=table, names=list(wanted)
-            )
-            installed = dict(zip(names or [], comments or [], strict=True))
-            if not table_exists:
+            triggers = run.one(connection, statements.FENCE_TRIGGERS, table=table, names=list(wanted))
+            installed = dict(zip(triggers.names or [], triggers.comments or [], strict=True))
+            if not triggers.table_exists:
                 continue
             stale = [name for name in wanted if installed.get(name) != expected]
             if stale:

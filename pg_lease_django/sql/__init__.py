@@ -55,8 +55,8 @@ _PLACEHOLDER = re.compile(r"%\(([a-z_]+)\)s")
 _PERCENT = re.compile(r"%%|%\(([a-z_]+)\)s")
 
 
-def _whole_row(row: Sequence[Any], **params: Any) -> Any:
-    return tuple(row)
+def _no_row(row: Sequence[Any], **params: Any) -> Any:
+    return None
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class Statement(Generic[T]):
     Attributes:
         name: its name in ``queries.sql``.
         decode: each row's meaning, given the row and, as keywords, the parameters sent (a verdict
-            that is an error raises it); the whole row as a tuple by default.
+            that is an error raises it), a typed row of ``sql.rows``; None for a statement that
+            answers no row worth reading, the default.
         confirms: a lease write whose commit must reach the synchronous standby: the executors turn
             the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`.
         errors: SQLSTATE -> the package's error for it, given the driver's error and the parameters
@@ -76,7 +77,7 @@ class Statement(Generic[T]):
     """
 
     name: str
-    decode: Callable[..., T] = field(default=_whole_row, compare=False)
+    decode: Callable[..., T] = field(default=_no_row, compare=False)
     confirms: bool = False
     parts: tuple[str, ...] = ()
     errors: Mapping[str, Callable[..., BaseException]] = field(default_factory=dict, compare=False)

@@ -9,15 +9,16 @@ the database's answer to an error. `Grant`, `LeaseState` and `EpochAdvance` are 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from . import errors
 
 #: A row as the driver returns it.
 Row = Sequence[Any]
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -182,3 +183,127 @@ def advance(row: Row, *, by: int, dry_run: bool) -> EpochAdvance:
 def scalar(row: Row, **_: Any) -> Any:
     """The first column."""
     return row[0]
+
+
+# ---- the operators' reads: probes, metrics, the catalog, the Patroni hook -------------------------
+# Each a NamedTuple of its statement's columns in order, read by `shaped`.
+
+
+class Readiness(NamedTuple):
+    """What the readiness probe asks the database (``readiness``)."""
+
+    worker: bool  # may run every function a worker needs
+    scope: list[str] | None  # the key prefixes it may use: None, every key; empty, none
+    monitor: bool  # may read the metrics
+
+
+class LeaseCount(NamedTuple):
+    """A row of the database's view for Prometheus (``pg_lease_metrics``), labelled by its rule."""
+
+    kind: str  # "lease", "waiter" or "tenure"
+    label: str
+    state: str  # a lease's `LeaseStatus`, a tenure's end reason
+    total: float  # the column ``count``: a NamedTuple's field may not shadow tuple.count
+    oldest_lapse: float | None  # seconds since the oldest lapse of a lapsed lease
+
+
+class MetricsRule(NamedTuple):
+    """The metrics' label rule the database holds (``metrics_rule``)."""
+
+    separator: str
+    max_labels: int
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A grant or an end of a tenure (``transitions``); ``event``: ``granted`` or an `EndReason` value."""
+
+    at: str
+    key: str
+    epoch: int
+    owner: str
+    event: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"at": self.at, "key": self.key, "epoch": self.epoch, "owner": self.owner, "event": self.event}
+
+
+class Seat(NamedTuple):
+    """Who this session logged in as, and who owns a relation (``seat``)."""
+
+    login: str
+    owner: str | None  # None where the relation is not there
+
+
+class FenceTriggers(NamedTuple):
+    """A fenced table's triggers of the names asked for (``fence_triggers``)."""
+
+    table_exists: bool
+    names: list[str] | None
+    comments: list[str] | None  # each trigger's comment, in the order of ``names``
+
+
+class KeyScope(NamedTuple):
+    role: str
+    prefix: str
+
+
+class RoleLimit(NamedTuple):
+    role: str
+    max_leases: int | None
+    max_tenures_per_key: int | None
+
+
+class MissingGrant(NamedTuple):
+    """A privilege a declared role's kinds give it, and whether it holds it (``missing_grants``)."""
+
+    role: str
+    exists: bool
+    kind: str
+    object: str
+    privilege: str
+    held: bool
+
+
+class HeldPrivilege(NamedTuple):
+    """A privilege a role holds on the package's objects (``held_privileges``)."""
+
+    role: str
+    kind: str
+    object: str
+    privilege: str
+    grantable: bool
+    tiers: list[str] | None  # the tiers of pg_lease_privileges() that name it
+    allowed: list[str] | None  # the tiers the role may hold through the declared roles it is a member of
+    direct: bool  # granted to the role itself, not through a role it is a member of
+
+
+class RoleBypasses(NamedTuple):
+    """The ways around the lease rules PostgreSQL gives one role (``bypasses``)."""
+
+    role: str
+    replica_mode: bool
+    reads_all: bool
+    writes_all: bool
+    maintains: bool
+    reads_secret: bool
+    creates_roles: bool
+
+
+class RecoveryState(NamedTuple):
+    """A server's recovery, as the Patroni hook reads it (``recovery_state``)."""
+
+    in_recovery: bool
+    received: str | None  # the WAL received and replayed, as LSN text
+    replayed: str | None
+    data_directory: str
+    segment_size: int
+
+
+def shaped(kind: Callable[..., R]) -> Callable[..., R]:
+    """The decoder of a statement whose row is ``kind``, a NamedTuple or dataclass of its columns in order."""
+
+    def decode(row: Row, **_: Any) -> R:
+        return kind(*row)
+
+    return decode
