@@ -170,6 +170,14 @@ def test_every_row_is_typed_and_every_decoder_reads_parameters_by_name() -> None
     assert statements.LISTEN.decode(()) is None
 
 
+def test_the_executors_send_positional_text_in_the_order_of_the_names() -> None:
+    """What reaches the server is the text written with ``%s`` (execute wrappers of other apps add a
+    positional parameter of their own); an escaped ``%%`` stays escaped."""
+    sent = sql.positional("SELECT %(b)s, %(a)s, '100%%', %(b)s")
+    assert (sent.text, sent.names) == ("SELECT %s, %s, '100%%', %s", ("b", "a", "b"))
+    assert sent.arguments("s", {"a": 1, "b": 2}) == [2, 1, 2]
+
+
 def test_the_scans_find_what_they_look_for() -> None:
     """The two scans above would pass vacuously if they found nothing: they find these."""
     tree = ast.parse('cursor.execute(f"SELECT {x} FROM t")\nQ = "DELETE FROM t"\nDOC = "Select a lease"\n')

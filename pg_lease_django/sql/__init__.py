@@ -111,6 +111,7 @@ class Positional:
 
     text: str
     names: tuple[str, ...]
+    distinct: int  # how many names, each once: how many parameters a call passes
 
     def arguments(self, statement: str, params: Mapping[str, Any]) -> list[Any]:
         """``params`` in the order of the placeholders of ``statement`` (its name, for the error).
@@ -122,7 +123,7 @@ class Positional:
             found = [params[name] for name in self.names]
         except KeyError as missing:
             raise TypeError(f"the statement {statement!r} needs the parameter {missing}") from None
-        if len(params) != len(set(self.names)):
+        if len(params) != self.distinct:
             raise TypeError(f"the statement {statement!r} takes {sorted(set(self.names))}, not {sorted(params)}")
         return found
 
@@ -138,7 +139,8 @@ def positional(text: str) -> Positional:
         names.append(match.group(1))
         return "%s"
 
-    return Positional(_PERCENT.sub(placeholder, text), tuple(names))
+    sendable = _PERCENT.sub(placeholder, text)
+    return Positional(sendable, tuple(names), len(set(names)))
 
 
 #: The channel release and force release notify, with the key as payload, when a waiter registered for
