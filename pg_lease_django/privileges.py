@@ -250,7 +250,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     return found
 
 
-def _printed(statement: Statement[Any], role: str, predefined: str | None = None) -> str:
+def _printed(statement: Statement[object], role: str, predefined: str | None = None) -> str:
     """A remedy to print: ``statement`` for ``role`` (and the predefined role it is a member of)."""
     parts: dict[str, pgsql.Composable] = {"role": pgsql.SQL("PUBLIC") if role == "PUBLIC" else pgsql.Identifier(role)}
     if predefined is not None:

@@ -161,8 +161,12 @@ def test_each_statement_names_its_parameters(statement: Statement[object]) -> No
 def test_every_row_is_typed_and_every_decoder_reads_parameters_by_name() -> None:
     """Each statement's rows are a type of ``sql.rows`` (or None: no row worth reading), never a bare
     tuple; ``sql.rows``' decoders name the parameters they read, none indexes them by position."""
-    values = (PACKAGE / "sql" / "statements.py").read_text()
-    assert not re.findall(r"Statement\[(?:Any|tuple)\b", values)
+    untyped = [
+        path.relative_to(PACKAGE).as_posix()
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if re.search(r"Statement\[(?:Any|tuple)\b", path.read_text())
+    ]
+    assert not untyped, "a statement's rows are a type of sql.rows, None, or (any statement) object"
     source = (PACKAGE / "sql" / "rows.py").read_text()
     assert "params[" not in source
     assert re.search(r"def renewal\(row: Row, \*, key: str, owner: str, epoch: int", source)

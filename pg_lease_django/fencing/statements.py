@@ -30,7 +30,7 @@ class PresentFence(Expression):
 
     output_field = models.BigIntegerField()
     #: Its SQL (``queries.sql``).
-    statement: sql.Statement[Any] = statements.FENCE_EXPRESSION
+    statement: sql.Statement[None] = statements.FENCE_EXPRESSION
 
     def __init__(self, token: FenceToken) -> None:
         super().__init__()

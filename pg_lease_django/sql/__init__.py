@@ -26,7 +26,8 @@ from typing import Any, Generic, TypeVar
 
 from psycopg import sql as pgsql
 
-T = TypeVar("T")
+#: What a statement's rows decode to: covariant, so that `Statement[object]` takes any statement.
+T = TypeVar("T", covariant=True)
 #: This directory: the statements' files are read from it here, not through ``sql.files``, whose
 #: migration operation imports Django's migration machinery (the Patroni hook needs none of it).
 _DIRECTORY = Path(__file__).resolve().parent

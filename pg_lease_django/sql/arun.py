@@ -79,13 +79,13 @@ class Session:
         """Send ``statement`` with ``params``; every row, decoded."""
         return [statement.decode(row, **params) for row in await self._execute(statement, params, None, _fetch_all)]
 
-    async def run(self, statement: Statement[Any], *, parts: Parts = None, **params: Any) -> None:
+    async def run(self, statement: Statement[object], *, parts: Parts = None, **params: Any) -> None:
         """Send ``statement`` with ``params``, which answers nothing worth reading."""
         await self._execute(statement, params, parts, None)
 
     async def _execute(
         self,
-        statement: Statement[Any],
+        statement: Statement[object],
         params: dict[str, Any],
         parts: Parts,
         fetch: Callable[[psycopg.AsyncCursor[Any]], Awaitable[Any]] | None,
@@ -105,7 +105,7 @@ class Session:
             errors.raise_mapped(exc, statement.errors, params)
             raise
 
-    def _render(self, statement: Statement[Any]) -> Positional:
+    def _render(self, statement: Statement[object]) -> Positional:
         found = self._rendered.get(statement.name)
         if found is None:
             found = self._rendered[statement.name] = positional(statement.compose(self.schema).as_string(None))

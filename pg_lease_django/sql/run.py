@@ -87,7 +87,7 @@ def rows(connection: BaseDatabaseWrapper, statement: Statement[T], *, parts: Par
     return [statement.decode(row, **params) for row in found]
 
 
-def run(connection: BaseDatabaseWrapper, statement: Statement[Any], *, parts: Parts = None, **params: Any) -> None:
+def run(connection: BaseDatabaseWrapper, statement: Statement[object], *, parts: Parts = None, **params: Any) -> None:
     """Send ``statement`` with ``params``, which answers nothing worth reading."""
     _execute(connection, statement, params, parts, None, _fetch_nothing)
 
@@ -106,7 +106,7 @@ def _fetch_nothing(cursor: Any) -> None:
 
 def _execute(
     connection: BaseDatabaseWrapper,
-    statement: Statement[Any],
+    statement: Statement[object],
     params: dict[str, Any],
     parts: Parts,
     marker: str | None,
@@ -315,7 +315,7 @@ def _forget_rendered(*, setting: str, **kwargs: Any) -> None:
         _rendered.clear()
 
 
-def render(connection: BaseDatabaseWrapper, statement: Statement[Any], **parts: pgsql.Composable) -> str:
+def render(connection: BaseDatabaseWrapper, statement: Statement[object], **parts: pgsql.Composable) -> str:
     """``statement``'s SQL for ``connection``: its schema and ``parts`` composed in (cached without parts)."""
     if parts:
         return statement.compose(_schema_if_named(connection, statement), **parts).as_string(None)
@@ -327,5 +327,5 @@ def render(connection: BaseDatabaseWrapper, statement: Statement[Any], **parts: 
     return found
 
 
-def _schema_if_named(connection: BaseDatabaseWrapper, statement: Statement[Any]) -> str | None:
+def _schema_if_named(connection: BaseDatabaseWrapper, statement: Statement[object]) -> str | None:
     return schema_name(connection) if "{schema" in statement.text else None
