@@ -74,11 +74,14 @@ BASELINE = Path(__file__).resolve().parent / "instructions-baseline.json"
 TOLERANCE = 0.03
 
 
-def literal(template: str, *params: Any) -> str:
+def literal(template: str, *params: Any, **named: Any) -> str:
     """``template`` (the floor's, or a statement the package sends) with its table or schema and its
-    ``%s`` filled in as literals: a single-user backend binds no parameters."""
+    parameters filled in as literals: ``params`` for its ``%s``, ``named`` for its ``%(name)s``
+    (a single-user backend binds no parameters)."""
     statement = template.format(table="{table}", schema='"public"').replace("%s", "{}")
-    return psql.SQL(statement).format(*map(psql.Literal, params)).as_string()
+    statement = re.sub(r"%\((\w+)\)s", r"{\1}", statement)
+    literals = {name: psql.Literal(value) for name, value in named.items()}
+    return psql.SQL(statement).format(*map(psql.Literal, params), **literals).as_string()
 
 
 def floor(template: str, table: str, *params: Any) -> str:
@@ -89,7 +92,7 @@ def workloads(n: int) -> dict[str, list[str]]:
     """Statements of each workload, ``n`` operations each (an acquire+release pair is one)."""
     plain_pairs = []
     lease_table_pairs = [
-        literal(statements.ACQUIRE.text, "lt", "o", timedelta(milliseconds=1)),
+        literal(statements.ACQUIRE.text, key="lt", owner="o", ttl=timedelta(milliseconds=1)),
         "SELECT pg_sleep(0.01)",
     ]
     function_pairs = []
@@ -103,8 +106,8 @@ def workloads(n: int) -> dict[str, list[str]]:
             floor(FLOOR_RELEASE_ON, TABLE, "lt", "o", 2 * i + 2),
         ]
         function_pairs += [
-            literal(statements.ACQUIRE.text, "f", "o", TTL),
-            literal(statements.RELEASE.text, "f", "o", 2 * i + 1),
+            literal(statements.ACQUIRE.text, key="f", owner="o", ttl=TTL),
+            literal(statements.RELEASE.text, key="f", owner="o", epoch=2 * i + 1),
         ]
     return {
         "floor: acquire+release (plain table)": plain_pairs,
@@ -112,11 +115,11 @@ def workloads(n: int) -> dict[str, list[str]]:
         "SQL functions: acquire+release": function_pairs,
         "floor: renew (plain table)": [floor(FLOOR_ACQUIRE_ON, PLAIN_TABLE, "o", TTL, "r", "o")]
         + [floor(FLOOR_RENEW_ON, PLAIN_TABLE, TTL, "r", "o", 1)] * n,
-        "SQL function: heartbeat": [literal(statements.ACQUIRE.text, "r", "o", TTL)]
-        + [literal(statements.RENEW.text, "r", "o", 1, TTL)] * n,
+        "SQL function: heartbeat": [literal(statements.ACQUIRE.text, key="r", owner="o", ttl=TTL)]
+        + [literal(statements.RENEW.text, key="r", owner="o", epoch=1, ttl=TTL)] * n,
         "floor: inspect (plain table)": [floor(FLOOR_INSPECT_ON, PLAIN_TABLE, "k")] * n,
-        "SQL function: inspect": [literal(statements.ACQUIRE.text, "i", "o", timedelta(days=1))]
-        + [literal(statements.INSPECT.text, "i")] * n,
+        "SQL function: inspect": [literal(statements.ACQUIRE.text, key="i", owner="o", ttl=timedelta(days=1))]
+        + [literal(statements.INSPECT.text, key="i")] * n,
         **fenced_workloads(n),
     }
 
@@ -196,7 +199,7 @@ def fenced_tables() -> str:
             derive.as_string(),
             *rows,
             *(
-                literal(statements.ACQUIRE.text, key, owner, timedelta(days=1))
+                literal(statements.ACQUIRE.text, key=key, owner=owner, ttl=timedelta(days=1))
                 for key, owner, _ in (SAVE_FENCE, UPDATE_FENCE)
             ),
             triggers.as_string(),

@@ -44,9 +44,9 @@ def _fill(rows: int) -> float:
     """Make ``rows`` lease rows ``bench-scrape-N:i`` (held, lapsed, free) unless they exist; seconds taken."""
     from django.db import connection
 
-    from pg_lease_django import sql as lease_sql
+    from pg_lease_django.sql import run
 
-    schema = lease_sql.schema(connection)
+    schema = run.schema(connection)
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT count(*) FROM {schema}.pg_lease_django_lease WHERE key LIKE 'bench-scrape-%%'")
         (present,) = cursor.fetchone()
@@ -91,9 +91,9 @@ def _fill_junk(rows: int) -> float:
     """Make ``rows`` junk lease rows unless they exist (plain INSERTs, as the owner); seconds taken."""
     from django.db import connection
 
-    from pg_lease_django import sql as lease_sql
+    from pg_lease_django.sql import run
 
-    schema = lease_sql.schema(connection)
+    schema = run.schema(connection)
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT count(*) FROM {schema}.pg_lease_django_lease WHERE key LIKE 'bench-junk%%'")
         (present,) = cursor.fetchone()

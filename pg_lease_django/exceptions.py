@@ -17,6 +17,7 @@ __all__ = [
     "LeaseError",
     "LeaseLostError",
     "LeaseTimeoutError",
+    "MissingRowError",
     "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
@@ -240,6 +241,18 @@ class QuotaExceededError(LeaseError):
 
     code = "quota"
     sqlstate = "53400"
+
+
+class MissingRowError(LeaseError):
+    """A statement that always answers one row answered none.
+
+    The lease functions the database runs are not the ones this version of the package was written
+    for: a migration not applied, or another function of the same name answering first. Nothing
+    was decided for the call. Run ``manage.py migrate pg_lease_django``; if the error stays, report
+    it with the statement's name, which the message gives.
+    """
+
+    code = "missing_row"
 
 
 class OutcomeUnknownError(OperationalError):

@@ -14,7 +14,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 
-from . import conf, seats, sql
+from . import conf, seats
 from .sql import run, statements
 
 HISTORY_SCOPE_TABLE = "pg_lease_django_history_scope"
@@ -24,10 +24,10 @@ def _has_scope_table(using: str) -> bool:
     """Whether database ``using`` has the history scope table (migrated that far)."""
     connection = connections[using]
     try:
-        schema = sql.schema_name(connection)
+        schema = run.schema_name(connection)
     except ImproperlyConfigured:
         return False  # no lease table: not migrated (or migrated to zero)
-    return bool(run.one(connection, statements.RELATION_EXISTS, [schema, HISTORY_SCOPE_TABLE]))
+    return bool(run.one(connection, statements.RELATION_EXISTS, namespace=schema, relation=HISTORY_SCOPE_TABLE))
 
 
 def recorded_prefixes(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...] | None:
@@ -57,8 +57,8 @@ def sync_scope(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...]:
         # key in flight (pg_lease_rescope), and a migrate with nothing to do must not.
         return prefixes
     with transaction.atomic(using=using):
-        run.run(connections[using], statements.HISTORY_SCOPE_KEEP, [list(prefixes)])
-        run.run(connections[using], statements.HISTORY_SCOPE_ADD, [list(prefixes)])
+        run.run(connections[using], statements.HISTORY_SCOPE_KEEP, prefixes=list(prefixes))
+        run.run(connections[using], statements.HISTORY_SCOPE_ADD, prefixes=list(prefixes))
     return prefixes
 
 

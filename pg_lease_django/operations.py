@@ -78,7 +78,7 @@ def attempt(
     connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta, marker: str | None = None
 ) -> Attempt:
     """One non-blocking acquire; ``marker``: the identity it shows in ``pg_stat_activity`` (`run.first`)."""
-    return attempted(key, run.one(connection, statements.ACQUIRE, [key, owner, ttl], marker=marker))
+    return attempted(key, run.one(connection, statements.ACQUIRE, key=key, owner=owner, ttl=ttl, marker=marker))
 
 
 def attempt_within(
@@ -91,7 +91,8 @@ def attempt_within(
 ) -> Attempt:
     """One attempt of a waiter that polls: every lock it waits for, at most ``within`` (what is left
     of its deadline; None: no deadline), or it is refused; ``marker`` as for `attempt`."""
-    return attempted(key, run.one(connection, statements.ACQUIRE_WITHIN, [key, owner, ttl, within], marker=marker))
+    tried = run.one(connection, statements.ACQUIRE_WITHIN, key=key, owner=owner, ttl=ttl, within=within, marker=marker)
+    return attempted(key, tried)
 
 
 def attempt_or_register(
@@ -107,8 +108,10 @@ def attempt_or_register(
     ``retry_within``: the longest the waiter sleeps before its next attempt unless notified (and the
     longest the attempt waits for a lock); ``marker`` as for `attempt`.
     """
-    params = [key, owner, ttl, retry_within]
-    return attempted(key, run.one(connection, statements.ACQUIRE_OR_REGISTER, params, marker=marker))
+    tried = run.one(
+        connection, statements.ACQUIRE_OR_REGISTER, key=key, owner=owner, ttl=ttl, within=retry_within, marker=marker
+    )
+    return attempted(key, tried)
 
 
 def acquire(
@@ -149,20 +152,20 @@ def acquire_or_raise(
 
 def renew(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int, ttl: timedelta) -> Renewal:
     """Extend ``(owner, epoch)``'s lease; the `Renewal`, or the `LeaseLostError` of the verdict."""
-    renewal = run.one(connection, statements.RENEW, [key, owner, epoch, ttl])
+    renewal = run.one(connection, statements.RENEW, key=key, owner=owner, epoch=epoch, ttl=ttl)
     metrics.renewal_confirmed(key)
     return renewal
 
 
 def release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
     """Free ``(owner, epoch)``'s lease, or raise the `LeaseLostError` of the verdict."""
-    run.one(connection, statements.RELEASE, [key, owner, epoch])
+    run.one(connection, statements.RELEASE, key=key, owner=owner, epoch=epoch)
     metrics.release_confirmed(key)
 
 
 def inspect(connection: BaseDatabaseWrapper, key: str) -> LeaseState:
     """The state of ``key`` at the server clock."""
-    return run.one(connection, statements.INSPECT, [key])
+    return run.one(connection, statements.INSPECT, key=key)
 
 
 def force_release(connection: BaseDatabaseWrapper, key: str, epoch: int | None, operator: str | None = None) -> int:
@@ -170,17 +173,17 @@ def force_release(connection: BaseDatabaseWrapper, key: str, epoch: int | None, 
 
     ``operator``: who forces it, for the history (None: the database role).
     """
-    return run.one(connection, statements.FORCE_RELEASE, [key, epoch, operator])
+    return run.one(connection, statements.FORCE_RELEASE, key=key, epoch=epoch, operator=operator)
 
 
 def request_handoff(connection: BaseDatabaseWrapper, key: str, epoch: int | None) -> HandoffRequest:
     """Ask the holder of ``key`` (at ``epoch``, if given) to step down; why nobody can be asked, raised."""
-    return run.one(connection, statements.REQUEST_HANDOFF, [key, epoch])
+    return run.one(connection, statements.REQUEST_HANDOFF, key=key, epoch=epoch)
 
 
 def prune(connection: BaseDatabaseWrapper, free_for: timedelta, dry_run: bool) -> list[str]:
     """Delete (or, ``dry_run``, list) the rows free for at least ``free_for``: their keys, sorted."""
-    return sorted(run.rows(connection, statements.PRUNE, [free_for, dry_run]))
+    return sorted(run.rows(connection, statements.PRUNE, free_for=free_for, dry_run=dry_run))
 
 
 def advance_epochs(connection: BaseDatabaseWrapper, by: int, dry_run: bool) -> EpochAdvance:
@@ -189,4 +192,4 @@ def advance_epochs(connection: BaseDatabaseWrapper, by: int, dry_run: bool) -> E
     Raises:
         InvalidInputError: an epoch or the floor would pass the limit (``MAX_ADVANCE``); nothing changed.
     """
-    return run.one(connection, statements.ADVANCE_EPOCHS, [by, dry_run])
+    return run.one(connection, statements.ADVANCE_EPOCHS, by=by, dry_run=dry_run)

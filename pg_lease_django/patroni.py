@@ -89,25 +89,25 @@ def last_record(conninfo: str, bindir: Path | None) -> tuple[str | None, str]:
     """The type of the last WAL record a standby has (``pg_waldump``'s desc, e.g.
     ``CHECKPOINT_SHUTDOWN``), or None when it cannot be read; and why."""
     with _connect(conninfo) as conn:
-        [(in_recovery, received, replayed, datadir, segment_size)] = run.on_psycopg(conn, statements.RECOVERY_STATE)
-    if not in_recovery:
+        [state] = run.on_psycopg(conn, statements.RECOVERY_STATE)
+    if not state.in_recovery:
         return None, "not a standby"
-    ends = [_lsn(lsn) for lsn in (received, replayed) if lsn]
+    ends = [_lsn(lsn) for lsn in (state.received, state.replayed) if lsn]
     if not ends:
         return None, "no WAL position"
     end = max(ends)
     waldump = shutil.which("pg_waldump", path=str(bindir) if bindir else None)
     if waldump is None:
         return None, "pg_waldump not found (--bindir)"
-    segment = (end - 1) // segment_size
-    per_id = 0x100000000 // segment_size
+    segment = (end - 1) // state.segment_size
+    per_id = 0x100000000 // state.segment_size
     suffix = f"{segment // per_id:08X}{segment % per_id:08X}"
-    wal = Path(datadir) / "pg_wal"
+    wal = Path(state.data_directory) / "pg_wal"
     files = sorted(p.name for p in wal.iterdir() if len(p.name) == 24 and p.name.endswith(suffix))
     if not files:
         return None, f"no WAL segment for {_lsn_text(end)}"
     timeline = int(files[-1][:8], 16)
-    start = max(segment * segment_size, end - WAL_WINDOW)
+    start = max(segment * state.segment_size, end - WAL_WINDOW)
     done = subprocess.run(
         [waldump, "--path", str(wal), "--timeline", str(timeline), "--start", _lsn_text(start)],
         capture_output=True,
@@ -167,7 +167,7 @@ def advance(conninfo: str, dbname: str, by: int) -> tuple[int, int]:
         schemas = run.on_psycopg(conn, statements.SCHEMA_LOOKUP)
         if len(schemas) != 1:
             raise RuntimeError(f"database {dbname!r}: {len(schemas)} schemas with a lease table on the search_path")
-        [done] = run.on_psycopg(conn, statements.ADVANCE_EPOCHS, [by, False], schema=schemas[0])
+        [done] = run.on_psycopg(conn, statements.ADVANCE_EPOCHS, schema=schemas[0], by=by, dry_run=False)
     return done.leases, done.max_epoch
 
 

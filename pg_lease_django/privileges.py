@@ -21,7 +21,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 from psycopg import sql as pgsql
 
-from . import conf, seats, sql
+from . import conf, seats
 from .metrics import database_view
 from .sql import Statement, run, statements
 
@@ -87,10 +87,10 @@ def installed(using: str) -> bool:
     """Whether database ``using`` has ``pg_lease_privileges()`` (the lease app migrated to 0003 or later)."""
     connection = connections[using]
     try:
-        function = f"{sql.schema(connection)}.pg_lease_privileges()"
+        function = f"{run.schema(connection)}.pg_lease_privileges()"
     except ImproperlyConfigured:
         return False  # no lease table: not migrated (or migrated to zero)
-    return bool(run.one(connection, statements.FUNCTION_EXISTS, [function]))
+    return bool(run.one(connection, statements.FUNCTION_EXISTS, function=function))
 
 
 def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
@@ -103,11 +103,9 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
     if not roles:
         return [], []
     tiers = [",".join(_tiers(kinds)) for kinds in roles.values()]
-    rows = run.rows(connections[using], statements.MISSING_GRANTS, [list(roles), tiers])
-    absent = sorted({name for name, exists, *_ in rows if not exists})
-    lacking = [
-        Grant(name, kind, obj, privilege) for name, exists, kind, obj, privilege, held in rows if exists and not held
-    ]
+    rows = run.rows(connections[using], statements.MISSING_GRANTS, roles=list(roles), tiers=tiers)
+    absent = sorted({row.role for row in rows if not row.exists})
+    lacking = [Grant(row.role, row.kind, row.object, row.privilege) for row in rows if row.exists and not row.held]
     return absent, lacking
 
 
@@ -126,16 +124,16 @@ def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     """
     roles = declared()
     tiers = [",".join(_tiers(kinds, allowed=True)) for kinds in roles.values()]
-    rows = run.rows(connections[using], statements.HELD_PRIVILEGES, [list(roles), tiers])
-    through_public = {(kind, obj, privilege) for name, kind, obj, privilege, *_ in rows if name == "PUBLIC"}
+    rows = run.rows(connections[using], statements.HELD_PRIVILEGES, roles=list(roles), tiers=tiers)
+    through_public = {(row.kind, row.object, row.privilege) for row in rows if row.role == "PUBLIC"}
     extra = []
-    for name, kind, obj, privilege, grantable, tiers, allowed, direct in rows:
-        if not direct or (name != "PUBLIC" and (kind, obj, privilege) in through_public):
+    for row in rows:
+        if not row.direct or (row.role != "PUBLIC" and (row.kind, row.object, row.privilege) in through_public):
             continue  # reported once, where it was granted (PUBLIC, a group): a REVOKE there takes it from all
-        if not set(tiers or ()) & ({"public"} | set(allowed or ())):
-            extra.append(Grant(name, kind, obj, privilege))
-        elif grantable:
-            extra.append(Grant(name, kind, obj, privilege, grantable=True))
+        if not set(row.tiers or ()) & ({"public"} | set(row.allowed or ())):
+            extra.append(Grant(row.role, row.kind, row.object, row.privilege))
+        elif row.grantable:
+            extra.append(Grant(row.role, row.kind, row.object, row.privilege, grantable=True))
     return extra
 
 
@@ -187,10 +185,11 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     modern = connection.pg_version >= 150000  # type: ignore[attr-defined]
     replica = statements.REPLICA_GRANTS.compose(None) if modern else pgsql.SQL("false")
     createrole = pgsql.SQL("r.rolcreaterole" if connection.pg_version < 160000 else "false")  # type: ignore[attr-defined]
-    rows = run.rows(connection, statements.BYPASSES, replica=replica, createrole=createrole)
+    rows = run.rows(connection, statements.BYPASSES, parts={"replica": replica, "createrole": createrole})
     found: list[Bypass] = []
-    for name, replica_mode, reads_all, writes_all, maintains, reads_secret, creates_roles in rows:
-        if creates_roles:
+    for row in rows:
+        name = row.role
+        if row.creates_roles:
             found.append(
                 Bypass(
                     name,
@@ -199,7 +198,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     _printed(statements.NO_CREATEROLE, name),
                 )
             )
-        if replica_mode:
+        if row.replica_mode:
             found.append(
                 Bypass(
                     name,
@@ -209,7 +208,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     _printed(statements.REVOKE_REPLICA_MODE, name),
                 )
             )
-        if reads_secret:
+        if row.reads_secret:
             found.append(
                 Bypass(
                     name,
@@ -220,7 +219,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     error=True,
                 )
             )
-        elif reads_all:
+        elif row.reads_all:
             found.append(
                 Bypass(
                     name,
@@ -229,7 +228,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     _printed(statements.REVOKE_MEMBERSHIP, name, "pg_read_all_data"),
                 )
             )
-        if writes_all:
+        if row.writes_all:
             found.append(
                 Bypass(
                     name,
@@ -239,7 +238,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
                     _printed(statements.REVOKE_MEMBERSHIP, name, "pg_write_all_data"),
                 )
             )
-        if maintains:
+        if row.maintains:
             found.append(
                 Bypass(
                     name,
@@ -251,7 +250,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     return found
 
 
-def _printed(statement: Statement[Any], role: str, predefined: str | None = None) -> str:
+def _printed(statement: Statement[object], role: str, predefined: str | None = None) -> str:
     """A remedy to print: ``statement`` for ``role`` (and the predefined role it is a member of)."""
     parts: dict[str, pgsql.Composable] = {"role": pgsql.SQL("PUBLIC") if role == "PUBLIC" else pgsql.Identifier(role)}
     if predefined is not None:
@@ -267,8 +266,10 @@ def unscoped(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     (every key). One round trip; needs SELECT on the key scope table (the owner, operators).
     """
     connection = connections[using]
-    schema = sql.schema(connection)
-    names = run.rows(connection, statements.UNSCOPED, [[f"{schema}.{function}" for function in SCOPED_FUNCTIONS]])
+    schema = run.schema(connection)
+    names = run.rows(
+        connection, statements.UNSCOPED, functions=[f"{schema}.{function}" for function in SCOPED_FUNCTIONS]
+    )
     return [
         Bypass(
             name,
@@ -304,7 +305,7 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     connection = connections[using]
     with transaction.atomic(using=using):
         for needed in lacking:
-            run.run(connection, statements.GRANT, (), **needed.parts())
+            run.run(connection, statements.GRANT, parts=needed.parts())
     if lacking and missing(using)[1]:
         raise ImproperlyConfigured(
             f"the role database {using!r} connects as may not grant the lease privileges (PostgreSQL only "
@@ -319,11 +320,13 @@ KEY_SCOPE_TABLE = "pg_lease_django_key_scope"
 def stored_key_scopes(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[str, ...]] | None:
     """The key scopes database ``using`` enforces, as ``PG_LEASE_KEY_SCOPES`` spells them; None before 0004."""
     connection = connections[using]
-    if not run.one(connection, statements.RELATION_EXISTS, [sql.schema_name(connection), KEY_SCOPE_TABLE]):
+    if not run.one(
+        connection, statements.RELATION_EXISTS, namespace=run.schema_name(connection), relation=KEY_SCOPE_TABLE
+    ):
         return None
     scopes: dict[str, list[str]] = {}
-    for role, prefix in run.rows(connection, statements.KEY_SCOPES):
-        scopes.setdefault(role, []).append(prefix)
+    for scope in run.rows(connection, statements.KEY_SCOPES):
+        scopes.setdefault(scope.role, []).append(scope.prefix)
     return {role: tuple(prefixes) for role, prefixes in scopes.items()}
 
 
@@ -353,7 +356,7 @@ def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
         run.run(connection, statements.KEY_SCOPES_LOCK)
         run.run(connection, statements.KEY_SCOPES_CLEAR)
         if pairs:
-            run.run(connection, statements.KEY_SCOPES_ADD, [[r for r, _ in pairs], [p for _, p in pairs]])
+            run.run(connection, statements.KEY_SCOPES_ADD, roles=[r for r, _ in pairs], prefixes=[p for _, p in pairs])
     return True
 
 
@@ -363,9 +366,12 @@ ROLE_LIMIT_TABLE = "pg_lease_django_role_limit"
 def stored_role_limits(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[int | None, int | None]] | None:
     """The per-role limits database ``using`` enforces, as `conf.role_limits` returns them; None before 0007."""
     connection = connections[using]
-    if not run.one(connection, statements.RELATION_EXISTS, [sql.schema_name(connection), ROLE_LIMIT_TABLE]):
+    if not run.one(
+        connection, statements.RELATION_EXISTS, namespace=run.schema_name(connection), relation=ROLE_LIMIT_TABLE
+    ):
         return None
-    return {role: (leases, tenures) for role, leases, tenures in run.rows(connection, statements.ROLE_LIMITS)}
+    limits = run.rows(connection, statements.ROLE_LIMITS)
+    return {limit.role: (limit.max_leases, limit.max_tenures_per_key) for limit in limits}
 
 
 def sync_role_limits(using: str = DEFAULT_DB_ALIAS) -> bool:
@@ -386,18 +392,23 @@ def sync_role_limits(using: str = DEFAULT_DB_ALIAS) -> bool:
     if stored == wanted:
         return False
     connection = connections[using]
-    limits = [list(wanted), [leases for leases, _ in wanted.values()], [kept for _, kept in wanted.values()]]
     with transaction.atomic(using=using):
         run.run(connection, statements.ROLE_LIMITS_LOCK)
         run.run(connection, statements.ROLE_LIMITS_CLEAR)
         if wanted:
-            run.run(connection, statements.ROLE_LIMITS_ADD, limits)
+            run.run(
+                connection,
+                statements.ROLE_LIMITS_ADD,
+                roles=list(wanted),
+                max_leases=[leases for leases, _ in wanted.values()],
+                max_tenures_per_key=[kept for _, kept in wanted.values()],
+            )
     return True
 
 
 def absent_roles(names: list[str], using: str = DEFAULT_DB_ALIAS) -> list[str]:
     """Which of ``names`` are no role of database ``using``'s cluster (a typo, a rename, a drop)."""
-    return run.rows(connections[using], statements.ABSENT_ROLES, [names])
+    return run.rows(connections[using], statements.ABSENT_ROLES, names=names)
 
 
 def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:

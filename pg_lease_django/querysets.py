@@ -29,7 +29,6 @@ from django.db.models import (
 )
 from django.db.models.lookups import In
 
-from . import sql as lease_sql
 from .display import LeaseRow
 from .sql import run, statements
 from .status import LeaseStatus
@@ -80,7 +79,7 @@ class StatusAt(Func):
     def as_postgresql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
     ) -> tuple[str, Any]:
-        function = lease_sql.render(connection, statements.STATUS_FUNCTION)
+        function = run.render(connection, statements.STATUS_FUNCTION)
         return self.as_sql(compiler, connection, function=function, **extra_context)
 
 
@@ -305,7 +304,7 @@ def key_collation(connection: BaseDatabaseWrapper, table: str) -> dict[str, Any]
     "default" means the database's. to_jsonb() reads pg_database whatever columns this server
     version has (datlocprovider appeared in 15).
     """
-    row = run.first(connection, statements.KEY_COLLATION, [table])
+    row = run.first(connection, statements.KEY_COLLATION, table=table)
     if row is None:
         return {}
     return json.loads(row) if isinstance(row, str) else dict(row)

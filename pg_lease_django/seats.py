@@ -12,7 +12,7 @@ from __future__ import annotations
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
 
-from pg_lease_django import conf, sql
+from pg_lease_django import conf
 from pg_lease_django.display import printable
 from pg_lease_django.sql import errors, run, statements
 
@@ -33,10 +33,10 @@ def denied(error: BaseException) -> bool:
 def _seat(using: str, relation: str) -> tuple[str, str | None] | None:
     """This session's login role and the owner of ``relation``; None where even that cannot be read."""
     try:
-        login, owner = run.one(connections[using], statements.SEAT, [relation])
+        seat = run.one(connections[using], statements.SEAT, relation=relation)
     except DatabaseError:
         return None
-    return str(login), None if owner is None else str(owner)
+    return seat.login, seat.owner
 
 
 def remedy(using: str, what: str) -> str:
@@ -51,7 +51,7 @@ def remedy(using: str, what: str) -> str:
         relation = "django_migrations"
     else:
         try:
-            relation = f"{sql.schema_name(connections[using])}.pg_lease_django_lease"
+            relation = f"{run.schema_name(connections[using])}.pg_lease_django_lease"
         except (ImproperlyConfigured, DatabaseError):  # not migrated, or ambiguous: its own error says so
             relation = "pg_lease_django_lease"
     seat = _seat(using, relation)

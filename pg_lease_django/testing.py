@@ -121,7 +121,7 @@ def allow_truncate_on_test_databases(old_config: OldConfig, *, parallel: int = 0
 def _allow_truncate(connection: BaseDatabaseWrapper, name: str) -> None:
     database = pgsql.Identifier(name)
     try:
-        run.run(connection, statements.ALLOW_TRUNCATE, database=database)
+        run.run(connection, statements.ALLOW_TRUNCATE, parts={"database": database})
     except DatabaseError as exc:
         statement = statements.ALLOW_TRUNCATE.compose(None, database=database).as_string(None)
         exc.add_note(

@@ -37,6 +37,7 @@ from django.views.decorators.http import require_safe
 from . import conf
 from .holds.scheduler import active_holds, scheduler_stalled
 from .sql import run, statements
+from .sql.rows import Readiness
 
 __all__ = ["health", "live", "ready"]
 
@@ -107,15 +108,16 @@ def _check() -> str | None:
         return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     finally:
         connections.close_all()  # this thread's own, never left idle
-    privileged, scope, monitors = row if row is not None else (False, None, False)
-    if not privileged and monitors:
+    if row is None:
+        row = Readiness(worker=False, scope=None, monitor=False)
+    if not row.worker and row.monitor:
         return "this role is a monitor's (it reads the metrics, calls no lease function): probe its process with live"
-    if not privileged:
+    if not row.worker:
         return (
             "this role may not run every lease function a worker needs: declare it (or a group role it is a "
             "member of) in PG_LEASE_WORKER_ROLES, then run manage.py leases grant as the lease tables' owner"
         )
-    if scope == []:
+    if row.scope == []:
         return "key scopes are configured and none applies to this role: every lease call would be refused"
     return None
 

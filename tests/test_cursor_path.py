@@ -15,7 +15,7 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 
-from pg_lease_django import Lease
+from pg_lease_django import Lease, MissingRowError
 from pg_lease_django.sql import run as executor
 from pg_lease_django.sql import statements
 
@@ -99,7 +99,7 @@ def test_the_direct_path_refuses_a_broken_transaction_as_django_does(key: str) -
 def test_the_direct_path_wraps_database_errors_as_django_does(key: str) -> None:
     assert executor._nothing_in_between(connection)
     with pytest.raises(DatabaseError) as info:  # django.db's, not psycopg's
-        executor.one(connection, statements.INSPECT, ["x" * 300])  # invalid_input, raised by the function
+        executor.one(connection, statements.INSPECT, key="x" * 300)  # invalid_input, raised by the function
     assert type(info.value).__module__ == "django.db.utils"
 
 
@@ -150,3 +150,18 @@ def test_timestamps_come_in_the_zone_djangos_cursor_would_use(
     assert (grant.expires_at.tzinfo, grant.server_time.tzinfo) == (django_zone, django_zone)
     state = Lease.objects.inspect(key)
     assert state.expires_at is not None and state.expires_at.tzinfo == django_zone
+
+
+def test_a_statement_sent_for_its_one_row_raises_when_it_answers_none() -> None:
+    """`run.one` promises a row: none is a package error naming the statement, never a None returned."""
+    with pytest.raises(MissingRowError, match="superuser_owner"):
+        executor.one(connection, statements.SUPERUSER_OWNER, relation="pg_lease_django_no_such_table")
+    assert executor.first(connection, statements.SUPERUSER_OWNER, relation="pg_lease_django_no_such_table") is None
+
+
+def test_a_call_passes_exactly_the_parameters_its_statement_names(key: str) -> None:
+    with pytest.raises(TypeError, match="needs the parameter 'key'"):
+        executor.one(connection, statements.INSPECT, name=key)
+    with pytest.raises(TypeError, match="takes"):
+        executor.one(connection, statements.INSPECT, key=key, owner="w1")
+    assert executor.one(connection, statements.INSPECT, key=key).key == key

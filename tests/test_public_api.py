@@ -45,6 +45,7 @@ PUBLIC_NAMES = {
     "LeaseStatus",
     "LeaseTenure",
     "LeaseTimeoutError",
+    "MissingRowError",
     "NeverAcquiredError",
     "NotAcquirableError",
     "NotOwnerError",
@@ -174,6 +175,7 @@ ERROR_TREE: dict[str, tuple[str, str]] = {
     "InvalidInputError": ("LeaseError+ValueError", "invalid_input"),
     "UnfencedWriteError": ("LeaseError", "unfenced"),
     "QuotaExceededError": ("LeaseError", "quota"),
+    "MissingRowError": ("LeaseError", "missing_row"),
     "OutcomeUnknownError": ("django.db.OperationalError", "outcome_unknown"),
     "UnconfirmedCommitError": ("OutcomeUnknownError", "unconfirmed_commit"),
 }

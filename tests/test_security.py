@@ -28,7 +28,7 @@ from psycopg import sql as pgsql
 
 from devkit.testapp.models import Invoice
 from pg_lease_django import Grant, Lease, NotOwnerError, history, privileges, unfenced_writes
-from pg_lease_django import sql as lease_sql
+from pg_lease_django.sql import run as lease_sql
 from tests.helpers import conninfo, own_findings, refused, row_snapshot
 
 # Cluster-wide roles: tests that make a role a bypass (pg_read_all_data, a parameter grant) and tests

@@ -151,7 +151,8 @@ def test_an_attempt_sent_with_server_side_binding_is_found_by_its_marker(key: st
     text = f"/* {sent.marker} */ " + statements.ACQUIRE.compose("public").as_string(sender)
     outcome: list[Any] = []
     with row_locked(raw_connect, key) as locker:
-        thread = threading.Thread(target=lambda: _swallow(sender, text, [key, "w-bound", "60 seconds"], outcome))
+        sent_params = {"key": key, "owner": "w-bound", "ttl": "60 seconds"}
+        thread = threading.Thread(target=lambda: _swallow(sender, text, sent_params, outcome))
         thread.start()
         attempt = blocked_behind(watch, locker)
         shown = watch.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", [attempt]).fetchone()

@@ -1,9 +1,10 @@
 """One home for statements: every statement the package sends is in ``sql/queries.sql``, named once.
 
 Read from the code (``ast``) and the SQL file: each named statement has one `Statement` value and each
-value a statement; no module outside ``pg_lease_django/sql/`` (migrations aside) calls ``.execute(``
-or spells a statement in a string; a statement's identifiers are composed (``{name}``), never quoted
-by hand inside a string literal. The statements' behaviour is the rest of the suite's.
+value a statement; no module but the two executors (migrations aside) calls ``.execute(``, and none
+spells a statement in a string, inside ``sql/`` or outside it; a statement's parameters are named
+(``%(name)s``), and its identifiers composed (``{name}``), never quoted by hand inside a string
+literal. The statements' behaviour is the rest of the suite's.
 """
 
 from __future__ import annotations
@@ -38,11 +39,25 @@ NOT_SENT = {
 }
 
 
-def _outside_sql() -> list[tuple[str, ast.Module]]:
+#: The executors: the only modules that send a statement.
+EXECUTORS = ("sql/run.py", "sql/arun.py")
+#: Calls of ``execute`` elsewhere that send no statement of ours, each with why.
+NOT_A_STATEMENT = {
+    ("sql/files.py", "schema_editor.execute(sql, params=None)"): "a migration's SQL file, pinned by its digest",
+}
+#: Fragments composed into Django's own statements, whose parameters Django's compiler joins to its
+#: own by position: they alone keep ``%s``.
+POSITIONAL = {"fence_expression", "fence_presented"}
+#: The executors' own keywords, which no statement may name a parameter (`sql.run.one`, `on_psycopg`).
+EXECUTOR_KEYWORDS = {"connection", "statement", "marker", "parts", "schema", "conn"}
+
+
+def _modules(*, executors: bool) -> list[tuple[str, ast.Module]]:
+    """Every module of the package but the migrations (and, unless ``executors``, the two executors)."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
-        if not name.startswith(("sql/", "migrations/")):
+        if not name.startswith("migrations/") and (executors or name not in EXECUTORS):
             found.append((name, parse(path.read_text(), name)))
     return found
 
@@ -110,27 +125,61 @@ def test_a_schema_with_a_quote_in_its_name_is_quoted_everywhere() -> None:
         assert "it's" not in text.replace('"it\'s"', "").replace("'it''s'", ""), statement.name
 
 
-def test_no_module_outside_sql_calls_execute() -> None:
+def test_no_module_but_the_executors_calls_execute() -> None:
     calls = [
         f"{name}:{node.lineno}: {ast.unparse(node)[:80]}"
-        for name, tree in _outside_sql()
+        for name, tree in _modules(executors=False)
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr in {"execute", "executemany", "executescript"}
+        and (name, ast.unparse(node)) not in NOT_A_STATEMENT
     ]
     assert not calls, "send statements through pg_lease_django.sql.run / sql.arun:\n" + "\n".join(calls)
 
 
-def test_no_module_outside_sql_spells_a_statement_in_a_string() -> None:
+def test_no_module_spells_a_statement_in_a_string() -> None:
     spelled = [
         f"{name}:{line}: {text[:80]!r}"
-        for name, tree in _outside_sql()
+        for name, tree in _modules(executors=True)
         for line, text in _strings(tree)
         if _statement_like(text)
         and not any(name == where and text.strip().startswith(start) for where, start in NOT_SENT)
     ]
     assert not spelled, "put the statement in sql/queries.sql:\n" + "\n".join(spelled)
+
+
+@pytest.mark.parametrize("statement", VALUES, ids=lambda value: value.name)
+def test_each_statement_names_its_parameters(statement: Statement[object]) -> None:
+    """A call passes a statement's parameters as keywords: none is positional but in the two
+    fragments Django composes, and none is named like an executor's own keyword."""
+    positional = "%s" in statement.text.replace("%%", "")
+    assert positional == (statement.name in POSITIONAL), f"{statement.name}: %s and %(name)s mixed up"
+    assert not statement.parameters & EXECUTOR_KEYWORDS, statement.name
+
+
+def test_every_row_is_typed_and_every_decoder_reads_parameters_by_name() -> None:
+    """Each statement's rows are a type of ``sql.rows`` (or None: no row worth reading), never a bare
+    tuple; ``sql.rows``' decoders name the parameters they read, none indexes them by position."""
+    untyped = [
+        path.relative_to(PACKAGE).as_posix()
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if re.search(r"Statement\[(?:Any|tuple)\b", path.read_text())
+    ]
+    assert not untyped, "a statement's rows are a type of sql.rows, None, or (any statement) object"
+    source = (PACKAGE / "sql" / "rows.py").read_text()
+    assert "params[" not in source
+    assert re.search(r"def renewal\(row: Row, \*, key: str, owner: str, epoch: int", source)
+    assert statements.SEAT.decode(("me", None), relation="t").login == "me"
+    assert statements.LISTEN.decode(()) is None
+
+
+def test_the_executors_send_positional_text_in_the_order_of_the_names() -> None:
+    """What reaches the server is the text written with ``%s`` (execute wrappers of other apps add a
+    positional parameter of their own); an escaped ``%%`` stays escaped."""
+    sent = sql.positional("SELECT %(b)s, %(a)s, '100%%', %(b)s")
+    assert (sent.text, sent.names) == ("SELECT %s, %s, '100%%', %s", ("b", "a", "b"))
+    assert sent.arguments("s", {"a": 1, "b": 2}) == [2, 1, 2]
 
 
 def test_the_scans_find_what_they_look_for() -> None:

@@ -427,10 +427,11 @@ def test_a_decoy_of_another_role_listed_first_does_not_stop_the_settling(tenants
     outcome: list[Any] = []
     with tenants.admin.transaction():
         tenants.admin.execute("SELECT 1 FROM pg_lease_django_lease WHERE key = %s FOR UPDATE", [key])
-        attempt = threading.Thread(target=_quietly(b, marked, [key, "b2", "60 seconds"], outcome))
+        sent_params = {"key": key, "owner": "b2", "ttl": "60 seconds"}
+        attempt = threading.Thread(target=_quietly(b, marked, sent_params, outcome))
         attempt.start()
         wait_until_blocked(tenants.admin, b.info.backend_pid)
-        still = run.on_psycopg(settler, statements.CANCEL_ATTEMPT, {"marker": marker, "pid": 2**31 - 1, "closed": None})
+        still = run.on_psycopg(settler, statements.CANCEL_ATTEMPT, attempt_marker=marker, pid=2**31 - 1, closed=None)
         assert sorted(still) == [False, True]  # the decoy: passed by; the attempt: cancelled
         attempt.join()
     assert outcome == ["57014"]

@@ -176,9 +176,9 @@ def check_fence_triggers_are_current(
                 continue
             # One round trip: whether the table exists, and its fence triggers with their comments.
             table = connection.ops.quote_name(model._meta.db_table)
-            table_exists, names, comments = run.one(connection, statements.FENCE_TRIGGERS, [table, table, list(wanted)])
-            installed = dict(zip(names or [], comments or [], strict=True))
-            if not table_exists:
+            triggers = run.one(connection, statements.FENCE_TRIGGERS, table=table, names=list(wanted))
+            installed = dict(zip(triggers.names or [], triggers.comments or [], strict=True))
+            if not triggers.table_exists:
                 continue
             stale = [name for name in wanted if installed.get(name) != expected]
             if stale:
@@ -339,7 +339,7 @@ def check_owner_is_not_a_superuser(
     ``migrate`` run as a superuser made every function run as one. A project that declares no role
     (one role does everything, as in development) is not told.
     """
-    from pg_lease_django import privileges, sql
+    from pg_lease_django import privileges
 
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
@@ -347,8 +347,8 @@ def check_owner_is_not_a_superuser(
         if connection.vendor != "postgresql" or not privileges.declared():
             continue
         try:
-            relation = f"{sql.schema(connection)}.pg_lease_django_lease"
-            superuser = run.first(connection, statements.SUPERUSER_OWNER, [relation])
+            relation = f"{run.schema(connection)}.pg_lease_django_lease"
+            superuser = run.first(connection, statements.SUPERUSER_OWNER, relation=relation)
         except (DatabaseError, ImproperlyConfigured):
             continue  # not migrated: W002/W004/W007 say so
         if superuser is not None:

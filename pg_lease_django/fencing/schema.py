@@ -16,8 +16,7 @@ from django.db.models.constraints import BaseConstraint
 from django.db.models.sql import Query
 from psycopg import sql as pgsql
 
-from pg_lease_django import sql
-from pg_lease_django.sql import statements
+from pg_lease_django.sql import run, statements
 
 if TYPE_CHECKING:
     from django.db.backends.base.schema import BaseDatabaseSchemaEditor
@@ -135,7 +134,7 @@ class FenceTrigger(BaseConstraint):
         """The triggers' DDL (``sql/fence_triggers.sql``), and first the derive trigger's for a declared key."""
         assert model is not None and schema_editor is not None
         connection = schema_editor.connection
-        schema = sql.schema_name(connection)
+        schema = run.schema_name(connection)
         root = fenced_root(model)
         if root._meta.db_table == model._meta.db_table:
             guard = statements.FENCE_GUARD_ROWS.compose(schema)
@@ -148,7 +147,7 @@ class FenceTrigger(BaseConstraint):
                 ancestor_pk=pgsql.Literal(root._meta.pk.column),
                 child_pk=pgsql.Literal(model._meta.pk.column),
             )
-        triggers = sql.render(
+        triggers = run.render(
             connection, statements.FENCE_TRIGGERS_CREATE, table=_table(model), guard=guard, comment=_comment()
         )
         if self.key is None:
@@ -168,10 +167,10 @@ class FenceTrigger(BaseConstraint):
         over_row = Query(model)
         resolved = self.key.resolve_expression(over_row, allow_joins=False)
         expression = compiled(over_row, resolved.relabeled_clone({model._meta.db_table: "new"}))
-        body = sql.render(connection, statements.FENCE_DERIVE_KEY_BODY, expression=expression)
+        body = run.render(connection, statements.FENCE_DERIVE_KEY_BODY, expression=expression)
         read = {col.target.column for col in _columns(resolved) if col.target.column != KEY_COLUMN}
         columns = pgsql.SQL(", ").join(pgsql.Identifier(column) for column in [KEY_COLUMN, *sorted(read)])
-        return sql.render(
+        return run.render(
             connection,
             statements.FENCE_DERIVE_KEY,
             function=pgsql.Identifier(_derive_function(model)),
@@ -184,7 +183,7 @@ class FenceTrigger(BaseConstraint):
 
     def remove_sql(self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None) -> str:
         assert model is not None and schema_editor is not None
-        return sql.render(
+        return run.render(
             schema_editor.connection,
             statements.FENCE_TRIGGERS_DROP,
             table=_table(model),

@@ -30,14 +30,14 @@ class PresentFence(Expression):
 
     output_field = models.BigIntegerField()
     #: Its SQL (``queries.sql``).
-    statement: sql.Statement[Any] = statements.FENCE_EXPRESSION
+    statement: sql.Statement[None] = statements.FENCE_EXPRESSION
 
     def __init__(self, token: FenceToken) -> None:
         super().__init__()
         self.token = token
 
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
-        return sql.render(connection, self.statement), (self.token.key, self.token.owner, self.token.epoch)
+        return run.render(connection, self.statement), (self.token.key, self.token.owner, self.token.epoch)
 
 
 class FencePresented(PresentFence):
@@ -53,7 +53,7 @@ def _present(connection: BaseDatabaseWrapper, token: FenceToken | None) -> None:
     if token is None:
         run.run(connection, statements.ALLOW_UNFENCED)
     else:
-        run.run(connection, statements.PRESENT_FENCE, [token.key, token.owner, token.epoch])
+        run.run(connection, statements.PRESENT_FENCE, key=token.key, owner=token.owner, epoch=token.epoch)
 
 
 @contextmanager

@@ -326,7 +326,7 @@ class LeaseConnection:
                 # SET LOCAL (set_config(..., true)) in a transaction of its own: the timeout cannot
                 # leak into a pooled server session behind PgBouncer in transaction mode.
                 wrapper.set_autocommit(False)
-                run.run(wrapper, statements.STATEMENT_TIMEOUT_LOCAL, [f"{ms}ms"])
+                run.run(wrapper, statements.STATEMENT_TIMEOUT_LOCAL, timeout=f"{ms}ms")
                 try:
                     yield
                 except LeaseLostError:
@@ -338,7 +338,7 @@ class LeaseConnection:
                 wrapper.set_autocommit(True)
                 return
             if self.timeout_ms != ms:
-                run.run(wrapper, statements.STATEMENT_TIMEOUT_SESSION, [f"{ms}ms"])
+                run.run(wrapper, statements.STATEMENT_TIMEOUT_SESSION, timeout=f"{ms}ms")
                 self.timeout_ms = ms
             yield
         except LeaseLostError:

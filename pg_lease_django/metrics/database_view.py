@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 from django.db import connections, router, transaction
 
-from pg_lease_django import conf, sql
+from pg_lease_django import conf
 from pg_lease_django.sql import run, statements
+from pg_lease_django.sql.rows import LeaseCount
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -89,9 +90,8 @@ class DatabaseCollector:
         yield up
         yield from _families(rows)
 
-    def read(self) -> list[tuple[str, str, str, float, float | None]]:
-        """The view's rows, labelled by the database's rule: (kind, prefix, state or reason, count,
-        oldest lapse in seconds)."""
+    def read(self) -> list[LeaseCount]:
+        """The view's rows, labelled by the database's rule."""
         from pg_lease_django.models import Lease
 
         alias = self.using or router.db_for_write(Lease)
@@ -121,17 +121,19 @@ def sync_metrics_rule(using: str) -> bool:
     owner: ``pg_lease_metrics()`` takes no rule from its caller. Nothing to do before migration 0011.
     """
     connection = connections[using]
-    if not run.one(connection, statements.RELATION_EXISTS, [sql.schema_name(connection), METRICS_RULE_TABLE]):
+    if not run.one(
+        connection, statements.RELATION_EXISTS, namespace=run.schema_name(connection), relation=METRICS_RULE_TABLE
+    ):
         return False
     wanted = metrics_rule()
     stored = run.first(connection, statements.METRICS_RULE)
-    if stored is not None and tuple(stored) == wanted:
+    if stored is not None and (stored.separator, stored.max_labels) == wanted:
         return False
-    run.run(connection, statements.METRICS_RULE_SET, [*wanted])
+    run.run(connection, statements.METRICS_RULE_SET, separator=wanted[0], max_labels=wanted[1])
     return True
 
 
-def _families(rows: list[tuple[str, str, str, float, float | None]]) -> Iterator[Metric]:
+def _families(rows: list[LeaseCount]) -> Iterator[Metric]:
     from prometheus_client.core import GaugeMetricFamily
 
     from pg_lease_django.status import LeaseStatus
@@ -152,16 +154,16 @@ def _families(rows: list[tuple[str, str, str, float, float | None]]) -> Iterator
     )
     seen: dict[str, set[str]] = defaultdict(set)
     lapsed_for: dict[str, float] = {}
-    for kind, prefix, what, count, lapse in rows:
-        if kind == "lease":
-            leases.add_metric([prefix, what], count)
-            seen[prefix].add(what)
-            if what == LeaseStatus.LAPSED and lapse is not None:
-                lapsed_for[prefix] = max(lapse, lapsed_for.get(prefix, 0.0))
-        elif kind == "waiter":
-            waiters.add_metric([prefix], count)
+    for row in rows:
+        if row.kind == "lease":
+            leases.add_metric([row.label, row.state], row.total)
+            seen[row.label].add(row.state)
+            if row.state == LeaseStatus.LAPSED and row.oldest_lapse is not None:
+                lapsed_for[row.label] = max(row.oldest_lapse, lapsed_for.get(row.label, 0.0))
+        elif row.kind == "waiter":
+            waiters.add_metric([row.label], row.total)
         else:
-            tenures.add_metric([prefix, what], count)
+            tenures.add_metric([row.label, row.state], row.total)
     for prefix, states in seen.items():
         for state in LeaseStatus.values:  # every state of a label present, 0 included: alerts need no absent()
             if state not in states:

@@ -2,7 +2,7 @@
 
 ``queries.sql`` holds each statement once, under its name, and ``fence_triggers.sql`` the DDL a
 fenced table's ``FenceTrigger`` runs in users' migrations; `Statement` is one of them as a value
-(its name, how many rows it answers, its row decoder, whether its commit must be confirmed), and
+(its name, its parameters by name, its row decoder, whether its commit must be confirmed), and
 ``sql.statements`` lists them all. Two executors send them: ``sql.run`` on a Django connection (the
 notice handler and commit confirmation of ``sql.confirmation``, Django's error mapping) and
 ``sql.arun`` on a psycopg async connection (the same handler); ``sql.run.on_psycopg`` serves the
@@ -20,19 +20,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from django.core.exceptions import ImproperlyConfigured
-from django.core.signals import setting_changed
-from django.db.backends.base.base import BaseDatabaseWrapper
-from django.dispatch import receiver
 from psycopg import sql as pgsql
 
-from pg_lease_django import conf
-
-T = TypeVar("T")
+#: What a statement's rows decode to: covariant, so that `Statement[object]` takes any statement.
+T = TypeVar("T", covariant=True)
 #: This directory: the statements' files are read from it here, not through ``sql.files``, whose
 #: migration operation imports Django's migration machinery (the Patroni hook needs none of it).
 _DIRECTORY = Path(__file__).resolve().parent
@@ -55,13 +50,14 @@ def named(source: str) -> dict[str, str]:
     return found
 
 
-def queries() -> dict[str, str]:
-    """Every statement of ``queries.sql`` by name (`named`)."""
-    return named("queries.sql")
+#: A statement's parameters by name, as its ``%(name)s`` placeholders spell them.
+_PLACEHOLDER = re.compile(r"%\(([a-z_]+)\)s")
+#: A placeholder, or an escaped percent sign, which is no placeholder.
+_PERCENT = re.compile(r"%%|%\(([a-z_]+)\)s")
 
 
-def _whole_row(row: Sequence[Any], params: Sequence[Any] | dict[str, Any]) -> Any:
-    return tuple(row)
+def _no_row(row: Sequence[Any], **params: Any) -> Any:
+    return None
 
 
 @dataclass(frozen=True)
@@ -70,26 +66,33 @@ class Statement(Generic[T]):
 
     Attributes:
         name: its name in ``queries.sql``.
-        decode: each row's meaning, given the row and the parameters sent (a verdict that is an
-            error raises it); the whole row as a tuple by default.
+        decode: each row's meaning, given the row and, as keywords, the parameters sent (a verdict
+            that is an error raises it), a typed row of ``sql.rows``; None for a statement that
+            answers no row worth reading, the default.
         confirms: a lease write whose commit must reach the synchronous standby: the executors turn
             the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`.
-        errors: SQLSTATE -> the package's error for it (``sql.errors``), applied by both executors.
+        errors: SQLSTATE -> the package's error for it, given the driver's error and the parameters
+            sent as keywords (``sql.errors``), applied by both executors.
         parts: the names of the identifiers and fragments besides ``schema`` it is composed with.
         source: the file of this directory it is written in.
     """
 
     name: str
-    decode: Callable[[Sequence[Any], Any], T] = field(default=_whole_row, compare=False)
+    decode: Callable[..., T] = field(default=_no_row, compare=False)
     confirms: bool = False
     parts: tuple[str, ...] = ()
-    errors: Mapping[str, Callable[[Any, Any], BaseException]] = field(default_factory=dict, compare=False)
+    errors: Mapping[str, Callable[..., BaseException]] = field(default_factory=dict, compare=False)
     source: str = "queries.sql"
 
     @property
     def text(self) -> str:
         """Its SQL, with ``{schema}`` and its parts unfilled."""
         return named(self.source)[self.name]
+
+    @property
+    def parameters(self) -> frozenset[str]:
+        """The names of its parameters, which a call passes as keywords."""
+        return frozenset(_PLACEHOLDER.findall(self.text))
 
     def compose(self, schema: str | None, **parts: pgsql.Composable) -> pgsql.Composed:
         """Its SQL with ``schema`` (unquoted; None when it names none) and ``parts`` composed in:
@@ -101,103 +104,47 @@ class Statement(Generic[T]):
         return pgsql.SQL(self.text).format(**parts)
 
 
+@dataclass(frozen=True)
+class Positional:
+    """A rendered statement as the executors send it: each ``%(name)s`` written ``%s``, with the
+    names in the order they stand, so that the execute wrappers of other apps, which add a
+    parameter of their own by position (django-pgtrigger's ``ignore``), work around it too."""
+
+    text: str
+    names: tuple[str, ...]
+    distinct: int  # how many names, each once: how many parameters a call passes
+
+    def arguments(self, statement: str, params: Mapping[str, Any]) -> list[Any]:
+        """``params`` in the order of the placeholders of ``statement`` (its name, for the error).
+
+        Raises:
+            TypeError: a parameter is missing, or one is given that the statement does not name.
+        """
+        try:
+            found = [params[name] for name in self.names]
+        except KeyError as missing:
+            raise TypeError(f"the statement {statement!r} needs the parameter {missing}") from None
+        if len(params) != self.distinct:
+            raise TypeError(f"the statement {statement!r} takes {sorted(set(self.names))}, not {sorted(params)}")
+        return found
+
+
+@lru_cache(maxsize=512)
+def positional(text: str) -> Positional:
+    """``text``, a rendered statement, as the executors send it (`Positional`)."""
+    names: list[str] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        if match.group(1) is None:
+            return "%%"
+        names.append(match.group(1))
+        return "%s"
+
+    sendable = _PERCENT.sub(placeholder, text)
+    return Positional(sendable, tuple(names), len(set(names)))
+
+
 #: The channel release and force release notify, with the key as payload, when a waiter registered for
 #: the key (``acquire_or_register``); spelled in the SQL functions (pg_lease_wake_waiters) and in the
 #: ``listen`` statement too.
 NOTIFY_CHANNEL = "pg_lease_django"
-
-# The lease table's schema per database alias, looked up once per process (one catalog query).
-_schemas: dict[str, str] = {}
-# (alias, PG_LEASE_SCHEMA) pairs whose schema was seen to hold the lease table.
-_verified: set[tuple[str, str]] = set()
-
-
-def schema_name(connection: BaseDatabaseWrapper) -> str:
-    """The schema of the lease functions in ``connection``'s database, unquoted.
-
-    ``PG_LEASE_SCHEMA`` names it outright (checked once per database alias to hold the lease table);
-    otherwise it is the one schema of the search_path that has the ``pg_lease_django_lease`` table,
-    looked up once per database alias.
-
-    Raises:
-        ImproperlyConfigured: no schema of the search_path (or not ``PG_LEASE_SCHEMA``) has the
-            lease table (the app is not migrated), or several do (set ``PG_LEASE_SCHEMA``).
-    """
-    configured = conf.schema()
-    if configured is not None:
-        # Checked as the lookup is, so that an unmigrated database names migrate, not "function ... does not exist".
-        if (connection.alias, configured) not in _verified:
-            with connection.cursor() as cursor:
-                cursor.execute(queries()["relation_exists"], (configured, "pg_lease_django_lease"))
-                if not cursor.fetchone()[0]:
-                    raise ImproperlyConfigured(
-                        f"database {connection.alias!r} has no lease table in schema {configured!r} (PG_LEASE_SCHEMA): "
-                        f"run `manage.py migrate pg_lease_django --database {connection.alias}`"
-                    )
-            _verified.add((connection.alias, configured))
-        return configured
-    name = _schemas.get(connection.alias)
-    if name is None:
-        with connection.cursor() as cursor:
-            cursor.execute(queries()["schema_lookup"], ())
-            name = remember_schema(connection.alias, [row[0] for row in cursor.fetchall()])
-    return name
-
-
-def known_schema(alias: str) -> str | None:
-    """The schema of the lease functions in ``alias``'s database if known without asking the server
-    (``PG_LEASE_SCHEMA``, or looked up before in this process), else None."""
-    return conf.schema() or _schemas.get(alias)
-
-
-def remember_schema(alias: str, found: list[str]) -> str:
-    """The schema the ``schema_lookup`` statement ``found`` for ``alias``, remembered for the process.
-
-    Raises:
-        ImproperlyConfigured: none was found, or several: as `schema_name`.
-    """
-    if not found:
-        raise ImproperlyConfigured(
-            f"database {alias!r} has no lease table (pg_lease_django_lease): "
-            f"run `manage.py migrate pg_lease_django --database {alias}`"
-        )
-    if len(found) > 1:
-        raise ImproperlyConfigured(
-            f"several schemas on the search_path of database {alias!r} have a "
-            f"pg_lease_django_lease table ({', '.join(sorted(found))}): set PG_LEASE_SCHEMA to the one "
-            "`manage.py migrate` installed the lease functions in"
-        )
-    name = _schemas[alias] = found[0]
-    return name
-
-
-def schema(connection: BaseDatabaseWrapper) -> str:
-    """`schema_name`, quoted."""
-    return pgsql.Identifier(schema_name(connection)).as_string(None)
-
-
-# Rendered statements per (alias, file, name): a call renders nothing after its first.
-_rendered: dict[tuple[str, str, str], str] = {}
-
-
-@receiver(setting_changed)
-def _forget_rendered(*, setting: str, **kwargs: Any) -> None:
-    """``PG_LEASE_SCHEMA`` changed (``override_settings``): render again."""
-    if setting == "PG_LEASE_SCHEMA":
-        _rendered.clear()
-
-
-def render(connection: BaseDatabaseWrapper, statement: Statement[Any], **parts: pgsql.Composable) -> str:
-    """``statement``'s SQL for ``connection``: its schema and ``parts`` composed in (cached without parts)."""
-    if parts:
-        return statement.compose(_schema_if_named(connection, statement), **parts).as_string(None)
-    found = _rendered.get((connection.alias, statement.source, statement.name))
-    if found is None:
-        found = _rendered[connection.alias, statement.source, statement.name] = statement.compose(
-            _schema_if_named(connection, statement)
-        ).as_string(None)
-    return found
-
-
-def _schema_if_named(connection: BaseDatabaseWrapper, statement: Statement[Any]) -> str | None:
-    return schema_name(connection) if "{schema" in statement.text else None

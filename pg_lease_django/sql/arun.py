@@ -6,20 +6,24 @@ the sync executor keeps on Django's connections (``sql.confirmation``): a lease 
 commit the synchronous standby did not confirm raises `UnconfirmedCommitError` here as there. Its
 statements are rendered for the lease app's schema and decoded by their own decoders (``sql.rows``).
 Errors are psycopg's, except where the statement's map (``sql.errors``) names the package's error
-for the server's answer: the caller maps the rest as Django's cursor would (the wait maps them with
-a Django connection object of its own, never the caller's, which another thread may be using).
+for the server's answer, which `Session._execute` alone reads: the caller maps the rest as Django's
+cursor would (the wait maps them with a Django connection object of its own, never the caller's,
+which another thread may be using).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql as pgsql
 
-from . import Statement, errors, queries, remember_schema, statements
+from pg_lease_django.exceptions import MissingRowError
+
+from . import Positional, Statement, errors, positional, statements
 from .confirmation import UnconfirmedCommitNotices
+from .run import Parts, remember_schema
 
 T = TypeVar("T")
 
@@ -31,22 +35,21 @@ class Session:
         self.conn = conn
         self.schema = schema
         self.notices = UnconfirmedCommitNotices(conn)
-        self._rendered: dict[str, str] = {}
+        self._rendered: dict[str, Positional] = {}
 
     @classmethod
     async def connect(
         cls, params: dict[str, Any], alias: str, *, schema: str | None, role: str | None, listen: bool
     ) -> Session:
         """Open one with ``params`` (psycopg's connect() arguments) to ``alias``'s database; ``schema``:
-        the lease schema, None to look it up on this connection (`sql.remember_schema`); ``role``: ``SET
+        the lease schema, None to look it up on this connection (`sql.run.remember_schema`); ``role``: ``SET
         ROLE`` it (Django's ``assume_role``); ``listen``: ``LISTEN`` for releases."""
         session = cls(await psycopg.AsyncConnection.connect(**params), schema)
         try:
             if role:
-                await session.run(statements.SET_ROLE, role=pgsql.Identifier(role))
+                await session.run(statements.SET_ROLE, parts={"role": pgsql.Identifier(role)})
             if schema is None:  # as the role sees it, after SET ROLE
-                found = await (await session.conn.execute(queries()["schema_lookup"])).fetchall()
-                session.schema = remember_schema(alias, [row[0] for row in found])
+                session.schema = remember_schema(alias, await session.rows(statements.SCHEMA_LOOKUP))
             if listen:
                 await session.run(statements.LISTEN)
         except BaseException:
@@ -61,28 +64,57 @@ class Session:
     async def close(self) -> None:
         await self.conn.close()
 
-    async def one(self, statement: Statement[T], params: Sequence[Any] = ()) -> T:
-        """Send ``statement``; its one row, decoded (a lease statement's commit confirmed)."""
+    async def one(self, statement: Statement[T], **params: Any) -> T:
+        """Send ``statement`` with ``params``; its one row, decoded (a lease statement's commit confirmed).
+
+        Raises:
+            MissingRowError: it answered no row, as `sql.run.one`.
+        """
+        row = await self._execute(statement, params, None, _fetch_one)
+        if row is None:
+            raise MissingRowError(f"the statement {statement.name!r} answered no row, where it always answers one")
+        return statement.decode(row, **params)
+
+    async def rows(self, statement: Statement[T], **params: Any) -> list[T]:
+        """Send ``statement`` with ``params``; every row, decoded."""
+        return [statement.decode(row, **params) for row in await self._execute(statement, params, None, _fetch_all)]
+
+    async def run(self, statement: Statement[object], *, parts: Parts = None, **params: Any) -> None:
+        """Send ``statement`` with ``params``, which answers nothing worth reading."""
+        await self._execute(statement, params, parts, None)
+
+    async def _execute(
+        self,
+        statement: Statement[object],
+        params: dict[str, Any],
+        parts: Parts,
+        fetch: Callable[[psycopg.AsyncCursor[Any]], Awaitable[Any]] | None,
+    ) -> Any:
+        """Send ``statement`` and ``fetch`` what it answered: the one place this executor turns a
+        database error into the package's."""
+        sent = positional(statement.compose(self.schema, **parts).as_string(None)) if parts else self._render(statement)
+        arguments = sent.arguments(statement.name, params)
         try:
+            if not statement.confirms:
+                cursor = await self.conn.execute(sent.text, arguments)
+                return None if fetch is None else await fetch(cursor)
             with self.notices.confirmed():
-                row = await (await self.conn.execute(self._render(statement), params)).fetchone()
-        except psycopg.Error as exc:
-            errors.raise_mapped(exc, statement.errors, params)
-            raise
-        assert row is not None, statement.name
-        return statement.decode(row, params)
-
-    async def run(self, statement: Statement[Any], params: Sequence[Any] = (), **parts: pgsql.Composable) -> None:
-        """Send ``statement``, which answers nothing worth reading."""
-        text = statement.compose(self.schema, **parts).as_string(None) if parts else self._render(statement)
-        try:
-            await self.conn.execute(text, params)
+                cursor = await self.conn.execute(sent.text, arguments)
+                return None if fetch is None else await fetch(cursor)
         except psycopg.Error as exc:
             errors.raise_mapped(exc, statement.errors, params)
             raise
 
-    def _render(self, statement: Statement[Any]) -> str:
+    def _render(self, statement: Statement[object]) -> Positional:
         found = self._rendered.get(statement.name)
         if found is None:
-            found = self._rendered[statement.name] = statement.compose(self.schema).as_string(None)
+            found = self._rendered[statement.name] = positional(statement.compose(self.schema).as_string(None))
         return found
+
+
+async def _fetch_one(cursor: psycopg.AsyncCursor[Any]) -> Any:
+    return await cursor.fetchone()
+
+
+async def _fetch_all(cursor: psycopg.AsyncCursor[Any]) -> Any:
+    return await cursor.fetchall()

@@ -12,7 +12,7 @@ module is the one that unwraps Django's ``__cause__`` and psycopg's ``diag``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import psycopg
@@ -33,9 +33,9 @@ from pg_lease_django.exceptions import (
     UnfencedWriteError,
 )
 
-Params = Sequence[Any] | dict[str, Any]
-#: A statement's map: SQLSTATE -> the package's error for it, given the driver's error and the parameters sent.
-ErrorMap = Mapping[str, Callable[[psycopg.Error, Any], BaseException]]
+#: A statement's map: SQLSTATE -> the package's error for it, given the driver's error and, as
+#: keywords, the parameters sent.
+ErrorMap = Mapping[str, Callable[..., BaseException]]
 
 #: How many causes deep `driver_error` looks: Django's wrapper, and a package error raised from it.
 _DEPTH = 3
@@ -62,28 +62,29 @@ def primary_message(error: BaseException) -> str:
     return (found.diag.message_primary if found is not None else None) or str(error)
 
 
-def raise_mapped(error: BaseException, errors: ErrorMap, params: Any) -> None:
-    """Raise the package's error for ``error`` if ``errors`` (a statement's map) names its SQLSTATE.
+def raise_mapped(error: BaseException, errors: ErrorMap, params: Mapping[str, Any]) -> None:
+    """Raise the package's error for ``error`` if ``errors`` (a statement's map) names its SQLSTATE;
+    ``params``: the parameters the statement was sent.
 
-    The executors call this in their ``except`` clause, then re-raise ``error`` as it is when it returns.
+    Each executor calls this in its one ``except`` clause, then re-raises ``error`` as it is when it returns.
     """
     if not errors:
         return
     found = driver_error(error)
     mapped = errors.get((found.sqlstate or "") if found is not None else "")
     if mapped is not None and found is not None:
-        raise mapped(found, params) from error
+        raise mapped(found, **params) from error
 
 
 # ---- the statements' maps ------------------------------------------------------------------------
 
 
-def _quota(error: psycopg.Error, params: Any) -> QuotaExceededError:
-    """53400 from an acquire (sent: key, owner, ...): the key's tenant is at its ``PG_LEASE_ROLE_LIMITS``."""
-    return QuotaExceededError(primary_message(error), key=params[0], owner=params[1])
+def _quota(error: psycopg.Error, *, key: str, owner: str, **_: Any) -> QuotaExceededError:
+    """53400 from an acquire: the key's tenant is at its ``PG_LEASE_ROLE_LIMITS``."""
+    return QuotaExceededError(primary_message(error), key=key, owner=owner)
 
 
-def _out_of_range(error: psycopg.Error, params: Any) -> InvalidInputError:
+def _out_of_range(error: psycopg.Error, **_: Any) -> InvalidInputError:
     """22003 from an epoch advance: an epoch or the floor would pass the limit; the transaction changed nothing."""
     return InvalidInputError(f"{primary_message(error)}; nothing was changed")
 

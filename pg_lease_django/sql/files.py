@@ -17,6 +17,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.state import ProjectState
 
+from . import run, statements
+
 DIRECTORY = Path(__file__).resolve().parent
 #: The current schema: every table, function, trigger and privilege of the lease app.
 SCHEMA_FILE = DIRECTORY / "schema.sql"
@@ -41,12 +43,10 @@ def render(text: str, quoted_schema: str) -> str:
 
 def current_schema(connection: BaseDatabaseWrapper) -> str:
     """The quoted schema ``connection`` creates objects in (the first of its search_path that exists)."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_catalog.current_schema()")
-        row = cursor.fetchone()
-    if row is None or row[0] is None:
+    name = run.one(connection, statements.CURRENT_SCHEMA)
+    if name is None:
         raise ValueError(f"database {connection.alias!r} has no current schema: its search_path names none that exists")
-    return str(connection.ops.quote_name(row[0]))
+    return str(connection.ops.quote_name(name))
 
 
 class RunSQLFile(migrations.RunSQL):

@@ -3,7 +3,8 @@
 -- gives each its rows' decoder; `pg_lease_django.sql.run` (Django's connection) and
 -- `pg_lease_django.sql.arun` (psycopg's async connection) send them. `{schema}` is the quoted schema
 -- of the lease app, `{schema_name}` its name as a string literal, and every `{name}` an identifier or a fragment the executor composes with
--- psycopg.sql (never string formatting); `%s` are parameters. Literal braces are doubled.
+-- psycopg.sql (never string formatting); `%(name)s` are parameters, which a call passes by name, and
+-- `%s` only in the fragments composed into Django's own statements. Literal braces are doubled.
 -- Every lease function is schema-qualified and every argument cast: PostgreSQL resolves an
 -- unqualified call to an exact-type match anywhere on the search_path, so a lookalike in an earlier
 -- schema could otherwise answer (docs/security.md, "Lookalike functions").
@@ -11,52 +12,52 @@
 -- acquire --
 -- One non-blocking acquire: granted, or refused naming who holds the key and until when.
 SELECT granted, key, owner, epoch, expires_at, server_time
-  FROM {schema}.pg_lease_acquire(%s::text, %s::text, %s::interval)
+  FROM {schema}.pg_lease_acquire(%(key)s::text, %(owner)s::text, %(ttl)s::interval)
 
 -- acquire_or_register --
 -- A waiter's attempt while it LISTENs: acquire, and when refused, a registration that makes the next
 -- release of the key notify, until the waiter's next attempt is due (the last argument) plus a margin.
 SELECT granted, key, owner, epoch, expires_at, server_time
-  FROM {schema}.pg_lease_acquire_or_register(%s::text, %s::text, %s::interval, %s::interval)
+  FROM {schema}.pg_lease_acquire_or_register(%(key)s::text, %(owner)s::text, %(ttl)s::interval, %(within)s::interval)
 
 -- acquire_within --
 -- A polling waiter's attempt: acquire, every lock wait of it bounded by what is left of the waiter's
 -- deadline (the last argument; NULL: no deadline), a wait that ran out answered as a refusal.
 SELECT granted, key, owner, epoch, expires_at, server_time
-  FROM {schema}.pg_lease_acquire_within(%s::text, %s::text, %s::interval, %s::interval)
+  FROM {schema}.pg_lease_acquire_within(%(key)s::text, %(owner)s::text, %(ttl)s::interval, %(within)s::interval)
 
 -- renew --
 -- A renewal that also says whether a hand-off was requested (pg_lease_renew without that column).
 -- server_time left out: nothing reads it, and each timestamp costs a parse per call.
 SELECT outcome, expires_at, handoff_requested
-  FROM {schema}.pg_lease_heartbeat(%s::text, %s::text, %s::bigint, %s::interval)
+  FROM {schema}.pg_lease_heartbeat(%(key)s::text, %(owner)s::text, %(epoch)s::bigint, %(ttl)s::interval)
 
 -- release --
 -- Only the verdict is read (the new epoch and the server time are not): nothing else to parse per call.
-SELECT outcome FROM {schema}.pg_lease_release(%s::text, %s::text, %s::bigint)
+SELECT outcome FROM {schema}.pg_lease_release(%(key)s::text, %(owner)s::text, %(epoch)s::bigint)
 
 -- inspect --
 -- The columns the package reads (acquired_at left out: one timestamp fewer to parse per call).
-SELECT key, status, owner, epoch, expires_at, server_time FROM {schema}.pg_lease_inspect(%s::text)
+SELECT key, status, owner, epoch, expires_at, server_time FROM {schema}.pg_lease_inspect(%(key)s::text)
 
 -- force_release --
-SELECT outcome, owner, epoch, server_time FROM {schema}.pg_lease_force_release(%s::text, %s::bigint, %s::text)
+SELECT outcome, owner, epoch, server_time FROM {schema}.pg_lease_force_release(%(key)s::text, %(epoch)s::bigint, %(operator)s::text)
 
 -- request_handoff --
 -- Ask the holder to step down at its next renewal (advice: the grant is unchanged).
 SELECT outcome, owner, epoch, expires_at, requested_at, server_time
-  FROM {schema}.pg_lease_request_handoff(%s::text, %s::bigint)
+  FROM {schema}.pg_lease_request_handoff(%(key)s::text, %(epoch)s::bigint)
 
 -- prune --
-SELECT key FROM {schema}.pg_lease_prune(%s::interval, %s::boolean)
+SELECT key FROM {schema}.pg_lease_prune(%(free_for)s::interval, %(dry_run)s::boolean)
 
 -- advance_epochs --
 -- Raise every epoch and the epoch floor by N (after an asynchronous failover; the owner's, or a runbook role's).
-SELECT leases, held, epoch_floor, max_epoch, server_time FROM {schema}.pg_lease_advance_epochs(%s::bigint, %s::boolean)
+SELECT leases, held, epoch_floor, max_epoch, server_time FROM {schema}.pg_lease_advance_epochs(%(by)s::bigint, %(dry_run)s::boolean)
 
 -- present_fence --
 -- Present a fence for this transaction (raises PL001-PL003 when it does not hold); the epoch.
-SELECT {schema}.pg_lease_check_fence(%s::text, %s::text, %s::bigint)
+SELECT {schema}.pg_lease_check_fence(%(key)s::text, %(owner)s::text, %(epoch)s::bigint)
 
 -- fence_expression --
 -- The same as a value, in the UPDATE or INSERT of one row that Django's save() sends
@@ -102,6 +103,10 @@ SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.
  WHERE c.relname = 'pg_lease_django_lease' AND c.relkind IN ('r', 'p')
    AND n.nspname = ANY (pg_catalog.current_schemas(false))
 
+-- current_schema --
+-- The schema a migration creates its objects in: the first of the search_path that exists (NULL: none).
+SELECT pg_catalog.current_schema()
+
 -- server_now --
 SELECT pg_catalog.clock_timestamp()
 
@@ -119,7 +124,7 @@ SELECT CASE WHEN c.collname = 'default'
             ELSE pg_catalog.jsonb_build_object('provider', c.collprovider::text, 'collate', c.collcollate)
        END
   FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_collation c ON c.oid = a.attcollation
- WHERE a.attrelid = %s::pg_catalog.regclass AND a.attname = 'key'
+ WHERE a.attrelid = %(table)s::pg_catalog.regclass AND a.attname = 'key'
 
 -- readiness --
 -- Whether this role may run every function a worker needs (the app migrated, the grants made), the
@@ -134,13 +139,13 @@ SELECT coalesce(pg_catalog.bool_and(pg_catalog.has_function_privilege(p.object, 
 
 -- lock_timeout_local --
 -- A lock timeout for this transaction only (settling a release: it must not wait forever).
-SELECT pg_catalog.set_config('lock_timeout', %s, true)
+SELECT pg_catalog.set_config('lock_timeout', %(timeout)s, true)
 
 -- statement_timeout_local --
-SELECT pg_catalog.set_config('statement_timeout', %s, true)
+SELECT pg_catalog.set_config('statement_timeout', %(timeout)s, true)
 
 -- statement_timeout_session --
-SELECT pg_catalog.set_config('statement_timeout', %s, false)
+SELECT pg_catalog.set_config('statement_timeout', %(timeout)s, false)
 
 -- statement_timeout_reset --
 RESET statement_timeout
@@ -155,12 +160,12 @@ RESET statement_timeout
 -- lives, whatever it runs: its client has closed the session, so it ends once it has answered
 -- what it had read, and an attempt sent just before the close may not be read (nor marked active)
 -- yet when the settling first looks; it would grant after the look.
-SELECT CASE WHEN a.state = 'active' AND pg_catalog.strpos(a.query, %(marker)s) > 0
+SELECT CASE WHEN a.state = 'active' AND pg_catalog.strpos(a.query, %(attempt_marker)s) > 0
              AND (a.pid = %(pid)s OR a.wait_event_type = 'Lock') AND pg_catalog.pg_has_role(a.usesysid, 'MEMBER')
             THEN pg_catalog.pg_cancel_backend(a.pid) ELSE false END
   FROM pg_catalog.pg_stat_activity a
  WHERE a.pid <> pg_catalog.pg_backend_pid()
-   AND ((a.state = 'active' AND pg_catalog.strpos(a.query, %(marker)s) > 0) OR a.pid = %(closed)s)
+   AND ((a.state = 'active' AND pg_catalog.strpos(a.query, %(attempt_marker)s) > 0) OR a.pid = %(closed)s)
 
 -- allow_truncate --
 -- Let a test database be flushed (TRUNCATE of the lease and fenced tables), for roles that may opt out.
@@ -198,7 +203,7 @@ SELECT pg_catalog.to_char(e.at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+
 -- relation_exists --
 SELECT EXISTS (
   SELECT FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-   WHERE n.nspname = %s AND c.relname = %s
+   WHERE n.nspname = %(namespace)s AND c.relname = %(relation)s
 )
 
 -- seat --
@@ -206,26 +211,26 @@ SELECT EXISTS (
 -- refusal from the wrong seat names the role to use (NULL where the relation is not there).
 SELECT session_user::text,
        (SELECT pg_catalog.pg_get_userbyid(c.relowner)::text
-          FROM pg_catalog.pg_class c WHERE c.oid = pg_catalog.to_regclass(%s::text))
+          FROM pg_catalog.pg_class c WHERE c.oid = pg_catalog.to_regclass(%(relation)s::text))
 
 -- superuser_owner --
 -- The lease tables' owner, when it is a superuser (migrated as one): its SECURITY DEFINER functions
 -- then run as a superuser, and no membership check leaves anyone out of it.
 SELECT r.rolname::text FROM pg_catalog.pg_class c JOIN pg_catalog.pg_roles r ON r.oid = c.relowner
- WHERE c.oid = pg_catalog.to_regclass(%s::text) AND r.rolsuper
+ WHERE c.oid = pg_catalog.to_regclass(%(relation)s::text) AND r.rolsuper
 
 -- function_exists --
-SELECT pg_catalog.to_regprocedure(%s) IS NOT NULL
+SELECT pg_catalog.to_regprocedure(%(function)s) IS NOT NULL
 
 -- history_scope --
 SELECT prefix FROM {schema}.pg_lease_django_history_scope ORDER BY prefix
 
 -- history_scope_keep --
 -- Keep only these prefixes (the scope table's trigger re-flags every lease row, whoever writes).
-DELETE FROM {schema}.pg_lease_django_history_scope WHERE NOT prefix = ANY (%s::text[])
+DELETE FROM {schema}.pg_lease_django_history_scope WHERE NOT prefix = ANY (%(prefixes)s::text[])
 
 -- history_scope_add --
-INSERT INTO {schema}.pg_lease_django_history_scope (prefix) SELECT p FROM pg_catalog.unnest(%s::text[]) p
+INSERT INTO {schema}.pg_lease_django_history_scope (prefix) SELECT p FROM pg_catalog.unnest(%(prefixes)s::text[]) p
 ON CONFLICT DO NOTHING
 
 -- key_scopes --
@@ -249,7 +254,7 @@ DELETE FROM {schema}.pg_lease_django_key_scope
 -- key_scopes_add --
 -- The key scopes PG_LEASE_KEY_SCOPES says (the table's trigger compiles them, statement by statement).
 INSERT INTO {schema}.pg_lease_django_key_scope (role, prefix)
-SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::text[]))
+SELECT * FROM ROWS FROM (pg_catalog.unnest(%(roles)s::name[]), pg_catalog.unnest(%(prefixes)s::text[]))
 
 -- role_limits --
 SELECT role, max_leases, max_tenures_per_key FROM {schema}.pg_lease_django_role_limit ORDER BY role
@@ -264,7 +269,7 @@ DELETE FROM {schema}.pg_lease_django_role_limit
 
 -- role_limits_add --
 INSERT INTO {schema}.pg_lease_django_role_limit (role, max_leases, max_tenures_per_key)
-SELECT * FROM ROWS FROM (pg_catalog.unnest(%s::name[]), pg_catalog.unnest(%s::int[]), pg_catalog.unnest(%s::int[]))
+SELECT * FROM ROWS FROM (pg_catalog.unnest(%(roles)s::name[]), pg_catalog.unnest(%(max_leases)s::int[]), pg_catalog.unnest(%(max_tenures_per_key)s::int[]))
 
 -- metrics_rule --
 -- The metrics' label rule the database holds: separator, label cap (no row before migration 0010).
@@ -272,12 +277,12 @@ SELECT separator, max_labels FROM {schema}.pg_lease_django_metrics_rule
 
 -- metrics_rule_set --
 -- Set it (one row, whoever syncs at once: the second write wins, as the settings are the same).
-INSERT INTO {schema}.pg_lease_django_metrics_rule (id, separator, max_labels) VALUES (true, %s::text, %s::integer)
+INSERT INTO {schema}.pg_lease_django_metrics_rule (id, separator, max_labels) VALUES (true, %(separator)s::text, %(max_labels)s::integer)
 ON CONFLICT (id) DO UPDATE SET separator = excluded.separator, max_labels = excluded.max_labels
 
 -- absent_roles --
 -- Which of these names are no role of the cluster (a typo, a rename, a drop).
-SELECT n FROM pg_catalog.unnest(%s::text[]) n
+SELECT n FROM pg_catalog.unnest(%(names)s::text[]) n
  WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = n) ORDER BY n
 
 -- missing_grants --
@@ -287,7 +292,7 @@ SELECT d.name, r.rolname IS NOT NULL, p.kind, p.object, p.privilege,
        r.rolname IS NOT NULL AND CASE p.kind
          WHEN 'FUNCTION' THEN pg_catalog.has_function_privilege(r.oid, p.object, p.privilege)
          ELSE pg_catalog.has_table_privilege(r.oid, p.object, p.privilege) END
-  FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) AS d (name, tiers)
+  FROM ROWS FROM (pg_catalog.unnest(%(roles)s::text[]), pg_catalog.unnest(%(tiers)s::text[])) AS d (name, tiers)
   LEFT JOIN pg_catalog.pg_roles r ON r.rolname = d.name
   JOIN {schema}.pg_lease_privileges() p ON p.role = ANY (pg_catalog.string_to_array(d.tiers, ','))
  ORDER BY d.name, p.kind, p.object
@@ -348,7 +353,7 @@ wanted AS (
          CASE w.kind WHEN 'FUNCTION' THEN w.object::pg_catalog.regprocedure::oid ELSE w.object::pg_catalog.regclass::oid END AS oid
     FROM {schema}.pg_lease_privileges() w),
 declared AS (
-  SELECT r.oid, d.tiers FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[])) AS d (name, tiers)
+  SELECT r.oid, d.tiers FROM ROWS FROM (pg_catalog.unnest(%(roles)s::text[]), pg_catalog.unnest(%(tiers)s::text[])) AS d (name, tiers)
     JOIN pg_catalog.pg_roles r ON r.rolname = d.name),
 grantees AS (
   SELECT r.rolname::text AS name, r.oid,
@@ -429,7 +434,7 @@ SELECT r.rolname::text FROM pg_catalog.pg_roles r, owner
    AND EXISTS (SELECT FROM {schema}."pg_lease_django_key_scope")
    AND NOT EXISTS (SELECT FROM {schema}."pg_lease_django_key_scope" s
                     WHERE pg_catalog.pg_has_role(r.oid, pg_catalog.to_regrole(pg_catalog.quote_ident(s.role)), 'MEMBER'))
-   AND EXISTS (SELECT FROM pg_catalog.unnest(%s::text[]) f
+   AND EXISTS (SELECT FROM pg_catalog.unnest(%(functions)s::text[]) f
                 WHERE pg_catalog.has_function_privilege(r.oid, f::pg_catalog.regprocedure, 'EXECUTE'))
  ORDER BY 1
 
@@ -439,11 +444,11 @@ SELECT pg_catalog.to_regclass('pg_lease_django_lease') IS NOT NULL
 
 -- fence_triggers --
 -- Whether a table exists, and its fence triggers of these names with their comments (check W006).
-SELECT pg_catalog.to_regclass(%s) IS NOT NULL,
+SELECT pg_catalog.to_regclass(%(table)s) IS NOT NULL,
        pg_catalog.array_agg(t.tgname) FILTER (WHERE t.oid IS NOT NULL),
        pg_catalog.array_agg(coalesce(pg_catalog.obj_description(t.oid, 'pg_trigger'), '')) FILTER (WHERE t.oid IS NOT NULL)
   FROM (SELECT 1) one
-  LEFT JOIN pg_catalog.pg_trigger t ON t.tgrelid = pg_catalog.to_regclass(%s) AND t.tgname = ANY (%s)
+  LEFT JOIN pg_catalog.pg_trigger t ON t.tgrelid = pg_catalog.to_regclass(%(table)s) AND t.tgname = ANY (%(names)s)
 
 -- ================================================================================================
 -- A server, not a database: the Patroni callback (pg_lease_django.patroni)

@@ -1,21 +1,24 @@
 """The rows of the lease statements, typed: what each answer means, and its verdict as an error.
 
-Each decoder takes a statement's row and the parameters it was sent (``sql.statements`` pairs them
-with their statements): the one place a row is read by position. A verdict that is an error is
-raised through ``sql.errors``, which holds every map from the database's answer to an error. `Grant`, `LeaseState` and
-`EpochAdvance` are public (``pg_lease_django`` and ``pg_lease_django.managers`` re-export them).
+Each decoder takes a statement's row and, as keywords, the parameters it was sent, naming those it
+reads (``sql.statements`` pairs them with their statements): the one place a row is read by
+position. A verdict that is an error is raised through ``sql.errors``, which holds every map from
+the database's answer to an error. `Grant`, `LeaseState` and `EpochAdvance` are public
+(``pg_lease_django`` and ``pg_lease_django.managers`` re-export them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from . import errors
 
-Params = Sequence[Any]
+#: A row as the driver returns it.
+Row = Sequence[Any]
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -131,53 +134,176 @@ class HandoffRequest:
     server_time: datetime
 
 
-def attempt(row: Params, params: Params) -> Attempt:
+def attempt(row: Row, **_: Any) -> Attempt:
     """An acquire's row (``pg_lease_acquire``, ``pg_lease_acquire_within``, ``pg_lease_acquire_or_register``)."""
     return Attempt(*row)
 
 
-def state(row: Params, params: Params) -> LeaseState:
-    """An inspect's row (the key is the one sent)."""
-    _key, status, owner, epoch, expires_at, server_time = row
-    return LeaseState(params[0], status, owner, epoch, expires_at, server_time)
+def state(row: Row, **_: Any) -> LeaseState:
+    """An inspect's row: ``pg_lease_inspect`` answers the key it was sent."""
+    return LeaseState(*row)
 
 
-def renewal(row: Params, params: Params) -> Renewal:
-    """A renewal's row (sent: key, owner, epoch, ttl), or the `LeaseLostError` of its verdict."""
+def renewal(row: Row, *, key: str, owner: str, epoch: int, **_: Any) -> Renewal:
+    """A renewal's row, or the `LeaseLostError` of its verdict for the caller ``(owner, epoch)``."""
     outcome, expires_at, handoff_requested = row
     if outcome != "ok":
-        errors.lost(outcome, "renew", *params[:3])
+        errors.lost(outcome, "renew", key, owner, epoch)
     return Renewal(expires_at, bool(handoff_requested))
 
 
-def released(row: Params, params: Params) -> None:
-    """A release's row (sent: key, owner, epoch), or the `LeaseLostError` of its verdict."""
+def released(row: Row, *, key: str, owner: str, epoch: int) -> None:
+    """A release's row, or the `LeaseLostError` of its verdict for the caller ``(owner, epoch)``."""
     if row[0] != "ok":
-        errors.lost(row[0], "release", *params[:3])
+        errors.lost(row[0], "release", key, owner, epoch)
 
 
-def forced(row: Params, params: Params) -> int:
-    """A force release's row (sent: key, expected epoch, operator): the new epoch, or why nothing was freed."""
+def forced(row: Row, *, key: str, epoch: int | None, **_: Any) -> int:
+    """A force release's row (``epoch``: the one the operator expects): the new epoch, or why nothing was freed."""
     outcome, holder, current_epoch, _server_time = row
     if outcome == "ok":
         return int(current_epoch)
-    errors.operator_refusal(outcome, params[0], params[1], holder, current_epoch, "nothing to release")
+    errors.operator_refusal(outcome, key, epoch, holder, current_epoch, "nothing to release")
 
 
-def handoff(row: Params, params: Params) -> HandoffRequest:
-    """A hand-off request's row (sent: key, epoch): the request, or why nobody can be asked."""
+def handoff(row: Row, *, key: str, epoch: int | None) -> HandoffRequest:
+    """A hand-off request's row (``epoch``: the one the operator expects): the request, or why nobody can be asked."""
     outcome, holder, current_epoch, expires_at, requested_at, server_time = row
     if outcome == "ok":
-        return HandoffRequest(params[0], holder, current_epoch, expires_at, requested_at, server_time)
-    errors.operator_refusal(outcome, params[0], params[1], holder, current_epoch, "nobody holds it to hand it off")
+        return HandoffRequest(key, holder, current_epoch, expires_at, requested_at, server_time)
+    errors.operator_refusal(outcome, key, epoch, holder, current_epoch, "nobody holds it to hand it off")
 
 
-def advance(row: Params, params: Params) -> EpochAdvance:
-    """An epoch advance's row (sent: by, dry run)."""
+def advance(row: Row, *, by: int, dry_run: bool) -> EpochAdvance:
+    """An epoch advance's row (``by`` and ``dry_run`` as sent)."""
     leases, held, epoch_floor, max_epoch, server_time = row
-    return EpochAdvance(params[0], leases, held, epoch_floor, max_epoch, server_time, params[1])
+    return EpochAdvance(by, leases, held, epoch_floor, max_epoch, server_time, dry_run)
 
 
-def scalar(row: Params, params: Any) -> Any:
+def scalar(row: Row, **_: Any) -> Any:
     """The first column."""
     return row[0]
+
+
+# ---- the operators' reads: probes, metrics, the catalog, the Patroni hook -------------------------
+# Each a NamedTuple of its statement's columns in order, read by `shaped`.
+
+
+class Readiness(NamedTuple):
+    """What the readiness probe asks the database (``readiness``)."""
+
+    worker: bool  # may run every function a worker needs
+    scope: list[str] | None  # the key prefixes it may use: None, every key; empty, none
+    monitor: bool  # may read the metrics
+
+
+class LeaseCount(NamedTuple):
+    """A row of the database's view for Prometheus (``pg_lease_metrics``), labelled by its rule."""
+
+    kind: str  # "lease", "waiter" or "tenure"
+    label: str
+    state: str  # a lease's `LeaseStatus`, a tenure's end reason
+    total: float  # the column ``count``: a NamedTuple's field may not shadow tuple.count
+    oldest_lapse: float | None  # seconds since the oldest lapse of a lapsed lease
+
+
+class MetricsRule(NamedTuple):
+    """The metrics' label rule the database holds (``metrics_rule``)."""
+
+    separator: str
+    max_labels: int
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A grant or an end of a tenure (``transitions``); ``event``: ``granted`` or an `EndReason` value."""
+
+    at: str
+    key: str
+    epoch: int
+    owner: str
+    event: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"at": self.at, "key": self.key, "epoch": self.epoch, "owner": self.owner, "event": self.event}
+
+
+class Seat(NamedTuple):
+    """Who this session logged in as, and who owns a relation (``seat``)."""
+
+    login: str
+    owner: str | None  # None where the relation is not there
+
+
+class FenceTriggers(NamedTuple):
+    """A fenced table's triggers of the names asked for (``fence_triggers``)."""
+
+    table_exists: bool
+    names: list[str] | None
+    comments: list[str] | None  # each trigger's comment, in the order of ``names``
+
+
+class KeyScope(NamedTuple):
+    role: str
+    prefix: str
+
+
+class RoleLimit(NamedTuple):
+    role: str
+    max_leases: int | None
+    max_tenures_per_key: int | None
+
+
+class MissingGrant(NamedTuple):
+    """A privilege a declared role's kinds give it, and whether it holds it (``missing_grants``)."""
+
+    role: str
+    exists: bool
+    kind: str
+    object: str
+    privilege: str
+    held: bool
+
+
+class HeldPrivilege(NamedTuple):
+    """A privilege a role holds on the package's objects (``held_privileges``)."""
+
+    role: str
+    kind: str
+    object: str
+    privilege: str
+    grantable: bool
+    tiers: list[str] | None  # the tiers of pg_lease_privileges() that name it
+    allowed: list[str] | None  # the tiers the role may hold through the declared roles it is a member of
+    direct: bool  # granted to the role itself, not through a role it is a member of
+
+
+class RoleBypasses(NamedTuple):
+    """The ways around the lease rules PostgreSQL gives one role (``bypasses``)."""
+
+    role: str
+    replica_mode: bool
+    reads_all: bool
+    writes_all: bool
+    maintains: bool
+    reads_secret: bool
+    creates_roles: bool
+
+
+class RecoveryState(NamedTuple):
+    """A server's recovery, as the Patroni hook reads it (``recovery_state``)."""
+
+    in_recovery: bool
+    received: str | None  # the WAL received and replayed, as LSN text
+    replayed: str | None
+    data_directory: str
+    segment_size: int
+
+
+def shaped(kind: Callable[..., R]) -> Callable[..., R]:
+    """The decoder of a statement whose row is ``kind``, a NamedTuple or dataclass of its columns in order."""
+
+    def decode(row: Row, **_: Any) -> R:
+        return kind(*row)
+
+    return decode

@@ -1,31 +1,39 @@
 """The sync executor: a `Statement` on a Django connection (and, for the Patroni callback, on a psycopg one).
 
-`one`, `first`, `rows` and `run` send a statement and decode its rows (``sql.rows``). A statement
-that ``confirms`` (a lease operation) goes the hot path: the notice handler kept on the connection
-turns the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError` (at once, or out
-of the caller's ``atomic()``), and it is sent on a cursor of the psycopg connection itself when
-nothing but Django stands in between (`_nothing_in_between`). Every other statement goes through Django's cursor.
-Errors are Django's (``DatabaseError`` and its subclasses), as for any ORM call, except where the
-statement's map (``sql.errors``) names the package's error for the server's answer, and a lease
+`one`, `first`, `rows` and `run` send a statement with its parameters as keywords and decode its
+rows (``sql.rows``). A statement that ``confirms`` (a lease operation) goes the hot path: the notice
+handler kept on the connection turns the server's WARNING of an unconfirmed commit into
+`UnconfirmedCommitError` (at once, or out of the caller's ``atomic()``), and it is sent on a cursor
+of the psycopg connection itself when nothing but Django stands in between (`_nothing_in_between`).
+Every other statement goes through Django's cursor. Errors are Django's (``DatabaseError`` and its
+subclasses), as for any ORM call, except where `_execute`, the one place that reads them, finds the
+statement's map (``sql.errors``) naming the package's error for the server's answer, or a lease
 statement whose connection was lost in flight, whose outcome is unknown (`OutcomeUnknownError`).
+
+A statement is rendered here for its connection's database: `schema_name` finds the lease schema
+once per alias, with the statements ``relation_exists`` and ``schema_lookup`` sent like any other.
 """
 
 from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import psycopg
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
 from django.db import DatabaseError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
+from django.dispatch import receiver
 from psycopg import sql as pgsql
 
-from pg_lease_django.exceptions import OutcomeUnknownError
+from pg_lease_django import conf
+from pg_lease_django.exceptions import MissingRowError, OutcomeUnknownError
 
-from . import Statement, errors, render
+from . import Statement, errors, positional, statements
 from .confirmation import UnconfirmedCommitNotices, check_caller_commit
 
 T = TypeVar("T")
@@ -33,68 +41,108 @@ T = TypeVar("T")
 #: database creation imports the serializers), which the Patroni hook, a user of `on_psycopg`, never needs.
 _POSTGRESQL_BACKEND = ("django.db.backends.postgresql.base", "DatabaseWrapper")
 _MARKER = re.compile(r"[A-Za-z0-9_ ]+")
-Params = Sequence[Any] | dict[str, Any]
+Parts = Mapping[str, pgsql.Composable] | None
 
 
 def one(
     connection: BaseDatabaseWrapper,
     statement: Statement[T],
-    params: Params = (),
     *,
     marker: str | None = None,
-    **parts: pgsql.Composable,
+    parts: Parts = None,
+    **params: Any,
 ) -> T:
-    """Send ``statement``; its one row, decoded. ``marker``: see `first`."""
-    found = first(connection, statement, params, marker=marker, **parts)
-    return found  # type: ignore[return-value]  # a statement `one` is used for answers a row
+    """Send ``statement`` with ``params``; its one row, decoded. ``marker``: see `first`.
+
+    Raises:
+        MissingRowError: it answered no row, which a statement sent through `one` always answers.
+    """
+    found = _execute(connection, statement, params, parts, marker, _fetch_one)
+    if found is None:
+        raise MissingRowError(f"the statement {statement.name!r} answered no row, where it always answers one")
+    return statement.decode(found, **params)
 
 
 def first(
     connection: BaseDatabaseWrapper,
     statement: Statement[T],
-    params: Params = (),
     *,
     marker: str | None = None,
-    **parts: pgsql.Composable,
+    parts: Parts = None,
+    **params: Any,
 ) -> T | None:
-    """Send ``statement``; its first row decoded, or None when it answers none.
+    """Send ``statement`` with ``params``; its first row decoded, or None when it answers none.
 
     ``marker`` (a lease statement's): a comment put at the start of its text, the identity an
     interrupted attempt is found by in ``pg_stat_activity`` (`wait.settling`): ASCII letters, digits,
-    underscores and spaces only, so it can never end the comment."""
-    try:
-        if statement.confirms:
-            text = render(connection, statement)
-            if marker is not None:
-                if not _MARKER.fullmatch(marker):
-                    raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
-                text = f"/* {marker} */ {text}"
-            row = _confirmed(connection, text, params, all_rows=False)
-        else:
-            with connection.cursor() as cursor:
-                cursor.execute(render(connection, statement, **parts), params)
-                row = cursor.fetchone()
-    except DatabaseError as exc:
-        errors.raise_mapped(exc, statement.errors, params)
-        raise
-    return None if row is None else statement.decode(row, params)
+    underscores and spaces only, so it can never end the comment. ``parts``: the identifiers and
+    fragments it is composed with (`Statement.parts`)."""
+    found = _execute(connection, statement, params, parts, marker, _fetch_one)
+    return None if found is None else statement.decode(found, **params)
 
 
-def rows(
-    connection: BaseDatabaseWrapper, statement: Statement[T], params: Params = (), **parts: pgsql.Composable
-) -> list[T]:
-    """Send ``statement``; every row, decoded."""
+def rows(connection: BaseDatabaseWrapper, statement: Statement[T], *, parts: Parts = None, **params: Any) -> list[T]:
+    """Send ``statement`` with ``params``; every row, decoded."""
+    found = _execute(connection, statement, params, parts, None, _fetch_all)
+    return [statement.decode(row, **params) for row in found]
+
+
+def run(connection: BaseDatabaseWrapper, statement: Statement[object], *, parts: Parts = None, **params: Any) -> None:
+    """Send ``statement`` with ``params``, which answers nothing worth reading."""
+    _execute(connection, statement, params, parts, None, _fetch_nothing)
+
+
+def _fetch_one(cursor: Any) -> Any:
+    return cursor.fetchone()
+
+
+def _fetch_all(cursor: Any) -> Any:
+    return cursor.fetchall()
+
+
+def _fetch_nothing(cursor: Any) -> None:
+    return None
+
+
+def _execute(
+    connection: BaseDatabaseWrapper,
+    statement: Statement[object],
+    params: dict[str, Any],
+    parts: Parts,
+    marker: str | None,
+    fetch: Callable[[Any], Any],
+) -> Any:
+    """Send ``statement`` and ``fetch`` what it answered: the one place this executor turns a
+    database error into the package's."""
+    raw: psycopg.Connection[Any] | None = None
     try:
-        if statement.confirms:
-            found = _confirmed(connection, render(connection, statement), params, all_rows=True)
-        else:
+        if not statement.confirms:
+            sent = positional(render(connection, statement, **(parts or {})))
             with connection.cursor() as cursor:
-                cursor.execute(render(connection, statement, **parts), params)
-                found = cursor.fetchall()
+                cursor.execute(sent.text, sent.arguments(statement.name, params))
+                return fetch(cursor)
+        sent = positional(render(connection, statement))
+        text = sent.text
+        if marker is not None:
+            if not _MARKER.fullmatch(marker):
+                raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
+            text = f"/* {marker} */ {text}"
+        # kept_on runs Django's health check and connects: once a call.
+        notices = UnconfirmedCommitNotices.kept_on(connection)
+        raw = connection.connection
+        notices.seen.clear()
+        found = _send(connection, raw, text, sent.arguments(statement.name, params), fetch)
+        notices.raise_if_unconfirmed()
+        check_caller_commit(connection)
+        return found
     except DatabaseError as exc:
+        if raw is not None and raw.closed and type(exc) is OperationalError:
+            # Open when sent (health-checked above): lost in flight, the outcome unknown.
+            raise OutcomeUnknownError(
+                f"the connection was lost during a lease statement: its outcome is unknown ({exc})"
+            ) from exc
         errors.raise_mapped(exc, statement.errors, params)
         raise
-    return [statement.decode(row, params) for row in found]
 
 
 #: The SQLSTATE classes of a statement the server refused before it could write anything: a bad
@@ -112,57 +160,31 @@ def refused_by_server(error: BaseException) -> bool:
     return (errors.sqlstate(error) or "")[:2] in REFUSED_CLASSES
 
 
-def run(
-    connection: BaseDatabaseWrapper, statement: Statement[Any], params: Params = (), **parts: pgsql.Composable
-) -> None:
-    """Send ``statement``, which answers nothing worth reading."""
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(render(connection, statement, **parts), params)
-    except DatabaseError as exc:
-        errors.raise_mapped(exc, statement.errors, params)
-        raise
-
-
 def on_psycopg(
     conn: psycopg.Connection[Any],
     statement: Statement[T],
-    params: Params = (),
     *,
     schema: str | None = None,
-    **parts: pgsql.Composable,
+    parts: Parts = None,
+    **params: Any,
 ) -> list[T]:
-    """Send ``statement`` on a plain psycopg connection (no Django: the Patroni callback); its rows,
-    decoded (none for a statement that returns nothing). ``schema``: the lease app's, when it names it."""
-    cursor = conn.execute(statement.compose(schema, **parts), params)
-    return [statement.decode(row, params) for row in cursor.fetchall()] if cursor.description else []
-
-
-def _confirmed(connection: BaseDatabaseWrapper, statement: str, params: Params, *, all_rows: bool) -> Any:
-    """Send a lease statement: the hot path, with its commit confirmed (``sql.confirmation``).
-
-    Inside the caller's ``atomic()`` the statement does not commit: the caller's COMMIT is checked
-    instead, after it returns, by an ``on_commit`` hook that raises out of ``atomic()``.
-    """
-    # kept_on runs Django's health check and connects: once a call.
-    notices = UnconfirmedCommitNotices.kept_on(connection)
-    raw = connection.connection
-    notices.seen.clear()
+    """Send ``statement`` with ``params`` on a plain psycopg connection (no Django: the Patroni
+    callback); its rows, decoded (none for a statement that returns nothing). ``schema``: the lease
+    app's, when it names it. The statement's map (``sql.errors``) applies to psycopg's errors here."""
     try:
-        found = _send(connection, raw, statement, params, all_rows)
-    except OperationalError as exc:
-        if raw.closed:  # open when sent (health-checked above): lost in flight, the outcome unknown
-            raise OutcomeUnknownError(
-                f"the connection was lost during a lease statement: its outcome is unknown ({exc})"
-            ) from exc
+        cursor = conn.execute(statement.compose(schema, **(parts or {})), params)
+    except psycopg.Error as exc:
+        errors.raise_mapped(exc, statement.errors, params)
         raise
-    notices.raise_if_unconfirmed()
-    check_caller_commit(connection)
-    return found
+    return [statement.decode(row, **params) for row in cursor.fetchall()] if cursor.description else []
 
 
 def _send(
-    connection: BaseDatabaseWrapper, raw: psycopg.Connection[Any], statement: str, params: Params, all_rows: bool
+    connection: BaseDatabaseWrapper,
+    raw: psycopg.Connection[Any],
+    statement: str,
+    params: list[Any],
+    fetch: Callable[[Any], Any],
 ) -> Any:
     """Send ``statement`` on ``raw`` (``connection``'s psycopg connection, open and health-checked), the
     cheapest way Django's connection allows.
@@ -177,10 +199,10 @@ def _send(
         connection.validate_no_broken_transaction()
         with connection.wrap_database_errors, raw.cursor() as cursor:
             cursor.execute(statement, params)
-            return cursor.fetchall() if all_rows else cursor.fetchone()
+            return fetch(cursor)
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
-        return cursor.fetchall() if all_rows else cursor.fetchone()
+        return fetch(cursor)
 
 
 _TIMESTAMPTZ = psycopg.adapters.types["timestamptz"].oid
@@ -212,3 +234,98 @@ def _nothing_in_between(connection: BaseDatabaseWrapper) -> bool:
         and "cursor" not in vars(connection)
         and CursorWrapper.execute.__module__ == CursorWrapper.__module__
     )
+
+
+# ---- the lease schema of a connection's database, and statements rendered for it ---------------------
+
+# The lease table's schema per database alias, looked up once per process (one catalog query).
+_schemas: dict[str, str] = {}
+# (alias, PG_LEASE_SCHEMA) pairs whose schema was seen to hold the lease table.
+_verified: set[tuple[str, str]] = set()
+
+
+def schema_name(connection: BaseDatabaseWrapper) -> str:
+    """The schema of the lease functions in ``connection``'s database, unquoted.
+
+    ``PG_LEASE_SCHEMA`` names it outright (checked once per database alias to hold the lease table);
+    otherwise it is the one schema of the search_path that has the ``pg_lease_django_lease`` table,
+    looked up once per database alias.
+
+    Raises:
+        ImproperlyConfigured: no schema of the search_path (or not ``PG_LEASE_SCHEMA``) has the
+            lease table (the app is not migrated), or several do (set ``PG_LEASE_SCHEMA``).
+    """
+    configured = conf.schema()
+    if configured is not None:
+        # Checked as the lookup is, so that an unmigrated database names migrate, not "function ... does not exist".
+        if (connection.alias, configured) not in _verified:
+            if not one(connection, statements.RELATION_EXISTS, namespace=configured, relation="pg_lease_django_lease"):
+                raise ImproperlyConfigured(
+                    f"database {connection.alias!r} has no lease table in schema {configured!r} (PG_LEASE_SCHEMA): "
+                    f"run `manage.py migrate pg_lease_django --database {connection.alias}`"
+                )
+            _verified.add((connection.alias, configured))
+        return configured
+    name = _schemas.get(connection.alias)
+    if name is None:
+        name = remember_schema(connection.alias, rows(connection, statements.SCHEMA_LOOKUP))
+    return name
+
+
+def known_schema(alias: str) -> str | None:
+    """The schema of the lease functions in ``alias``'s database if known without asking the server
+    (``PG_LEASE_SCHEMA``, or looked up before in this process), else None."""
+    return conf.schema() or _schemas.get(alias)
+
+
+def remember_schema(alias: str, found: list[str]) -> str:
+    """The schema the ``schema_lookup`` statement ``found`` for ``alias``, remembered for the process.
+
+    Raises:
+        ImproperlyConfigured: none was found, or several: as `schema_name`.
+    """
+    if not found:
+        raise ImproperlyConfigured(
+            f"database {alias!r} has no lease table (pg_lease_django_lease): "
+            f"run `manage.py migrate pg_lease_django --database {alias}`"
+        )
+    if len(found) > 1:
+        raise ImproperlyConfigured(
+            f"several schemas on the search_path of database {alias!r} have a "
+            f"pg_lease_django_lease table ({', '.join(sorted(found))}): set PG_LEASE_SCHEMA to the one "
+            "`manage.py migrate` installed the lease functions in"
+        )
+    name = _schemas[alias] = found[0]
+    return name
+
+
+def schema(connection: BaseDatabaseWrapper) -> str:
+    """`schema_name`, quoted."""
+    return pgsql.Identifier(schema_name(connection)).as_string(None)
+
+
+# Rendered statements per (alias, file, name): a call renders nothing after its first.
+_rendered: dict[tuple[str, str, str], str] = {}
+
+
+@receiver(setting_changed)
+def _forget_rendered(*, setting: str, **kwargs: Any) -> None:
+    """``PG_LEASE_SCHEMA`` changed (``override_settings``): render again."""
+    if setting == "PG_LEASE_SCHEMA":
+        _rendered.clear()
+
+
+def render(connection: BaseDatabaseWrapper, statement: Statement[object], **parts: pgsql.Composable) -> str:
+    """``statement``'s SQL for ``connection``: its schema and ``parts`` composed in (cached without parts)."""
+    if parts:
+        return statement.compose(_schema_if_named(connection, statement), **parts).as_string(None)
+    found = _rendered.get((connection.alias, statement.source, statement.name))
+    if found is None:
+        found = _rendered[connection.alias, statement.source, statement.name] = statement.compose(
+            _schema_if_named(connection, statement)
+        ).as_string(None)
+    return found
+
+
+def _schema_if_named(connection: BaseDatabaseWrapper, statement: Statement[object]) -> str | None:
+    return schema_name(connection) if "{schema" in statement.text else None

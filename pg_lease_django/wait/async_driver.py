@@ -28,7 +28,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import DatabaseErrorWrapper, load_backend
 
-from pg_lease_django import conf, operations, sql
+from pg_lease_django import conf, operations
 from pg_lease_django.metrics import hooks as metrics
 from pg_lease_django.operations import Attempt, Grant
 from pg_lease_django.plans import Pause, Plan, adrive
@@ -116,17 +116,17 @@ async def _await_and_acquire(own: _OwnWait, key: str, owner: str, ttl: timedelta
                 # A schema this process has not looked up yet is looked up on this session,
                 # never on the caller's connection, which stays closed if it was.
                 session = await Session.connect(
-                    own.connect, own.alias, schema=sql.known_schema(own.alias), role=own.role, listen=own.listen
+                    own.connect, own.alias, schema=run.known_schema(own.alias), role=own.role, listen=own.listen
                 )
             if isinstance(step, TryOnce):
-                params = [key, owner, ttl, step.register_for if own.listen else step.within]
+                within = step.register_for if own.listen else step.within
                 attempting = True
                 # An unconfirmed grant raises here, the attempt still "in flight": settled below.
-                tried = await session.one(attempt, params)
+                tried = await session.one(attempt, key=key, owner=owner, ttl=ttl, within=within)
                 attempting = False
                 return operations.attempted(key, tried)
             if isinstance(step, ReadEpoch):
-                return (await session.one(statements.INSPECT, [key])).epoch
+                return (await session.one(statements.INSPECT, key=key)).epoch
             if own.listen and step.wakeable:
                 await _await_release(session.conn, key, step.seconds)
             else:

@@ -182,7 +182,7 @@ def _release_within(connection: BaseDatabaseWrapper, key: str, owner: str, epoch
     A transaction on this very connection (not `transaction.atomic`, which takes the alias's
     connection of this thread: for a lease connection of hold() that is another one)."""
     connection.set_autocommit(False)
-    run.run(connection, statements.LOCK_TIMEOUT_LOCAL, [f"{SETTLE_WITHIN}s"])
+    run.run(connection, statements.LOCK_TIMEOUT_LOCAL, timeout=f"{SETTLE_WITHIN}s")
     released = True
     try:
         operations.release(connection, key, owner, epoch)
@@ -273,7 +273,7 @@ def _settle(connection: BaseDatabaseWrapper, key: str, owner: str, in_flight: In
 
 def _do(connection: BaseDatabaseWrapper, step: SettlingStep) -> Any:
     if isinstance(step, CancelAttempt):
-        return run.first(connection, statements.CANCEL_ATTEMPT, cancel_attempt_params(step.in_flight)) is not None
+        return run.first(connection, statements.CANCEL_ATTEMPT, **cancel_attempt_params(step.in_flight)) is not None
     if isinstance(step, Pause):
         time.sleep(step.seconds)
         return None
@@ -288,7 +288,7 @@ async def asettle(session: Session, key: str, owner: str) -> None:
 
     async def do(step: SettlingStep) -> Any:
         if isinstance(step, Inspect):
-            return await session.one(statements.INSPECT, [step.key])
+            return await session.one(statements.INSPECT, key=step.key)
         assert isinstance(step, ReleaseWithin), step  # no backend to cancel, so no pause
         return await _arelease_within(session, step.key, step.owner, step.epoch)
 
@@ -299,8 +299,8 @@ async def _arelease_within(session: Session, key: str, owner: str, epoch: int) -
     """`_release_within` on a `Session`: its own transaction, a row lock waited for `SETTLE_WITHIN` s at most."""
     try:
         async with session.conn.transaction():
-            await session.run(statements.LOCK_TIMEOUT_LOCAL, [f"{SETTLE_WITHIN}s"])
-            await session.one(statements.RELEASE, [key, owner, epoch])
+            await session.run(statements.LOCK_TIMEOUT_LOCAL, timeout=f"{SETTLE_WITHIN}s")
+            await session.one(statements.RELEASE, key=key, owner=owner, epoch=epoch)
     except LeaseLostError:
         return False
     metrics.release_confirmed(key)  # counted where the sync one is: operations.release
@@ -321,7 +321,7 @@ class CancelAttempt:
 def cancel_attempt_params(in_flight: InFlight) -> dict[str, Any]:
     """``cancel_attempt``'s parameters: the attempt's own process is waited out only when it is one (`InFlight`)."""
     return {
-        "marker": in_flight.marker,
+        "attempt_marker": in_flight.marker,
         "pid": in_flight.backend_pid,
         "closed": in_flight.backend_pid if in_flight.own_process else None,
     }

@@ -26,28 +26,13 @@ from django.db import connections
 from pg_lease_django.display import LeaseRow, format_duration, printable
 from pg_lease_django.querysets import glob_to_like
 from pg_lease_django.sql import run, statements
+from pg_lease_django.sql.rows import Transition
 from pg_lease_django.status import LeaseStatus
 
 __all__ = ["Frame", "Transition", "Watcher", "render_plain", "watch"]
 
 # Clear the screen and home the cursor: what the plain view redraws with on a terminal.
 _REDRAW = "\x1b[H\x1b[2J"
-
-
-# The recent grants and ends of the watched keys, newest first. Not an index scan: the history's
-# index is (key, epoch); a watch reads it once per refresh, an operator's tool.
-@dataclass(frozen=True)
-class Transition:
-    """A grant or an end of a tenure (``event``: ``granted`` or an `EndReason` value)."""
-
-    at: str
-    key: str
-    epoch: int
-    owner: str
-    event: str
-
-    def as_json(self) -> dict[str, Any]:
-        return {"at": self.at, "key": self.key, "epoch": self.epoch, "owner": self.owner, "event": self.event}
 
 
 @dataclass
@@ -116,8 +101,9 @@ class Watcher:
     def _read_transitions(self) -> list[Transition]:
         connection = connections[self.using]
         like = None if self.glob is None else glob_to_like(self.glob)[0]
-        params = {"prefix": self.prefix, "like": like, "limit": self.transitions}
-        return [Transition(*row) for row in run.rows(connection, statements.TRANSITIONS, params)]
+        # The recent grants and ends of the watched keys, newest first. Not an index scan: the history's
+        # index is (key, epoch); a watch reads it once per refresh, an operator's tool.
+        return run.rows(connection, statements.TRANSITIONS, prefix=self.prefix, like=like, limit=self.transitions)
 
 
 def _since(seconds: float | None) -> str:

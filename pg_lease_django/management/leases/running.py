@@ -9,7 +9,6 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
-from pg_lease_django import sql as lease_sql
 from pg_lease_django.exceptions import InvalidInputError
 from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
@@ -17,6 +16,7 @@ from pg_lease_django.management.leases.common import (
 )
 from pg_lease_django.run.campaign import Campaign
 from pg_lease_django.run.supervisor import DEFAULT_GRACE, RunError, Supervisor
+from pg_lease_django.sql import run as executor
 from pg_lease_django.validation import MAX_TTL, MAX_WAIT, MIN_TTL, check_name
 
 RUN_USAGE = "leases run KEY --ttl SECONDS -- COMMAND [ARGS ...]"
@@ -54,7 +54,7 @@ class RunSubcommand(BaseCommand):
             )
         # An unmigrated database in one line, before anything starts: a campaign would otherwise
         # retry its failing attempts until stopped (a configuration error is not a transient one).
-        lease_sql.schema(connections[alias])
+        executor.schema(connections[alias])
         common: dict[str, Any] = {
             "ttl": ttl,
             "grace": grace,
