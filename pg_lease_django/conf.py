@@ -5,18 +5,35 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+# Settings read on every lease call, kept until a setting changes (``override_settings``): reading an
+# unset one through Django's settings costs an AttributeError each time, more than the rest of the read.
+_kept: dict[str, Any] = {}
+
+
+@receiver(setting_changed)
+def _forget_kept(*, setting: str, **kwargs: Any) -> None:
+    if setting.startswith("PG_LEASE_"):
+        _kept.clear()
 
 
 def listen_enabled() -> bool:
     """``PG_LEASE_LISTEN`` (bool, default ``True``): blocking acquire LISTENs for releases.
 
     Turn it off behind a transaction-pooling PgBouncer, where LISTEN does not work; waiters then
-    poll every ``PG_LEASE_POLL_INTERVAL`` seconds (and at the holder's expiry).
+    poll every ``PG_LEASE_POLL_INTERVAL`` seconds (and at the holder's expiry). Read once until a
+    setting changes: a non-blocking acquire reads it on every call.
     """
-    return bool(getattr(settings, "PG_LEASE_LISTEN", True))
+    found = _kept.get("PG_LEASE_LISTEN")
+    if found is None:
+        found = _kept["PG_LEASE_LISTEN"] = bool(getattr(settings, "PG_LEASE_LISTEN", True))
+    return bool(found)
 
 
 def poll_interval() -> float:

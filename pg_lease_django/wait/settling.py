@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from dataclasses import dataclass
@@ -66,9 +66,11 @@ def attempt_in_flight(connection: BaseDatabaseWrapper) -> InFlight:
     """The identity of the next attempt on ``connection`` (connected if need be): `settle` finds it, nothing else."""
     if connection.connection is None:
         connection.ensure_connection()
+    # The pid through libpq, not `info` (a new ConnectionInfo per read); 128 random bits as 32 hex
+    # digits, as uuid4().hex spells them, without building a UUID: ~3 µs less each.
     return InFlight(
-        int(connection.connection.info.backend_pid),
-        f"pg_lease_django attempt {uuid.uuid4().hex}",
+        int(connection.connection.pgconn.backend_pid),
+        f"pg_lease_django attempt {os.urandom(16).hex()}",
         own_process=conf.listen_enabled(),
     )
 
