@@ -77,7 +77,8 @@ def test_a_test_that_talks_to_the_server_runs_in_the_leg_unless_named_out_or_of_
     )
     selected = [row for row in collected if _selects(expression, set(row["markers"]))]
     assert selected, f"-m {expression!r} selects nothing: pytest would exit 5"
-    assert {row["module"] for row in selected} == modules - {  # each module named in runs some test there
+    # A module named out runs there only the tests that carry the leg's marker themselves.
+    assert {row["module"] for row in selected} - set(named_out) == modules - {  # each module named in runs some test
         row["module"] for row in collected if row["module"] in modules and all(
             not _selects(expression, set(other["markers"])) for other in collected if other["module"] == row["module"]
         )
@@ -98,3 +99,17 @@ def test_make_test_leaves_out_the_tiers_it_names_and_ci_runs_every_leg() -> None
     for command in ("make test\n", "make test-all", "make test-pooler"):
         assert command in ci, command
     assert "make test-server-version" in (REPO / ".ci" / "matrix").read_text()
+
+
+def test_a_module_named_out_of_the_matrix_keeps_its_tests_that_see_the_major(collected: list[dict[str, Any]]) -> None:
+    """test_deployment_whole is named out of the matrix for its cost; its tests whose behaviour moves
+    between majors carry the marker themselves and run on every major, the others once."""
+    expression = _make_variable(LEG_EXPRESSIONS["server_version"])
+    rows = [row for row in collected if row["module"] == "test_deployment_whole"]
+    on_every_major = {row["id"].split("::")[-1] for row in rows if _selects(expression, set(row["markers"]))}
+    assert on_every_major == {
+        "test_the_multi_tenant_deployment_of_the_docs_works_from_every_seat_and_refuses_every_attack",
+        "test_check_is_silent_from_every_correctly_set_up_seat",
+        "test_the_checks_see_the_mistakes_each_with_its_remedy",
+    }
+    assert len(rows) > len(on_every_major)

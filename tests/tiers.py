@@ -4,8 +4,10 @@
 long, soak, cluster and browser runs) run in `make test-all`, which CI runs on PostgreSQL 15 and on
 the embedded 18. Each module that talks to the server is named below once per leg: in it (its tests
 get the leg's marker, ``pooler`` or ``server_version``) or out of it, with the reason its behaviour
-does not depend on what the leg varies. tests/test_tiers.py fails on a module that talks to the
-server and is named in neither: a new test cannot silently fall out of a leg.
+does not depend on what the leg varies. A module named out may still put single tests in the leg by
+marking them (``@pytest.mark.server_version``): its costly tests run once per CI run, the few whose
+behaviour does depend on the leg on every major too. tests/test_tiers.py fails on a module that talks
+to the server and is named in neither: a new test cannot silently fall out of a leg.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ NOT_POOLER = {
 SERVER_VERSION = {
     "test_manager", "test_concurrency", "test_schema", "test_validation", "test_fencing", "test_security",
     "test_sql_source", "test_lease_table_triggers", "test_lease_table_writers", "test_fence_trigger_version",
-    "test_tenants", "test_health", "test_deployment_whole", "test_compat", "test_advance_epochs", "test_prune",
+    "test_tenants", "test_health", "test_compat", "test_advance_epochs", "test_prune",
     "test_durability", "test_tenants_off_path", "test_fence_isolation",
 }  # fmt: skip
 
@@ -86,6 +88,9 @@ NOT_SERVER_VERSION = {
         "test_settling_pooled", "test_sigterm", "test_sqlchange", "test_supervisor", "test_terminal_escapes",
         "test_testing", "test_watch", "test_async_calls", "test_settling_unread",
     )
+} | {
+    "test_deployment_whole": "Django processes over the docs' set-up; its tests that see the major (the"
+    " set-up's grants, CREATEROLE before 16, the checks from every seat) carry the marker themselves",
 }  # fmt: skip
 
 #: Each leg's marker, its modules and the modules named out of it.
