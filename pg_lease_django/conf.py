@@ -26,9 +26,9 @@ def _forget_kept(*, setting: str, **kwargs: Any) -> None:
 def listen_enabled() -> bool:
     """``PG_LEASE_LISTEN`` (bool, default ``True``): blocking acquire LISTENs for releases.
 
-    Turn it off behind a transaction-pooling PgBouncer, where LISTEN does not work; waiters then
-    poll every ``PG_LEASE_POLL_INTERVAL`` seconds (and at the holder's expiry). Read once until a
-    setting changes: a non-blocking acquire reads it on every call.
+    Turn it off behind a transaction-pooling PgBouncer, where LISTEN does not work. Waiters then
+    poll every ``PG_LEASE_POLL_INTERVAL`` seconds and at the holder's expiry. It is read once and
+    kept until a setting changes, because a non-blocking acquire reads it on every call.
     """
     found = _kept.get("PG_LEASE_LISTEN")
     if found is None:
@@ -54,9 +54,10 @@ def poll_interval() -> float:
 def release_on_sigterm() -> bool:
     """``PG_LEASE_RELEASE_ON_SIGTERM`` (bool, default ``True``): a SIGTERM releases the main thread's holds.
 
-    While a sync ``hold()`` / ``@leased`` job or ``with elect()`` is active in the main thread and
-    nobody else handles SIGTERM, a SIGTERM unwinds it (releasing the lease), then ends the process
-    by SIGTERM as before. ``False`` leaves SIGTERM alone: the lease lapses after its TTL.
+    It applies while a sync ``hold()`` / ``@leased`` job or ``with elect()`` is active in the main
+    thread and nobody else handles SIGTERM. A SIGTERM then unwinds the job, which releases the lease,
+    and ends the process by SIGTERM as before. ``False`` leaves SIGTERM alone: the lease lapses after
+    its TTL.
     """
     return bool(getattr(settings, "PG_LEASE_RELEASE_ON_SIGTERM", True))
 
@@ -64,11 +65,11 @@ def release_on_sigterm() -> bool:
 def safety_margin() -> float:
     """``PG_LEASE_SAFETY_MARGIN`` (float, a fraction of the TTL, default ``0.1``): trust-window margin.
 
-    A holder (``hold()``, ``@leased``) trusts itself for ``ttl * (1 - margin)`` after sending the
-    acquire or renewal that succeeded (its own monotonic clock), so it stops before the server can
-    let anyone else in. The margin absorbs clock-rate differences between the holder and the
-    server and the gap between ``check()`` and the action it guards. ``0`` trusts right up to the
-    server's expiry.
+    A holder of ``hold()`` or ``@leased`` trusts itself for ``ttl * (1 - margin)`` after sending the
+    acquire or renewal that succeeded, timed on its own monotonic clock. So it stops before the
+    server can let anyone else in. The margin absorbs clock-rate differences between the holder and
+    the server, and the gap between ``check()`` and the action it guards. ``0`` trusts right up to
+    the server's expiry.
 
     Raises:
         ImproperlyConfigured: the setting is not a number in ``[0, 1)``.
@@ -82,8 +83,9 @@ def safety_margin() -> float:
 def schema() -> str | None:
     """``PG_LEASE_SCHEMA`` (str or ``None``, default ``None``): the schema of the lease table and functions.
 
-    ``None`` looks it up once per database alias (where ``pg_lease_django_lease`` resolves on the
-    search_path). Set it when leases live in a fixed schema and the search_path varies per session.
+    ``None`` looks it up once per database alias: the schema where ``pg_lease_django_lease``
+    resolves on the search_path. Set it when leases live in a fixed schema and the search_path
+    varies per session.
     """
     value = getattr(settings, "PG_LEASE_SCHEMA", None)
     if value is not None and (not isinstance(value, str) or not value):
@@ -94,10 +96,11 @@ def schema() -> str | None:
 def hold_connections() -> int:
     """``PG_LEASE_HOLD_CONNECTIONS`` (int, default ``8``): how many lease connections ``hold()`` keeps per database.
 
-    The holds of a process share a small pool of lease connections per database alias (never the
-    job's, never Django's pool) and one scheduler thread. This bounds both the idle connections kept
-    per alias and the worker threads that send renewals (one renewal in flight per worker, each on a
-    connection of its own), so at most this many renewals can hang at once before another waits.
+    The holds of a process share one scheduler thread and a small pool of lease connections per
+    database alias. These are never the job's connections, nor Django's pool. The setting bounds
+    both the idle connections kept per alias and the worker threads that send renewals. Each worker
+    has one renewal in flight, on a connection of its own. So at most this many renewals can hang
+    at once before another waits.
 
     Raises:
         ImproperlyConfigured: the setting is not a positive integer.
@@ -111,10 +114,11 @@ def hold_connections() -> int:
 def history_prefixes() -> tuple[str, ...]:
     """``PG_LEASE_HISTORY`` (list of key prefixes, default ``[]``): the keys whose tenures are recorded.
 
-    Each tenure of a key starting with one of the prefixes (``""`` matches every key) is recorded in
-    `LeaseTenure` by the database itself, in the statement that grants or ends it. ``migrate``
-    copies the setting into the database (``pg_lease_django_history_scope``), so every caller of the
-    SQL functions is recorded alike, psql included; check ``pg_lease_django.W005`` says when they differ.
+    Each tenure of a key starting with one of the prefixes is recorded in `LeaseTenure` by the
+    database itself, in the statement that grants or ends it; ``""`` matches every key. ``migrate``
+    copies the setting into the database table ``pg_lease_django_history_scope``. So every caller
+    of the SQL functions is recorded alike, psql included. Check ``pg_lease_django.W005`` says when
+    the two differ.
 
     Raises:
         ImproperlyConfigured: the setting is not a list or tuple of strings of at most 255 bytes.
@@ -134,8 +138,8 @@ def history_prefixes() -> tuple[str, ...]:
 def history_retention() -> timedelta:
     """``PG_LEASE_HISTORY_RETENTION`` (timedelta or seconds, default 30 days): how long ended tenures are kept.
 
-    ``manage.py leases prune-history`` (and `LeaseTenure.objects.prune`) delete the tenures that
-    ended longer ago than this (server clock). A tenure still running is never deleted.
+    ``manage.py leases prune-history`` and `LeaseTenure.objects.prune` delete the tenures that
+    ended longer ago than this, by the server clock. A tenure still running is never deleted.
 
     Raises:
         ImproperlyConfigured: the setting is not a positive duration.
@@ -161,13 +165,14 @@ def _role_list(name: str, value: object) -> tuple[str, ...]:
 def worker_roles() -> tuple[str, ...]:
     """``PG_LEASE_WORKER_ROLES`` (list of database roles, default ``[]``): the roles that work with leases.
 
-    ``migrate`` (and ``manage.py leases grant``) grants each what ``pg_lease_privileges()`` lists for a
-    worker: the four operations and fenced writes. The lease functions are revoked from ``PUBLIC``,
-    so a role connecting as neither the owner nor a declared role can run none of them. Check
-    ``pg_lease_django.W008`` (``check --database``) says when the database's grants fall short.
+    ``migrate`` and ``manage.py leases grant`` grant each what ``pg_lease_privileges()`` lists for
+    a worker: the four operations and fenced writes. The lease functions are revoked from
+    ``PUBLIC``, so a role connecting as neither the owner nor a declared role can run none of them.
+    Check ``pg_lease_django.W008``, run by ``check --database``, says when the database's grants
+    fall short.
 
     Raises:
-        ImproperlyConfigured: the setting is not a list of role names (1 to 63 bytes).
+        ImproperlyConfigured: the setting is not a list of role names of 1 to 63 bytes.
     """
     return _role_list("PG_LEASE_WORKER_ROLES", getattr(settings, "PG_LEASE_WORKER_ROLES", []))
 
@@ -176,10 +181,10 @@ def operator_roles() -> tuple[str, ...]:
     """``PG_LEASE_OPERATOR_ROLES`` (list of database roles, default ``[]``): the roles of people and scripts.
 
     Granted what a worker is, plus force release, hand-off requests, the opt-out of fencing and
-    reading the lease and history tables (``manage.py leases``, the admin).
+    reading the lease and history tables. ``manage.py leases`` and the admin need these.
 
     Raises:
-        ImproperlyConfigured: the setting is not a list of role names (1 to 63 bytes).
+        ImproperlyConfigured: the setting is not a list of role names of 1 to 63 bytes.
     """
     return _role_list("PG_LEASE_OPERATOR_ROLES", getattr(settings, "PG_LEASE_OPERATOR_ROLES", []))
 
@@ -187,11 +192,11 @@ def operator_roles() -> tuple[str, ...]:
 def monitor_roles() -> tuple[str, ...]:
     """``PG_LEASE_MONITOR_ROLES`` (list of database roles, default ``[]``): the roles that read the metrics.
 
-    Granted ``pg_lease_metrics()`` only: the database's view for Prometheus (counts by key label,
-    never a key, owner or epoch). An operator is granted it too.
+    Granted ``pg_lease_metrics()`` only: the database's view for Prometheus. It gives counts by
+    key label, never a key, owner or epoch. An operator is granted it too.
 
     Raises:
-        ImproperlyConfigured: the setting is not a list of role names (1 to 63 bytes).
+        ImproperlyConfigured: the setting is not a list of role names of 1 to 63 bytes.
     """
     return _role_list("PG_LEASE_MONITOR_ROLES", getattr(settings, "PG_LEASE_MONITOR_ROLES", []))
 
@@ -203,17 +208,18 @@ ALL_KEYS = "*"
 def key_scopes() -> dict[str, tuple[str, ...]]:
     """``PG_LEASE_KEY_SCOPES`` (dict of database role -> list of key prefixes, or ``"*"``, default ``{}``).
 
-    Tenants apart. Once any role is listed, every session may name only keys under the prefixes of
-    the listed roles its login role is a member of (directly or through groups), in every lease
-    function; a session with none is refused (42501 ``key_scope``), unless its role is the lease
-    functions' owner, a superuser, or listed with ``"*"`` (every key: operators). ``migrate`` and
-    ``manage.py leases grant`` copy it into the database (``pg_lease_django_key_scope``, ``"*"`` as
-    the prefix ``""``); check ``pg_lease_django.W008`` says when they differ, and E006 names a role
-    that may call the lease functions with no scope at all.
+    It keeps tenants apart. Once any role is listed, every session may name only keys under the
+    prefixes of the listed roles its login role is a member of, directly or through groups. This
+    holds in every lease function. A session with no such role is refused with 42501
+    ``key_scope``. The exceptions are the lease functions' owner, a superuser, and a role listed
+    with ``"*"``, which may use every key: operators. ``migrate`` and ``manage.py leases grant``
+    copy the setting into the database table ``pg_lease_django_key_scope``, with ``"*"`` stored as
+    the prefix ``""``. Check ``pg_lease_django.W008`` says when the two differ, and E006 names a
+    role that may call the lease functions with no scope at all.
 
     Raises:
         ImproperlyConfigured: not a dict of role names to ``"*"`` or non-empty lists of non-empty prefixes
-            (at most 255 bytes).
+            of at most 255 bytes.
     """
     value = getattr(settings, "PG_LEASE_KEY_SCOPES", {})
     if not isinstance(value, dict) or not all(
@@ -247,12 +253,13 @@ ROLE_LIMITS = ("leases", "tenures_per_key")
 def role_limits() -> dict[str, tuple[int | None, int | None]]:
     """``PG_LEASE_ROLE_LIMITS`` (dict of database role -> dict of limits, default ``{}``): one tenant's cost bounded.
 
-    ``{"tenant_a": {"leases": 10000, "tenures_per_key": 100}}``: at most ``leases`` lease rows under
-    the role's key prefixes (``PG_LEASE_KEY_SCOPES``; a brand-new key past it is refused with
-    `QuotaExceededError`, SQLSTATE 53400), and the newest ``tenures_per_key`` tenures kept per recorded
-    key under them (older ones are deleted as new ones come). The database enforces both, for every
-    caller; ``migrate`` and ``manage.py leases grant`` copy the setting into it. Returns role ->
-    ``(leases, tenures_per_key)``, None for a limit not set.
+    ``{"tenant_a": {"leases": 10000, "tenures_per_key": 100}}`` allows at most ``leases`` lease
+    rows under the role's key prefixes, which ``PG_LEASE_KEY_SCOPES`` gives. A brand-new key past
+    the limit is refused with `QuotaExceededError`, SQLSTATE 53400. It also keeps only the newest
+    ``tenures_per_key`` tenures per recorded key under those prefixes: older ones are deleted as new
+    ones come. The database enforces both, for every caller. ``migrate`` and ``manage.py leases
+    grant`` copy the setting into it. Returns role -> ``(leases, tenures_per_key)``, with None for a
+    limit not set.
 
     Raises:
         ImproperlyConfigured: not a dict of role names to dicts of those limits, each a positive int.
@@ -278,9 +285,9 @@ def role_limits() -> dict[str, tuple[int | None, int | None]]:
 def ready_timeout() -> float:
     """``PG_LEASE_READY_TIMEOUT`` (float seconds, default ``2.0``): the longest `views.ready` waits.
 
-    The readiness probe connects and runs its statement on a thread of its own; past this long it
-    answers 503 at once, so a database that hangs (frozen, a network that drops packets) never holds
-    the web worker that serves the probe, nor the ``live`` requests queued behind it.
+    The readiness probe connects and runs its statement on a thread of its own. Past this long it
+    answers 503 at once. So a database that hangs, frozen or behind a network that drops packets,
+    never holds the web worker that serves the probe, nor the ``live`` requests queued behind it.
 
     Raises:
         ImproperlyConfigured: the setting is not a positive, finite number of seconds.
@@ -295,9 +302,9 @@ def health_details() -> bool:
     """``PG_LEASE_HEALTH_DETAILS`` (bool, default ``False``): the probes' details for every caller.
 
     `pg_lease_django.views.ready` and ``live`` tell an anonymous caller only ``ok`` or
-    ``unavailable``; the held leases (key, owner, epoch: a fence) and the reason for a failure go to
-    users with the ``pg_lease_django.view_lease`` permission, or to everyone when this is True (a
-    probe port no one else reaches).
+    ``unavailable``. The held leases and the reason for a failure go to users with the
+    ``pg_lease_django.view_lease`` permission. A held lease shows its key, owner and epoch, which is
+    a fence. With True they go to everyone: set it for a probe port no one else reaches.
 
     Raises:
         ImproperlyConfigured: the setting is not a bool.
@@ -312,8 +319,8 @@ def metrics_enabled() -> bool:
     """``PG_LEASE_METRICS`` (bool, default ``True``): export Prometheus metrics when ``prometheus_client`` is installed.
 
     With the ``metrics`` extra installed, the app registers its metrics in prometheus_client's
-    default registry when Django starts (docs/observability.md). ``False`` registers nothing; without
-    prometheus_client the setting changes nothing.
+    default registry when Django starts, as docs/observability.md shows. ``False`` registers
+    nothing. Without prometheus_client the setting changes nothing.
     """
     return bool(getattr(settings, "PG_LEASE_METRICS", True))
 
@@ -321,10 +328,10 @@ def metrics_enabled() -> bool:
 def metrics_database_view() -> bool:
     """``PG_LEASE_METRICS_DATABASE_VIEW`` (bool, default ``True``): add the database's view to the metrics.
 
-    A collector that reads, in one statement per scrape, the leases held, lapsed and free by key
-    label, the oldest lapse, the waiters registered and (with ``PG_LEASE_HISTORY``) the tenures
-    ended by reason, from the router's write database for `Lease`. ``False``: only the process's
-    own metrics.
+    A collector reads them in one statement per scrape, from the router's write database for
+    `Lease`. It reads the leases held, lapsed and free by key label, the oldest lapse and the
+    waiters registered. With ``PG_LEASE_HISTORY`` it also reads the tenures ended by reason.
+    ``False`` exports only the process's own metrics.
     """
     return bool(getattr(settings, "PG_LEASE_METRICS_DATABASE_VIEW", True))
 
@@ -332,11 +339,11 @@ def metrics_database_view() -> bool:
 def metrics_key_label() -> str | Callable[[str], str]:
     """``PG_LEASE_METRICS_KEY_LABEL`` (one character, a callable or its dotted path; default ``":"``).
 
-    What the ``prefix`` label of a metric says about a key, so that labels stay few. One character:
-    the key up to the first occurrence of it (``"billing:acme:42"`` → ``"billing"``; keys without it
-    share ``"(none)"``). A callable ``f(key) -> str`` (or its dotted path) decides otherwise;
-    ``"pg_lease_django.metrics.whole_key"`` labels by the raw key (for a small fixed set of keys).
-    Whatever the rule, ``PG_LEASE_METRICS_MAX_LABELS`` caps the labels of a process.
+    What the ``prefix`` label of a metric says about a key, so that labels stay few. One character
+    labels a key by what comes before its first occurrence: ``"billing:acme:42"`` → ``"billing"``.
+    Keys without it share ``"(none)"``. A callable ``f(key) -> str``, or its dotted path, decides
+    otherwise. ``"pg_lease_django.metrics.whole_key"`` labels by the raw key, for a small fixed set
+    of keys. Whatever the rule, ``PG_LEASE_METRICS_MAX_LABELS`` caps the labels of a process.
 
     Raises:
         ImproperlyConfigured: not a one-character string, a callable, or the dotted path of one.
@@ -362,8 +369,8 @@ def metrics_key_label() -> str | Callable[[str], str]:
 def metrics_max_labels() -> int:
     """``PG_LEASE_METRICS_MAX_LABELS`` (int, default ``16``): the most key labels one process's metrics carry.
 
-    The first labels this process meets are exported as they are; every later one is counted under
-    ``"(other)"`` (`pg_lease_django.metrics.OTHER_LABEL`), so that a flood of unexpected keys cannot
+    The first labels this process meets are exported as they are. Every later one is counted under
+    `pg_lease_django.metrics.OTHER_LABEL`, ``"(other)"``, so that a flood of unexpected keys cannot
     grow the scrape. Read when a label is first met.
 
     Raises:
@@ -378,9 +385,9 @@ def metrics_max_labels() -> int:
 def metrics_pushgateway() -> str | None:
     """``PG_LEASE_METRICS_PUSHGATEWAY`` (str URL or ``None``, default ``None``): where short-lived processes push.
 
-    A process with the metrics on pushes them to this Prometheus Pushgateway when it exits
-    (`pg_lease_django.metrics.push.push`): for ``leases run`` and cron-started ``@leased`` commands, which
-    no server scrapes. ``None`` pushes nothing. Read at exit.
+    A process with the metrics on pushes them to this Prometheus Pushgateway when it exits, through
+    `pg_lease_django.metrics.push.push`. It serves ``leases run`` and cron-started ``@leased``
+    commands, which no server scrapes. ``None`` pushes nothing. Read at exit.
 
     Raises:
         ImproperlyConfigured: the setting is neither a non-empty string nor None.
