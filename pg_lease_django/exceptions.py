@@ -32,9 +32,9 @@ __all__ = [
 class LeaseError(Exception):
     """Base of every lease error.
 
-    The two sides of a call are kept apart on every error: ``owner`` and ``epoch`` are always the
-    caller's (what it named or presented), ``holder`` and ``current_epoch`` always the key's, as
-    the server saw it when it refused; None where not known or not sent.
+    The two sides of a call are kept apart on every error. ``owner`` and ``epoch`` are always the
+    caller's: what it named or presented. ``holder`` and ``current_epoch`` are always the key's, as
+    the server saw it when it refused. Each is None where not known or not sent.
 
     Attributes:
         code: the cause name from the spec (``not_owner``, ``lapsed``, ...).
@@ -66,13 +66,15 @@ class LeaseError(Exception):
 class NotAcquirableError(LeaseError):
     """The key is held by another owner.
 
-    Raised where a denial must be an exception (``hold()``); ``acquire()`` returns ``None`` instead.
-    Recover by trying later (after ``expires_at`` at the latest) or waiting (``blocking=True``).
+    Raised where a denial must be an exception, as in ``hold()``; ``acquire()`` returns ``None``
+    instead. Recover by trying later, after ``expires_at`` at the latest, or by waiting with
+    ``blocking=True``.
 
     Attributes:
         owner: the caller's identity, as for every error; the holder is ``holder``.
         holder, current_epoch, expires_at: who held the key when it was refused, at which epoch,
-            and until when (server clock); None when unknown (``holder``: a lock it needed was busy).
+            and until when by the server clock. Each is None when unknown; ``holder`` is None when
+            a lock the call needed was busy.
     """
 
     code = "not_acquirable"
@@ -131,7 +133,7 @@ class NotOwnerError(LeaseLostError):
 class LapsedError(LeaseLostError):
     """Renew/release by the most recent holder after its lease expired (server clock).
 
-    Others may already have acquired the key. Stop; re-acquire (new epoch) to continue.
+    Others may already have acquired the key. Stop; re-acquire to continue, with a new epoch.
     """
 
     code = "lapsed"
@@ -163,9 +165,10 @@ class OperatorRefusalError(LeaseError):
     """An operator's call (``force_release()``, ``request_handoff()``) found nothing to act on.
 
     The operator never held the lease, so this is not a `LeaseLostError`: nothing changed, and the
-    caller has nothing to stop. ``epoch`` is the epoch the operator named (None: any), ``holder``
-    and ``current_epoch`` what the key has now. ``owner`` is None: an operator is not a lease owner.
-    Read the key again (``inspect()``) and decide anew; retrying the same call will not help.
+    caller has nothing to stop. ``epoch`` is the epoch the operator named, or None for any.
+    ``holder`` and ``current_epoch`` are what the key has now. ``owner`` is None: an operator is not
+    a lease owner. Read the key again with ``inspect()`` and decide anew; retrying the same call
+    will not help.
     """
 
     code = "operator_refused"
@@ -221,9 +224,9 @@ class InvalidInputError(LeaseError, ValueError):
 class UnfencedWriteError(LeaseError):
     """A write to a FencedModel named no lease to guard it.
 
-    Raised before anything is sent. Pass ``fence=grant`` (querysets: ``.fenced(grant)``); a write
-    that deliberately bypasses fencing (admin edit, data repair, fixtures) opts out explicitly with
-    ``unfenced=True``, ``.unfenced()`` or ``with unfenced_writes():``.
+    Raised before anything is sent. Pass ``fence=grant``, or ``.fenced(grant)`` on a queryset. A
+    write that deliberately bypasses fencing, such as an admin edit, a data repair or fixtures, opts
+    out explicitly with ``unfenced=True``, ``.unfenced()`` or ``with unfenced_writes():``.
     """
 
     code = "unfenced"
@@ -233,10 +236,10 @@ class UnfencedWriteError(LeaseError):
 class QuotaExceededError(LeaseError):
     """An acquire of a brand-new key was refused: the key's tenant is at its ``PG_LEASE_ROLE_LIMITS`` limit.
 
-    The database refused it (SQLSTATE ``53400``, configuration_limit_exceeded) because the lease rows
-    under the prefixes of a role whose scope holds the key number ``leases`` already; nothing was
-    written. Keys that have a row are unaffected. Release leases no longer used and prune them
-    (``manage.py leases prune``), or raise the limit; retrying alone will not help.
+    The database refused it with SQLSTATE ``53400``, configuration_limit_exceeded. A role's scope
+    holds the key, and the lease rows under that role's prefixes number ``leases`` already. Nothing
+    was written. Keys that have a row are unaffected. Release leases no longer used and prune them
+    with ``manage.py leases prune``, or raise the limit; retrying alone will not help.
     """
 
     code = "quota"
@@ -259,11 +262,11 @@ class OutcomeUnknownError(OperationalError):
     """A lease call whose outcome nobody can know: it may or may not have taken effect on the server.
 
     The connection was lost while the call's statement was in flight, or the server committed but
-    could not confirm the commit (`UnconfirmedCommitError`). A `django.db.OperationalError`
-    subclass, because that is what it is: a database call that did not come back with an answer;
-    code written for lost connections handles it already. Retry: an acquire again with the same
-    owner (a self-takeover gets a new epoch and fences any grant you missed), a renew or a release
-    again (a `NotOwnerError` or `EpochMismatchError` then means the first one went through).
+    could not confirm the commit: see `UnconfirmedCommitError`. It is a `django.db.OperationalError`
+    subclass, because that is what it is: a database call that did not come back with an answer.
+    Code written for lost connections handles it already. Retry. Acquire again with the same owner:
+    a self-takeover gets a new epoch and fences any grant you missed. Renew or release again: a
+    `NotOwnerError` or `EpochMismatchError` then means the first one went through.
 
     Attributes:
         code: ``"outcome_unknown"``.
@@ -280,21 +283,23 @@ class OutcomeUnknownError(OperationalError):
 class UnconfirmedCommitError(OutcomeUnknownError):
     """The server committed the lease write locally but could not confirm it reached the synchronous standby.
 
-    PostgreSQL answers a commit whose wait for the synchronous standby was cancelled (a cancel
-    request, ``pg_cancel_backend``) with *success* and a WARNING (SQLSTATE ``01000``, "canceling
-    wait for synchronous replication ... might not have been replicated"). Such a write is on the
-    primary only: a failover now may lose it. It is not an acknowledgement, so the call raises
-    this instead of returning its result. An `OutcomeUnknownError` (so a `django.db.OperationalError`):
-    treat it as any lost connection, an unknown outcome (the write may or may not survive); retry,
-    or for a held lease count the renewal as unconfirmed (the heartbeat does).
+    A commit can wait for the synchronous standby, and a cancel request or ``pg_cancel_backend``
+    can cancel that wait. PostgreSQL then answers the commit with *success* and a WARNING of
+    SQLSTATE ``01000``: "canceling wait for synchronous replication ... might not have been
+    replicated". Such a write is on the primary only: a failover now may lose it. It is not an
+    acknowledgement, so the call raises this instead of returning its result. It is an
+    `OutcomeUnknownError`, so a `django.db.OperationalError` too. Treat it as any lost connection:
+    the outcome is unknown, and the write may or may not survive. Retry, or for a held lease count
+    the renewal as unconfirmed, as the heartbeat does.
 
-    Raised by a call whose statement commits on its own (autocommit, the default outside
-    ``transaction.atomic()``); for a call inside the caller's ``atomic()``, out of that block, after
-    its COMMIT (an ``on_commit`` hook of the call checks it): the whole transaction's outcome is unknown.
+    A call whose statement commits on its own raises it at once. That is autocommit, the default
+    outside ``transaction.atomic()``. A call inside the caller's ``atomic()`` raises it out of that
+    block, after its COMMIT, where an ``on_commit`` hook of the call checks it. The whole
+    transaction's outcome is then unknown.
 
     Attributes:
         code: ``"unconfirmed_commit"``.
-        sqlstate, severity, notice, detail: the server's WARNING (``notice`` its primary message).
+        sqlstate, severity, notice, detail: the server's WARNING; ``notice`` is its primary message.
     """
 
     code = "unconfirmed_commit"

@@ -1,18 +1,18 @@
-"""The pytest plugin (entry point ``pytest11``): flushable test databases and lease fixtures.
+"""The pytest plugin, entry point ``pytest11``: flushable test databases and lease fixtures.
 
 Loaded by pytest in every project where pg-lease-django is installed; disable it with
 ``-p no:pg_lease_django``. Importing it needs no Django settings and loads no models, and it does
 nothing for projects that do not use pytest-django with ``pg_lease_django`` installed:
 
-- When pytest-django's ``django_db_setup`` (or a ``conftest.py`` override of it) has created the
-  test databases, each PostgreSQL one gets ``pg_lease.allow_truncate = on``, so that
-  ``transaction=True`` tests and ``live_server`` can flush it (see `pg_lease_django.testing`).
+- When pytest-django's ``django_db_setup``, or a ``conftest.py`` override of it, has created the
+  test databases, each PostgreSQL one gets ``pg_lease.allow_truncate = on``. So
+  ``transaction=True`` tests and ``live_server`` can flush it; `pg_lease_django.testing` says why.
 - The idle lease connections of ``hold()`` are closed after each test and before the test
-  databases are dropped (the library itself knows nothing of test runs).
-- Fixtures: ``lease_key`` (no database); ``assert_lease_held``, ``assert_lease_free``,
-  ``take_over_lease``, ``run_as_other_owner``, which request ``transactional_db``: a test that
-  uses one of them is transactional (holds work on connections of their own, which only see
-  what is committed). A test that uses none of them gets no database from this plugin.
+  databases are dropped. The library itself knows nothing of test runs.
+- Fixtures: ``lease_key``, which needs no database; ``assert_lease_held``, ``assert_lease_free``,
+  ``take_over_lease`` and ``run_as_other_owner``, which request ``transactional_db``. A test that
+  uses one of these is transactional, because holds work on connections of their own, which only
+  see what is committed. A test that uses none of them gets no database from this plugin.
 
 See docs/testing.md.
 """

@@ -1,19 +1,18 @@
 """Testing support: test databases that may be flushed, and helpers for testing your lease code.
 
-The lease table refuses ``TRUNCATE`` (a truncated table would restart every epoch at 1 and
-un-fence every stale holder), and so do the tables of fenced models. Django's
-``TransactionTestCase`` and ``LiveServerTestCase`` empty the database with ``TRUNCATE`` after
-every test, so a test database must opt in: ``ALTER DATABASE <test db> SET
-pg_lease.allow_truncate = on``. This module does that for the test databases Django creates, and
-only for those:
+The lease table refuses ``TRUNCATE``, and so do the tables of fenced models. A truncated table
+would restart every epoch at 1 and un-fence every stale holder. Django's ``TransactionTestCase``
+and ``LiveServerTestCase`` empty the database with ``TRUNCATE`` after every test, so a test
+database must opt in: ``ALTER DATABASE <test db> SET pg_lease.allow_truncate = on``. This module
+does that for the test databases Django creates, and only for those:
 
 - Django's test runner: ``TEST_RUNNER = "pg_lease_django.testing.LeaseTestRunner"``;
-- pytest-django: nothing to configure; the ``pytest11`` plugin (`pg_lease_django.pytest_plugin`)
+- pytest-django: nothing to configure; the ``pytest11`` plugin, `pg_lease_django.pytest_plugin`,
   does it when ``django_db_setup`` has created the test databases;
 - another runner: call `allow_truncate_on_test_databases` with what ``setup_databases`` returned.
 
-The helpers (`unique_lease_key`, `assert_lease_held`, `assert_lease_free`, `take_over_lease`,
-`run_as_other_owner`) work under both runners; the pytest plugin also offers them as fixtures.
+The helpers `unique_lease_key`, `assert_lease_held`, `assert_lease_free`, `take_over_lease` and
+`run_as_other_owner` work under both runners; the pytest plugin also offers them as fixtures.
 See docs/testing.md.
 """
 
@@ -70,31 +69,32 @@ def allow_truncate_on_test_databases(old_config: OldConfig, *, parallel: int = 0
     """Let the test databases that ``setup_databases`` just created be flushed.
 
     Runs ``ALTER DATABASE <name> SET pg_lease.allow_truncate = on`` for every PostgreSQL test
-    database in ``old_config`` (and its clones for a parallel run), then closes the connection and
-    its pool: the setting applies to sessions opened afterwards. Idempotent, so a kept database
-    (``--keepdb``, ``--reuse-db``) is simply set again.
+    database in ``old_config``, and for its clones in a parallel run. Then it closes the connection
+    and its pool, because the setting applies only to sessions opened afterwards. It is idempotent,
+    so a database kept by ``--keepdb`` or ``--reuse-db`` is simply set again.
 
-    Only test databases qualify: an entry is skipped unless this connection created it (its third
-    element) and its name now differs from the original ``NAME`` (which Django replaced with the
-    test database's name). A mirror (``TEST["MIRROR"]``) shares its primary's database and is
-    skipped. Database settings are not copied by ``CREATE DATABASE ... TEMPLATE``, so each clone of
-    a parallel run is set on its own.
+    Only test databases qualify. An entry is skipped unless this connection created it, which its
+    third element says. It is skipped too unless its name now differs from the original ``NAME``:
+    Django replaces that with the test database's name. A mirror, ``TEST["MIRROR"]``, shares its
+    primary's database and is skipped. ``CREATE DATABASE ... TEMPLATE`` does not copy database
+    settings, so each clone of a parallel run is set on its own.
 
     The fenced tables' triggers honour the setting only for roles that may run
-    ``pg_lease_allow_unfenced()``: the role that runs the tests migrated the test database, so it
+    ``pg_lease_allow_unfenced()``. The role that runs the tests migrated the test database, so it
     owns that function and may.
 
     Args:
-        old_config: the list ``django.test.utils.setup_databases`` (or ``DiscoverRunner.setup_databases``)
-            returned: ``(connection, original name, created)`` per alias.
-        parallel: the number of parallel test processes (their clones are set too); 0 or 1 for none.
+        old_config: the list that ``django.test.utils.setup_databases`` or
+            ``DiscoverRunner.setup_databases`` returned: ``(connection, original name, created)``
+            per alias.
+        parallel: the number of parallel test processes, whose clones are set too; 0 or 1 for none.
 
     Returns:
         The names of the databases set.
 
     Raises:
-        DatabaseError: the setting could not be stored (the role running the tests does not own the
-            test database); a note says what to do.
+        DatabaseError: the setting could not be stored, because the role running the tests does not
+            own the test database; a note says what to do.
     """
     done: list[str] = []
     seen: set[tuple[str, str, str]] = set()  # (host, port, name): two aliases may share a database
@@ -135,9 +135,9 @@ def _allow_truncate(connection: BaseDatabaseWrapper, name: str) -> None:
 class LeaseTestRunner(DiscoverRunner):
     """Django's test runner, with test databases that ``TransactionTestCase`` may flush.
 
-    Set ``TEST_RUNNER = "pg_lease_django.testing.LeaseTestRunner"``. After Django has created (or,
-    with ``--keepdb``, reused) the test databases, each PostgreSQL one gets
-    ``pg_lease.allow_truncate = on`` (see `allow_truncate_on_test_databases`); without it the
+    Set ``TEST_RUNNER = "pg_lease_django.testing.LeaseTestRunner"``. Django creates the test
+    databases, or reuses them with ``--keepdb``. Then each PostgreSQL one gets
+    ``pg_lease.allow_truncate = on`` through `allow_truncate_on_test_databases`. Without it the
     flush after every ``TransactionTestCase`` / ``LiveServerTestCase`` test fails with "Database
     ... couldn't be flushed". A project with a runner of its own subclasses this one instead of
     ``DiscoverRunner``.
@@ -187,17 +187,17 @@ def _key_of(lease: str | HeldLease | Grant) -> str:
 def assert_lease_held(
     lease: str | HeldLease | Grant, owner: str | None = None, *, epoch: int | None = None, using: str | None = None
 ) -> LeaseState:
-    """Fail unless the lease is held now (on the server clock), by ``owner`` and at ``epoch`` if given.
+    """Fail unless the lease is held now, by the server clock, by ``owner`` and at ``epoch`` if given.
 
     Args:
-        lease: the key; or a `HeldLease` / `Grant`, which must itself still hold it (its owner and
-            epoch are checked unless ``owner`` / ``epoch`` say otherwise).
-        owner: the owner that must hold it; None accepts any (for a key).
-        epoch: the epoch it must be held at; None accepts any (for a key).
+        lease: the key; or a `HeldLease` / `Grant`, which must itself still hold it. Its owner and
+            epoch are checked unless ``owner`` / ``epoch`` say otherwise.
+        owner: the owner that must hold it; None accepts any, for a key.
+        epoch: the epoch it must be held at; None accepts any, for a key.
         using: the database alias; default the router's write database for `Lease`.
 
     Returns:
-        The `LeaseState` read (one query, on the caller's connection).
+        The `LeaseState` read, in one query on the caller's connection.
 
     Raises:
         AssertionError: the lease is free or lapsed, or held by another owner or at another epoch.
@@ -217,10 +217,10 @@ def assert_lease_held(
 
 
 def assert_lease_free(lease: str | HeldLease | Grant, *, using: str | None = None) -> LeaseState:
-    """Fail if anyone holds the lease now: it must be free or lapsed (either may be acquired at once).
+    """Fail if anyone holds the lease now: it must be free or lapsed, and so may be acquired at once.
 
     Args:
-        lease: the key, or a `HeldLease` / `Grant` (its key).
+        lease: the key, or a `HeldLease` / `Grant`, whose key is read.
         using: the database alias; default the router's write database for `Lease`.
 
     Returns:
@@ -250,20 +250,20 @@ def take_over_lease(
 ) -> Grant:
     """Make the holder lose the lease: free it whoever holds it and acquire it as ``owner``.
 
-    What another worker does after the holder lapsed (or what an operator's force release and a
-    new worker do), in one transaction: the epoch goes up, so the old holder's fenced writes are
-    refused from now on, and its next renewal hears ``not_owner``. Given a `HeldLease` (say
-    ``current_lease()`` inside the job under test), it also waits until that hold has noticed
-    (``lease.lost``), so code that calls ``lease.check()`` next sees the loss.
+    It does in one transaction what another worker does after the holder lapsed, or what an
+    operator's force release and a new worker do. The epoch goes up, so the old holder's fenced
+    writes are refused from now on, and its next renewal hears ``not_owner``. Given a `HeldLease`,
+    say ``current_lease()`` inside the job under test, it also waits until that hold has noticed
+    through ``lease.lost``. So code that calls ``lease.check()`` next sees the loss.
 
-    Runs on the caller's connection: in a test, the takeover must be committed for the holder's
-    heartbeat (on connections of the lease's own) to see it, so use a transactional test
-    (``TransactionTestCase``, ``@pytest.mark.django_db(transaction=True)``).
+    It runs on the caller's connection. The holder's heartbeat runs on connections of the lease's
+    own, so it sees the takeover only once committed. In a test, use a transactional test:
+    ``TransactionTestCase`` or ``@pytest.mark.django_db(transaction=True)``.
 
     Args:
         lease: the key, or a `HeldLease` / `Grant`, whose epoch must still be the current one.
         owner: the new holder's identity.
-        ttl: the new grant's TTL (seconds or timedelta); release it with ``Lease.objects.release``.
+        ttl: the new grant's TTL, in seconds or a timedelta; release it with ``Lease.objects.release``.
         wait: with a `HeldLease`, the longest wait in seconds for it to notice; None does not wait.
         using: the database alias; default the router's write database for `Lease`.
 
@@ -271,9 +271,9 @@ def take_over_lease(
         The new owner's `Grant`.
 
     Raises:
-        EpochMovedOnError: a `HeldLease` / `Grant` was given and the lease had moved on already
-            (an `OperatorRefusalError`, as from ``force_release(epoch=...)``; ``AlreadyFreeError``
-            when it was free).
+        EpochMovedOnError: a `HeldLease` / `Grant` was given and the lease had moved on already.
+            It is an `OperatorRefusalError`, as ``force_release(epoch=...)`` raises, and is
+            ``AlreadyFreeError`` instead when the lease was free.
         AssertionError: the `HeldLease` did not notice the loss within ``wait`` seconds.
     """
     key = _key_of(lease)
@@ -337,10 +337,11 @@ def start_as_other_owner(fn: Callable[[], R]) -> OtherOwner[R]:
 
 
 def run_as_other_owner(fn: Callable[[], R], *, timeout: float | None = 30.0) -> R:
-    """Run ``fn`` as another worker would, and return its result (or raise its exception).
+    """Run ``fn`` as another worker would, and return its result or raise its exception.
 
-    ``fn`` runs in another thread, on Django connections of its own (closed when it ends), with
-    no active hold: what it sees is what the test committed. Use a transactional test.
+    ``fn`` runs in another thread, on Django connections of its own, which are closed when it
+    ends. No hold is active there: what it sees is what the test committed. Use a transactional
+    test.
 
     Raises:
         AssertionError: ``fn`` did not finish within ``timeout`` seconds.
