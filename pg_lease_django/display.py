@@ -21,10 +21,12 @@ _ACTED_ON = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cs", "Cn"})
 
 
 def printable(text: str) -> str:
-    """``text`` as a terminal shows it and never obeys it: each control, bidi or other formatting
-    character as a Python-style escape (``\\x1b``, ``\\u202e``), and ``\\`` doubled so an escape is
-    never ambiguous. Keys, owners and error texts are data from other roles: every human-readable
-    output passes them through this (``--json`` stays exact).
+    """``text`` as a terminal shows it and never obeys it.
+
+    Each control, bidi or other formatting character becomes a Python-style escape, such as
+    ``\\x1b`` or ``\\u202e``. ``\\`` is doubled so an escape is never ambiguous. Keys, owners and
+    error texts are data from other roles: every human-readable output passes them through this.
+    ``--json`` stays exact.
     """
     if text.isascii() and text.isprintable() and "\\" not in text:
         return text  # the usual case: nothing to look at character by character
@@ -97,17 +99,17 @@ def describe_expiry(state: str, expires_in: timedelta | None) -> str:
 class LeaseRow:
     """One lease as the operator sees it, all times from the server clock, read by `LeaseQuerySet.rows`.
 
-    Times stay the text the server wrote (ISO 8601 in UTC, always with microseconds): the stable
-    JSON form, and far cheaper for 100k rows than datetimes parsed only to be printed again.
+    Times stay the text the server wrote: ISO 8601 in UTC, always with microseconds. That is the
+    stable JSON form, and far cheaper for 100k rows than datetimes parsed only to be printed again.
 
     Attributes:
         key: the lease key.
         state: held, lapsed or free.
-        owner: the holder (the former holder when lapsed), None when free.
+        owner: the holder, or the former holder when lapsed; None when free.
         epoch: the current epoch.
         acquired_at: when the current or lapsed grant was made; None when free.
-        expires_at: when it lapses (lapsed); None when free.
-        expires_in: seconds from ``server_time`` to ``expires_at`` (negative when lapsed); None when free.
+        expires_at: when it lapses, or lapsed; None when free.
+        expires_in: seconds from ``server_time`` to ``expires_at``, negative when lapsed; None when free.
         server_time: the server clock the state was computed at.
     """
 

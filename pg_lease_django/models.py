@@ -22,16 +22,22 @@ def _octet_length(field: str) -> Func:
 class Lease(models.Model):
     """A time-scoped lease on a named resource, with its fencing epoch.
 
-    Use `Lease.objects` (a `LeaseManager`) to acquire, renew, release and inspect, and its
-    `LeaseQuerySet` methods to list leases with their state (``Lease.objects.with_state()``).
-    Rows are written only by the SQL functions the migrations install; never edit them by hand:
+    `Lease.objects` is a `LeaseManager`: use it to acquire, renew, release and inspect. Its
+    `LeaseQuerySet` methods list leases with their state, as ``Lease.objects.with_state()`` does.
+    Rows are written only by the SQL functions the migrations install. Never edit them by hand:
     an epoch that goes backwards un-fences stale holders.
 
-    Columns: ``key`` (primary key), ``owner`` (None when free), ``epoch`` (fencing token, never
-    decreases), ``acquired_at`` and ``expires_at`` (server clock; None when free), ``released_at``
-    (when it was last released; None while held). A row whose ``expires_at`` has passed is
-    *lapsed*, evaluated lazily on access. Rows of leases free for long enough may be pruned
-    (`LeaseManager.prune`); the epoch floor keeps a key that comes back above its past epochs.
+    Columns:
+
+    - ``key``: the primary key.
+    - ``owner``: None when free.
+    - ``epoch``: the fencing token, which never decreases.
+    - ``acquired_at`` and ``expires_at``: on the server clock; None when free.
+    - ``released_at``: when it was last released; None while held.
+
+    A row whose ``expires_at`` has passed is *lapsed*, evaluated lazily on access. Rows of leases
+    free for long enough may be pruned with `LeaseManager.prune`. The epoch floor keeps a key that
+    comes back above its past epochs.
     """
 
     key = models.TextField(primary_key=True)
@@ -93,10 +99,12 @@ class TenureQuerySet(models.QuerySet["LeaseTenure"]):
         return self.filter(key=key).order_by("epoch")
 
     def prune(self, *, older_than: float | timedelta | None = None, dry_run: bool = False) -> int:
-        """Delete the tenures that ended more than ``older_than`` ago (server clock; default
-        ``PG_LEASE_HISTORY_RETENTION``): how many were (or, ``dry_run``, would be) deleted.
+        """Delete the tenures that ended more than ``older_than`` ago, and return how many.
 
-        A tenure still running (``ended_at`` is None) is never deleted.
+        The age is measured on the server clock; ``older_than`` defaults to
+        ``PG_LEASE_HISTORY_RETENTION``. With ``dry_run`` nothing is deleted, and the count is of
+        the tenures that would be. A tenure still running, whose ``ended_at`` is None, is never
+        deleted.
 
         Raises:
             InvalidInputError: ``older_than`` is not seconds or a timedelta from 0 to 3,650 days.
@@ -114,17 +122,23 @@ class TenureQuerySet(models.QuerySet["LeaseTenure"]):
 class LeaseTenure(models.Model):
     """One tenure of a lease: a grant, from the statement that made it to the one that ended it.
 
-    Written only by the database (triggers on the lease table, in the statement of each transition,
-    for the keys ``PG_LEASE_HISTORY`` names), never per renewal. ``ended_at`` is None while the
-    tenure lasts, and also after it lapsed until someone takes the key over (or it is pruned): the
-    lease row says whether it is lapsed. Delete old rows with ``manage.py leases prune-history``.
+    Only the database writes it, never per renewal. Triggers on the lease table write it in the
+    statement of each transition, for the keys ``PG_LEASE_HISTORY`` names. ``ended_at`` is None
+    while the tenure lasts. It stays None after the lease lapsed, until someone takes the key over
+    or the row is pruned; the lease row says whether it is lapsed. Delete old rows with
+    ``manage.py leases prune-history``.
 
-    Columns: ``key``; ``epoch`` (of the grant); ``owner``; ``granted_at``; ``ended_at``;
-    ``end_reason`` (an `EndReason`); ``ended_by``: who ended it: the holder (released, handed off,
-    re-acquired), the owner that took the key over (lapsed; None when the row was pruned), the
-    operator (force-released, as passed to ``force_release(operator=...)``, else the database role),
-    or the database role that advanced the epochs; ``ended_by_role``: the database role
-    (``session_user``) that sent the statement ending it, whatever owner name it presented.
+    Columns:
+
+    - ``key``, ``owner``, ``granted_at``, ``ended_at``.
+    - ``epoch``: the grant's epoch.
+    - ``end_reason``: an `EndReason`.
+    - ``ended_by``: who ended it. Released, handed off or re-acquired: the holder. Lapsed: the
+      owner that took the key over, or None when the row was pruned. Force-released: the operator
+      as passed to ``force_release(operator=...)``, else the database role. Epochs advanced: the
+      database role that advanced them.
+    - ``ended_by_role``: the database role, ``session_user``, that sent the statement ending it,
+      whatever owner name it presented.
     """
 
     key = models.TextField()

@@ -1,8 +1,9 @@
 """How leases are read: `LeaseQuerySet` (``Lease.objects``), for the admin, ``manage.py leases`` and ``leases run``.
 
-Every state is computed in SQL by ``pg_lease_status(owner, expires_at, now)`` (``sql/schema.sql``:
-free without an owner, held until ``expires_at``, lapsed after), the rule the lease functions
-apply, against the database server's clock: never Python's, which may disagree.
+Every state is computed in SQL by ``pg_lease_status(owner, expires_at, now)`` of
+``sql/schema.sql``: free without an owner, held until ``expires_at``, lapsed after. It is the rule
+the lease functions apply, against the database server's clock. Python's clock is never used, as
+it may disagree.
 """
 
 from __future__ import annotations
@@ -61,10 +62,10 @@ _ISO = """'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'"""
 class ServerNow(Func):
     """The database server's clock: ``(SELECT clock_timestamp())``.
 
-    An uncorrelated sub-select is evaluated once per statement (an InitPlan), so every row is judged
-    against the same instant, read after the statement's snapshot was taken (no row it sees was
-    written later); ``clock_timestamp()`` rather than ``now()``, which is frozen at the start of
-    the transaction. Each ServerNow of a statement is read on its own, microseconds apart.
+    An uncorrelated sub-select is evaluated once per statement, as an InitPlan. So every row is
+    judged against the same instant, read after the statement's snapshot was taken: no row it sees
+    was written later. It reads ``clock_timestamp()`` rather than ``now()``, which is frozen at the
+    start of the transaction. Each ServerNow of a statement is read on its own, microseconds apart.
     """
 
     template = "(SELECT clock_timestamp())"
@@ -130,10 +131,11 @@ class LeaseQuerySet(QuerySet["Lease"]):
     """``Lease.objects``' queries: the state on the server clock and the operators' filters."""
 
     def with_state(self) -> Self:
-        """Annotate ``state`` (a `LeaseStatus` value), ``expires_in`` and ``held_for`` (timedeltas, None when free).
+        """Annotate ``state``, a `LeaseStatus` value, and the timedeltas ``expires_in`` and ``held_for``.
 
-        All three come from the server clock: ``expires_in`` is ``expires_at`` minus now (negative
-        when lapsed), ``held_for`` is now minus ``acquired_at``. Filter and order by ``state`` freely.
+        All three come from the server clock. ``expires_in`` is ``expires_at`` minus now, negative
+        when lapsed. ``held_for`` is now minus ``acquired_at``. Both are None when free. Filter and
+        order by ``state`` freely.
         """
         return self.annotate(
             state=lease_state(),
@@ -149,17 +151,18 @@ class LeaseQuerySet(QuerySet["Lease"]):
         owner: str | None = None,
         states: Iterable[str] | None = None,
     ) -> Self:
-        """The leases matching every filter given (None: no filter).
+        """The leases matching every filter given; None is no filter.
 
         Args:
-            prefix: keys starting with this text (literal: ``%`` and ``_`` are no wildcards).
+            prefix: keys starting with this text, taken literally: ``%`` and ``_`` are no wildcards.
             glob: keys matching this pattern: ``*`` any text, ``?`` one character.
             owner: leases held, or last held if lapsed, by this owner.
             states: leases in one of these `LeaseStatus` states, on the server clock.
 
-        ``starts_with`` and ``LIKE`` decide what matches. A prefix (or a glob's literal start) also
-        becomes a range on the key when the key column sorts by code point, so that PostgreSQL walks
-        the primary-key index instead of the table: that costs one catalog query, made here.
+        ``starts_with`` and ``LIKE`` decide what matches. When the key column sorts by code point, a
+        prefix or a glob's literal start also becomes a range on the key. PostgreSQL then walks the
+        primary-key index instead of the table. Knowing the sort order costs one catalog query, made
+        here.
         """
         queryset = self
         index_prefix = prefix or ""
@@ -194,8 +197,10 @@ class LeaseQuerySet(QuerySet["Lease"]):
         return self.filter(key__gte=prefix) if upper is None else self.filter(key__gte=prefix, key__lt=upper)
 
     def listing(self, limit: int | None = None) -> Listing:
-        """The operator's view in one statement: rows sorted by key (at most ``limit``), the count of
-        every match (``count(*) OVER ()``, ignoring the limit) and the server time.
+        """The operator's view in one statement: rows, the count of every match and the server time.
+
+        The rows are sorted by key, at most ``limit`` of them. The count is ``count(*) OVER ()``,
+        which ignores the limit.
 
         No per-row query and no per-row function call: ``pg_lease_status`` is inlined by the planner.
         """
@@ -262,10 +267,10 @@ def prefix_upper_bound(prefix: str) -> str | None:
 
 
 def glob_to_like(pattern: str) -> tuple[str, str]:
-    """Translate a glob (``*`` any run, ``?`` one character) to a LIKE pattern (escape ``\\``).
+    """Translate a glob to a LIKE pattern that escapes with ``\\``: ``*`` is any run, ``?`` one character.
 
     Returns:
-        The LIKE pattern and the glob's literal prefix (the text before its first wildcard).
+        The LIKE pattern and the glob's literal prefix: the text before its first wildcard.
     """
     like: list[str] = []
     literal: list[str] = []
@@ -285,10 +290,11 @@ def glob_to_like(pattern: str) -> tuple[str, str]:
 
 
 def collation_is_bytewise(settings: dict[str, Any]) -> bool:
-    """Whether a collation (rows of ``pg_collation`` / ``pg_database`` as JSON) sorts by code point.
+    """Whether a collation, given as rows of ``pg_collation`` / ``pg_database`` in JSON, sorts by code point.
 
-    The builtin provider (PostgreSQL 17+) always does; libc does for C, POSIX and C.UTF-8; ICU
-    never does. Anything unknown counts as not bytewise (the slower, always-correct path).
+    The builtin provider of PostgreSQL 17+ always does; libc does for C, POSIX and C.UTF-8; ICU
+    never does. Anything unknown counts as not bytewise, which takes the slower, always-correct
+    path.
     """
     provider = settings.get("provider") or "c"
     if provider == "b":
@@ -299,10 +305,10 @@ def collation_is_bytewise(settings: dict[str, Any]) -> bool:
 
 
 def key_collation(connection: BaseDatabaseWrapper, table: str) -> dict[str, Any]:
-    """The collation of ``table``'s key column as ``{"provider": ..., "collate": ...}`` ({} if unknown).
+    """The collation of ``table``'s key column as ``{"provider": ..., "collate": ...}``, or {} if unknown.
 
     "default" means the database's. to_jsonb() reads pg_database whatever columns this server
-    version has (datlocprovider appeared in 15).
+    version has; datlocprovider appeared in 15.
     """
     row = run.first(connection, statements.KEY_COLLATION, table=table)
     if row is None:

@@ -1,10 +1,10 @@
 """The words for a refusal that came from the wrong seat: which role, or which setting, to use instead.
 
-A deployment has seats (docs/security.md): the owner migrates and grants, operators read the lease
-tables, workers call the lease functions for the keys of their scope, the monitor reads counts.
-PostgreSQL's refusal names the table or function it denied ("permission denied for table
-pg_lease_django_lease"), never the seat that may do it. `remedy` adds that: the role that owns the
-tables, the declared operators, the setting that declares a worker.
+A deployment has seats, as docs/security.md tells: the owner migrates and grants, operators read
+the lease tables, workers call the lease functions for the keys of their scope, the monitor reads
+counts. PostgreSQL's refusal names the table or function it denied, as in "permission denied for
+table pg_lease_django_lease". It never names the seat that may do it. `remedy` adds that: the role
+that owns the tables, the declared operators, the setting that declares a worker.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ WORKERS = frozenset({"run"})
 
 
 def denied(error: BaseException) -> bool:
-    """Whether ``error`` is PostgreSQL's "permission denied" (42501) for a table or a function, not a
-    key scope's refusal (42501 too, which names the key and already says what to do)."""
+    """Whether ``error`` is PostgreSQL's "permission denied", 42501, for a table or a function.
+
+    A key scope's refusal is 42501 too, but is not one: it names the key and already says what to do.
+    """
     return errors.sqlstate(error) == "42501" and "permission denied" in str(error)
 
 
@@ -40,12 +42,12 @@ def _seat(using: str, relation: str) -> tuple[str, str | None] | None:
 
 
 def remedy(using: str, what: str) -> str:
-    """The seat that may do ``what`` (a ``manage.py leases`` subcommand, or ``migrate``), named for
-    a session of database ``using`` that was refused it.
+    """The seat that may do ``what``, named for a session of database ``using`` that was refused it.
 
-    The owner's (``migrate``, ``leases grant``): the role owning the tables. A worker's (``leases
-    run``): declare the login role, or a group it is a member of. Else an operator's: the roles of
-    ``PG_LEASE_OPERATOR_ROLES``.
+    ``what`` is a ``manage.py leases`` subcommand, or ``migrate``. ``migrate`` and ``leases grant``
+    are the owner's: the remedy names the role owning the tables. ``leases run`` is a worker's:
+    declare the login role, or a group it is a member of. Anything else is an operator's: the roles
+    of ``PG_LEASE_OPERATOR_ROLES``.
     """
     if what == "migrate":
         relation = "django_migrations"
