@@ -1,11 +1,11 @@
 """Time-scoped leases with fencing tokens, stored in PostgreSQL, for Django.
 
-The public API is re-exported here, and imported on first use (PEP 562): importing a submodule
-(``pg_lease_django.patroni`` during a failover, ``pg_lease_django.sql``) runs this module, which
-imports nothing of the package itself, so each loads only what it uses; and Django imports this
-package before its app registry is ready, when the models cannot be imported yet. Type checkers
-read the names from the imports under ``TYPE_CHECKING``; ``from pg_lease_django import hold`` works
-as it always did.
+The public API is re-exported here, and imported on first use through PEP 562. Importing a
+submodule runs this module first, as ``pg_lease_django.patroni`` does during a failover, or
+``pg_lease_django.sql``. This module imports nothing of the package itself, so each submodule
+loads only what it uses. Django also imports this package before its app registry is ready, when
+the models cannot be imported yet. Type checkers read the names from the imports under
+``TYPE_CHECKING``; ``from pg_lease_django import hold`` works as it always did.
 """
 
 from __future__ import annotations

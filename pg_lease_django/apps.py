@@ -2,9 +2,12 @@ from django.apps import AppConfig
 
 
 class PgLeaseConfig(AppConfig):
-    """Registers the system checks; after ``migrate``, copies ``PG_LEASE_HISTORY`` into the database and
-    grants the declared roles (``PG_LEASE_WORKER_ROLES``, ``PG_LEASE_OPERATOR_ROLES``) their privileges;
-    with prometheus_client installed, registers the metrics (docs/observability.md)."""
+    """The app: registers the system checks, the settings copied after ``migrate`` and the metrics.
+
+    After ``migrate`` it copies ``PG_LEASE_HISTORY`` into the database, and grants the roles declared
+    in ``PG_LEASE_WORKER_ROLES`` and ``PG_LEASE_OPERATOR_ROLES`` their privileges. With
+    prometheus_client installed it registers the metrics, as docs/observability.md describes.
+    """
 
     name = "pg_lease_django"
     verbose_name = "Leases"

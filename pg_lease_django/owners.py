@@ -8,6 +8,9 @@ import socket
 
 
 def default_owner() -> str:
-    """``host:pid:random``: unique per hold (two holds in one process never share an identity) and per
-    campaign (one identity for all its terms); the host and pid tell an operator where it runs."""
+    """``host:pid:random``, unique per hold and per campaign.
+
+    Two holds in one process never share an identity, and a campaign keeps one identity for all its
+    terms. The host and pid tell an operator where it runs.
+    """
     return f"{socket.gethostname()[:200]}:{os.getpid()}:{secrets.token_hex(4)}"

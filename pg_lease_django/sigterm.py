@@ -1,14 +1,16 @@
 """SIGTERM during a hold: release the lease, then end the process as SIGTERM would have.
 
-Every deploy stops processes with SIGTERM (``systemctl stop``, a Kubernetes rollout). Python's
-default for it is to end the process at once: no ``finally``, no ``with`` exit, so a lease held by
-``hold()`` / ``@leased`` / ``with elect()`` stayed held until its TTL ran out. While such a scope is
-active in the main thread, and only if SIGTERM still has Python's default disposition (nobody, no
-server, no framework, no ``exit_on_signals()``, installed a handler), the outermost scope installs
-a handler that raises ``SystemExit(143)`` where the main thread is. That unwinds every hold (each
-releases its lease); when the outermost scope ends, the default disposition is restored and the
-signal sent again, so the process still ends *by SIGTERM*, as it would have without this package.
-A handler of anyone else's is never replaced. ``PG_LEASE_RELEASE_ON_SIGTERM = False`` turns it off.
+Every deploy stops processes with SIGTERM: ``systemctl stop``, a Kubernetes rollout. Python's
+default for it is to end the process at once, with no ``finally`` and no ``with`` exit. So a lease
+held by ``hold()`` / ``@leased`` / ``with elect()`` stayed held until its TTL ran out.
+
+While such a scope is active in the main thread, the outermost scope installs a handler that
+raises ``SystemExit(143)`` where the main thread is. It does so only if SIGTERM still has Python's
+default disposition: nobody installed a handler, no server, no framework, no
+``exit_on_signals()``. The exit unwinds every hold, and each releases its lease. When the
+outermost scope ends, the default disposition is restored and the signal sent again. So the
+process still ends *by SIGTERM*, as it would have without this package. A handler of anyone
+else's is never replaced. ``PG_LEASE_RELEASE_ON_SIGTERM = False`` turns it off.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 
 
 def enter() -> bool:
-    """A scope (a sync hold, ``with elect()``) starts; True when it counts (pass it to `leave`)."""
+    """A scope starts, a sync hold or ``with elect()``; True when it counts, to be passed to `leave`."""
     global _depth
     if threading.current_thread() is not threading.main_thread():
         return False  # only the main thread may install handlers, and only it receives signals
@@ -47,8 +49,10 @@ def enter() -> bool:
 
 
 def leave(counted: bool) -> None:
-    """The scope `enter` answered for ends (after its lease was released); the outermost one restores
-    the default disposition, and re-sends SIGTERM if it arrived meanwhile."""
+    """The scope `enter` answered for ends, after its lease was released.
+
+    The outermost one restores the default disposition, and re-sends SIGTERM if it arrived meanwhile.
+    """
     global _depth, _received
     if not counted:
         return

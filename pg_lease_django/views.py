@@ -1,6 +1,6 @@
-"""Probes for load balancers and Kubernetes: readiness (`ready`) and liveness (`live`).
+"""Probes for load balancers and Kubernetes: `ready` for readiness and `live` for liveness.
 
-Mount them in your URLconf (docs/deployment.md wires them as a Kubernetes pod's probes)::
+Mount them in your URLconf; docs/deployment.md wires them as a Kubernetes pod's probes::
 
     from pg_lease_django.views import live, ready
 
@@ -8,19 +8,20 @@ Mount them in your URLconf (docs/deployment.md wires them as a Kubernetes pod's 
 
 Both answer ``GET`` with JSON, ``HEAD`` with the same status and no body. An anonymous caller learns
 ``{"status": "ok"}`` or ``{"status": "unavailable"}`` and nothing else: no key, owner, epoch, host,
-port or role (a fence is a credential, the database's address an attacker's map). A user with the
-``pg_lease_django.view_lease`` permission, or everyone with ``PG_LEASE_HEALTH_DETAILS = True``, also
-gets the details: the leases this process holds now and, when not ready, why.
+port or role. A fence is a credential, and the database's address an attacker's map. A user with
+the ``pg_lease_django.view_lease`` permission also gets the details, and so does everyone with
+``PG_LEASE_HEALTH_DETAILS = True``: the leases this process holds now and, when not ready, why.
 
-- `ready` (readiness: "send me traffic"): 200 when the lease database answers, the app is migrated
-  there (0007 at least), the role this process connects as may run every function a worker needs,
-  and a key scope applies to it when scopes are configured (else every call would be refused); 503
-  otherwise, and 503 past ``PG_LEASE_READY_TIMEOUT`` (2 s) when the database does not answer. One
-  read-only catalog statement (no key, so no key scope is involved: it works for every tenant's
-  role), no write, no lock, on a thread and a connection of its own.
-- `live` (liveness: "restart me"): 200 unless this process's lease machinery is wedged (holds
-  registered whose renewal thread is gone); it never looks at the database, so a database outage
-  does not restart every pod at once.
+- `ready` is readiness, "send me traffic". It answers 200 when the lease database answers, the app
+  is migrated there to 0007 at least, and the role this process connects as may run every function
+  a worker needs. When key scopes are configured, one must also apply to that role, else every
+  call would be refused. It answers 503 otherwise, and 503 past ``PG_LEASE_READY_TIMEOUT``, 2 s by
+  default, when the database does not answer. It runs one read-only catalog statement, with no
+  write and no lock, on a thread and a connection of its own. The statement names no key, so no
+  key scope is involved: it works for every tenant's role.
+- `live` is liveness, "restart me". It answers 200 unless this process's lease machinery is
+  wedged: holds are registered but their renewal thread is gone. It never looks at the database,
+  so a database outage does not restart every pod at once.
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ _checking_lock = threading.Lock()
 def _not_ready() -> str | None:
     """Why this process's role cannot work with leases now, or None; within ``PG_LEASE_READY_TIMEOUT``.
 
-    The check runs on a thread of its own, on that thread's own connection: a database that does not
-    answer (frozen, packets dropped) cannot be cut short from the client, so the probe stops waiting
-    for it at the bound and answers 503, and the next probes answer 503 at once while it still hangs
-    (one such thread per process, never one per probe).
+    The check runs on a thread of its own, on that thread's own connection. A database that does
+    not answer, frozen or with packets dropped, cannot be cut short from the client. So the probe
+    stops waiting for it at the bound and answers 503. The next probes answer 503 at once while it
+    still hangs: there is one such thread per process, never one per probe.
     """
     global _checking
     timeout = conf.ready_timeout()
