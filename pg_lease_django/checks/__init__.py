@@ -1,8 +1,8 @@
 """System checks: configurations under which leases cannot keep their promises.
 
-`project` checks the code and settings (fenced models, their admins, the engine, the metrics
-settings); `database` reads the lease database (``check --database``, and plain ``check`` when it
-answers at once).
+`project` checks the code and settings: fenced models, their admins, the engine, the metrics
+settings. `database` reads the lease database, for ``check --database``, and for plain ``check``
+when the database answers at once.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ def check_lease_table_is_reachable(
 ) -> list[checks.CheckMessage]:
     """pg_lease_django.W002: migrated, yet no lease table on the search_path (``check --database``).
 
-    A database not migrated yet is Django's own "unapplied migrations" notice (and the first lease
-    call there names the ``migrate`` command); this catches the confusing case: the migrations are
-    recorded as applied but the connection cannot see the table (another schema, a changed
-    search_path, a restored dump without it).
+    A database not migrated yet gets Django's own "unapplied migrations" notice, and the first lease
+    call there names the ``migrate`` command. This catches the confusing case: the migrations are
+    recorded as applied but the connection cannot see the table. The table may be in another
+    schema, the search_path may have changed, or a restored dump may lack it.
     """
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
@@ -46,9 +46,9 @@ def check_lease_migrations_are_complete(
 ) -> list[checks.CheckMessage]:
     """pg_lease_django.W004: some of the lease app's migrations applied, not all (``check --database``).
 
-    ``migrate <your app>`` applies only the lease migrations your app depends on; later ones (new
-    SQL functions the package calls) are nobody's dependency, so the first call that needs one fails
-    with "function ... does not exist". A database with none applied is Django's own notice. A
+    ``migrate <your app>`` applies only the lease migrations your app depends on. Later ones, which
+    add SQL functions the package calls, are nobody's dependency. So the first call that needs one
+    fails with "function ... does not exist". A database with none applied is Django's own notice. A
     database that applied only some of the development migrations the baseline replaces cannot
     migrate at all: the warning says which are missing and how to finish them.
     """
@@ -151,9 +151,9 @@ def check_fence_triggers_are_current(
     """pg_lease_django.W006: a fenced table's installed triggers are missing or of another version
     than this package's (``check --database``).
 
-    The triggers' SQL is frozen per version (``FenceTrigger``'s ``version``, the triggers' comment):
-    after an upgrade that changes it, ``makemigrations`` writes the migration that replaces them,
-    and until it is applied the table keeps the old triggers. A table not created yet is Django's
+    The triggers' SQL is frozen per version, which ``FenceTrigger``'s ``version`` and the triggers'
+    comment name. After an upgrade that changes it, ``makemigrations`` writes the migration that
+    replaces them. Until it is applied the table keeps the old triggers. A table not created yet is Django's
     own unapplied-migrations notice.
     """
     from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION, VERSION_COMMENT, FenceTrigger
@@ -301,10 +301,11 @@ def check_declared_roles_are_granted(
 def around_the_rules(alias: str) -> list[checks.CheckMessage]:
     """W008 / E006: what PostgreSQL's privilege model lets a role do around the lease rules.
 
-    Parameter grants on ``session_replication_role``, memberships of ``pg_read_all_data``,
-    ``pg_write_all_data`` and ``pg_maintain``, BYPASSRLS with a way to the secret (E006), and roles
-    that may call the lease functions with no key scope while scopes are configured (E006: every
-    call of theirs is refused). Each with the remedy that removes it.
+    It names parameter grants on ``session_replication_role``, and memberships of
+    ``pg_read_all_data``, ``pg_write_all_data`` and ``pg_maintain``. It names BYPASSRLS with a way
+    to the secret, which is E006. It names roles that may call the lease functions with no key scope
+    while scopes are configured, E006 too: every call of theirs is refused. Each comes with the
+    remedy that removes it.
     """
     from pg_lease_django import privileges
 
@@ -335,9 +336,9 @@ def check_owner_is_not_a_superuser(
     """pg_lease_django.W008: roles are declared, and the lease tables' owner is a superuser (``check --database``).
 
     The lease functions are SECURITY DEFINER: they run as their owner. A deployment that declares
-    seats (``PG_LEASE_*_ROLES``) means the owner to be a role of its own (docs/security.md), and a
-    ``migrate`` run as a superuser made every function run as one. A project that declares no role
-    (one role does everything, as in development) is not told.
+    seats in ``PG_LEASE_*_ROLES`` means the owner to be a role of its own, as docs/security.md
+    says. A ``migrate`` run as a superuser made every function run as one. A project that declares
+    no role is not told: one role does everything there, as in development.
     """
     from pg_lease_django import privileges
 
@@ -375,14 +376,15 @@ def check_lease_database_without_database_option(
 ) -> list[checks.CheckMessage]:
     """pg_lease_django.W007: the lease database is not migrated; in plain ``check``, also W002, W004-W006, W008.
 
-    Django runs database checks only for ``check --database`` and ``migrate``, so a plain ``check``
-    (and ``runserver``, ``makemigrations``, every command that runs the checks) said "no issues" on
-    a database without the lease tables, or after ``PG_LEASE_HISTORY`` changed. This check runs
-    when no ``databases`` are given, and only then (with them, W002-W006 run themselves, and
-    ``migrate`` is the cure for W007): if Django's connection to the lease database is not open
-    yet, a connection of its own must open within `PROBE_CONNECT_TIMEOUT` seconds, or the check
-    says nothing (a build step without a database, a server still starting). Then the lease
-    database's checks run on Django's connection, which is closed again if they opened it.
+    Django runs database checks only for ``check --database`` and ``migrate``. So a plain
+    ``check`` said "no issues" on a database without the lease tables, or after
+    ``PG_LEASE_HISTORY`` changed; so did ``runserver``, ``makemigrations`` and every command that
+    runs the checks. This check runs when no ``databases`` are given, and only then. With them,
+    W002-W006 run themselves, and ``migrate`` is the cure for W007. If Django's connection to the
+    lease database is not open yet, a connection of its own must open within
+    `PROBE_CONNECT_TIMEOUT` seconds, or the check says nothing. That is a build step without a
+    database, or a server still starting. Then the lease database's checks run on Django's
+    connection, which is closed again if they opened it.
     """
     if databases is not None:
         return []

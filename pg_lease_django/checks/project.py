@@ -89,10 +89,11 @@ def check_fenced_models_have_fenced_parents(app_configs: Any = None, **kwargs: A
 def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """pg_lease_django.W009 / E004: a per-row lease key the database cannot derive, or a bad declaration.
 
-    A model that declares its key (``lease_key_expression``, or a class-level ``lease_key``) has
-    it derived by the database for every row, whoever writes it: no writer can store a row whose
-    fields say one lease and whose key says another. One that only overrides ``get_lease_key()``
-    stores the key each writer computes, which the database checks but cannot derive (W009).
+    A model can declare its key with ``lease_key_expression`` or a class-level ``lease_key``. The
+    database then derives it for every row, whoever writes it: no writer can store a row whose
+    fields say one lease and whose key says another. A model that only overrides
+    ``get_lease_key()`` stores the key each writer computes. The database checks that key but
+    cannot derive it, and W009 says so.
     """
     from pg_lease_django.fencing import FencedModel
     from pg_lease_django.fencing.lease_key import key_fields
@@ -140,8 +141,8 @@ def check_fenced_models_declare_their_key_fields(app_configs: Any = None, **kwar
 def check_fenced_many_to_many(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """pg_lease_django.W003: a FencedModel's many-to-many field whose rows are not fenced.
 
-    Its ``through`` table (Django's automatic one, or a plain model) has no fence trigger: adding or
-    removing relations (``obj.tags.add()``) is not guarded by the lease.
+    Its ``through`` table, Django's automatic one or a plain model, has no fence trigger. So adding
+    or removing relations, as ``obj.tags.add()`` does, is not guarded by the lease.
     """
     from pg_lease_django.fencing import FencedModel
 
