@@ -1,21 +1,21 @@
-"""Observability (docs/observability.md): here, the rule every metric's ``prefix`` label follows.
+"""Observability, as docs/observability.md describes it; here, the rule every metric's ``prefix`` label follows.
 
-Every metric has a ``prefix`` label: the key's label under ``PG_LEASE_METRICS_KEY_LABEL``, never the
-raw key unless asked (`whole_key`). Keys without the separator share `NO_PREFIX_LABEL`; a process
-exports at most ``PG_LEASE_METRICS_MAX_LABELS`` labels, the later ones counted under `OTHER_LABEL`
-(`hooks` bounds the process's labels, `database_view` the database's).
+Every metric has a ``prefix`` label: the key's label under ``PG_LEASE_METRICS_KEY_LABEL``. It is
+never the raw key unless asked, through `whole_key`. Keys without the separator share
+`NO_PREFIX_LABEL`. A process exports at most ``PG_LEASE_METRICS_MAX_LABELS`` labels, and counts the
+later ones under `OTHER_LABEL`. `hooks` bounds the process's labels, `database_view` the database's.
 
 Kept small: importing any module of the folder runs this one. The modules, lowest first:
 
 - `tracing`: OpenTelemetry spans of holds' operations, where opentelemetry-api is installed.
-- `instruments`: the process's Prometheus metrics (`METRICS`) in a registry, each key's label
-  bounded, and the receivers of the lease signals (the holds' gauges, lapses, losses, hand-offs).
+- `instruments`: the process's Prometheus metrics, `METRICS`, in a registry, each key's label
+  bounded. Also the receivers of the lease signals: the holds' gauges, lapses, losses, hand-offs.
 - `hooks`: the metrics installed once by the app's ``ready()``, and the hooks the library calls
-  where a lease call's answer is read (`operations`, the waits, holds, elections, fenced writes).
-- `push`: what a short-lived process counted, out of it at exit (a Pushgateway, or marked dead in
-  the multiprocess directory).
-- `database_view`: the database's view, read in one statement per scrape (an operator's module:
-  it reads the lease table's database; docs/architecture.md).
+  where a lease call's answer is read: `operations`, the waits, holds, elections, fenced writes.
+- `push`: what a short-lived process counted, out of it at exit. It goes to a Pushgateway, or is
+  marked dead in the multiprocess directory.
+- `database_view`: the database's view, read in one statement per scrape. It is an operator's
+  module, since it reads the lease table's database; docs/architecture.md places it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def whole_key(key: str) -> str:
 
 
 def labeller() -> Callable[[str], str]:
-    """``PG_LEASE_METRICS_KEY_LABEL`` as a function of the key (not yet bounded by the label cap).
+    """``PG_LEASE_METRICS_KEY_LABEL`` as a function of the key, not yet bounded by the label cap.
 
     Raises:
         ImproperlyConfigured: the setting is invalid.

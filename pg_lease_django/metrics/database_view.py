@@ -1,17 +1,18 @@
 """The database's view for Prometheus: one statement per scrape (docs/observability.md).
 
-`DatabaseCollector` reads, from the router's write database for `Lease`, the leases held, lapsed
-and free by key label, the oldest lapse not yet taken over, the waiters registered and, with
-``PG_LEASE_HISTORY``, the tenures ended by reason. Registered by the app's ``ready()`` in
-prometheus_client's default registry (``PG_LEASE_METRICS_DATABASE_VIEW``); in multiprocess mode
-register it in the registry your ``/metrics`` view builds (`register`).
+`DatabaseCollector` reads from the router's write database for `Lease`. It reads the leases held,
+lapsed and free by key label, the oldest lapse not yet taken over and the waiters registered. With
+``PG_LEASE_HISTORY`` it also reads the tenures ended by reason. The app's ``ready()`` registers it
+in prometheus_client's default registry when ``PG_LEASE_METRICS_DATABASE_VIEW`` is on. In
+multiprocess mode, `register` it in the registry your ``/metrics`` view builds.
 
-It calls ``pg_lease_metrics()``, which a role declared in ``PG_LEASE_MONITOR_ROLES`` may run and
-which returns counts by label, never a key. The label rule is the database's, never the caller's
-(a caller choosing it could read keys back): a key under a declared scope prefix
-(``PG_LEASE_KEY_SCOPES``) is labelled by it, else by its part before the separator of
-``PG_LEASE_METRICS_KEY_LABEL`` (``"(none)"`` without it), at most ``PG_LEASE_METRICS_MAX_LABELS``
-labels, the rest ``"(other)"``: `sync_metrics_rule` copies the settings in at ``migrate``.
+It calls ``pg_lease_metrics()``, which a role declared in ``PG_LEASE_MONITOR_ROLES`` may run. It
+returns counts by label, never a key. The label rule is the database's, never the caller's, since
+a caller choosing it could read keys back. A key under a scope prefix declared in
+``PG_LEASE_KEY_SCOPES`` is labelled by that prefix. Any other key is labelled by its part before
+the separator of ``PG_LEASE_METRICS_KEY_LABEL``, or ``"(none)"`` without it. There are at most
+``PG_LEASE_METRICS_MAX_LABELS`` labels, and the rest are ``"(other)"``. `sync_metrics_rule` copies
+the settings in at ``migrate``.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ DATABASE_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 class DatabaseCollector:
     """A prometheus_client collector: the database's view of the leases, read at each scrape.
 
-    The database groups by label itself (``pg_lease_metrics()``, which a monitoring role may run),
-    by the rule it holds: a scrape has at most ``PG_LEASE_METRICS_MAX_LABELS`` labels plus
-    ``"(other)"``. A failed read (database down, no privilege) sets ``pg_lease_db_up`` to 0 and is
-    logged; it never fails the scrape.
+    The database groups by label itself, by the rule it holds, in ``pg_lease_metrics()``, which a
+    monitoring role may run. So a scrape has at most ``PG_LEASE_METRICS_MAX_LABELS`` labels plus
+    ``"(other)"``. A failed read, with the database down or no privilege, sets ``pg_lease_db_up`` to
+    0 and is logged; it never fails the scrape.
 
     Args:
         using: the database alias; default the router's write database for `Lease`.

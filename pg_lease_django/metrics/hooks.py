@@ -1,26 +1,28 @@
-"""The process's Prometheus metrics, installed once, and the hooks the library calls (docs/observability.md).
+"""The process's Prometheus metrics, installed once, and the hooks the library calls.
 
-Optional: with ``prometheus_client`` installed (the ``metrics`` extra) and ``PG_LEASE_METRICS`` on
-(the default), `install` registers the metrics (`pg_lease_django.metrics.instruments`) in
-prometheus_client's default registry when Django starts (``PgLeaseConfig.ready``), so
-django-prometheus' ``/metrics`` or prometheus_client's own server shows them with no user code.
-Without prometheus_client nothing is imported and every hook below is one global read.
+docs/observability.md lists the metrics. They are optional. They need ``prometheus_client``, which
+the ``metrics`` extra installs, and ``PG_LEASE_METRICS`` on, the default. Then `install` registers
+the metrics of `pg_lease_django.metrics.instruments` in prometheus_client's default registry when
+Django starts, from ``PgLeaseConfig.ready``. So django-prometheus' ``/metrics`` or
+prometheus_client's own server shows them with no user code. Without prometheus_client nothing is
+imported and every hook below is one global read.
 
-Every lease call is counted once, whichever API made it (``Lease.objects``, sync or async,
-``hold()``, ``@leased``, elections, ``leases run``), where its answer is read: `operations` calls
-`granted`, `refused`, `renewal_confirmed` and `release_confirmed` as it decodes the statement's row
-(and the async blocking wait, which sends its own statements, as it decodes its attempts), and both
-blocking waits run inside `waiting` (a timeout, the wait's time). A loss is counted where the holder
-learns of it: ``Lease.objects.renew`` / ``release`` (`lost`) or a hold's ``lease_lost`` signal. The
-signals give the holds' gauges and lapses; a few hooks say what no signal says: a hold's renewal
-latency and slack (`hold_renewed`, `renewal_failed`), a refused fenced write
-(`fenced_write_refused`) and an election's campaign and terms (`campaigning`, `leading`). A hook
-never raises.
+Every lease call is counted once, where its answer is read, whichever API made it:
+``Lease.objects`` sync or async, ``hold()``, ``@leased``, elections, ``leases run``. `operations`
+calls `granted`, `refused`, `renewal_confirmed` and `release_confirmed` as it decodes the
+statement's row. The async blocking wait sends its own statements, and calls them as it decodes
+its attempts. Both blocking waits run inside `waiting`, which counts a timeout and the wait's time.
+A loss is counted where the holder learns of it: in ``Lease.objects.renew`` / ``release``, through
+`lost`, or by a hold's ``lease_lost`` signal. The signals give the holds' gauges and lapses. A few
+hooks say what no signal says: `hold_renewed` and `renewal_failed` a hold's renewal latency and
+slack, `fenced_write_refused` a refused fenced write, `campaigning` and `leading` an election's
+campaign and terms. A hook never raises.
 
-Every metric has a ``prefix`` label: `key_label` of the key (``PG_LEASE_METRICS_KEY_LABEL``, bounded
-by the process's label cap; `pg_lease_django.metrics`). Spans of holds' operations, where
-opentelemetry-api is installed, are turned on by `install_tracing` (`pg_lease_django.metrics.tracing`).
-What a short-lived process counted leaves it at exit through `pg_lease_django.metrics.push`.
+Every metric has a ``prefix`` label: `key_label` of the key. That follows
+``PG_LEASE_METRICS_KEY_LABEL``, bounded by the process's label cap, as `pg_lease_django.metrics`
+says. `install_tracing` turns on spans of holds' operations, through
+`pg_lease_django.metrics.tracing`, where opentelemetry-api is installed. What a short-lived process
+counted leaves it at exit through `pg_lease_django.metrics.push`.
 """
 
 from __future__ import annotations
@@ -177,9 +179,9 @@ def uninstall() -> None:
 
 
 def install_tracing() -> bool:
-    """Trace the holds' lease operations when opentelemetry-api is installed (`pg_lease_django.metrics.tracing`).
+    """Trace the holds' lease operations when opentelemetry-api is installed, through `pg_lease_django.metrics.tracing`.
 
-    Called by the app's ``ready()``; False (and nothing done) without opentelemetry-api.
+    Called by the app's ``ready()``. Without opentelemetry-api it does nothing and returns False.
     """
     global _tracing
     if tracing.tracer() is None:
@@ -313,7 +315,7 @@ def fenced_write_refused(key: str | None, reason: str) -> None:
 
 
 def campaigning(key: str, delta: int) -> None:
-    """An election of this process started (+1) or stopped (-1) campaigning for ``key``."""
+    """An election of this process started or stopped campaigning for ``key``: ``delta`` is +1 or -1."""
     instruments = _instruments
     if instruments is not None:
         instruments.child(instruments.elections, instruments.prefix(key)).inc(delta)

@@ -1,10 +1,10 @@
-"""The process's Prometheus metrics (`METRICS`) in a registry, and what they count from the lease signals.
+"""The process's Prometheus metrics, `METRICS`, in a registry, and what they count from the lease signals.
 
-`Instruments` creates the metrics in one registry (``hooks.install``), bounds each key's label
-(at most ``PG_LEASE_METRICS_MAX_LABELS`` per process, the later ones `OTHER_LABEL`), keeps the
-children of each label, and receives the signals: a hold's ``lease_acquired``, ``lease_released``,
-``lease_lost`` and ``lease_handoff_requested`` give the holds' and leaderships' gauges, lapses,
-losses and hand-offs. Nothing of prometheus_client is imported until an `Instruments` is made.
+`Instruments` creates the metrics in one registry, for ``hooks.install``. It bounds each key's
+label: at most ``PG_LEASE_METRICS_MAX_LABELS`` per process, the later ones `OTHER_LABEL`. It keeps
+the children of each label, and receives the signals. A hold's ``lease_acquired``,
+``lease_released``, ``lease_lost`` and ``lease_handoff_requested`` give the holds' and leaderships'
+gauges, lapses, losses and hand-offs. Nothing of prometheus_client is imported until an `Instruments` is made.
 """
 
 from __future__ import annotations
@@ -182,8 +182,11 @@ class Instruments:
         return label
 
     def count(self, metric: Any, key: str, *labels: str) -> None:
-        """Add one to ``metric`` for ``key``'s label (and ``labels``); never raises: a lease call that
-        committed must return (in multiprocess mode an increment writes to a file, which can fail)."""
+        """Add one to ``metric`` for ``key``'s label and ``labels``; never raises.
+
+        A lease call that committed must return. In multiprocess mode an increment writes to a file,
+        which can fail.
+        """
         try:
             self.child(metric, self.prefix(key), *labels).inc()
         except Exception:

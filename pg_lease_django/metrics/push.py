@@ -1,13 +1,13 @@
 """What a short-lived process counted, out of it before it ends (docs/observability.md, "Short-lived processes").
 
-A process nobody scrapes (``leases run`` under cron, a cron-started ``@leased`` command) would take
-its metrics with it. When it ends, `exiting` pushes them to a Prometheus Pushgateway
-(``PG_LEASE_METRICS_PUSHGATEWAY``: `push`), and in prometheus_client's multiprocess mode
-(``PROMETHEUS_MULTIPROC_DIR``, which a server on the same host reads at each scrape) marks the
-process dead: its counters and histograms stay in the directory and add up over runs, its live
-gauges leave the sum. The app's ``ready()`` arms it (`arm`) once the metrics are installed; a
-process ending by a signal's default disposition, which runs no ``atexit``, calls it itself
-(`pg_lease_django.sigterm`).
+A process nobody scrapes would take its metrics with it: ``leases run`` under cron, or a
+cron-started ``@leased`` command. When it ends, `exiting` uses `push` to send them to the
+Prometheus Pushgateway of ``PG_LEASE_METRICS_PUSHGATEWAY``. In prometheus_client's multiprocess
+mode it also marks the process dead. That mode keeps the metrics in ``PROMETHEUS_MULTIPROC_DIR``,
+which a server on the same host reads at each scrape. The dead process's counters and histograms
+stay in the directory and add up over runs, and its live gauges leave the sum. The app's
+``ready()`` arms it with `arm` once the metrics are installed. A process ending by a signal's
+default disposition runs no ``atexit``, so `pg_lease_django.sigterm` calls it itself.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def push() -> bool:
 
     What `exiting` does when the process ends; call it yourself where a process nobody scrapes
     should report before it ends. One group per key label: ``job`` `PUSH_JOB`, ``instance`` this
-    host's name, ``prefix`` the label, holding that label's series only. Each push replaces its group
-    (HTTP PUT): a group holds the counts of the last process that pushed it. Waits `PUSH_TIMEOUT`
-    seconds at most; a failure is logged, never raised.
+    host's name, ``prefix`` the label, holding that label's series only. Each push replaces its
+    group with an HTTP PUT, so a group holds the counts of the last process that pushed it. Waits
+    `PUSH_TIMEOUT` seconds at most; a failure is logged, never raised.
 
     Returns:
-        True when every label was pushed (or nothing was counted); False when the metrics are not
+        True when every label was pushed, or nothing was counted; False when the metrics are not
         installed, the setting is not set, or the push failed.
     """
     if not hooks.installed():
@@ -114,12 +114,13 @@ def arm() -> None:
 
 
 def exiting() -> None:
-    """The process ends: `push` its metrics (with ``PG_LEASE_METRICS_PUSHGATEWAY``), and in
-    prometheus_client's multiprocess mode mark it dead (its live gauges leave the sum).
+    """The process ends: `push` its metrics, and in multiprocess mode mark the process dead.
 
-    Run by ``atexit``, and by a process about to end by a signal's default disposition
-    (`pg_lease_django.sigterm`). Once per process, and only in the one `arm` was called in: a
-    forked child (a worker of a preloading server) leaves it to its parent. Never raises.
+    The push needs ``PG_LEASE_METRICS_PUSHGATEWAY``. Marked dead in prometheus_client's
+    multiprocess mode, the process's live gauges leave the sum. Run by ``atexit``, and by
+    `pg_lease_django.sigterm` in a process about to end by a signal's default disposition. It runs
+    once per process, and only in the one `arm` was called in. A forked child, such as a worker of a
+    preloading server, leaves it to its parent. Never raises.
     """
     global _armed_by
     with _lock:

@@ -1,18 +1,18 @@
 """OpenTelemetry spans of the lease operations of holds, where ``opentelemetry-api`` is installed.
 
-A no-op otherwise (nothing imported after the first look). With the API but no SDK configured,
-OpenTelemetry's own no-op tracer answers. Spans (tracer ``pg_lease_django``), each with the
-attributes ``pg_lease.prefix`` (the key's label, `pg_lease_django.metrics.hooks.key_label`'s rule),
-``pg_lease.outcome`` and, once known, ``pg_lease.epoch``:
+A no-op otherwise: nothing is imported after the first look. With the API but no SDK configured,
+OpenTelemetry's own no-op tracer answers. The spans come from the tracer ``pg_lease_django``. Each
+has the attributes ``pg_lease.prefix``, ``pg_lease.outcome`` and, once known, ``pg_lease.epoch``.
+The prefix is the key's label, by `pg_lease_django.metrics.hooks.key_label`'s rule.
 
 - ``pg_lease.acquire``: a hold's acquire, blocking wait included; outcome ``granted``, ``busy``,
   ``timeout`` or ``error``.
 - ``pg_lease.renew``: a confirmed renewal, from sending it to its confirmation; outcome ``renewed``.
-- ``pg_lease.release`` / ``pg_lease.lost``: the end of a hold (no duration: the signal that says so
-  comes after it); outcome ``freed`` / ``kept``, or the loss's error code.
+- ``pg_lease.release`` / ``pg_lease.lost``: the end of a hold, with no duration, since the signal
+  that says so comes after it; outcome ``freed`` / ``kept``, or the loss's error code.
 
-Called by `pg_lease_django.metrics.hooks`' hooks and receivers (`TracedAcquire` around a hold's
-acquire); nothing here is public API.
+Called by `pg_lease_django.metrics.hooks`' hooks and receivers, with `TracedAcquire` around a
+hold's acquire; nothing here is public API.
 """
 
 from __future__ import annotations
