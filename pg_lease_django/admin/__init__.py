@@ -1,10 +1,11 @@
-"""The admin (Django's autodiscover imports this module): leases and their history, read-only, with
-two guarded writes; `FencedModelAdmin` for users' fenced models.
+"""The admin: leases and their history, read-only, with two guarded writes; `FencedModelAdmin` for users' models.
 
-Modules, lowest first (each imports only those before it; tests/test_import_graph.py checks it):
+Django's autodiscover imports this module. The modules, lowest first; each imports only those
+before it, and tests/test_import_graph.py checks it:
 
-- `cells`: how a cell shows others' text (escaped through `printable`: a bidi override or a control
-  character survives HTML escaping) and server times (UTC, to the millisecond).
+- `cells`: how a cell shows others' text and server times. Text is escaped through `printable`,
+  since a bidi override or a control character survives HTML escaping. Times are UTC, to the
+  millisecond.
 - `usage`: the snippets of "how to use this key", an unusual key spelled with escapes each
   language reads back exactly.
 - `writes`: the two writes, force release and hand-off requests, each at the epoch the user saw,
@@ -12,7 +13,7 @@ Modules, lowest first (each imports only those before it; tests/test_import_grap
 - `lease`: `LeaseAdmin` and its `StateFilter`: what a lease's pages show and offer.
 - `tenure`: `LeaseTenureAdmin`, the recorded tenures.
 
-This module registers both (by importing them) and re-exports `FencedModelAdmin` from
+This module registers both by importing them. It re-exports `FencedModelAdmin` from
 `pg_lease_django.fencing.admin`: ``from pg_lease_django.admin import FencedModelAdmin`` is the path
 the documentation names.
 """

@@ -18,9 +18,11 @@ __all__ = ["nowrap", "utc", "wrapping"]
 
 
 def wrapping(text: str, min_width: str = "6em") -> SafeString:
-    """A cell of other roles' data (a key, an owner), escaped (`printable`), broken anywhere when long
-    (keys and owners have no spaces to break at), yet at least ``min_width`` wide, so that a long one
-    is a few lines, not a column of syllables."""
+    """A cell of other roles' data, such as a key or an owner, escaped through `printable`.
+
+    Keys and owners have no spaces to break at, so a long one is broken anywhere. The cell is yet at
+    least ``min_width`` wide, so that a long one is a few lines, not a column of syllables.
+    """
     text = printable(text)
     return format_html(
         '<span style="display:inline-block;min-width:min({},{}ch);overflow-wrap:anywhere">{}</span>',

@@ -1,12 +1,12 @@
-"""The Lease admin (`LeaseAdmin`): read-only, states from the server clock, a lease's history, two guarded writes.
+"""The Lease admin, `LeaseAdmin`: read-only, states from the server clock, a lease's history, two guarded writes.
 
-Nobody edits a lease by hand (an owner, epoch or expiry typed into a form would break fencing).
-The writes go through the manager: "Force release" (`LeaseManager.force_release`: the epoch goes
-up and the holder is fenced; the user is recorded as the operator) and "Request hand-off"
-(`LeaseManager.request_handoff`: advice the holder reads at its next renewal); this module offers
-them and checks the permission, `writes` does them. States are read with
-`LeaseQuerySet.with_state`; a lease's page also draws its recorded tenures
-(`pg_lease_django.timeline`) and says how to use its key (`usage`). Keys, owners and operators are
+Nobody edits a lease by hand: an owner, epoch or expiry typed into a form would break fencing.
+The writes go through the manager. "Force release" calls `LeaseManager.force_release`: the epoch
+goes up and the holder is fenced, and the user is recorded as the operator. "Request hand-off"
+calls `LeaseManager.request_handoff`: advice the holder reads at its next renewal. This module
+offers them and checks the permission; `writes` does them. States are read with
+`LeaseQuerySet.with_state`. A lease's page also draws its recorded tenures with
+`pg_lease_django.timeline`, and `usage` says how to use its key. Keys, owners and operators are
 shown through `cells`, escaped.
 """
 
@@ -80,10 +80,10 @@ class LeaseAdmin(_LeaseModelAdmin):
     """Read-only view of the lease table with permission-gated "Force release" and "Request hand-off".
 
     The changelist costs a fixed number of queries whatever the page size: state and "expires in"
-    are annotations computed by PostgreSQL (`LeaseQuerySet.with_state`). A lease's page adds its
-    history: a timeline chart (inline SVG drawn on the server) and a table of its newest tenures.
-    Both writes need the ``pg_lease_django.force_release_lease`` permission (whoever may break a
-    lease may ask its holder to step down); without it neither is offered.
+    are annotations computed by PostgreSQL, through `LeaseQuerySet.with_state`. A lease's page adds
+    its history: a timeline chart, drawn on the server as inline SVG, and a table of its newest
+    tenures. Both writes need the ``pg_lease_django.force_release_lease`` permission: whoever may
+    break a lease may ask its holder to step down. Without it neither is offered.
     """
 
     list_display = ("key_display", "state_badge", "owner_display", "epoch", "expires_in_display", "acquired_display")

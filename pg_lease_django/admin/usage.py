@@ -1,8 +1,8 @@
 """The admin's "how to use this key" on a lease's page: the key from Python, the shell and SQL.
 
-The key is others' data: a character a browser or a terminal acts on (a control character, a bidi
-override) is spelled with an escape each language reads back exactly (Python's ``\\u202e``, bash's
-``$'...'``, PostgreSQL's ``E'...'``), never pasted as it is.
+The key is others' data. A character a browser or a terminal acts on, such as a control character
+or a bidi override, is never pasted as it is. It is spelled with an escape each language reads back
+exactly: Python's ``\\u202e``, bash's ``$'...'``, PostgreSQL's ``E'...'``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The Lease admin's two writes: force release and hand-off requests, each at the epoch the user saw.
 
-`pg_lease_django.admin.lease.LeaseAdmin` offers them (its actions, the hand-off button) and checks the
-permission; here they are done: the epochs the page posted read back (a malformed one is a bad
-request, never a write), each lease written through the manager only if its epoch is still the one
-shown, every outcome reported to the user and each write recorded as a LogEntry on the lease.
+`pg_lease_django.admin.lease.LeaseAdmin` offers them, as its actions and the hand-off button, and
+checks the permission. Here they are done. The epochs the page posted are read back: a malformed
+one is a bad request, never a write. Each lease is written through the manager only if its epoch
+is still the one shown. Every outcome is reported to the user, and each write is recorded as a
+LogEntry on the lease.
 """
 
 from __future__ import annotations
