@@ -1,4 +1,4 @@
-"""A lease's history for people: its tenures read as rows (`reading`), and drawn as a chart (`chart`).
+"""A lease's history for people: `reading` reads its tenures as rows, and `chart` draws them.
 
 The admin and ``manage.py leases history`` tell the same story from `read_history`'s rows.
 """

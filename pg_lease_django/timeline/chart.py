@@ -1,9 +1,9 @@
-"""A lease's history drawn as an SVG timeline chart (`render_timeline`), one lane per owner.
+"""A lease's history drawn as an SVG timeline chart by `render_timeline`, one lane per owner.
 
-Drawn server-side, as a plain SVG string: no script, every text escaped (keys and owners are user
-data), the owners and operators shown through `printable` (a bidi override or a control character
-would reorder or hide what is drawn beside it; the key is quoted with ``!r``); the ``data-owner``
-attributes keep the exact owner. It reads nothing: `pg_lease_django.timeline.reading.read_history`
+Drawn server-side, as a plain SVG string with no script. Keys and owners are user data, so every
+text is escaped. The owners and operators are shown through `printable`, since a bidi override or
+a control character would reorder or hide what is drawn beside it. The key is quoted with ``!r``.
+The ``data-owner`` attributes keep the exact owner. It reads nothing: `pg_lease_django.timeline.reading.read_history`
 gives it a `History`.
 """
 
@@ -52,14 +52,14 @@ def _clock(moment: datetime, with_date: bool) -> str:
 
 
 def render_timeline(history: History, *, width: int = 960) -> str:
-    """Draw ``history`` as a self-contained SVG document (a string), one lane per owner.
+    """Draw ``history`` as a self-contained SVG document, returned as a string, one lane per owner.
 
     Bars run along the server clock from grant to end; the gaps between tenures are shaded. How a
     tenure ended is marked at its end: a red cross for a force release, a purple arrow for an epoch
     advance, an orange ring for a lapse, a teal chevron for a hand-off. The current grant is green,
-    solid up to now and outlined up to its expiry. Each bar has a ``<title>`` (the tooltip) and
-    classes (``pg-lease-tenure``, ``pg-lease-outcome-<outcome>``, ``pg-lease-mark-<outcome>``) and
-    ``data-epoch`` / ``data-owner`` attributes for tests and styling.
+    solid up to now and outlined up to its expiry. Each bar has a ``<title>``, its tooltip. For
+    tests and styling it has the classes ``pg-lease-tenure``, ``pg-lease-outcome-<outcome>`` and
+    ``pg-lease-mark-<outcome>``, and ``data-epoch`` / ``data-owner`` attributes.
     """
     if not history.tenures:
         return _empty_chart(history, width)

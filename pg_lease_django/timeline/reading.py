@@ -51,11 +51,11 @@ class TenureRow:
         epoch: the epoch of the grant.
         owner: who held it.
         granted_at: when it was granted.
-        ended_at: when it ended: as recorded, or the expiry of a lapsed grant nobody took over yet;
-            None while it is held (and when its end was not recorded).
-        outcome: an `EndReason` value, ``"held"`` (the current grant) or ``"unknown"``.
-        ended_by: who ended it (see `LeaseTenure`); None when nobody did yet.
-        expires_at: the current grant's expiry (held, or lapsed and not yet taken over); else None.
+        ended_at: when it ended: as recorded, or the expiry of a lapsed grant nobody took over yet.
+            None while it is held, and when its end was not recorded.
+        outcome: an `EndReason` value, ``"held"`` for the current grant, or ``"unknown"``.
+        ended_by: who ended it, as `LeaseTenure` says; None when nobody did yet.
+        expires_at: the expiry of the current grant, held or lapsed and not yet taken over; else None.
         handoff_requested_at: when a hand-off was requested of the current holder; else None.
         ended_by_role: the database role that sent the statement ending it; None while it lasts.
     """
@@ -145,15 +145,15 @@ def _iso(moment: datetime | None) -> str | None:
 
 
 def read_history(key: str, *, using: str | None = None, limit: int | None = None) -> History:
-    """The tenures of ``key`` (the newest ``limit`` of them, oldest first), in one statement.
+    """The tenures of ``key``, the newest ``limit`` of them, oldest first, in one statement.
 
     The open tenure is judged against the lease row in that same statement, on the server clock,
-    so it never disagrees with the state: held (ending at its expiry, to come), lapsed (ended at
-    its expiry), or, when the row is at another grant, ``unknown``.
+    so it never disagrees with the state. It is held, ending at its expiry, still to come. Or it
+    lapsed, and ended at its expiry. Or the row is at another grant, and it is ``unknown``.
 
     Args:
         key: the lease key.
-        using: the database alias (default: where the router sends reads of tenures).
+        using: the database alias; default where the router sends reads of tenures.
         limit: at most this many tenures, the newest; None for all.
     """
     alias = using or router.db_for_read(LeaseTenure)
