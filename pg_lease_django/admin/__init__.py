@@ -1,4 +1,4 @@
-"""The admin: leases and their history, read-only, with two guarded writes; `FencedModelAdmin` for users' models.
+"""The admin: leases and their history, read-only, two guarded writes, and `FencedModelAdmin` for fenced models.
 
 Django's autodiscover imports this module. The modules, lowest first; each imports only those
 before it, and tests/test_import_graph.py checks it:

@@ -153,8 +153,8 @@ def check_fence_triggers_are_current(
 
     The triggers' SQL is frozen per version, which ``FenceTrigger``'s ``version`` and the triggers'
     comment name. After an upgrade that changes it, ``makemigrations`` writes the migration that
-    replaces them. Until it is applied the table keeps the old triggers. A table not created yet is Django's
-    own unapplied-migrations notice.
+    replaces them. Until it is applied the table keeps the old triggers. A table not created yet
+    gets Django's own unapplied-migrations notice.
     """
     from pg_lease_django.fencing.schema import FENCE_TRIGGER_VERSION, VERSION_COMMENT, FenceTrigger
 

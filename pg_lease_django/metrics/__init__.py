@@ -1,4 +1,4 @@
-"""Observability, as docs/observability.md describes it; here, the rule every metric's ``prefix`` label follows.
+"""Observability, described in docs/observability.md; here, the rule every metric's ``prefix`` label follows.
 
 Every metric has a ``prefix`` label: the key's label under ``PG_LEASE_METRICS_KEY_LABEL``. It is
 never the raw key unless asked, through `whole_key`. Keys without the separator share

@@ -179,9 +179,9 @@ def uninstall() -> None:
 
 
 def install_tracing() -> bool:
-    """Trace the holds' lease operations when opentelemetry-api is installed, through `pg_lease_django.metrics.tracing`.
+    """Trace the holds' lease operations when opentelemetry-api is installed.
 
-    Called by the app's ``ready()``. Without opentelemetry-api it does nothing and returns False.
+    The spans are those of `pg_lease_django.metrics.tracing`. Called by the app's ``ready()``. Without opentelemetry-api it does nothing and returns False.
     """
     global _tracing
     if tracing.tracer() is None:

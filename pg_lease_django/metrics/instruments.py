@@ -4,7 +4,8 @@
 label: at most ``PG_LEASE_METRICS_MAX_LABELS`` per process, the later ones `OTHER_LABEL`. It keeps
 the children of each label, and receives the signals. A hold's ``lease_acquired``,
 ``lease_released``, ``lease_lost`` and ``lease_handoff_requested`` give the holds' and leaderships'
-gauges, lapses, losses and hand-offs. Nothing of prometheus_client is imported until an `Instruments` is made.
+gauges, lapses, losses and hand-offs. Nothing of prometheus_client is imported until an
+`Instruments` is made.
 """
 
 from __future__ import annotations

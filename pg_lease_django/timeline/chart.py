@@ -3,8 +3,8 @@
 Drawn server-side, as a plain SVG string with no script. Keys and owners are user data, so every
 text is escaped. The owners and operators are shown through `printable`, since a bidi override or
 a control character would reorder or hide what is drawn beside it. The key is quoted with ``!r``.
-The ``data-owner`` attributes keep the exact owner. It reads nothing: `pg_lease_django.timeline.reading.read_history`
-gives it a `History`.
+The ``data-owner`` attributes keep the exact owner. It reads nothing:
+`pg_lease_django.timeline.reading.read_history` gives it a `History`.
 """
 
 from __future__ import annotations
