@@ -1,13 +1,14 @@
 """The lease app's schema as of the 0.2 baseline: its tables, functions, triggers and privileges.
 
-It replaces the ten migrations of the 0.1/0.2 development versions (0001_initial to
-0010_one_statement), which built the same schema step by step: a database that had applied all ten
-applies nothing here and keeps what it has (tests/test_sql_source.py builds one each way and
-compares the catalogs). The tables are the models' (Django's state below); PostgreSQL gets them from
-the SQL file, with the functions and triggers that guard them.
+It replaces the ten migrations of the 0.1/0.2 development versions, 0001_initial to
+0010_one_statement, which built the same schema step by step. A database that had applied all ten
+applies nothing here and keeps what it has; tests/test_sql_source.py builds one each way and
+compares the catalogs. The tables are the models', as Django's state below says. PostgreSQL gets
+them from the SQL file, with the functions and triggers that guard them.
 
-``sql/migrations/0001_baseline.sql`` is ``sql/schema.sql`` as it was then, frozen (``sha256``); the
-current schema is ``sql/schema.sql``, and each later migration runs a file of its own.
+``sql/migrations/0001_baseline.sql`` is ``sql/schema.sql`` as it was then, frozen by its
+``sha256``. The current schema is ``sql/schema.sql``, and each later migration runs a file of its
+own.
 """
 
 import django.db.models.lookups

@@ -1,8 +1,8 @@
 """Least privilege by default: ``sql/migrations/0003_least_privilege.sql``.
 
-Every function that locks, reveals or changes a lease is revoked from PUBLIC; the declared roles
-(``PG_LEASE_WORKER_ROLES``, ``PG_LEASE_OPERATOR_ROLES``) are granted what
-``pg_lease_privileges()`` lists after ``migrate`` (a post_migrate receiver). The opt-out of
+Every function that locks, reveals or changes a lease is revoked from PUBLIC. After ``migrate``, a
+post_migrate receiver grants the roles declared in ``PG_LEASE_WORKER_ROLES`` and
+``PG_LEASE_OPERATOR_ROLES`` what ``pg_lease_privileges()`` lists. The opt-out of
 fencing becomes a token only ``pg_lease_allow_unfenced()`` mints; prune removes expired waiters'
 registrations; the TRUNCATE refusals name the test runner and the pytest plugin.
 """

@@ -1,10 +1,10 @@
 """Scopes compiled as committed: ``sql/migrations/0009_scopes_compiled_as_committed.sql``.
 
-Two changes of the scope table at once (two deploys syncing PG_LEASE_KEY_SCOPES) could compile
-the key-scope predicate from rows one of them had already removed, widening a tenant again, or fail
-with "tuple concurrently updated". pg_lease_compile_key_scope now compiles one at a time (SHARE
-UPDATE EXCLUSIVE on the scope table) from the table as committed, and refuses (0A000) a
-transaction that reads as of its start (REPEATABLE READ, SERIALIZABLE).
+Two changes of the scope table at once, such as two deploys syncing PG_LEASE_KEY_SCOPES, could
+compile the key-scope predicate from rows one of them had already removed. That widened a tenant
+again, or failed with "tuple concurrently updated". pg_lease_compile_key_scope now compiles one at
+a time, holding SHARE UPDATE EXCLUSIVE on the scope table, from the table as committed. It refuses
+with 0A000 a transaction that reads as of its start: REPEATABLE READ, SERIALIZABLE.
 
 Changed: function pg_lease_compile_key_scope(). Written from ``sql/schema.sql`` by devkit.sqlchange.
 """

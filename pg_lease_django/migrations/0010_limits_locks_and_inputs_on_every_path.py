@@ -2,18 +2,18 @@
 
 Issue 52, the paths around issue 42's guarantees. A role limit was counted in the caller's
 snapshot: REPEATABLE READ sessions, an imported snapshot or an old SERIALIZABLE transaction made
-brand-new keys far past it. It now locks the role's row of the limits table (row-level security
-lets only the lease functions lock it; the advisory lock it replaces had a number any role could
-compute from the source and hold) and refuses a limited role's brand-new key outside READ
-COMMITTED (0A000). A blocking attempt bounds every lock wait by the waiter's deadline.
+brand-new keys far past it. It now locks the role's row of the limits table; row-level security
+lets only the lease functions lock it. The advisory lock it replaces had a number any role could
+compute from the source and hold. It refuses with 0A000 a limited role's brand-new key outside READ
+COMMITTED. A blocking attempt bounds every lock wait by the waiter's deadline.
 The history scope is read without the SHARE lock that made a deploy queue behind a tenant's open
 transaction; a scope change meets brand-new keys on the epoch floor's row instead.
-Every function judges input (22023) before the key scope (42501): pg_lease_acquire_or_register
+Every function judges input, 22023, before the key scope, 42501: pg_lease_acquire_or_register
 and pg_lease_check_fence checked the scope first. A malformed pg_lease.fences of any size or
 depth is PL004, and a presented epoch of 0 is as malformed as -1.
 A key or an owner is any non-empty text again, as the spec says: the refusal of control, bidi and
-invisible characters (pg_lease_check_new_name, pg_lease_unshown_characters) is dropped; the views
-escape them.
+invisible characters by pg_lease_check_new_name and pg_lease_unshown_characters is dropped; the
+views escape them.
 
 Changed: function pg_lease_check_lease_quota(text), function pg_lease_acquire(text, text, interval),
 function pg_lease_acquire(text, text, interval, interval), function

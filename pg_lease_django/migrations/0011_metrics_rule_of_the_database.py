@@ -1,10 +1,10 @@
 """Metrics rule of the database: ``sql/migrations/0011_metrics_rule_of_the_database.sql``.
 
 The monitor's function took the separator and the label cap from its caller: one call per
-character read back nearly every key of every tenant, which the monitor may not see (issue 51).
-``pg_lease_metrics()`` now takes nothing: the rule is the owner's settings, copied into
-``pg_lease_django_metrics_rule`` by ``migrate`` and ``leases grant``, and a key under a declared
-scope prefix is labelled by that prefix (each tenant its own series).
+character read back nearly every key of every tenant, which the monitor may not see: issue 51.
+``pg_lease_metrics()`` now takes nothing. The rule is the owner's settings, copied into
+``pg_lease_django_metrics_rule`` by ``migrate`` and ``leases grant``. A key under a declared scope
+prefix is labelled by that prefix, so each tenant has its own series.
 
 New: table pg_lease_django_metrics_rule, function pg_lease_metrics_label(text, text[], text),
 function pg_lease_metrics(). Changed: function pg_lease_privileges(). Dropped: function

@@ -1,15 +1,15 @@
 """Polling attempts within the deadline: ``sql/migrations/0012_polling_attempts_within_the_deadline.sql``.
 
-Issue 52's last gap. A blocking acquire that polls rather than LISTENs (behind a transaction pooler,
-with PG_LEASE_LISTEN = False, inside the caller's atomic()), and the async wait's first try, sent the
-plain pg_lease_acquire, whose lock waits only the caller's lock_timeout bounds: an attempt that met
-a lock held open (the lease row a takeover needs, a role's limit row, a concurrent insert of the key)
-waited past the waiter's deadline, and `acquire(blocking=True, timeout=3)` was answered, or granted,
-15-20 s later (CI's pooled leg). pg_lease_acquire_within(key, owner, ttl, within) is that attempt
-with every lock wait bounded by `within`, what is left of the deadline, counted on the server from
-the call's start (the way pg_lease_acquire_or_register bounds a LISTENing waiter's attempt by its
-retry bound, migration 0010): a wait that runs out is a refusal that changed nothing, and the waiter
-times out. Roles granted pg_lease_acquire_or_register are granted it too, so that no polling waiter
+Issue 52's last gap. A blocking acquire can poll rather than LISTEN: behind a transaction pooler,
+with PG_LEASE_LISTEN = False, or inside the caller's atomic(). Such an acquire, and the async wait's
+first try, sent the plain pg_lease_acquire, whose lock waits only the caller's lock_timeout bounds.
+An attempt could meet a lock held open: the lease row a takeover needs, a role's limit row, a
+concurrent insert of the key. It then waited past the waiter's deadline, and
+`acquire(blocking=True, timeout=3)` was answered, or granted, 15-20 s later in CI's pooled leg.
+pg_lease_acquire_within(key, owner, ttl, within) is that attempt with every lock wait bounded by
+`within`, what is left of the deadline, counted on the server from the call's start. That is the
+way pg_lease_acquire_or_register of migration 0010 bounds a LISTENing waiter's attempt by its retry
+bound. A wait that runs out is a refusal that changed nothing, and the waiter times out. Roles granted pg_lease_acquire_or_register are granted it too, so that no polling waiter
 meets 42501 between this migration and the next `leases grant`. The plain acquire, the hot path, is
 unchanged.
 

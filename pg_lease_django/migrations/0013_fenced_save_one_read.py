@@ -1,18 +1,19 @@
 """Fenced save one read: ``sql/migrations/0013_fenced_save_one_read.sql``.
 
-Why (issue 55): a fenced save of one row cost 4.0x a plain save's server instructions (1.4x its
-wall clock). The check (pg_lease_check_fence) read the lease row twice, unlocked and then locked,
-called the key-scope check as a PL/pgSQL function and recorded the fence through a JSON round
-trip; the fenced tables' statement trigger parsed pg_lease.fences (a subtransaction), grouped its
-transition tables and ran pg_lease_guard_key's checks and locked read for each key. Now the check
-is one read that locks the row only when it matches (a stale fence still takes no lock; inputs and
-scope are judged after it, only on the way to a refusal), and the trigger decides the common case
-(one key, one fence presented, its text as pg_lease_check_fence wrote it) in one aggregate pass
-and one locked read in the new pg_lease_guard_one_key, which compares pg_lease.fences with the
-live lease row's own fence; anything else, and every refusal, takes the full way as before. The
-guarantee is unchanged: every written or removed row's key needs a live fence, checked under the
-lock, whoever writes. benchmarks/instructions.py: 4.03x -> 2.49x a plain save, with the save's
-bare call (queries.sql, fence_expression).
+Why, from issue 55: a fenced save of one row cost 4.0x a plain save's server instructions, and
+1.4x its wall clock. The check, pg_lease_check_fence, read the lease row twice, unlocked and then
+locked. It called the key-scope check as a PL/pgSQL function and recorded the fence through a JSON
+round trip. The fenced tables' statement trigger parsed pg_lease.fences in a subtransaction,
+grouped its transition tables and ran pg_lease_guard_key's checks and locked read for each key.
+
+Now the check is one read that locks the row only when it matches. A stale fence still takes no
+lock; inputs and scope are judged after it, only on the way to a refusal. The trigger decides the
+common case in one aggregate pass and one locked read in the new pg_lease_guard_one_key, which
+compares pg_lease.fences with the live lease row's own fence. The common case is one key with one
+fence presented, its text as pg_lease_check_fence wrote it. Anything else, and every refusal,
+takes the full way as before. The guarantee is unchanged: every written or removed row's key needs
+a live fence, checked under the lock, whoever writes. benchmarks/instructions.py measures 4.03x ->
+2.49x a plain save, with the save's bare call, the entry fence_expression of queries.sql.
 
 New: function pg_lease_guard_one_key(text, text, bigint, bigint, text). Changed: function
 pg_lease_check_fence(text, text, bigint), function pg_lease_guard_key(text, jsonb, text), function
