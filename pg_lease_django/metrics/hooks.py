@@ -181,7 +181,8 @@ def uninstall() -> None:
 def install_tracing() -> bool:
     """Trace the holds' lease operations when opentelemetry-api is installed.
 
-    The spans are those of `pg_lease_django.metrics.tracing`. Called by the app's ``ready()``. Without opentelemetry-api it does nothing and returns False.
+    The spans are those of `pg_lease_django.metrics.tracing`. Called by the app's ``ready()``.
+    Without opentelemetry-api it does nothing and returns False.
     """
     global _tracing
     if tracing.tracer() is None:

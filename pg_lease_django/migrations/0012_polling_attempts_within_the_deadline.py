@@ -9,9 +9,9 @@ concurrent insert of the key. It then waited past the waiter's deadline, and
 pg_lease_acquire_within(key, owner, ttl, within) is that attempt with every lock wait bounded by
 `within`, what is left of the deadline, counted on the server from the call's start. That is the
 way pg_lease_acquire_or_register of migration 0010 bounds a LISTENing waiter's attempt by its retry
-bound. A wait that runs out is a refusal that changed nothing, and the waiter times out. Roles granted pg_lease_acquire_or_register are granted it too, so that no polling waiter
-meets 42501 between this migration and the next `leases grant`. The plain acquire, the hot path, is
-unchanged.
+bound. A wait that runs out is a refusal that changed nothing, and the waiter times out. Roles
+granted pg_lease_acquire_or_register are granted it too, so that no polling waiter meets 42501
+between this migration and the next `leases grant`. The plain acquire, the hot path, is unchanged.
 
 New: function pg_lease_acquire_within(text, text, interval, interval). Changed: function
 pg_lease_privileges(). Written from ``sql/schema.sql`` by devkit.sqlchange.
