@@ -66,13 +66,16 @@ class Statement(Generic[T]):
 
     Attributes:
         name: its name in ``queries.sql``.
-        decode: each row's meaning, given the row and, as keywords, the parameters sent (a verdict
-            that is an error raises it), a typed row of ``sql.rows``; None for a statement that
-            answers no row worth reading, the default.
+        decode: each row's meaning, a typed row of ``sql.rows``, given the row and, as keywords, the
+            parameters sent. By default it decodes to None, for a statement that answers no row
+            worth reading.
         confirms: a lease write whose commit must reach the synchronous standby: the executors turn
             the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`.
         errors: SQLSTATE -> the package's error for it, given the driver's error and the parameters
             sent as keywords (``sql.errors``), applied by both executors.
+        verdicts: a lease function's verdict -> the package's error for it. The statement answers its
+            verdict in its first column; both executors raise the mapped error for any verdict but
+            ``ok``, given the row and the parameters sent as keywords, before the decoder sees the row.
         parts: the names of the identifiers and fragments besides ``schema`` it is composed with.
         source: the file of this directory it is written in.
     """
@@ -82,6 +85,7 @@ class Statement(Generic[T]):
     confirms: bool = False
     parts: tuple[str, ...] = ()
     errors: Mapping[str, Callable[..., BaseException]] = field(default_factory=dict, compare=False)
+    verdicts: Mapping[str, Callable[..., BaseException]] = field(default_factory=dict, compare=False)
     source: str = "queries.sql"
 
     @property

@@ -90,20 +90,28 @@ class Session:
         parts: Parts,
         fetch: Callable[[psycopg.AsyncCursor[Any]], Awaitable[Any]] | None,
     ) -> Any:
-        """Send ``statement`` and ``fetch`` what it answered: the one place this executor turns a
-        database error into the package's."""
+        """Send ``statement`` and ``fetch`` what it answered.
+
+        This is the one place this executor turns the database's answer into the package's error: a
+        SQLSTATE through the statement's error map, a verdict through its verdict map.
+        """
         sent = positional(statement.compose(self.schema, **parts).as_string(None)) if parts else self._render(statement)
         arguments = sent.arguments(statement.name, params)
         try:
             if not statement.confirms:
                 cursor = await self.conn.execute(sent.text, arguments)
-                return None if fetch is None else await fetch(cursor)
-            with self.notices.confirmed():
-                cursor = await self.conn.execute(sent.text, arguments)
-                return None if fetch is None else await fetch(cursor)
+                found = None if fetch is None else await fetch(cursor)
+            else:
+                with self.notices.confirmed():
+                    cursor = await self.conn.execute(sent.text, arguments)
+                    found = None if fetch is None else await fetch(cursor)
         except psycopg.Error as exc:
             errors.raise_mapped(exc, statement.errors, params)
             raise
+        if statement.verdicts and found is not None:
+            for row in found if fetch is _fetch_all else (found,):
+                errors.raise_verdict(row, statement.verdicts, params)
+        return found
 
     def _render(self, statement: Statement[object]) -> Positional:
         found = self._rendered.get(statement.name)

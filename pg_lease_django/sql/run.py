@@ -112,29 +112,32 @@ def _execute(
     marker: str | None,
     fetch: Callable[[Any], Any],
 ) -> Any:
-    """Send ``statement`` and ``fetch`` what it answered: the one place this executor turns a
-    database error into the package's."""
+    """Send ``statement`` and ``fetch`` what it answered.
+
+    This is the one place this executor turns the database's answer into the package's error: a
+    SQLSTATE through the statement's error map, a verdict through its verdict map.
+    """
     raw: psycopg.Connection[Any] | None = None
     try:
         if not statement.confirms:
             sent = positional(render(connection, statement, **(parts or {})))
             with connection.cursor() as cursor:
                 cursor.execute(sent.text, sent.arguments(statement.name, params))
-                return fetch(cursor)
-        sent = positional(render(connection, statement))
-        text = sent.text
-        if marker is not None:
-            if not _MARKER.fullmatch(marker):
-                raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
-            text = f"/* {marker} */ {text}"
-        # kept_on runs Django's health check and connects: once a call.
-        notices = UnconfirmedCommitNotices.kept_on(connection)
-        raw = connection.connection
-        notices.seen.clear()
-        found = _send(connection, raw, text, sent.arguments(statement.name, params), fetch)
-        notices.raise_if_unconfirmed()
-        check_caller_commit(connection)
-        return found
+                found = fetch(cursor)
+        else:
+            sent = positional(render(connection, statement))
+            text = sent.text
+            if marker is not None:
+                if not _MARKER.fullmatch(marker):
+                    raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
+                text = f"/* {marker} */ {text}"
+            # kept_on runs Django's health check and connects: once a call.
+            notices = UnconfirmedCommitNotices.kept_on(connection)
+            raw = connection.connection
+            notices.seen.clear()
+            found = _send(connection, raw, text, sent.arguments(statement.name, params), fetch)
+            notices.raise_if_unconfirmed()
+            check_caller_commit(connection)
     except DatabaseError as exc:
         if raw is not None and raw.closed and type(exc) is OperationalError:
             # Open when sent (health-checked above): lost in flight, the outcome unknown.
@@ -143,6 +146,11 @@ def _execute(
             ) from exc
         errors.raise_mapped(exc, statement.errors, params)
         raise
+    if statement.verdicts and found is not None:
+        # A verdict is the database's answer too: raised here, after the commit was confirmed, as before.
+        for row in found if fetch is _fetch_all else (found,):
+            errors.raise_verdict(row, statement.verdicts, params)
+    return found
 
 
 #: The SQLSTATE classes of a statement the server refused before it could write anything: a bad
@@ -176,7 +184,12 @@ def on_psycopg(
     except psycopg.Error as exc:
         errors.raise_mapped(exc, statement.errors, params)
         raise
-    return [statement.decode(row, **params) for row in cursor.fetchall()] if cursor.description else []
+    if not cursor.description:
+        return []
+    found = cursor.fetchall()
+    for row in found if statement.verdicts else ():
+        errors.raise_verdict(row, statement.verdicts, params)
+    return [statement.decode(row, **params) for row in found]
 
 
 def _send(

@@ -25,11 +25,15 @@ ACQUIRE_OR_REGISTER: Statement[rows.Attempt] = Statement(
 ACQUIRE_WITHIN: Statement[rows.Attempt] = Statement(
     "acquire_within", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS
 )
-RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True)
-RELEASE: Statement[None] = Statement("release", rows.released, confirms=True)
+RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True, verdicts=errors.RENEW_VERDICTS)
+RELEASE: Statement[None] = Statement("release", rows.released, confirms=True, verdicts=errors.RELEASE_VERDICTS)
 INSPECT: Statement[rows.LeaseState] = Statement("inspect", rows.state, confirms=True)
-FORCE_RELEASE: Statement[int] = Statement("force_release", rows.forced, confirms=True)
-REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement("request_handoff", rows.handoff, confirms=True)
+FORCE_RELEASE: Statement[int] = Statement(
+    "force_release", rows.forced, confirms=True, verdicts=errors.FORCE_RELEASE_VERDICTS
+)
+REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement(
+    "request_handoff", rows.handoff, confirms=True, verdicts=errors.HANDOFF_VERDICTS
+)
 PRUNE: Statement[str] = Statement("prune", rows.scalar, confirms=True)
 ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement(
     "advance_epochs", rows.advance, confirms=True, errors=errors.ADVANCE_ERRORS
