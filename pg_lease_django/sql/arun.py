@@ -1,14 +1,16 @@
 """The async executor: a `Statement` on a psycopg async connection of the package's own.
 
-A `Session` is such a connection (the async blocking wait opens one per wait: a thread cannot be
-interrupted, a statement on an async connection is cancelled with its task) with the notice handler
-the sync executor keeps on Django's connections (``sql.confirmation``): a lease statement whose
-commit the synchronous standby did not confirm raises `UnconfirmedCommitError` here as there. Its
-statements are rendered for the lease app's schema and decoded by their own decoders (``sql.rows``).
-Errors are psycopg's, except where the statement's map (``sql.errors``) names the package's error
-for the server's answer, which `Session._execute` alone reads: the caller maps the rest as Django's
-cursor would (the wait maps them with a Django connection object of its own, never the caller's,
-which another thread may be using).
+A `Session` is such a connection. The async blocking wait opens one per wait, because a thread
+cannot be interrupted while a statement on an async connection is cancelled with its task. It has
+the notice handler that the sync executor keeps on Django's connections (``sql.confirmation``): a
+lease statement whose commit the synchronous standby did not confirm raises
+`UnconfirmedCommitError` here as there. Its statements are rendered for the lease app's schema and
+decoded by their own decoders in ``sql.rows``.
+
+Errors are psycopg's, except where the statement's maps in ``sql.errors`` name the package's error
+for the server's answer. `Session._execute` alone reads them. The caller maps the rest as Django's
+cursor would. The wait does so with a Django connection object of its own, never the caller's,
+which another thread may be using.
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ class Session:
     async def connect(
         cls, params: dict[str, Any], alias: str, *, schema: str | None, role: str | None, listen: bool
     ) -> Session:
-        """Open one with ``params`` (psycopg's connect() arguments) to ``alias``'s database; ``schema``:
-        the lease schema, None to look it up on this connection (`sql.run.remember_schema`); ``role``: ``SET
-        ROLE`` it (Django's ``assume_role``); ``listen``: ``LISTEN`` for releases."""
+        """Open a session to ``alias``'s database with ``params``, psycopg's connect() arguments.
+
+        ``schema`` is the lease schema, or None to look it up on this connection through
+        `sql.run.remember_schema`. ``role`` is a role to ``SET ROLE`` to, Django's ``assume_role``.
+        ``listen`` says whether to ``LISTEN`` for releases.
+        """
         session = cls(await psycopg.AsyncConnection.connect(**params), schema)
         try:
             if role:

@@ -1,12 +1,15 @@
 """Where the database's answer becomes the package's error: every map from SQLSTATE or verdict, in one place.
 
-Both executors apply a statement's own map (``Statement.errors``) to what the driver raised: the sync
-one (``sql.run``) to Django's error, the async one (``sql.arun``) to psycopg's. The row verdicts
-(renew's ``not_owner``, force release's ``not_found``, ...) are raised by the decoders of
-``sql.rows`` through `lost` and `operator_refusal`. Two refusals come from statements no executor of
-ours sends, Django's own, so their callers ask here: a fenced write's (`fence_refusal`) and a
-TRUNCATE's (`truncate_refusal`). Everyone else who asks what the server said reads `sqlstate`: this
-module is the one that unwraps Django's ``__cause__`` and psycopg's ``diag``.
+Each statement carries two maps, ``Statement.errors`` for SQLSTATEs and ``Statement.verdicts`` for
+the verdicts a lease function answers with, such as renew's ``not_owner`` or force release's
+``not_found``. Both executors apply them in one place each. The sync one, ``sql.run``, maps
+Django's errors and the async one, ``sql.arun``, psycopg's. The decoders of ``sql.rows`` never see
+a verdict that is an error.
+
+Two refusals come from Django's own statements, which no executor of ours sends, so their callers
+ask here: `fence_refusal` for a fenced write and `truncate_refusal` for a TRUNCATE. Everyone else
+who asks what the server said reads `sqlstate`. This module is the one that unwraps Django's
+``__cause__`` and psycopg's ``diag``.
 """
 
 from __future__ import annotations

@@ -44,9 +44,10 @@ class LeaseState:
 
     Attributes:
         key: the lease key.
-        status: ``"free"``, ``"held"`` or ``"lapsed"`` (expired, not yet taken over): a `LeaseStatus` value.
+        status: ``"free"``, ``"held"`` or ``"lapsed"``, a `LeaseStatus` value. Lapsed means expired and not
+            yet taken over.
         owner: the holder; the former holder when lapsed; None when free.
-        epoch: the current epoch (0 for a key never acquired).
+        epoch: the current epoch, 0 for a key never acquired.
         expires_at: expiry of the current or lapsed grant; None when free.
         server_time: the server clock when the state was read.
     """
@@ -83,14 +84,15 @@ class Attempt(NamedTuple):
 
 @dataclass(frozen=True)
 class EpochAdvance:
-    """What `LeaseManager.advance_epochs` did (or, dry run, would do).
+    """What `LeaseManager.advance_epochs` did, or would do on a dry run.
 
     Attributes:
         by: how much every epoch and the epoch floor went up.
         leases: the lease rows advanced.
-        held: of those, the ones held then: their holders are fenced (``epoch_mismatch``) and must re-acquire.
+        held: of those, the ones held then. Their holders are fenced with ``epoch_mismatch`` and must
+            re-acquire.
         epoch_floor: the new epoch floor: a key without a row starts above it.
-        max_epoch: the new highest epoch (the floor when there are no rows).
+        max_epoch: the new highest epoch, or the floor when there are no rows.
         server_time: the server clock when it was done.
         dry_run: nothing was changed.
     """
@@ -113,14 +115,14 @@ class Renewal(NamedTuple):
 
 @dataclass(frozen=True)
 class HandoffRequest:
-    """A hand-off request recorded on a held lease (`LeaseManager.request_handoff`).
+    """A hand-off request recorded on a held lease by `LeaseManager.request_handoff`.
 
     Attributes:
         key: the lease key.
         owner: the holder asked to step down.
         epoch: its epoch.
         expires_at: its expiry when asked.
-        requested_at: when the hand-off was first requested during this grant (server clock).
+        requested_at: when the hand-off was first requested during this grant, by the server clock.
         server_time: the server clock when this request was made.
     """
 
