@@ -18,6 +18,7 @@ from psycopg import sql as pgsql
 
 import pg_lease_django
 from pg_lease_django import sql
+from pg_lease_django.exceptions import EpochMovedOnError, NotOwnerError
 from pg_lease_django.sql import Statement, statements
 from tests.parsing import parse
 
@@ -169,9 +170,29 @@ def test_every_row_is_typed_and_every_decoder_reads_parameters_by_name() -> None
     assert not untyped, "a statement's rows are a type of sql.rows, None, or (any statement) object"
     source = (PACKAGE / "sql" / "rows.py").read_text()
     assert "params[" not in source
-    assert re.search(r"def renewal\(row: Row, \*, key: str, owner: str, epoch: int", source)
+    assert re.search(r"def handoff\(row: Row, \*, key: str", source)
     assert statements.SEAT.decode(("me", None), relation="t").login == "me"
     assert statements.LISTEN.decode(()) is None
+
+
+def test_a_statement_that_answers_a_verdict_carries_its_verdict_map() -> None:
+    """A lease function's verdict becomes an error in the executors, from the statement's own map:
+    every statement whose first column is ``outcome`` has one naming the package's errors, and the
+    decoders only decode, raising nothing."""
+    answering = {v.name for v in VALUES if re.match(r"SELECT outcome\b", v.text)}
+    assert answering == {"renew", "release", "force_release", "request_handoff"}
+    assert answering == {v.name for v in VALUES if v.verdicts}
+    lost = statements.RENEW.verdicts["not_owner"](("not_owner", None, False), key="k", owner="me", epoch=3)
+    assert isinstance(lost, NotOwnerError)
+    assert (lost.owner, lost.epoch, lost.holder) == ("me", 3, None)
+    assert str(lost) == "cannot renew 'k' as 'me' at epoch 3: not_owner"
+    row = ("epoch_mismatch", "them", 9, None)
+    refused = statements.FORCE_RELEASE.verdicts["epoch_mismatch"](row, key="k", epoch=4, operator="ops")
+    assert isinstance(refused, EpochMovedOnError)
+    assert (refused.owner, refused.epoch, refused.holder, refused.current_epoch) == (None, 4, "them", 9)
+    source = (PACKAGE / "sql" / "rows.py").read_text()
+    assert "errors" not in re.findall(r"^from \S+ import (.*)$", source, re.MULTILINE)
+    assert "raise " not in source
 
 
 def test_the_executors_send_positional_text_in_the_order_of_the_names() -> None:

@@ -1,10 +1,10 @@
-"""Leader election on ``hold()``: ``elect()`` (a thread) and ``aelect()`` (a task), one plan for both.
+"""Leader election on ``hold()``: ``elect()`` in a thread and ``aelect()`` as a task, one plan for both.
 
-`plan` decides what a campaign does, term after term, and does no I/O; `candidate` is what both
-drivers share (the checked arguments, the callbacks, what was seen); `threaded` performs the plan's
-steps in a thread of its own (`Election`, ``elect()``) and `aio` as a task of the event loop
-(``aelect()``). Users import the public names from `pg_lease_django`; ``start`` and ``fail_term``
-are the hooks of ``leases run --campaign`` (`pg_lease_django.run.campaign`). See
+`plan` decides what a campaign does, term after term, and does no I/O. `candidate` is what both
+drivers share: the checked arguments, the callbacks, what was seen. `threaded` performs the plan's
+steps in a thread of its own, with `Election` and ``elect()``. `aio` performs them as a task of the
+event loop, with ``aelect()``. Users import the public names from `pg_lease_django`. ``start`` and
+``fail_term`` are the hooks of ``leases run --campaign``, in `pg_lease_django.run.campaign`. See
 docs/leader-election.md.
 """
 

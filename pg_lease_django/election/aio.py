@@ -1,12 +1,14 @@
-"""``aelect()``: an election driven by the event loop (`AsyncElection`), standing on its own.
+"""``aelect()``: an election driven by the event loop, `AsyncElection`, standing on its own.
 
-The campaign's task performs the steps of `pg_lease_django.election.plan` with awaits; every
-decision is the plan's, as for ``elect()``'s thread. What is the event loop's own is here: the
-database calls run in worker threads (``hold()``'s ``async with`` halves, ``ainspect``), and the
-leader callback runs as a task of its own, cancelled when the term must end: a hand-off (the hold's
-``on_handoff``), a loss (the hold cancels the campaign's task), or ``aelect()`` being cancelled. A
-cancellation that lands in a term is kept until the term has ended as every term does (the hold
-left, ``on_stopped_leading`` called); it then goes on at the plan's next `ENDED_BY_STOP` step.
+The campaign's task performs the steps of `pg_lease_django.election.plan` with awaits. Every
+decision is the plan's, as for ``elect()``'s thread. What is the event loop's own is here. The
+database calls run in worker threads, through ``hold()``'s ``async with`` halves and ``ainspect``.
+The leader callback runs as a task of its own, cancelled when the term must end. That happens on
+a hand-off, through the hold's ``on_handoff``; on a loss, when the hold cancels the campaign's
+task; or when ``aelect()`` itself is cancelled.
+
+A cancellation that lands in a term is kept until the term has ended as every term does: the hold
+left and ``on_stopped_leading`` called. It then goes on at the plan's next `ENDED_BY_STOP` step.
 """
 
 from __future__ import annotations
@@ -164,8 +166,11 @@ class AsyncElection:
             self._interrupted = self._interrupted or exc
 
     async def _leave(self) -> Left | Failed:
-        """Leave the term's hold, handing it the cancellation that cut the term short: the hold takes
-        back its own on a loss (raising LeaseLostError); one from outside is kept (`_cancelled`)."""
+        """Leave the term's hold, handing it the cancellation that cut the term short.
+
+        On a loss, the hold takes back its own cancellation and raises LeaseLostError. A cancellation
+        from outside is kept, through `_cancelled`.
+        """
         term, self._term = self._term, None
         interrupted, self._interrupted = self._interrupted, None
         assert term is not None  # the plan leaves only after a won attempt
@@ -187,8 +192,10 @@ class AsyncElection:
         return Left(lost=term.lease.lost, handoff_requested=term.lease.handoff_requested)
 
     def _keep_unless_the_holds(self, cancelled: asyncio.CancelledError, lease: HeldLease) -> None:
-        """A cancellation the hold could not tell: its own on a loss if it is the only one pending
-        (taken back), else one from outside (kept)."""
+        """A cancellation the hold could not tell apart: taken back if it is the hold's own, else kept.
+
+        It is the hold's own on a loss when it is the only one pending. Otherwise it came from outside.
+        """
         task = asyncio.current_task()
         if task is not None and lease.lost and task.cancelling() == self._cancelling + 1:
             task.uncancel()

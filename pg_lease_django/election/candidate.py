@@ -1,9 +1,9 @@
-"""What both drivers of an election share: the candidate (who campaigns, its callbacks, what it saw).
+"""What both drivers of an election share: the candidate, meaning who campaigns, its callbacks and what it saw.
 
-`Election` (a thread, `pg_lease_django.election.threaded`) and `AsyncElection` (a task,
-`pg_lease_django.election.aio`) each own a `Candidate` and add only what their way of running
-needs (events and a thread; a task's cancellations). Nothing here blocks or awaits, so neither
-driver inherits the other's machinery.
+`Election` runs in a thread, in `pg_lease_django.election.threaded`. `AsyncElection` runs as a
+task, in `pg_lease_django.election.aio`. Each owns a `Candidate` and adds only what its way of
+running needs: events and a thread for one, a task's cancellations for the other. Nothing here
+blocks or awaits, so neither driver inherits the other's machinery.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class Candidate:
 
     Attributes:
         key, owner: the lease key and this campaigner's identity for every term.
-        campaign: the plan's decisions (`Campaign`), with its back-off.
-        leader: the last leader identity seen (``owner`` when elected), or None.
+        campaign: the plan's decisions, a `Campaign`, with its back-off.
+        leader: the last leader identity seen, which is ``owner`` when elected; or None.
         lease: the current term's lease while its leader callback runs, else None.
     """
 

@@ -1,23 +1,25 @@
 """An election written once: what a campaign does, term after term, as a generator that does no I/O.
 
-`Campaign.plan` decides; a driver does. It yields the next step and is sent the step's answer. Two
-drivers run it with `pg_lease_django.plans.drive` and `adrive`: `Election`'s thread (``elect()``:
-blocking calls, a `Pause` cut short by ``stop()``) and `AsyncElection`'s task (``aelect()``: awaits,
-a `Pause` cut short by cancellation). The decisions
-are all here: campaign with one attempt at a time; after winning, announce this campaigner, lead,
-leave the hold, then call ``on_stopped_leading`` (only if the leader callback ran); how the term
-ended (`term_end`), how long to rest, the watch for a new leader after a hand-off, and which steps
-a stopped campaign no longer takes (`ENDED_BY_STOP`). What stays each driver's own is how a step is
-done: a thread's leader callback returns when told (``wait_stop``), a task's is cancelled; a stop
-is an event for one and a cancellation for the other. As in `pg_lease_django.wait.plan`, this is
-psycopg's habit (generators that yield what to wait for, run by a blocking and an async waiter),
-and it lets every decision be tested with a fake clock (tests/test_election_plan.py).
+`Campaign.plan` decides; a driver does. The plan yields the next step and is sent the step's
+answer. Two drivers run it with `pg_lease_django.plans.drive` and `adrive`. `Election`'s thread,
+behind ``elect()``, makes blocking calls, and ``stop()`` cuts a `Pause` short. `AsyncElection`'s
+task, behind ``aelect()``, awaits, and a cancellation cuts a `Pause` short.
 
-Resting before the next campaign keeps a leader from taking its lease straight back: after a
-hand-off, until another leader is seen or one TTL has passed; after the callback raised (or the
-term was failed by `pg_lease_django.election.fail_term`), a back-off doubling from the poll interval
-up to one TTL; after the callback returned, one poll interval (the others try in the meantime).
-After a loss there is no rest: the lease is someone else's, or nobody's.
+The decisions are all here. A campaign makes one attempt at a time. After winning, the campaigner
+announces itself, leads, leaves the hold, then calls ``on_stopped_leading``, but only if the leader
+callback ran. `term_end` decides how the term ended. The plan also decides how long to rest and
+the watch for a new leader after a hand-off. `ENDED_BY_STOP` lists the steps a stopped campaign no
+longer takes. What stays each driver's own is how a step is done. A thread's leader callback
+returns when told through ``wait_stop``, while a task's is cancelled. A stop is an event for one
+and a cancellation for the other. As in `pg_lease_django.wait.plan`, this is psycopg's habit:
+generators that yield what to wait for, run by a blocking and an async waiter. It lets every
+decision be tested with a fake clock, in tests/test_election_plan.py.
+
+Resting before the next campaign keeps a leader from taking its lease straight back. After a
+hand-off it rests until another leader is seen or one TTL has passed. After the callback raised,
+or the term was failed by `pg_lease_django.election.fail_term`, it backs off, doubling from the poll
+interval up to one TTL. After the callback returned, it rests one poll interval, and the others try
+in the meantime. After a loss there is no rest: the lease is someone else's, or nobody's.
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ class Announce:
 class Lead:
     """Call ``on_started_leading`` with the term's lease and wait until the term must end.
 
-    Answer: `TermEnd.RETURNED`, or `TermEnd.FAILED` when the callback raised (the driver logged it)
-    or the term was failed (`fail_term`); None when the term was cut short before the callback could
-    start (a task cancelled while announcing).
+    The answer is `TermEnd.RETURNED`. It is `TermEnd.FAILED` when the callback raised, which the
+    driver logged, or when `fail_term` failed the term. It is None when the term was cut short before
+    the callback could start, as for a task cancelled while announcing.
     """
 
 
@@ -87,8 +89,11 @@ class StepDown:
 
 @dataclass(frozen=True)
 class ReadLeader:
-    """Read who holds the key (``inspect``); answer: the holder, None when nobody holds it or the
-    read failed (the driver logs the failure)."""
+    """Read who holds the key with ``inspect``.
+
+    The answer is the holder, or None when nobody holds it or the read failed. The driver logs the
+    failure.
+    """
 
 
 Step = Attempt | Announce | Lead | Leave | StepDown | Pause | ReadLeader

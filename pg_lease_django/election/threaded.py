@@ -3,15 +3,16 @@
 The thread performs the steps of `pg_lease_django.election.plan` with blocking calls; every decision
 is the plan's. What is a thread's own is here:
 
-- **Campaigning** is a non-blocking ``hold()`` attempt every ``PG_LEASE_POLL_INTERVAL`` (0.5 s),
-  sleeping on an event in between: a refused attempt is one cheap statement (no write, no lock)
-  that names the holder (``on_new_leader``), and ``stop()`` ends the sleep at once and interrupts
-  an attempt in flight on the server. Not ``hold(blocking=True)``: its wait cannot be interrupted
-  from another thread, and a wait that times out closes its connection, so waiting in short slices
-  would reconnect every slice.
+- **Campaigning** is a non-blocking ``hold()`` attempt every ``PG_LEASE_POLL_INTERVAL``, 0.5 s by
+  default, sleeping on an event in between. A refused attempt is one cheap statement, with no
+  write and no lock, and it names the holder for ``on_new_leader``. ``stop()`` ends the sleep at
+  once and interrupts an attempt in flight on the server. It is not ``hold(blocking=True)``, for
+  two reasons: that wait cannot be interrupted from another thread, and a wait that times out
+  closes its connection, so waiting in short slices would reconnect every slice.
 - **Leading** is the callback running in this thread inside the hold. It cannot be interrupted: it
-  returns when told, by `Election.wait_stop` (woken when the lease is lost, a hand-off is requested
-  or the election is stopped, through the hold's ``on_lost`` / ``on_handoff`` and ``stop()``).
+  returns when told, by `Election.wait_stop`. That wakes when the lease is lost, a hand-off is
+  requested or the election is stopped, through the hold's ``on_lost`` and ``on_handoff`` and
+  through ``stop()``.
 
 See docs/leader-election.md.
 """
@@ -80,11 +81,11 @@ def current_election() -> Election | None:
 
 
 class Election:
-    """A campaign for ``key``: the handle ``elect()`` returns (also used as a context manager).
+    """A campaign for ``key``: the handle ``elect()`` returns, also usable as a context manager.
 
     Attributes:
         key: the lease key campaigned for.
-        owner: this campaigner's identity, the same for every term (``host:pid:random`` by default).
+        owner: this campaigner's identity, the same for every term; ``host:pid:random`` by default.
     """
 
     def __init__(
@@ -151,10 +152,10 @@ class Election:
         return self._stop.is_set()
 
     def wait_stop(self, timeout: float | None = None) -> bool:
-        """Block until the current term must end (lease lost, hand-off requested, `stop` called) or ``timeout``.
+        """Block until the current term must end or ``timeout`` passes; True if it must end.
 
-        True if it must end. What a sync leader callback waits on between steps (``lease.wait_stop()``
-        does not wake on `stop`).
+        The term must end when the lease is lost, a hand-off is requested or `stop` is called. A sync
+        leader callback waits on this between steps. ``lease.wait_stop()`` does not wake on `stop`.
         """
         lease = self._candidate.lease
         if self._stop.is_set() or lease is None or lease.lost or lease.handoff_requested:
@@ -162,9 +163,9 @@ class Election:
         return self._term_ends.wait(timeout)
 
     def stop(self) -> None:
-        """Stop campaigning; a leader steps down once its callback returns (see `wait_stop`). Does not wait.
+        """Stop campaigning; a leader steps down once its callback returns, see `wait_stop`. Does not wait.
 
-        A campaign attempt in flight is cancelled on the server (and a grant it committed released):
+        A campaign attempt in flight is cancelled on the server, and a grant it committed is released.
         ``join`` then returns at once, even while the lease row is locked by another session.
         """
         self._stop.set()
@@ -346,36 +347,38 @@ def elect(
     owner: str | None = None,
     using: str | None = None,
 ) -> Election:
-    """Campaign for ``key`` in a thread of its own; lead (call ``on_started_leading``) whenever elected.
+    """Campaign for ``key`` in a thread of its own, and lead whenever elected by calling ``on_started_leading``.
 
-    Of all campaigners for a key, at most one leads at a time (the lease's holder, fenced by its
-    epoch). The loop: campaign until the lease is won; call ``on_started_leading(lease)`` with the
-    `HeldLease` in the election's thread; when it returns or raises, or the lease is lost, or a
-    hand-off is requested (``Lease.objects.request_handoff``), or `Election.stop` is called:
-    leave the hold (release, unless lost), call ``on_stopped_leading()``, rest (a hand-off: until
-    another leader is seen or one TTL passed) and campaign again unless stopped.
+    Of all campaigners for a key, at most one leads at a time: the lease's holder, fenced by its
+    epoch. The loop goes like this. Campaign until the lease is won. Call
+    ``on_started_leading(lease)`` with the `HeldLease` in the election's thread. The term ends when
+    that returns or raises, when the lease is lost, when a hand-off is requested with
+    ``Lease.objects.request_handoff``, or when `Election.stop` is called. Then leave the hold,
+    releasing the lease unless it was lost, and call ``on_stopped_leading()``. Rest, and campaign
+    again unless stopped. After a hand-off the rest lasts until another leader is seen or one TTL has
+    passed.
 
-    ``on_started_leading`` must return when the term must end: wait between steps on
-    ``current_election().wait_stop(timeout)`` (lost, hand-off or stop) or ``lease.wait_stop()``
-    (lost or hand-off), or check ``lease.lost`` / ``lease.handoff_requested``. It cannot be
-    interrupted; while it has not returned the lease is not released (though it may be lost:
-    guard side effects with the lease as a fence). An exception from it is logged and ends the
-    term; the next campaign backs off (doubling from ``PG_LEASE_POLL_INTERVAL`` up to one TTL).
-    Exceptions from the other callbacks are logged.
+    ``on_started_leading`` must return when the term must end. Between steps it can wait on
+    ``current_election().wait_stop(timeout)``, which wakes on a loss, a hand-off or a stop. It can
+    wait on ``lease.wait_stop()``, which wakes on a loss or a hand-off. Or it can check ``lease.lost``
+    and ``lease.handoff_requested``. It cannot be interrupted. While it has not returned, the lease is
+    not released, though it may be lost: guard side effects with the lease as a fence. An exception
+    from it is logged and ends the term. The next campaign then backs off, doubling from
+    ``PG_LEASE_POLL_INTERVAL`` up to one TTL. Exceptions from the other callbacks are logged.
 
     Args:
         key: the lease key.
-        ttl: seconds or timedelta each grant and renewal lasts (renewed every ``ttl / 3``).
+        ttl: seconds or timedelta each grant and renewal lasts; it is renewed every ``ttl / 3``.
         on_started_leading: ``f(lease)``, called in the election thread at the start of each term.
-        on_stopped_leading: ``f()``, called after each term, once the lease is released (or lost).
-        on_new_leader: ``f(identity)``, called with each new leader identity observed: the holder
-            named by a refused attempt, and ``owner`` when this campaigner wins (once per change).
+        on_stopped_leading: ``f()``, called after each term, once the lease is released or lost.
+        on_new_leader: ``f(identity)``, called once per change with each new leader identity
+            observed: the holder named by a refused attempt, and ``owner`` when this campaigner wins.
         owner: this campaigner's identity for every term; default ``host:pid:random``.
         using: the database alias; default the router's write database for Lease.
 
     Returns:
-        The running `Election`: ``stop()``, ``join()``, ``leading``, ``leader``; leaving ``with
-        elect(...)`` stops it and waits for its thread. The thread is a daemon: a process that
+        The running `Election`, with ``stop()``, ``join()``, ``leading`` and ``leader``. Leaving
+        ``with elect(...)`` stops it and waits for its thread. The thread is a daemon: a process that
         exits without stopping leaves its lease to lapse after ``ttl``.
 
     Raises:

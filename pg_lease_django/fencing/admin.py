@@ -25,12 +25,12 @@ UNFENCED_NOTE = "Unfenced write from the admin (no lease held)."
 class FencedModelAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """ModelAdmin for a `FencedModel`: adding, changing and deleting rows works, as explicit opt-outs.
 
-    An admin user is no lease holder, so every write the admin makes (add, change, delete, "Delete
-    selected", inlines) runs under `unfenced_writes`: a transaction that calls
-    ``pg_lease_allow_unfenced()`` first, which the database lets only granted roles do
-    (docs/security.md). Each LogEntry says so (``UNFENCED_NOTE``), so the history shows which
-    writes bypassed the fence. A plain ``ModelAdmin`` on a fenced model fails on every write
-    (system check ``pg_lease_django.W001`` says so).
+    An admin user is no lease holder. So every write the admin makes runs under `unfenced_writes`:
+    add, change, delete, "Delete selected" and inlines. That is a transaction that calls
+    ``pg_lease_allow_unfenced()`` first, which the database lets only granted roles do; see
+    docs/security.md. Each LogEntry says so with ``UNFENCED_NOTE``, so the history shows which writes
+    bypassed the fence. A plain ``ModelAdmin`` on a fenced model fails on every write, and system check
+    ``pg_lease_django.W001`` says so.
     """
 
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:

@@ -1,10 +1,12 @@
 """A fenced model's lease key, read in Python: the fields it is made of, and its value for one row.
 
-A model declares the key ``lease_key = "..."`` for the whole table, or per row as
-``lease_key_expression`` (the database derives it: `schema`), or overrides ``get_lease_key()`` and
-names the fields in ``lease_key_fields``. The queryset refuses or recomputes writes to those fields
-(`key_fields_among`); the model evaluates the expression for a row (`evaluate_key`) and stores a key
-(`own_key`); the checks read the declaration (`key_fields`).
+A model declares the key in one of three ways. ``lease_key = "..."`` names it for the whole table.
+``lease_key_expression`` names it per row, and the database derives it, as `schema` sets up. Or
+the model overrides ``get_lease_key()`` and names the fields in ``lease_key_fields``.
+
+The queryset refuses or recomputes writes to those fields through `key_fields_among`. The model
+evaluates the expression for a row with `evaluate_key` and stores a key with `own_key`. The
+checks read the declaration through `key_fields`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """FencedModel: a row's ``save()`` and ``delete()`` present the fence that guards it.
 
-The public face of `pg_lease_django.fencing` (which re-exports it, with the queryset and manager of
-`queryset`): ``save()`` puts ``lease_epoch = pg_lease_check_fence(key, owner, epoch)`` in its own
-UPDATE or INSERT of one row; writes Django spreads over several statements (multi-table inheritance,
-cascades) run in one transaction whose first statement presents the fence. Which fence that is,
-`resolution` decides; how it reaches SQL, `statements`; the tables' triggers that check it,
-`schema`, whose `add_fence_trigger` this module calls for every FencedModel Django prepares.
+This is the public face of `pg_lease_django.fencing`, which re-exports it with the queryset and
+manager of `queryset`. ``save()`` puts ``lease_epoch = pg_lease_check_fence(key, owner, epoch)`` in
+its own UPDATE or INSERT of one row. Django spreads some writes over several statements, for
+multi-table inheritance and cascades. Those run in one transaction whose first statement presents
+the fence. `resolution` decides which fence that is, and `statements` how it reaches SQL. The
+tables' triggers that check it are in `schema`, whose `add_fence_trigger` this module calls for
+every FencedModel Django prepares.
 """
 
 from __future__ import annotations
@@ -33,20 +34,20 @@ _AMBIENT = object()  # save_base() called without save(): decide the fence there
 class FencedModel(models.Model):
     """Abstract model whose rows PostgreSQL writes only for the current holder of their lease.
 
-    Subclasses name the lease with ``lease_key = "billing"`` or per row by overriding
-    `get_lease_key`, and write with ``obj.save(fence=grant)`` / ``obj.delete(fence=grant)`` /
-    ``Model.objects.fenced(grant).update(...)``. A write is accepted only if, on the server clock,
-    the lease is held by ``grant.owner`` at ``grant.epoch`` and has not lapsed; otherwise it raises
-    `NotOwnerError`, `LapsedError` or `EpochMismatchError` and writes nothing. Writes without a
-    fence raise `UnfencedWriteError` unless opted out (``unfenced=True``, ``unfenced_writes()``).
-    The database enforces the same rule on every other writer (raw SQL, psql, other languages).
+    Subclasses name the lease with ``lease_key = "billing"``, or per row by overriding
+    `get_lease_key`. They write with ``obj.save(fence=grant)``, ``obj.delete(fence=grant)`` or
+    ``Model.objects.fenced(grant).update(...)``. A write is accepted only if, on the server clock, the
+    lease is held by ``grant.owner`` at ``grant.epoch`` and has not lapsed. Otherwise it raises
+    `NotOwnerError`, `LapsedError` or `EpochMismatchError` and writes nothing. Writes without a fence
+    raise `UnfencedWriteError` unless opted out with ``unfenced=True`` or ``unfenced_writes()``. The
+    database enforces the same rule on every other writer: raw SQL, psql, other languages.
 
-    Each row stores the key of its lease (``lease``, column ``lease_key``) and the epoch of its
-    last accepted write (``lease_epoch``). A write at a lower epoch than the row's is refused, and
-    moving a row to another lease needs the fences of both.
+    Each row stores the key of its lease in ``lease``, column ``lease_key``, and the epoch of its last
+    accepted write in ``lease_epoch``. A write at a lower epoch than the row's is refused, and moving a
+    row to another lease needs the fences of both.
 
     Inside ``atomic()``, a refused write leaves the block to roll back, as any failed write does.
-    The model must live in the database that holds the leases (check ``pg_lease_django.E002``).
+    The model must live in the database that holds the leases; check ``pg_lease_django.E002`` says so.
     """
 
     #: The lease guarding every row of the model; None when the key is per row (`lease_key_expression`).
@@ -77,9 +78,9 @@ class FencedModel(models.Model):
 
         Args:
             *args: passed to Django's ``save()``.
-            fence: the grant the write must hold (a `Grant`).
-            unfenced: write without a fence, deliberately (admin edits, data repair).
-            **kwargs: passed to Django's ``save()`` (``update_fields`` gains the lease fields).
+            fence: the `Grant` the write must hold.
+            unfenced: write without a fence, deliberately, as for admin edits or data repair.
+            **kwargs: passed to Django's ``save()``. ``update_fields`` gains the lease fields.
 
         Raises:
             NotOwnerError, LapsedError, EpochMismatchError: refused; nothing was written and the
@@ -174,12 +175,14 @@ class FencedModel(models.Model):
     adelete.alters_data = True  # type: ignore[attr-defined]
 
     def get_lease_key(self) -> str:
-        """The lease that guards writes to this row: ``lease_key_expression`` evaluated over this row
-        (F, Value and Concat), else the class attribute ``lease_key``.
+        """The lease that guards writes to this row.
+
+        That is ``lease_key_expression`` evaluated over this row, made of F, Value and Concat. Without
+        one, it is the class attribute ``lease_key``.
 
         Raises:
-            ImproperlyConfigured: neither is declared, or the expression needs an override of this
-                method (it uses other functions than Concat); also when the key it yields is NULL.
+            ImproperlyConfigured: neither is declared, or the key it yields is NULL. Also when the
+                expression uses other functions than Concat, which needs an override of this method.
         """
         if self.lease_key_expression is not None:
             key = evaluate_key(self.lease_key_expression, self)

@@ -1,10 +1,11 @@
 """FencedQuerySet and FencedManager: a queryset's writes present the fence that guards them.
 
-``update()`` and ``delete()`` put ``pg_lease_check_fence(key, owner, epoch)`` in their WHERE clause
-(evaluated once, before any row is read); writes Django spreads over several statements (multi-table
-inheritance, cascades, bulk writes) run in one transaction whose first statement presents the fence.
-``create()`` and its kin hand the queryset's fence to the model's ``save()`` (`FencedModel`, in
-`model`). Which fence that is, `resolution` decides; how it reaches SQL, `statements`.
+``update()`` and ``delete()`` put ``pg_lease_check_fence(key, owner, epoch)`` in their WHERE clause,
+evaluated once, before any row is read. Django spreads some writes over several statements, for
+multi-table inheritance, cascades and bulk writes. Those run in one transaction whose first
+statement presents the fence. ``create()`` and its kin hand the queryset's fence to the model's
+``save()``, that of `FencedModel` in `model`. `resolution` decides which fence that is, and
+`statements` how it reaches SQL.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ _recomputing_keys: ContextVar[bool] = ContextVar("pg_lease_recomputing_keys", de
 class FencedQuerySet(models.QuerySet[_M]):
     """QuerySet whose writes present a fence, or are refused without one.
 
-    ``Invoice.objects.fenced(grant).filter(...).update(status="sent")`` writes only while ``grant``
-    is the live lease of every matched row, sets ``lease_epoch`` to the grant's epoch, and is all
-    or nothing: the database refuses the whole statement (`EpochMismatchError`) if any matched row
-    was written at a higher epoch, and (`UnfencedWriteError`) if any belongs to another lease.
+    ``Invoice.objects.fenced(grant).filter(...).update(status="sent")`` writes only while ``grant`` is
+    the live lease of every matched row, and sets ``lease_epoch`` to the grant's epoch. It is all or
+    nothing. The database refuses the whole statement with `EpochMismatchError` if any matched row was
+    written at a higher epoch, and with `UnfencedWriteError` if any belongs to another lease.
     ``create()``, ``get_or_create()``, ``update_or_create()``, ``bulk_create()`` and
     ``bulk_update()`` are fenced the same way. ``.unfenced()`` opts out explicitly.
     """
@@ -95,8 +96,10 @@ class FencedQuerySet(models.QuerySet[_M]):
 
     @contextmanager
     def _scoped(self) -> Iterator[None]:
-        """Hand this queryset's explicit fence (or opt-out) to the saves Django's create() & co. make;
-        without either, each save decides for itself (inside hold(), for instance)."""
+        """Hand this queryset's explicit fence or opt-out to the saves that Django's create() and its kin make.
+
+        Without either, each save decides for itself, for instance inside hold().
+        """
         if self._pg_lease_token is None and not self._pg_lease_unfenced:
             yield
             return
@@ -124,12 +127,12 @@ class FencedQuerySet(models.QuerySet[_M]):
             The number of rows updated.
 
         Raises:
-            NotOwnerError, LapsedError, EpochMismatchError: the fence does not hold (even when no row
-                matches), or a matched row has a higher epoch; nothing was written.
+            NotOwnerError, LapsedError, EpochMismatchError: the fence does not hold, even when no row
+                matches, or a matched row has a higher epoch; nothing was written.
             UnfencedWriteError: neither ``.fenced()`` nor ``.unfenced()``, or a matched row belongs
                 to another lease.
-            InvalidInputError: ``kwargs`` set a field of ``lease_key_fields`` (moving rows between
-                leases needs their keys recomputed: ``save()`` or ``bulk_update()``).
+            InvalidInputError: ``kwargs`` set a field of ``lease_key_fields``. Moving rows between
+                leases needs their keys recomputed, which ``save()`` and ``bulk_update()`` do.
         """
         token = self._token()
         using = self._using()
@@ -169,12 +172,12 @@ class FencedQuerySet(models.QuerySet[_M]):
     delete.alters_data = True  # type: ignore[attr-defined]
 
     def bulk_update(self, objs: Any, fields: Iterable[str], batch_size: int | None = None) -> int:
-        """Django's bulk_update(), each batch a fenced `update` (refused up front without a fence).
+        """Django's bulk_update(), each batch a fenced `update`; without a fence it is refused up front.
 
-        When ``fields`` include a field the lease key derives from (``lease_key_fields``), each
-        object's stored key is recomputed (`FencedModel.get_lease_key`) and written too: a row that
-        moves to another lease then needs that lease's fence as well, which the database checks
-        (`UnfencedWriteError` when this queryset presents only one).
+        ``fields`` may include a field the lease key derives from, one of ``lease_key_fields``. Then each
+        object's stored key is recomputed by `FencedModel.get_lease_key` and written too. A row that moves
+        to another lease then needs that lease's fence as well. The database checks it, raising
+        `UnfencedWriteError` when this queryset presents only one.
         """
         self._token()
         fields = list(fields)

@@ -61,12 +61,12 @@ queryset_fence: ContextVar[QuerysetScope | None] = ContextVar("pg_lease_queryset
 
 @contextmanager
 def unfenced_writes() -> Iterator[None]:
-    """Allow FencedModel writes without a fence inside the block (this thread/task only).
+    """Allow FencedModel writes without a fence inside the block, in this thread or task only.
 
-    The explicit opt-out for writes that no lease holder makes: admin edits, data repair from a
-    shell, ``loaddata``. Each such write runs in a transaction that tells the database so
-    (``pg_lease_allow_unfenced()``, granted to the migrating role; see docs/security.md).
-    Greppable on purpose; also usable as a decorator.
+    It is the explicit opt-out for writes that no lease holder makes: admin edits, data repair from a
+    shell, ``loaddata``. Each such write runs in a transaction that tells the database so with
+    ``pg_lease_allow_unfenced()``, which is granted to the migrating role; see docs/security.md. It is
+    greppable on purpose, and also usable as a decorator.
     """
     token = _unfenced_writes.set(True)
     try:
@@ -82,11 +82,11 @@ def resolve_fence(
 
     Args:
         fence: the caller's grant, or None.
-        key: the lease key the write is guarded by (or a callable computing it, called only when
-            a fence is needed).
-        unfenced: the caller's explicit opt-out (``save(unfenced=True)``).
-        using: the database alias the write goes to, when known: a lease held (``hold(using=...)``)
-            in another database is no fence for it.
+        key: the lease key the write is guarded by, or a callable computing it, which is called only
+            when a fence is needed.
+        unfenced: the caller's explicit opt-out, as ``save(unfenced=True)`` gives it.
+        using: the database alias the write goes to, when known. A lease held in another database,
+            through ``hold(using=...)``, is no fence for it.
 
     Returns:
         The token to present, or None for a deliberately unfenced write.
@@ -94,7 +94,7 @@ def resolve_fence(
     Raises:
         UnfencedWriteError: no fence and no opt-out.
         InvalidInputError: both a fence and ``unfenced=True``; a fence for another key; a fence
-            that is not a grant (no ``owner``/``epoch``, wrong types).
+            that is not a grant, with no ``owner`` or ``epoch`` or with the wrong types.
     """
     if fence is None:
         if unfenced or _unfenced_writes.get():

@@ -98,17 +98,17 @@ VERSION_COMMENT = "pg_lease_django fence trigger {version}"
 class FenceTrigger(BaseConstraint):
     """The triggers that make PostgreSQL refuse stale writes to a FencedModel's table.
 
-    Listed in the model's ``Meta.constraints`` automatically (every concrete FencedModel, and every
-    multi-table child of one), so ``makemigrations`` writes an ``AddConstraint`` that installs them,
-    as django-pgtrigger does with its own operation; no SQL Django sends is ever rewritten. After
+    They are listed in the model's ``Meta.constraints`` automatically, for every concrete FencedModel
+    and every multi-table child of one. So ``makemigrations`` writes an ``AddConstraint`` that installs
+    them, as django-pgtrigger does with its own operation; no SQL Django sends is ever rewritten. After
     each INSERT, UPDATE and DELETE statement they check every row's lease against the fence the
-    transaction presented; TRUNCATE is refused unless the transaction opted out.
+    transaction presented. TRUNCATE is refused unless the transaction opted out.
 
-    ``version`` is `FENCE_TRIGGER_VERSION` when the migration was written: a release that changes
-    the triggers' SQL changes it, so ``makemigrations`` writes a migration that replaces them (a
-    ``RemoveConstraint`` and an ``AddConstraint``), and check W006 (``check --database``) names the
-    tables whose installed triggers are of another version. The SQL installed is always the one of
-    the package running the migration, commented with its version.
+    ``version`` is `FENCE_TRIGGER_VERSION` when the migration was written. A release that changes the
+    triggers' SQL changes it, so ``makemigrations`` writes a migration that replaces them with a
+    ``RemoveConstraint`` and an ``AddConstraint``. Check W006, run with ``check --database``, names the
+    tables whose installed triggers are of another version. The SQL installed is always the one of the
+    package running the migration, commented with its version.
     """
 
     def __init__(self, *, name: str, version: str | None = None, key: Any = None, **kwargs: Any) -> None:

@@ -75,11 +75,12 @@ def refusals_raised(action: str) -> Iterator[None]:
 
 @contextmanager
 def in_one_transaction(using: str, token: FenceToken | None, *, present_first: bool) -> Iterator[None]:
-    """A transaction for a write Django may spread over several statements; with ``present_first``
-    its first statement presents ``token`` (or opts out), so every later statement is covered.
+    """A transaction for a write Django may spread over several statements.
 
-    An opt-out ends with the block (one more statement): the rest of an enclosing transaction is
-    fenced again. A presented fence stays for the transaction, as it holds the lease row locked.
+    With ``present_first``, its first statement presents ``token`` or opts out, so every later
+    statement is covered. An opt-out ends with the block, at the cost of one more statement: the rest
+    of an enclosing transaction is fenced again. A presented fence stays for the transaction, as it
+    holds the lease row locked.
     """
     connection = connections[using]
     with transaction.atomic(using=using, savepoint=False):

@@ -1,8 +1,8 @@
-"""The holds active in this thread or task, and `current_lease`: a leaf, importing nothing of the package.
+"""The holds active in this thread or task, and `current_lease`. A leaf: it imports nothing of the package.
 
-`pg_lease_django.holds.holding` pushes and pops the leases (`active`); FencedModel writes with no
-fence (`pg_lease_django.fencing.resolution`) and ``current_lease()`` read them, without loading the
-machinery of a hold.
+`pg_lease_django.holds.holding` pushes and pops the leases through `active`. Two readers use them
+without loading the machinery of a hold: ``current_lease()``, and FencedModel writes with no fence,
+through `pg_lease_django.fencing.resolution`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""One hold's renewals (`Heartbeat`), run by the process's scheduler (`pg_lease_django.holds.scheduler`).
+"""One hold's renewals, in `Heartbeat`, run by the process's scheduler in `pg_lease_django.holds.scheduler`.
 
-Nothing here is public API; `pg_lease_django` is. A `Heartbeat` owns its hold's `Tenure`
-(`pg_lease_django.holds.lease`) and changes it only through the tenure's named methods; the job's
+Nothing here is public API; `pg_lease_django` is. A `Heartbeat` owns its hold's `Tenure` from
+`pg_lease_django.holds.lease` and changes it only through the tenure's named methods. The job's
 `HeldLease` reads it. Its statements go through connections lent by `lease_pool`.
 
 - **Bounded exits**: leaving a hold waits for a renewal in flight no longer than the end of the
-  trust window, and for the release no longer than ``max(renew interval, 1 s)`` plus
-  ``INTERRUPT_GRACE``; past that the call is interrupted (`LeaseConnection.interrupt`: a cancel,
-  which also ends a commit's wait for a synchronous standby that ``statement_timeout`` does not, then
-  the socket shut if the server cannot be reached) and the outcome is ``unknown``: the lease lapses
-  at its expiry. A renewal still in flight when the trust window ends is interrupted the same way.
+  trust window. It waits for the release no longer than ``max(renew interval, 1 s)`` plus
+  ``INTERRUPT_GRACE``. Past that the call is interrupted by `LeaseConnection.interrupt`, and the
+  outcome is ``unknown``: the lease lapses at its expiry. The interrupt is a cancel, which also
+  ends a commit's wait for a synchronous standby where ``statement_timeout`` does not. If the
+  server cannot be reached, the socket is then shut. A renewal still in flight when the trust
+  window ends is interrupted the same way.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ Outcome = Literal["freed", "kept", "gone", "unknown"]
 class Heartbeat:
     """The renewals of one hold, driven by the process's scheduler; its release when the hold ends.
 
-    A transient failure (connection lost, server restarting, statement timeout, anything but a
-    verdict) is logged and retried on another connection; only a verdict (``not_owner``,
-    ``lapsed``, ``epoch_mismatch``) or the end of the trust window declares the lease lost. At most
-    one renewal of a hold is in flight at a time. `finish` waits for it, then makes the last move
-    (release, or keep until ``hold_at_least``) on a pooled connection.
+    A transient failure is logged and retried on another connection. That is anything but a verdict:
+    a lost connection, a server restarting, a statement timeout. Only a verdict such as
+    ``not_owner``, ``lapsed`` or ``epoch_mismatch``, or the end of the trust window, declares the lease
+    lost. At most one renewal of a hold is in flight at a time. `finish` waits for it, then makes the
+    last move on a pooled connection: it releases, or keeps the lease until ``hold_at_least``.
     """
 
     def __init__(self, tenure: Tenure, pool: lease_pool.LeasePool, *, ttl: timedelta, interval: float) -> None:
@@ -86,11 +87,12 @@ class Heartbeat:
             self._schedule(min(self._next_at, self.tenure.trusted_until))
 
     def finish(self, *, keep_until: float | None = None) -> Outcome:
-        """Stop renewing (waiting for a renewal in flight), then release, or keep until ``keep_until`` (monotonic).
+        """Stop renewing, then release, or keep the lease until ``keep_until``, a monotonic instant.
 
-        Interrupted in this thread (a signal, KeyboardInterrupt, SystemExit) anywhere before its last
-        move is made, it makes it then (a release cut short is completed on a fresh session:
-        `LeaseConnection.release`), and the interruption goes on. A second call does nothing.
+        It first waits for a renewal in flight. It may be interrupted in this thread before its last move
+        is made, by a signal, KeyboardInterrupt or SystemExit. It then makes that move anyway, and the
+        interruption goes on. A release cut short is completed on a fresh session by
+        `LeaseConnection.release`. A second call does nothing.
         """
         if self.ended:
             self._unregister()  # an interrupt may have cut the first call short just before
@@ -349,10 +351,10 @@ class Heartbeat:
 
     @contextmanager
     def _watchdog(self, call: lease_connection.InFlight, bound: float) -> Iterator[None]:
-        """Interrupt ``call`` if it has not returned ``bound`` seconds (plus a margin) from now.
+        """Interrupt ``call`` if it has not returned ``bound`` seconds from now, plus a margin.
 
-        The margin lets the server's own statement_timeout (``bound``) answer first when it can. The
-        interrupt runs on a thread of its own: the workers may all be stuck in what it is to end.
+        The margin lets the server's own statement_timeout, which is ``bound``, answer first when it can.
+        The interrupt runs on a thread of its own: the workers may all be stuck in what it is to end.
         """
         scheduler = self._scheduler if self._scheduler is not None and self._scheduler.pid == os.getpid() else None
         if scheduler is not None:

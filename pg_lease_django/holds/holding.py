@@ -1,10 +1,11 @@
-"""``hold()``: acquire on a lease connection (never the job's), renew from the process's scheduler, release on exit.
+"""``hold()``: acquire on a lease connection, renew from the process's scheduler, release on exit.
 
-`Holding` is what ``hold()`` returns (a context manager, sync and async, and a decorator): it
-runs one `HoldSession` (`pg_lease_django.holds.session`: the acquire and the release) per block,
-keeps its lease in this thread's or task's active holds, and copes with interrupts and
-cancellations around it. ``@leased`` builds on the same pieces (`pg_lease_django.holds.jobs`).
-Public names are re-exported by `pg_lease_django`; import them from there. See docs/jobs.md.
+The lease connection is never the job's. `Holding` is what ``hold()`` returns: a context manager,
+sync and async, and a decorator. It runs one `HoldSession` per block, which does the acquire and
+the release; see `pg_lease_django.holds.session`. It keeps its lease in this thread's or task's
+active holds, and copes with interrupts and cancellations around it. ``@leased`` builds on the
+same pieces in `pg_lease_django.holds.jobs`. Public names are re-exported by `pg_lease_django`;
+import them from there. See docs/jobs.md.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ OnBusy = Literal["skip", "raise", "exit"]
 
 
 def _skipped(func: Callable[..., Any], holding: Holding, error: Exception, on_busy: OnBusy) -> None:
-    """``@leased(on_busy="skip")`` or ``"exit"`` did not run ``func``: say so where a default Django
-    project looks (WARNING reaches the console through Python's last-resort handler), and send
-    `lease_skipped`. With ``"exit"``, then end the process with ``leases run``'s status for the same
-    outcome (`ExitCode.BUSY`, or ``TIMED_OUT`` for a blocking wait that ran out), so that cron or
-    systemd can tell a skipped run from one that ran."""
+    """``@leased(on_busy="skip")`` or ``"exit"`` did not run ``func``: say so, and send `lease_skipped`.
+
+    It logs where a default Django project looks: a WARNING reaches the console through Python's
+    last-resort handler. With ``"exit"``, it then ends the process with ``leases run``'s status for the
+    same outcome, so that cron or systemd can tell a skipped run from one that ran. That status is
+    `ExitCode.BUSY`, or ``TIMED_OUT`` for a blocking wait that ran out.
+    """
     status = ExitCode.TIMED_OUT if isinstance(error, LeaseTimeoutError) else ExitCode.BUSY
     if on_busy == "exit":
         logger.warning("skipped %s(): %s; exiting with status %d", func.__qualname__, error, status)
@@ -86,13 +89,13 @@ def _forget(lease: HeldLease) -> None:
 
 
 class _Start:
-    """``session.start()`` for an ``async with`` (`run` on the hold's own thread), which the awaiting task
-    may abandon (`abandon`: it was cancelled) while it runs.
+    """``session.start()`` for an ``async with``, which the awaiting task may abandon while it runs.
 
-    An abandoned start whose interrupt came too late (the hold was set up) leaves the hold at once,
-    from whichever of the two threads comes second: not through the event loop, which may have
-    closed by then (``asyncio.run`` or ``async_to_sync`` ended with the cancelled task), so that the
-    grant is never left to lapse at its TTL with nobody to release it.
+    `run` runs it on the hold's own thread. `abandon` says the awaiting task was cancelled. An
+    abandoned start whose interrupt came too late, once the hold was set up, leaves the hold at once.
+    Whichever of the two threads comes second does it, not the event loop, which may have closed by
+    then because ``asyncio.run`` or ``async_to_sync`` ended with the cancelled task. So the grant is
+    never left to lapse at its TTL with nobody to release it.
     """
 
     def __init__(self, session: HoldSession) -> None:
@@ -288,36 +291,37 @@ def hold(
 ) -> Holding:
     """Hold the lease ``key`` for the duration of a block or a call, renewing it in the background.
 
-    ``with hold("nightly-billing", ttl=30) as lease: ...`` (also ``async with``, and as a decorator).
-    Entering acquires the lease on a lease connection (never the job's: it does not join your
-    transaction; the holds of a process share a small pool of them), then the process's heartbeat
-    scheduler renews it, each renewal on a connection of its own. Leaving releases exactly
-    this ``(owner, epoch)``; it never frees a lease someone else holds now. The current lease is
-    also what FencedModel writes without a fence use, and what `current_lease` returns.
+    Write ``with hold("nightly-billing", ttl=30) as lease: ...``; ``async with`` and a decorator work
+    too. Entering acquires the lease on a lease connection. That connection is never the job's, so it
+    does not join your transaction; the holds of a process share a small pool of them. Then the
+    process's heartbeat scheduler renews the lease, each renewal on a connection of its own. Leaving
+    releases exactly this ``(owner, epoch)``; it never frees a lease someone else holds now. The
+    current lease is also what FencedModel writes without a fence use, and what `current_lease`
+    returns.
 
     Args:
         key: the lease key.
         ttl: seconds or timedelta each grant and renewal lasts on the server clock.
         owner: the owner identity; default ``host:pid:random``, unique per hold.
         blocking: wait for the lease instead of raising NotAcquirableError.
-        timeout: with ``blocking=True``, the longest wait (then LeaseTimeoutError).
+        timeout: with ``blocking=True``, the longest wait, after which LeaseTimeoutError is raised.
         renew_every: seconds between renewals; default ``ttl / 3``. Must be shorter than the trust
             window, ``ttl * (1 - PG_LEASE_SAFETY_MARGIN)``.
         hold_at_least: on exit, keep the lease until this long after the grant instead of releasing
-            it (a job that finishes fast still blocks others for that long); scoped to this epoch.
-        on_lost: called once with the HeldLease when the lease is lost, from a heartbeat worker thread
-            (or from the thread that leaves the hold, if that is where the loss is found).
+            it, scoped to this epoch. A job that finishes fast still blocks others for that long.
+        on_lost: called once with the HeldLease when the lease is lost. It is called from a heartbeat
+            worker thread, or from the thread that leaves the hold if that is where the loss is found.
         using: the database alias; default the router's write database for Lease.
-        on_handoff: called once with the HeldLease when a renewal learns that someone asked this
-            holder to step down (``Lease.objects.request_handoff``), from a thread of its own.
+        on_handoff: called once with the HeldLease, from a thread of its own, when a renewal learns
+            that someone asked this holder to step down with ``Lease.objects.request_handoff``.
             ``lease.handoff_requested`` and ``lease.wait_stop()`` tell the job without a callback.
 
     Returns:
         A `Holding`; entering it gives the `HeldLease`.
 
     Raises:
-        InvalidInputError: a bad argument (now, or on entering for checks that read settings).
-        NotAcquirableError: on entering, the key is held by another owner (non-blocking).
+        InvalidInputError: a bad argument, now or, for checks that read settings, on entering.
+        NotAcquirableError: on entering, the key is held by another owner, when not blocking.
         LeaseTimeoutError: on entering, ``blocking=True`` and ``timeout`` passed.
     """
     options = HoldOptions.build(ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using, on_handoff)
@@ -328,11 +332,11 @@ _BUSY = (NotAcquirableError, LeaseTimeoutError)
 
 
 def wrap(func: Callable[P, Any], holding_for: Callable[[Any, Any], Holding], on_busy: OnBusy) -> Callable[P, Any]:
-    """``func`` (sync or async), each call run inside the `Holding` that ``holding_for(args, kwargs)`` makes.
+    """``func``, sync or async, with each call run inside the `Holding` that ``holding_for(args, kwargs)`` makes.
 
-    When the lease cannot be had, the call raises (``on_busy="raise"``), or is skipped and returns None
-    (``"skip"``) or raises ``SystemExit`` (``"exit"``). What a call does is `_held_call`, written once;
-    each wrapper only performs its steps.
+    When the lease cannot be had, the call raises with ``on_busy="raise"``. With ``"skip"`` it is
+    skipped and returns None; with ``"exit"`` it raises ``SystemExit``. What a call does is
+    `_held_call`, written once; each wrapper only performs its steps.
     """
     if iscoroutinefunction(func):
 

@@ -92,28 +92,29 @@ def leased(
     using: str | None = None,
     on_busy: OnBusy = "skip",
 ) -> SkippingDecorator | RaisingDecorator:
-    """Run each call of the decorated function (sync or async) while holding a lease.
+    """Run each call of the decorated function, sync or async, while holding a lease.
 
-    ``@leased("invoice:{invoice_id}", ttl=60)``: the key is a template filled from the call's
-    arguments by name (defaults included; ``{obj.pk}`` works), or a callable taking the same
-    arguments and returning the key. Signatures and typing are preserved. Async functions are
-    cancelled when the lease is lost; the call then raises the LeaseLostError subclass. Put
-    Django's ``@task`` outermost: ``@task`` over ``@leased(...)``.
+    Write ``@leased("invoice:{invoice_id}", ttl=60)``. The key is a template filled from the call's
+    arguments by name, defaults included, and ``{obj.pk}`` works. It may instead be a callable taking
+    the same arguments and returning the key. Signatures and typing are preserved. Async functions are
+    cancelled when the lease is lost; the call then raises the LeaseLostError subclass. Put Django's
+    ``@task`` outermost: ``@task`` over ``@leased(...)``.
 
     Args:
         key: a ``str.format`` template naming the function's parameters, or a callable.
         ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using: as for `hold`.
-        on_busy: ``"skip"`` (default): when the lease cannot be had (held elsewhere, or the
-            blocking wait timed out), the call does not run and returns None. ``"raise"``: it
-            raises NotAcquirableError / LeaseTimeoutError. ``"exit"``: it is skipped as with
-            ``"skip"`` (logged, `lease_skipped` sent), then raises ``SystemExit`` with the status
-            ``manage.py leases run`` exits with for the same outcome: 75 (busy) or 77 (the wait
-            timed out). For a process's main function (a management command's ``handle()``, a
-            script's ``main()``), so that cron or systemd can tell a skipped run from one that ran.
+        on_busy: what a call does when the lease cannot be had, because it is held elsewhere or the
+            blocking wait timed out. ``"skip"``, the default: the call does not run and returns None.
+            ``"raise"``: it raises NotAcquirableError or LeaseTimeoutError. ``"exit"``: it is skipped
+            as with ``"skip"``, logged and with `lease_skipped` sent. It then raises ``SystemExit``
+            with the status ``manage.py leases run`` exits with for the same outcome: 75 when busy,
+            77 when the wait timed out. This is for a process's main function, such as a management
+            command's ``handle()`` or a script's ``main()``, so that cron or systemd can tell a
+            skipped run from one that ran.
 
     Raises:
         InvalidInputError: a bad argument, or a template field that names no parameter.
-        SystemExit: ``on_busy="exit"`` and the lease could not be had (when the call is made).
+        SystemExit: ``on_busy="exit"`` and the lease could not be had, when the call is made.
     """
     options = HoldOptions.build(ttl, owner, blocking, timeout, renew_every, hold_at_least, on_lost, using)
     if on_busy not in ("skip", "raise", "exit"):
@@ -156,15 +157,15 @@ def _key_function(key: str | Callable[..., str], func: Callable[..., Any]) -> Ca
 
 
 def exit_on_signals(signals: Iterable[int] = (signal.SIGTERM,)) -> None:
-    """Make ``signals`` (default SIGTERM) end the process cleanly: ``SystemExit(128 + signum)``.
+    """Make ``signals`` end the process cleanly with ``SystemExit(128 + signum)``; default SIGTERM.
 
-    Python already turns SIGINT into KeyboardInterrupt; SIGTERM kills the process at once, so
+    Python already turns SIGINT into KeyboardInterrupt. SIGTERM kills the process at once, so
     ``with hold()`` blocks never run their exit and the lease is left to lapse. After this call a
-    SIGTERM raises SystemExit in the main thread, which unwinds every ``with hold()`` (releasing
-    its lease) and exits with status 143. Call it once, from the main thread, at worker start-up.
+    SIGTERM raises SystemExit in the main thread. That unwinds every ``with hold()``, releasing its
+    lease, and exits with status 143. Call it once, from the main thread, at worker start-up.
 
     Raises:
-        ValueError: not called from the main thread (Python's rule for signal handlers).
+        ValueError: not called from the main thread, which is Python's rule for signal handlers.
     """
 
     def handler(signum: int, frame: FrameType | None) -> None:

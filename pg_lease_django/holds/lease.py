@@ -1,10 +1,10 @@
 """`HeldLease`, what a hold gives its job, and `Tenure`, the state its heartbeat and its hold drive.
 
-`HeldLease` is documented API (key, owner, epoch, ``lost``, ``check()``, ...), re-exported by
-`pg_lease_django`: a read-only view. `Tenure` is the internal contract
-of `pg_lease_django.holds.scheduler` and `pg_lease_django.holds.holding`: the trust window, the verdicts and
-the events, changed only through its named methods. A tenure makes its lease (`Tenure.lease`);
-the lease reads the tenure and changes nothing.
+`HeldLease` is documented API, re-exported by `pg_lease_django`: a read-only view with the key,
+owner, epoch, ``lost``, ``check()`` and more. `Tenure` is the internal contract of
+`pg_lease_django.holds.scheduler` and `pg_lease_django.holds.holding`. It holds the trust window,
+the verdicts and the events, changed only through its named methods. A tenure makes its lease,
+`Tenure.lease`; the lease reads the tenure and changes nothing.
 """
 
 from __future__ import annotations
@@ -43,20 +43,21 @@ def _fresh(error: LeaseLostError) -> LeaseLostError:
 class Tenure:
     """The state of one hold, owned by its heartbeat and its `Holding`; its `lease` is the job's view of it.
 
-    Changed only through the methods below (`renewed`, `declare_lost`, `lose_trust`, `end`,
-    `handoff_requested_seen`); the monotonic instants are ``time.monotonic()`` values.
+    It is changed only through its methods `renewed`, `declare_lost`, `lose_trust`, `end` and
+    `handoff_requested_seen`. The monotonic instants are ``time.monotonic()`` values.
 
     Attributes:
         lease: the `HeldLease` the job is given.
         granted_at: just before the statement that granted the lease was sent.
         trust_span: how long after sending a renewal that succeeded the holder trusts itself.
-        trusted_until: the instant the holder stops trusting itself (only ever pushed later, by `renewed`).
-        error: why the lease was lost (first verdict), or None.
-        ended_at: the instant the hold ended (`end`), or None.
-        released: the hold's release committed (a release that failed or was cut short: False).
+        trusted_until: the instant the holder stops trusting itself. Only `renewed` moves it, and only
+            ever later.
+        error: why the lease was lost, the first verdict; or None.
+        ended_at: the instant `end` ended the hold, or None.
+        released: the hold's release committed. False for a release that failed or was cut short.
         handoff_requested: a renewal said someone asked this holder to step down.
-        lost_event: set on loss (what ``wait_lost`` sleeps on).
-        stop_event: set on loss and on a hand-off request (what ``wait_stop`` sleeps on).
+        lost_event: set on loss; ``wait_lost`` sleeps on it.
+        stop_event: set on loss and on a hand-off request; ``wait_stop`` sleeps on it.
     """
 
     def __init__(
@@ -190,16 +191,16 @@ class Tenure:
 
 
 class HeldLease:
-    """A lease held by ``hold()`` / ``@leased``; yielded by ``with hold(...) as lease``.
+    """A lease held by ``hold()`` or ``@leased``; ``with hold(...) as lease`` yields it.
 
-    It is also a fence: ``obj.save(fence=lease)`` (and FencedModel writes with no fence inside the
-    hold use it on their own).
+    It is also a fence: ``obj.save(fence=lease)``. FencedModel writes with no fence inside the hold use
+    it on their own.
 
     Attributes:
         key: the lease key.
-        owner: the owner identity it is held under (unique per hold unless you passed ``owner``).
+        owner: the owner identity it is held under, unique per hold unless you passed ``owner``.
         epoch: the fencing token of this grant; renewals keep it.
-        expires_at: the server's expiry after the last successful acquire/renewal.
+        expires_at: the server's expiry after the last successful acquire or renewal.
         ttl: the TTL every renewal asks for.
         using: the database alias the lease is held in.
     """
@@ -269,12 +270,12 @@ class HeldLease:
     def check(self) -> None:
         """Raise unless the lease is still held and trusted. Call it between steps of the job.
 
-        Costs no query: it reads what the heartbeat learned and the monotonic clock.
+        It costs no query: it reads what the heartbeat learned and the monotonic clock.
 
         Raises:
-            NotOwnerError, LapsedError, EpochMismatchError: the lease was lost (the server said so,
-                or no renewal was confirmed within the trust window: LapsedError). Stop acting.
-            NotOwnerError: the hold has ended (the lease was released).
+            NotOwnerError, LapsedError, EpochMismatchError: the lease was lost. Either the server said so,
+                or no renewal was confirmed within the trust window, which raises LapsedError. Stop acting.
+            NotOwnerError: the hold has ended because the lease was released.
         """
         error = self.error
         if error is not None:
@@ -300,8 +301,10 @@ class HeldLease:
         return self._wait(lambda: self.lost or self._tenure.handoff_requested, self._tenure.stop_event, timeout)
 
     def _wait(self, done: Callable[[], bool], event: threading.Event, timeout: float | None) -> bool:
-        """Until ``done()`` (True), the end of the hold or ``timeout`` (False); ``event`` wakes it, and
-        so does the end of the trust window by itself (a loss nobody has to announce)."""
+        """Wait until ``done()``, answering True, or until the end of the hold or ``timeout``, answering False.
+
+        ``event`` wakes it. So does the end of the trust window by itself, a loss nobody has to announce.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if done():

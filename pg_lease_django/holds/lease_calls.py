@@ -1,17 +1,19 @@
 """The async calls of ``Lease.objects`` outside a transaction: on the lease pool, in threads of the package's own.
 
-Django has no async database connection (6.x's ``aget`` is ``sync_to_async`` too), so each call's
-statement blocks a thread. ``sync_to_async``'s default runs every such call of a process outside a
-request on one shared thread: one call waiting on a row lock held up every other. Here a call
-borrows a connection of the pool ``hold()`` uses (`lease_pool`: owned, kept small, closed when idle
-and at exit) for its one statement, on a thread of `Threads`, which starts a thread whenever none is
-idle: no call waits for another. Inside the caller's transaction none of this is used: the
-statement belongs to that transaction (``Lease.objects`` runs it there, via ``sync_to_async``).
+Django has no async database connection; even 6.x's ``aget`` is ``sync_to_async``. So each call's
+statement blocks a thread. By default ``sync_to_async`` runs every such call of a process outside a
+request on one shared thread, so one call waiting on a row lock held up every other.
 
-A thread cannot be interrupted: a cancelled call runs to its end in its thread (a release still
-frees the lease). An acquire attempt cancelled in flight is cancelled on the server, and a grant it
-committed is released before the cancellation goes on (`attempt`), as every interrupted attempt is
-(`wait.settling`).
+Here a call borrows a connection of the pool ``hold()`` uses for its one statement. That pool,
+`lease_pool`, is owned, kept small, and closed when idle and at exit. The call runs on a thread of
+`Threads`, which starts a thread whenever none is idle, so no call waits for another. Inside the
+caller's transaction none of this is used: the statement belongs to that transaction, and
+``Lease.objects`` runs it there through ``sync_to_async``.
+
+A thread cannot be interrupted: a cancelled call runs to its end in its thread, and a release still
+frees the lease. An acquire attempt cancelled in flight is cancelled on the server, and `attempt`
+releases a grant it committed before the cancellation goes on. Every interrupted attempt is settled
+so, as `wait.settling` describes.
 """
 
 from __future__ import annotations
@@ -128,14 +130,15 @@ def in_thread(fn: Callable[[], T], start: Callable[[Callable[[], None]], None] =
 
 
 async def in_transaction(alias: str) -> bool:
-    """Whether the caller's connection to ``alias`` is in a transaction: ``AUTOCOMMIT`` off, or a sync
-    caller above this coroutine (``async_to_sync`` within ``atomic()``) holds one.
+    """Whether the caller's connection to ``alias`` is in a transaction.
 
-    Django's connections are thread-local: the sync caller's is asked in its own thread, where
-    ``sync_to_async`` runs (a thread that waits for this coroutine: no other call queues there), and
-    only when there is such a caller (asgiref's ``AsyncToSync.executors.current``, which is how
-    ``sync_to_async`` finds that thread). Without one (an ASGI server's loop, ``asyncio.run``) async
-    code cannot have opened a transaction. Neither opens nor creates a connection.
+    It is when ``AUTOCOMMIT`` is off, or when a sync caller above this coroutine holds one, as with
+    ``async_to_sync`` within ``atomic()``. Django's connections are thread-local, so the sync caller's
+    is asked in its own thread, where ``sync_to_async`` runs. That thread waits for this coroutine, so
+    no other call queues there. It is asked only when there is such a caller, which asgiref's
+    ``AsyncToSync.executors.current`` tells, as it tells ``sync_to_async``. Without one, async code
+    cannot have opened a transaction: that is the case under an ASGI server's loop or ``asyncio.run``.
+    This neither opens nor creates a connection.
     """
     if not connections.settings[alias]["AUTOCOMMIT"]:
         return True
@@ -184,18 +187,19 @@ class _Attempting:
 async def attempt(
     alias: str, key: str, owner: str, ttl: timedelta, *, blocking: bool = False, within: timedelta | None = None
 ) -> Attempt:
-    """One acquire attempt of ``key`` on ``alias``'s lease pool (`operations.attempt`), settled when cancelled.
+    """One acquire attempt of ``key`` on ``alias``'s lease pool through `operations.attempt`, settled when cancelled.
 
-    ``blocking``: the first try of a blocking acquire, which waits for a lock ``within`` at most (its
-    deadline: `operations.attempt_within`) and releases a grant whose commit the synchronous standby
-    did not confirm before it raises `UnconfirmedCommitError`, as every attempt of a blocking wait
-    does (a non-blocking call leaves it to its TTL).
+    ``blocking`` marks the first try of a blocking acquire. It waits for a lock at most ``within``,
+    its deadline, as `operations.attempt_within` does. Like every attempt of a blocking wait, it
+    releases a grant whose commit the synchronous standby did not confirm before it raises
+    `UnconfirmedCommitError`. A non-blocking call leaves such a grant to its TTL.
 
-    When the awaiting task is cancelled (``asyncio.timeout`` too) while the statement runs, the
-    statement is cancelled on the server (again until its thread has it back) and the thread, seeing
-    it abandoned, releases a grant it committed (`wait.settling.settle`); when the statement had
-    already ended, the task settles it so. Either way before the cancellation goes on; a second
-    cancellation does not cut that short (`wait.settling.settled_anyway`).
+    The awaiting task may be cancelled while the statement runs, also by ``asyncio.timeout``. Then the
+    statement is cancelled on the server, again and again until its thread has it back. The thread
+    sees it abandoned and releases a grant it committed, through `wait.settling.settle`. When the
+    statement had already ended, the task settles it the same way. Either way this happens before the
+    cancellation goes on, and a second cancellation does not cut it short; see
+    `wait.settling.settled_anyway`.
     """
     state = _Attempting()
     running = in_thread(functools.partial(_attempt_on_lent, alias, key, owner, ttl, state, blocking, within))

@@ -1,9 +1,9 @@
-"""One database connection of ``hold()`` (`LeaseConnection`), and a statement on it that another thread
-may interrupt (`InFlight`).
+"""One database connection of ``hold()``, and a statement on it that another thread may interrupt.
 
-A `LeaseConnection` is a private Django connection for the lease's statements: never the job's,
-never Django's pool, bounded against a dead network, settling an acquire or release that was
-interrupted in flight. `lease_pool` lends them, one per statement.
+`LeaseConnection` is a private Django connection for the lease's statements. It is never the
+job's and never in Django's pool. It is bounded against a dead network, and it settles an acquire
+or release that was interrupted in flight. `lease_pool` lends them, one per statement.
+`InFlight` is a statement on one, which another thread may interrupt.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ class InFlight:
         self._conn, self._lend = conn, lend
 
     def interrupt(self, *, grace: float) -> None:
-        """Cancel the statement, then shut its socket if it still has not returned (blocks up to ``grace`` s).
+        """Cancel the statement, then shut its socket if it still has not returned; this blocks up to ``grace`` s.
 
-        Also before the call is lent or between a blocking wait's attempts: an acquire checks
-        ``interrupted`` before each attempt (`check`).
+        It also works before the call is lent or between a blocking wait's attempts: an acquire checks
+        ``interrupted`` before each attempt, through `check`.
         """
         if self.done.is_set():
             return
@@ -92,16 +92,16 @@ def _shut(raw: Any) -> None:
 class LeaseConnection:
     """A database connection of ``hold()``: never the job's, never Django's pool; lent by a `LeasePool`.
 
-    A private copy of the alias's settings: Django's connection pool (``OPTIONS["pool"]``) is left
-    out, the session is named ``pg_lease_django hold`` in ``pg_stat_activity``, and TCP keepalives
-    and ``tcp_user_timeout`` bound how long a dead network can hang a call (unless the settings
-    choose otherwise). Used by one thread at a time (the pool lends it to one borrower).
+    It uses a private copy of the alias's settings. Django's connection pool, ``OPTIONS["pool"]``, is
+    left out. The session is named ``pg_lease_django hold`` in ``pg_stat_activity``. TCP keepalives
+    and ``tcp_user_timeout`` bound how long a dead network can hang a call, unless the settings choose
+    otherwise. One thread at a time uses it, since the pool lends it to one borrower.
 
     Every renewal and release is bounded server-side by ``statement_timeout``. Directly connected,
     the timeout is a session setting, set only when it differs from what the session has, and the
-    call runs alone in autocommit: one statement, one round trip. Behind a transaction pooler
-    (``PG_LEASE_LISTEN = False``, see docs/installation.md) a session setting would stay on
-    whichever server session PgBouncer lent, or be lost: there the timeout is ``SET LOCAL`` in a
+    call runs alone in autocommit: one statement, one round trip. Behind a transaction pooler, with
+    ``PG_LEASE_LISTEN = False`` as docs/installation.md explains, a session setting would stay on
+    whichever server session PgBouncer lent, or be lost. There the timeout is ``SET LOCAL`` in a
     transaction of its own around the call, as before.
     """
 
@@ -145,16 +145,15 @@ class LeaseConnection:
         wait: timedelta | None,
         call: InFlight | None = None,
     ) -> Grant:
-        """One acquire (or a blocking wait of at most ``wait``) in autocommit: the grant is committed when this returns.
+        """One acquire, or a blocking wait of at most ``wait``, in autocommit: the grant is committed when this returns.
 
-        Runs under the session's default statement_timeout, as Django's own connections do. An
-        interruption (any exception but a refusal, including one raised in this thread by a
-        signal handler, and ``call.interrupt()`` from another thread) cancels the attempt in
-        flight on the server and settles it (`settling.settle`: a grant it committed is released)
-        before it goes on.
+        It runs under the session's default statement_timeout, as Django's own connections do. An
+        interruption is any exception but a refusal. It may be raised in this thread by a signal handler,
+        or come from ``call.interrupt()`` in another thread. It cancels the attempt in flight on the
+        server and settles it before it goes on: `settling.settle` releases a grant the attempt committed.
 
         Raises:
-            NotAcquirableError: not blocking, and another owner holds the key (named in the error).
+            NotAcquirableError: not blocking, and another owner holds the key, named in the error.
             AcquireInterrupted: ``call`` was interrupted before an attempt was sent.
         """
         attempts = 0
@@ -212,9 +211,9 @@ class LeaseConnection:
     def release(self, key: str, owner: str, epoch: int, *, timeout: float) -> None:
         """Release ``(owner, epoch)`` only, giving up server-side after ``timeout`` seconds.
 
-        Interrupted in this thread (a signal, KeyboardInterrupt, SystemExit: not an error of the
-        call) at any of its statements, the release is completed on a fresh session
-        (`settling.complete_release`, as ``Lease.objects.release`` does) before the interruption goes on.
+        It may be interrupted in this thread at any of its statements by a signal, KeyboardInterrupt or
+        SystemExit, none of them an error of the call. The release is then completed on a fresh session
+        by `settling.complete_release`, as ``Lease.objects.release`` does, before the interruption goes on.
         """
         try:
             with self._bounded(timeout):
@@ -239,18 +238,19 @@ class LeaseConnection:
             return self._lends
 
     def interrupt(self, lend: int, done: threading.Event, *, grace: float) -> None:
-        """End the call in flight on this connection, from another thread (a hold's bounded exit).
+        """End the call in flight on this connection from another thread, for a hold's bounded exit.
 
-        First a cancel request, which also ends a commit's wait for a synchronous standby (a
-        ``statement_timeout`` does not). If the call is still blocked ``grace`` seconds later (the
-        server cannot be reached: a dead network), the socket is shut down, so that the blocked call
-        fails at once instead of after the TCP keepalives. Only while the connection is still in the
-        same lending (``lend``) and its call has not returned (``done``): the guard keeps it from
-        being lent again, or closed, meanwhile. The call's own error handling discards it.
+        First it sends a cancel request, which also ends a commit's wait for a synchronous standby, where
+        a ``statement_timeout`` does not. The call may still be blocked ``grace`` seconds later, because
+        the server cannot be reached over a dead network. Then the socket is shut down, so that the
+        blocked call fails at once instead of after the TCP keepalives. This happens only while the
+        connection is still in the same lending, ``lend``, and its call has not returned, ``done``. The
+        guard keeps it from being lent again, or closed, meanwhile. The call's own error handling
+        discards it.
 
-        With no statement in flight (a blocking acquire waiting for a release notification) the
-        socket is shut down at once: the wait ends now, and the acquire checks ``InFlight.check``
-        before it would send another attempt.
+        With no statement in flight, the socket is shut down at once; that is a blocking acquire waiting
+        for a release notification. The wait ends now, and the acquire checks ``InFlight.check`` before it
+        would send another attempt.
         """
         with self._guard:
             cancelled = self._in_call(lend, done)

@@ -1,23 +1,23 @@
 """The database connections of ``hold()``: one small pool per database alias, per process.
 
-A hold borrows a `LeaseConnection` for each statement it sends (acquire, each renewal, release)
-and gives it back at once. Only a clean connection goes back (autocommit, no transaction, no
-statement in flight, no LISTEN left); one that failed or timed out is closed. At most
-``PG_LEASE_HOLD_CONNECTIONS`` idle connections are kept per pool; the heartbeat's scheduler closes
-them when no hold is left, and they are closed at exit. Test runs close them explicitly
-(`pg_lease_django.testing.LeaseTestRunner` and the pytest plugin call `close_connections`) so
-that the test databases can be dropped; this module knows nothing of tests.
+A hold borrows a `LeaseConnection` for each statement it sends, the acquire, each renewal and the
+release, and gives it back at once. Only a clean connection goes back: autocommit, no transaction,
+no statement in flight, no LISTEN left. One that failed or timed out is closed. At most
+``PG_LEASE_HOLD_CONNECTIONS`` idle connections are kept per pool. The heartbeat's scheduler closes
+them when no hold is left, and they are closed at exit. Test runs close them explicitly, so that
+the test databases can be dropped: `pg_lease_django.testing.LeaseTestRunner` and the pytest plugin
+call `close_connections`. This module knows nothing of tests.
 
-A child process never uses its parent's connections: everything is per process (``os.getpid()``)
-and reset in the child; the inherited connections are kept referenced, never closed, so the child
-cannot end its parent's sessions.
+A child process never uses its parent's connections. Everything is per process, keyed by
+``os.getpid()``, and reset in the child. The inherited connections are kept referenced, never
+closed, so the child cannot end its parent's sessions.
 
-A pool of our own `LeaseConnection` wrappers rather than ``psycopg_pool``: the lease connections
-must be Django connections (its backend maps errors to ``django.db`` errors, applies ``OPTIONS``,
-``assume_role``, the isolation level, and the rendering of `sql`), which psycopg_pool cannot hand
-out, and what a pool must do here is small: a bounded stack of idle wrappers, a cleanliness check
-on return, a pid check, closing at exit. psycopg_pool's background maintenance threads and its
-resizing would add threads and connections, not bound them.
+The pool holds our own `LeaseConnection` wrappers rather than using ``psycopg_pool``, because the
+lease connections must be Django connections. Django's backend maps errors to ``django.db`` errors
+and applies ``OPTIONS``, ``assume_role``, the isolation level and the rendering of `sql`;
+psycopg_pool cannot hand those out. And what a pool must do here is small: a bounded stack of idle
+wrappers, a cleanliness check on return, a pid check, closing at exit. psycopg_pool's background
+maintenance threads and its resizing would add threads and connections, not bound them.
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ _inherited: list[Any] = []
 
 
 class LeasePool:
-    """The idle lease connections of one database alias (and one I/O bound) in this process.
+    """The idle lease connections of one database alias and one I/O bound in this process.
 
-    Lends a connection per statement; prefers one whose session already has the statement_timeout
-    the call needs (so a renewal is one statement), opens one more while fewer than ``size`` are
-    open, and otherwise lends the most recently used. Keeps at most ``size`` idle connections.
+    It lends a connection per statement. It prefers one whose session already has the
+    statement_timeout the call needs, so that a renewal is one statement. It opens one more while
+    fewer than ``size`` are open, and otherwise lends the most recently used. It keeps at most
+    ``size`` idle connections.
     """
 
     def __init__(self, alias: str, io_timeout: float) -> None:

@@ -2,14 +2,14 @@
 
 Nothing here is public API; `pg_lease_django` is.
 
-- **Renewals** (`Scheduler`, one thread per process): it keeps the due time of every hold (its
-  next renewal, and the end of its trust window) and hands each renewal to a bounded set of worker
-  threads (at most ``PG_LEASE_HOLD_CONNECTIONS``), each sending on a connection of its own. Workers
-  rather than non-blocking I/O: the calls go through Django's backend (its error mapping, its
-  ``OPTIONS`` and ``assume_role``), which is blocking, and a thread per renewal in flight keeps one
-  slow renewal (a locked row, a dying network) from delaying any other hold's renewal. Idle
-  workers and the scheduler exit after ``IDLE_EXIT`` seconds without work, and the idle
-  connections are closed then too.
+- **Renewals**: `Scheduler` is one thread per process. It keeps the due time of every hold, which
+  is its next renewal and the end of its trust window. It hands each renewal to a bounded set of
+  worker threads, at most ``PG_LEASE_HOLD_CONNECTIONS``, each sending on a connection of its own.
+  These are workers rather than non-blocking I/O for two reasons. The calls go through Django's
+  backend, with its error mapping, its ``OPTIONS`` and ``assume_role``, and that is blocking. And a
+  thread per renewal in flight keeps one slow renewal, stuck on a locked row or a dying network,
+  from delaying any other hold's renewal. Idle workers and the scheduler exit after ``IDLE_EXIT``
+  seconds without work, and the idle connections are closed then too.
 - **Fork**: a child never uses its parent's scheduler or workers; it gets its own.
 """
 

@@ -1,11 +1,11 @@
 """One hold from enter to exit: its options, checked once, and its session.
 
-`HoldSession.start` acquires the lease on a lease connection (never the job's), starts the
-heartbeat that renews it and sends ``lease_acquired``; `HoldSession.finish` stops the heartbeat and
-releases the lease (or keeps it until ``hold_at_least``), and sends ``lease_released``. Each copes
-with an interrupt (a signal, a cancelled task) at any point, and ``finish()`` called again completes
-what an interrupt left. `pg_lease_django.holds.holding.Holding` runs a session per ``with`` block,
-sync or async.
+`HoldSession.start` acquires the lease on a lease connection, never the job's. It starts the
+heartbeat that renews the lease and sends ``lease_acquired``. `HoldSession.finish` stops the
+heartbeat, releases the lease or keeps it until ``hold_at_least``, and sends ``lease_released``.
+Each copes with an interrupt at any point, such as a signal or a cancelled task, and ``finish()``
+called again completes what an interrupt left. `pg_lease_django.holds.holding.Holding` runs a
+session per ``with`` block, sync or async.
 """
 
 from __future__ import annotations
@@ -173,9 +173,9 @@ class HoldSession:
             raise
 
     def finish(self) -> None:
-        """Stop renewing; release (or keep until ``hold_at_least``) on a pooled lease connection.
+        """Stop renewing; release, or keep the lease until ``hold_at_least``, on a pooled lease connection.
 
-        Called again after an interrupt cut it short (`Holding.__exit__`), it completes what is left.
+        When an interrupt cut it short, `Holding.__exit__` calls it again, and it completes what is left.
         """
         lease, heartbeat = self.lease, self.heartbeat
         if lease is None or heartbeat is None:

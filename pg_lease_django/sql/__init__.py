@@ -1,18 +1,20 @@
 """The statement layer: every statement the package sends, in one home, and what runs them.
 
-``queries.sql`` holds each statement once, under its name, and ``fence_triggers.sql`` the DDL a
-fenced table's ``FenceTrigger`` runs in users' migrations; `Statement` is one of them as a value
-(its name, its parameters by name, its row decoder, whether its commit must be confirmed), and
-``sql.statements`` lists them all. Two executors send them: ``sql.run`` on a Django connection (the
-notice handler and commit confirmation of ``sql.confirmation``, Django's error mapping) and
-``sql.arun`` on a psycopg async connection (the same handler); ``sql.run.on_psycopg`` serves the
-Patroni callback's plain psycopg connections. No module outside ``sql/`` calls ``execute()``.
+``queries.sql`` holds each statement once, under its name. ``fence_triggers.sql`` holds the DDL that a
+fenced table's ``FenceTrigger`` runs in users' migrations. `Statement` is one of them as a value: its
+name, its parameters by name, its row decoder, its maps from SQLSTATE and verdict to error, and
+whether its commit must be confirmed. ``sql.statements`` lists them all.
 
-Every lease function is schema-qualified and each argument cast: PostgreSQL resolves an
-unqualified call to an exact-type match anywhere on the search_path before a function that needs a
-cast, so a role that may CREATE in an earlier (or the same) schema could otherwise answer for
-``pg_lease_fence``. The schema is the one the lease table lives in (where the migrations installed
-the functions); it, and every other identifier, is composed with psycopg.sql, never formatted in.
+Two executors send them. ``sql.run`` sends on a Django connection, with the notice handler and commit
+confirmation of ``sql.confirmation`` and Django's error mapping. ``sql.arun`` sends on a psycopg async
+connection with the same handler. ``sql.run.on_psycopg`` serves the Patroni callback's plain psycopg
+connections. No module outside ``sql/`` calls ``execute()``.
+
+Every lease function is schema-qualified and each argument cast. PostgreSQL resolves an unqualified
+call to an exact-type match anywhere on the search_path before a function that needs a cast. So a
+role that may CREATE in an earlier schema, or in the same one, could otherwise answer for
+``pg_lease_fence``. The schema is the one the lease table lives in, where the migrations installed the
+functions. It and every other identifier are composed with psycopg.sql, never formatted in.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ _HEADER = re.compile(r"^-- ([a-z0-9_]+) --$", re.MULTILINE)
 
 @cache
 def named(source: str) -> dict[str, str]:
-    """Every statement of the file ``source`` (``queries.sql``, ``fence_triggers.sql``) by name, its
-    comment lines left out (a fragment is composed into other statements, where a comment would
-    swallow the rest of the line)."""
+    """Every statement of the file ``source`` by name, such as ``queries.sql`` or ``fence_triggers.sql``.
+
+    Comment lines are left out: a fragment is composed into other statements, where a comment would
+    swallow the rest of the line.
+    """
     text = (_DIRECTORY / source).read_text(encoding="utf-8")
     parts = _HEADER.split(text)[1:]
     found: dict[str, str] = {}
@@ -66,13 +70,16 @@ class Statement(Generic[T]):
 
     Attributes:
         name: its name in ``queries.sql``.
-        decode: each row's meaning, given the row and, as keywords, the parameters sent (a verdict
-            that is an error raises it), a typed row of ``sql.rows``; None for a statement that
-            answers no row worth reading, the default.
+        decode: each row's meaning, a typed row of ``sql.rows``, given the row and, as keywords, the
+            parameters sent. By default it decodes to None, for a statement that answers no row
+            worth reading.
         confirms: a lease write whose commit must reach the synchronous standby: the executors turn
             the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`.
         errors: SQLSTATE -> the package's error for it, given the driver's error and the parameters
             sent as keywords (``sql.errors``), applied by both executors.
+        verdicts: a lease function's verdict -> the package's error for it. The statement answers its
+            verdict in its first column; both executors raise the mapped error for any verdict but
+            ``ok``, given the row and the parameters sent as keywords, before the decoder sees the row.
         parts: the names of the identifiers and fragments besides ``schema`` it is composed with.
         source: the file of this directory it is written in.
     """
@@ -82,6 +89,7 @@ class Statement(Generic[T]):
     confirms: bool = False
     parts: tuple[str, ...] = ()
     errors: Mapping[str, Callable[..., BaseException]] = field(default_factory=dict, compare=False)
+    verdicts: Mapping[str, Callable[..., BaseException]] = field(default_factory=dict, compare=False)
     source: str = "queries.sql"
 
     @property
@@ -95,8 +103,11 @@ class Statement(Generic[T]):
         return frozenset(_PLACEHOLDER.findall(self.text))
 
     def compose(self, schema: str | None, **parts: pgsql.Composable) -> pgsql.Composed:
-        """Its SQL with ``schema`` (unquoted; None when it names none) and ``parts`` composed in:
-        ``{schema}`` as an identifier, ``{schema_name}`` as a string literal (for the catalogs)."""
+        """Its SQL with ``schema`` and ``parts`` composed in.
+
+        ``schema`` is unquoted, or None when the statement names none. ``{schema}`` becomes an identifier and
+        ``{schema_name}`` a string literal, for the catalogs.
+        """
         if schema is not None:
             parts["schema"] = pgsql.Identifier(schema)
             parts["schema_name"] = pgsql.Literal(schema)

@@ -1,14 +1,16 @@
 """The async executor: a `Statement` on a psycopg async connection of the package's own.
 
-A `Session` is such a connection (the async blocking wait opens one per wait: a thread cannot be
-interrupted, a statement on an async connection is cancelled with its task) with the notice handler
-the sync executor keeps on Django's connections (``sql.confirmation``): a lease statement whose
-commit the synchronous standby did not confirm raises `UnconfirmedCommitError` here as there. Its
-statements are rendered for the lease app's schema and decoded by their own decoders (``sql.rows``).
-Errors are psycopg's, except where the statement's map (``sql.errors``) names the package's error
-for the server's answer, which `Session._execute` alone reads: the caller maps the rest as Django's
-cursor would (the wait maps them with a Django connection object of its own, never the caller's,
-which another thread may be using).
+A `Session` is such a connection. The async blocking wait opens one per wait, because a thread
+cannot be interrupted while a statement on an async connection is cancelled with its task. It has
+the notice handler that the sync executor keeps on Django's connections (``sql.confirmation``): a
+lease statement whose commit the synchronous standby did not confirm raises
+`UnconfirmedCommitError` here as there. Its statements are rendered for the lease app's schema and
+decoded by their own decoders in ``sql.rows``.
+
+Errors are psycopg's, except where the statement's maps in ``sql.errors`` name the package's error
+for the server's answer. `Session._execute` alone reads them. The caller maps the rest as Django's
+cursor would. The wait does so with a Django connection object of its own, never the caller's,
+which another thread may be using.
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ class Session:
     async def connect(
         cls, params: dict[str, Any], alias: str, *, schema: str | None, role: str | None, listen: bool
     ) -> Session:
-        """Open one with ``params`` (psycopg's connect() arguments) to ``alias``'s database; ``schema``:
-        the lease schema, None to look it up on this connection (`sql.run.remember_schema`); ``role``: ``SET
-        ROLE`` it (Django's ``assume_role``); ``listen``: ``LISTEN`` for releases."""
+        """Open a session to ``alias``'s database with ``params``, psycopg's connect() arguments.
+
+        ``schema`` is the lease schema, or None to look it up on this connection through
+        `sql.run.remember_schema`. ``role`` is a role to ``SET ROLE`` to, Django's ``assume_role``.
+        ``listen`` says whether to ``LISTEN`` for releases.
+        """
         session = cls(await psycopg.AsyncConnection.connect(**params), schema)
         try:
             if role:
@@ -90,20 +95,28 @@ class Session:
         parts: Parts,
         fetch: Callable[[psycopg.AsyncCursor[Any]], Awaitable[Any]] | None,
     ) -> Any:
-        """Send ``statement`` and ``fetch`` what it answered: the one place this executor turns a
-        database error into the package's."""
+        """Send ``statement`` and ``fetch`` what it answered.
+
+        This is the one place this executor turns the database's answer into the package's error: a
+        SQLSTATE through the statement's error map, a verdict through its verdict map.
+        """
         sent = positional(statement.compose(self.schema, **parts).as_string(None)) if parts else self._render(statement)
         arguments = sent.arguments(statement.name, params)
         try:
             if not statement.confirms:
                 cursor = await self.conn.execute(sent.text, arguments)
-                return None if fetch is None else await fetch(cursor)
-            with self.notices.confirmed():
-                cursor = await self.conn.execute(sent.text, arguments)
-                return None if fetch is None else await fetch(cursor)
+                found = None if fetch is None else await fetch(cursor)
+            else:
+                with self.notices.confirmed():
+                    cursor = await self.conn.execute(sent.text, arguments)
+                    found = None if fetch is None else await fetch(cursor)
         except psycopg.Error as exc:
             errors.raise_mapped(exc, statement.errors, params)
             raise
+        if statement.verdicts and found is not None:
+            for row in found if fetch is _fetch_all else (found,):
+                errors.raise_verdict(row, statement.verdicts, params)
+        return found
 
     def _render(self, statement: Statement[object]) -> Positional:
         found = self._rendered.get(statement.name)

@@ -1,15 +1,18 @@
 """Whether a lease write's commit reached the synchronous standby: PostgreSQL's WARNING, read as an error.
 
-When a commit's wait for a synchronous standby is cancelled (the standby gone, a cancel request),
-PostgreSQL has committed locally and answers success with a WARNING of SQLSTATE ``01000``; after a
-failover the write may be lost. The sync executor (``sql.run``) sends each lease statement with a
-notice handler kept on the connection (`UnconfirmedCommitNotices`) and turns that WARNING into
-`UnconfirmedCommitError`: at once for a statement that committed on its own, or out of the caller's
-``atomic()`` for one inside it (`CallerCommitCheck`). `confirmed_commit` does the same around any
-block (``prune``, a renewal's own ``COMMIT`` behind a transaction pooler). The handler itself takes
-any psycopg connection, sync or async: the async executor (``sql.arun``), whose `Session` is the
-``AsyncConnection`` of the async blocking wait (`wait.async_driver`), applies the same rule with it
-(`UnconfirmedCommitNotices.confirmed`). See docs/FAILURE-MODEL.md.
+A commit may wait for a synchronous standby, and that wait may be cancelled, for example when the
+standby is gone or a cancel request arrives. PostgreSQL has then committed locally and answers
+success with a WARNING of SQLSTATE ``01000``. After a failover the write may be lost.
+
+The sync executor, ``sql.run``, sends each lease statement with a notice handler kept on the
+connection (`UnconfirmedCommitNotices`) and turns that WARNING into `UnconfirmedCommitError`. It
+raises at once for a statement that committed on its own. For one inside the caller's ``atomic()``
+it raises when that block commits, through `CallerCommitCheck`. `confirmed_commit` does the same
+around any block, such as ``prune`` or a renewal's own ``COMMIT`` behind a transaction pooler.
+
+The handler itself takes any psycopg connection, sync or async. The async executor, ``sql.arun``,
+applies the same rule through `UnconfirmedCommitNotices.confirmed`; its `Session` is the
+``AsyncConnection`` of the async blocking wait in `wait.async_driver`. See docs/FAILURE-MODEL.md.
 """
 
 from __future__ import annotations
@@ -82,12 +85,13 @@ class UnconfirmedCommitNotices:
 
 @contextmanager
 def confirmed_commit(connection: BaseDatabaseWrapper) -> Iterator[None]:
-    """Raise `UnconfirmedCommitError` after the block if the server sent a WARNING of SQLSTATE ``01000``
-    meanwhile: a commit it could not confirm on the synchronous standby (the block ran; its result is lost).
+    """Raise `UnconfirmedCommitError` after the block if the server sent a WARNING of SQLSTATE ``01000``.
 
-    Any generic WARNING counts (the message may be translated); none of the lease functions sends one,
-    and taking a confirmed write for an unconfirmed one only costs a retry. Python only: a handler
-    kept on the open psycopg connection (`UnconfirmedCommitNotices.kept_on`) is read, no round trip.
+    Such a WARNING means a commit the server could not confirm on the synchronous standby: the block
+    ran, but its result may be lost. Any generic WARNING counts, since the message may be translated.
+    None of the lease functions sends one, and taking a confirmed write for an unconfirmed one only
+    costs a retry. This is Python only, with no round trip: it reads the handler kept on the open
+    psycopg connection by `UnconfirmedCommitNotices.kept_on`.
     """
     with UnconfirmedCommitNotices.kept_on(connection).confirmed():
         yield

@@ -1,19 +1,22 @@
 """Where the database's answer becomes the package's error: every map from SQLSTATE or verdict, in one place.
 
-Both executors apply a statement's own map (``Statement.errors``) to what the driver raised: the sync
-one (``sql.run``) to Django's error, the async one (``sql.arun``) to psycopg's. The row verdicts
-(renew's ``not_owner``, force release's ``not_found``, ...) are raised by the decoders of
-``sql.rows`` through `lost` and `operator_refusal`. Two refusals come from statements no executor of
-ours sends, Django's own, so their callers ask here: a fenced write's (`fence_refusal`) and a
-TRUNCATE's (`truncate_refusal`). Everyone else who asks what the server said reads `sqlstate`: this
-module is the one that unwraps Django's ``__cause__`` and psycopg's ``diag``.
+Each statement carries two maps, ``Statement.errors`` for SQLSTATEs and ``Statement.verdicts`` for
+the verdicts a lease function answers with, such as renew's ``not_owner`` or force release's
+``not_found``. Both executors apply them in one place each. The sync one, ``sql.run``, maps
+Django's errors and the async one, ``sql.arun``, psycopg's. The decoders of ``sql.rows`` never see
+a verdict that is an error.
+
+Two refusals come from Django's own statements, which no executor of ours sends, so their callers
+ask here: `fence_refusal` for a fenced write and `truncate_refusal` for a TRUNCATE. Everyone else
+who asks what the server said reads `sqlstate`. This module is the one that unwraps Django's
+``__cause__`` and psycopg's ``diag``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import psycopg
 
@@ -97,6 +100,25 @@ ADVANCE_ERRORS: ErrorMap = {"22003": _out_of_range}
 
 # ---- the row verdicts -----------------------------------------------------------------------------
 
+#: The verdict of a lease function that did what it was asked. A statement with a verdict map answers
+#: its verdict in its first column.
+OK = "ok"
+
+#: A statement's verdict map: a verdict other than `OK` -> the package's error for it. Each entry is
+#: given the row and, as keywords, the parameters sent.
+VerdictMap = Mapping[str, Callable[..., BaseException]]
+
+
+def raise_verdict(row: Sequence[Any], verdicts: VerdictMap, params: Mapping[str, Any]) -> None:
+    """Raise the package's error for ``row``'s verdict unless it is `OK`.
+
+    ``verdicts`` is the statement's map and ``params`` the parameters it was sent. Each executor
+    calls this in the one place it reads what a statement answered, before any decoder sees the row.
+    """
+    if row[0] != OK:
+        raise verdicts[row[0]](row, **params)
+
+
 #: A renew/release verdict from the SQL functions (``not_owner``, ...) -> the error raised for it.
 LOST_ERRORS: dict[str, type[LeaseLostError]] = {
     cls.code: cls for cls in (NotOwnerError, LapsedError, EpochMismatchError)
@@ -111,30 +133,62 @@ OPERATOR_ERRORS: dict[str, type[OperatorRefusalError]] = {
 }
 
 
-def lost(outcome: str, operation: str, key: str, owner: str, epoch: int) -> NoReturn:
-    """Raise the `LeaseLostError` of a renew's or release's verdict ``outcome`` for the caller ``(owner, epoch)``."""
-    raise LOST_ERRORS[outcome](
-        f"cannot {operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}", key=key, owner=owner, epoch=epoch
-    )
+class _Lost:
+    """The `LeaseLostError` of a renew's or release's verdict, for the caller's ``owner`` and ``epoch``."""
+
+    __slots__ = ("operation",)
+
+    def __init__(self, operation: str) -> None:
+        self.operation = operation
+
+    def __call__(self, row: Sequence[Any], *, key: str, owner: str, epoch: int, **_: Any) -> LeaseLostError:
+        outcome = row[0]
+        return LOST_ERRORS[outcome](
+            f"cannot {self.operation} {key!r} as {owner!r} at epoch {epoch}: {outcome}",
+            key=key,
+            owner=owner,
+            epoch=epoch,
+        )
 
 
-def operator_refusal(
-    outcome: str, key: str, expected: int | None, holder: str | None, current: int, so: str
-) -> NoReturn:
-    """Raise the `OperatorRefusalError` of an operator's call on ``key`` that found nothing to act on.
+class _Refused:
+    """The `OperatorRefusalError` of an operator's call on a key that found nothing to act on.
 
-    ``expected``: the epoch the operator named (None: any); ``holder`` and ``current``: the key's now;
-    ``so``: what follows for the call ("nothing to release").
+    The parameter ``epoch`` is the epoch the operator named, or None for any. The row's second and
+    third columns are the key's holder and epoch now. ``so`` says what follows for the call, such as
+    "nothing to release".
     """
-    if outcome == "epoch_mismatch":
-        message = f"lease {key!r} has moved on: its epoch is {current} (held by {holder!r}), not {expected}"
-    elif outcome == "not_found":
-        message = f"no lease with key {key!r} (never acquired): {so}"
-    elif outcome == "lapsed":
-        message = f"lease {key!r} lapsed (holder {holder!r}, epoch {current}): {so}"
-    else:
-        message = f"lease {key!r} is already free (epoch {current}): {so}"
-    raise OPERATOR_ERRORS[outcome](message, key=key, epoch=expected, holder=holder, current_epoch=current)
+
+    __slots__ = ("so",)
+
+    def __init__(self, so: str) -> None:
+        self.so = so
+
+    def __call__(self, row: Sequence[Any], *, key: str, epoch: int | None, **_: Any) -> OperatorRefusalError:
+        outcome, holder, current = row[0], row[1], row[2]
+        if outcome == "epoch_mismatch":
+            message = f"lease {key!r} has moved on: its epoch is {current} (held by {holder!r}), not {epoch}"
+        elif outcome == "not_found":
+            message = f"no lease with key {key!r} (never acquired): {self.so}"
+        elif outcome == "lapsed":
+            message = f"lease {key!r} lapsed (holder {holder!r}, epoch {current}): {self.so}"
+        else:
+            message = f"lease {key!r} is already free (epoch {current}): {self.so}"
+        return OPERATOR_ERRORS[outcome](message, key=key, epoch=epoch, holder=holder, current_epoch=current)
+
+
+def _every(make: Callable[..., BaseException], verdicts: Mapping[str, object]) -> VerdictMap:
+    return dict.fromkeys(verdicts, make)
+
+
+#: A renewal's (``pg_lease_renew``).
+RENEW_VERDICTS: VerdictMap = _every(_Lost("renew"), LOST_ERRORS)
+#: A release's (``pg_lease_release``).
+RELEASE_VERDICTS: VerdictMap = _every(_Lost("release"), LOST_ERRORS)
+#: A force release's (``pg_lease_force_release``).
+FORCE_RELEASE_VERDICTS: VerdictMap = _every(_Refused("nothing to release"), OPERATOR_ERRORS)
+#: A hand-off request's (``pg_lease_request_handoff``).
+HANDOFF_VERDICTS: VerdictMap = _every(_Refused("nobody holds it to hand it off"), OPERATOR_ERRORS)
 
 
 # ---- refusals of Django's own statements --------------------------------------------------------

@@ -50,12 +50,13 @@ def current_schema(connection: BaseDatabaseWrapper) -> str:
 
 
 class RunSQLFile(migrations.RunSQL):
-    """Run a file of this directory forwards (and another backwards), rendered for the current schema.
+    """Run a file of this directory forwards and another backwards, rendered for the current schema.
 
-    ``sha256`` pins the forward file and ``reverse_sha256`` the reverse one: a migration runs what it
-    was written with, either way, or refuses to run (the file changed after the migration was
-    released: restore it, and put the change in a new migration). ``sql`` and ``reverse_sql`` hold
-    the files' text (the schema still a placeholder); ``sqlmigrate`` prints it rendered.
+    ``sha256`` pins the forward file and ``reverse_sha256`` the reverse one. A migration runs what it
+    was written with, either way, or refuses to run. If it refuses, the file changed after the
+    migration was released: restore it, and put the change in a new migration. ``sql`` and
+    ``reverse_sql`` hold the files' text with the schema still a placeholder; ``sqlmigrate`` prints it
+    rendered.
     """
 
     def __init__(self, forward: str, reverse: str, *, sha256: str, reverse_sha256: str, **kwargs: Any) -> None:

@@ -1,10 +1,10 @@
-"""The rows of the lease statements, typed: what each answer means, and its verdict as an error.
+"""The rows of the lease statements, typed: what each answer means.
 
 Each decoder takes a statement's row and, as keywords, the parameters it was sent, naming those it
-reads (``sql.statements`` pairs them with their statements): the one place a row is read by
-position. A verdict that is an error is raised through ``sql.errors``, which holds every map from
-the database's answer to an error. `Grant`, `LeaseState` and `EpochAdvance` are public
-(``pg_lease_django`` and ``pg_lease_django.managers`` re-export them).
+reads. ``sql.statements`` pairs each decoder with its statement. Decoders only decode: a verdict
+that is an error never reaches them, because the executor raises it first from the statement's
+verdict map in ``sql.errors``. `Grant`, `LeaseState` and `EpochAdvance` are public, re-exported by
+``pg_lease_django`` and ``pg_lease_django.managers``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, NamedTuple, TypeVar
-
-from . import errors
 
 #: A row as the driver returns it.
 Row = Sequence[Any]
@@ -46,9 +44,10 @@ class LeaseState:
 
     Attributes:
         key: the lease key.
-        status: ``"free"``, ``"held"`` or ``"lapsed"`` (expired, not yet taken over): a `LeaseStatus` value.
+        status: ``"free"``, ``"held"`` or ``"lapsed"``, a `LeaseStatus` value. Lapsed means expired and not
+            yet taken over.
         owner: the holder; the former holder when lapsed; None when free.
-        epoch: the current epoch (0 for a key never acquired).
+        epoch: the current epoch, 0 for a key never acquired.
         expires_at: expiry of the current or lapsed grant; None when free.
         server_time: the server clock when the state was read.
     """
@@ -85,14 +84,15 @@ class Attempt(NamedTuple):
 
 @dataclass(frozen=True)
 class EpochAdvance:
-    """What `LeaseManager.advance_epochs` did (or, dry run, would do).
+    """What `LeaseManager.advance_epochs` did, or would do on a dry run.
 
     Attributes:
         by: how much every epoch and the epoch floor went up.
         leases: the lease rows advanced.
-        held: of those, the ones held then: their holders are fenced (``epoch_mismatch``) and must re-acquire.
+        held: of those, the ones held then. Their holders are fenced with ``epoch_mismatch`` and must
+            re-acquire.
         epoch_floor: the new epoch floor: a key without a row starts above it.
-        max_epoch: the new highest epoch (the floor when there are no rows).
+        max_epoch: the new highest epoch, or the floor when there are no rows.
         server_time: the server clock when it was done.
         dry_run: nothing was changed.
     """
@@ -115,14 +115,14 @@ class Renewal(NamedTuple):
 
 @dataclass(frozen=True)
 class HandoffRequest:
-    """A hand-off request recorded on a held lease (`LeaseManager.request_handoff`).
+    """A hand-off request recorded on a held lease by `LeaseManager.request_handoff`.
 
     Attributes:
         key: the lease key.
         owner: the holder asked to step down.
         epoch: its epoch.
         expires_at: its expiry when asked.
-        requested_at: when the hand-off was first requested during this grant (server clock).
+        requested_at: when the hand-off was first requested during this grant, by the server clock.
         server_time: the server clock when this request was made.
     """
 
@@ -144,34 +144,25 @@ def state(row: Row, **_: Any) -> LeaseState:
     return LeaseState(*row)
 
 
-def renewal(row: Row, *, key: str, owner: str, epoch: int, **_: Any) -> Renewal:
-    """A renewal's row, or the `LeaseLostError` of its verdict for the caller ``(owner, epoch)``."""
-    outcome, expires_at, handoff_requested = row
-    if outcome != "ok":
-        errors.lost(outcome, "renew", key, owner, epoch)
+def renewal(row: Row, **_: Any) -> Renewal:
+    """A renewal's row whose verdict is ``ok``: the executor raised any other (``sql.errors``)."""
+    _outcome, expires_at, handoff_requested = row
     return Renewal(expires_at, bool(handoff_requested))
 
 
-def released(row: Row, *, key: str, owner: str, epoch: int) -> None:
-    """A release's row, or the `LeaseLostError` of its verdict for the caller ``(owner, epoch)``."""
-    if row[0] != "ok":
-        errors.lost(row[0], "release", key, owner, epoch)
+def released(row: Row, **_: Any) -> None:
+    """A release's row whose verdict is ``ok``: it answers nothing more."""
 
 
-def forced(row: Row, *, key: str, epoch: int | None, **_: Any) -> int:
-    """A force release's row (``epoch``: the one the operator expects): the new epoch, or why nothing was freed."""
-    outcome, holder, current_epoch, _server_time = row
-    if outcome == "ok":
-        return int(current_epoch)
-    errors.operator_refusal(outcome, key, epoch, holder, current_epoch, "nothing to release")
+def forced(row: Row, **_: Any) -> int:
+    """A force release's row whose verdict is ``ok``: the new epoch."""
+    return int(row[2])
 
 
-def handoff(row: Row, *, key: str, epoch: int | None) -> HandoffRequest:
-    """A hand-off request's row (``epoch``: the one the operator expects): the request, or why nobody can be asked."""
-    outcome, holder, current_epoch, expires_at, requested_at, server_time = row
-    if outcome == "ok":
-        return HandoffRequest(key, holder, current_epoch, expires_at, requested_at, server_time)
-    errors.operator_refusal(outcome, key, epoch, holder, current_epoch, "nobody holds it to hand it off")
+def handoff(row: Row, *, key: str, **_: Any) -> HandoffRequest:
+    """A hand-off request's row whose verdict is ``ok``: the request recorded on ``key``."""
+    _outcome, holder, current_epoch, expires_at, requested_at, server_time = row
+    return HandoffRequest(key, holder, current_epoch, expires_at, requested_at, server_time)
 
 
 def advance(row: Row, *, by: int, dry_run: bool) -> EpochAdvance:

@@ -1,16 +1,19 @@
-"""The sync executor: a `Statement` on a Django connection (and, for the Patroni callback, on a psycopg one).
+"""The sync executor: a `Statement` on a Django connection, and on a psycopg one for the Patroni callback.
 
 `one`, `first`, `rows` and `run` send a statement with its parameters as keywords and decode its
-rows (``sql.rows``). A statement that ``confirms`` (a lease operation) goes the hot path: the notice
-handler kept on the connection turns the server's WARNING of an unconfirmed commit into
-`UnconfirmedCommitError` (at once, or out of the caller's ``atomic()``), and it is sent on a cursor
-of the psycopg connection itself when nothing but Django stands in between (`_nothing_in_between`).
-Every other statement goes through Django's cursor. Errors are Django's (``DatabaseError`` and its
-subclasses), as for any ORM call, except where `_execute`, the one place that reads them, finds the
-statement's map (``sql.errors``) naming the package's error for the server's answer, or a lease
-statement whose connection was lost in flight, whose outcome is unknown (`OutcomeUnknownError`).
+rows with the decoders of ``sql.rows``. A lease operation's statement ``confirms`` and goes the hot
+path. The notice handler kept on the connection turns the server's WARNING of an unconfirmed commit
+into `UnconfirmedCommitError`, at once or when the caller's ``atomic()`` commits. Such a statement
+is sent on a cursor of the psycopg connection itself when nothing but Django stands in between
+(`_nothing_in_between`). Every other statement goes through Django's cursor.
 
-A statement is rendered here for its connection's database: `schema_name` finds the lease schema
+Errors are Django's ``DatabaseError`` and its subclasses, as for any ORM call. `_execute` is the one
+place that reads them, and it raises the package's error instead in two cases. The first is when
+the statement's maps in ``sql.errors`` name one for the server's answer, a SQLSTATE or a verdict.
+The second is a lease statement whose connection was lost in flight: its outcome is unknown, so it
+raises `OutcomeUnknownError`.
+
+A statement is rendered here for its connection's database. `schema_name` finds the lease schema
 once per alias, with the statements ``relation_exists`` and ``schema_lookup`` sent like any other.
 """
 
@@ -73,10 +76,11 @@ def first(
 ) -> T | None:
     """Send ``statement`` with ``params``; its first row decoded, or None when it answers none.
 
-    ``marker`` (a lease statement's): a comment put at the start of its text, the identity an
-    interrupted attempt is found by in ``pg_stat_activity`` (`wait.settling`): ASCII letters, digits,
-    underscores and spaces only, so it can never end the comment. ``parts``: the identifiers and
-    fragments it is composed with (`Statement.parts`)."""
+    ``marker`` is for a lease statement: a comment put at the start of its text. It is the identity an
+    interrupted attempt is found by in ``pg_stat_activity`` (`wait.settling`). It may hold only ASCII
+    letters, digits, underscores and spaces, so it can never end the comment. ``parts`` are the
+    identifiers and fragments the statement is composed with, as `Statement.parts` names them.
+    """
     found = _execute(connection, statement, params, parts, marker, _fetch_one)
     return None if found is None else statement.decode(found, **params)
 
@@ -112,29 +116,32 @@ def _execute(
     marker: str | None,
     fetch: Callable[[Any], Any],
 ) -> Any:
-    """Send ``statement`` and ``fetch`` what it answered: the one place this executor turns a
-    database error into the package's."""
+    """Send ``statement`` and ``fetch`` what it answered.
+
+    This is the one place this executor turns the database's answer into the package's error: a
+    SQLSTATE through the statement's error map, a verdict through its verdict map.
+    """
     raw: psycopg.Connection[Any] | None = None
     try:
         if not statement.confirms:
             sent = positional(render(connection, statement, **(parts or {})))
             with connection.cursor() as cursor:
                 cursor.execute(sent.text, sent.arguments(statement.name, params))
-                return fetch(cursor)
-        sent = positional(render(connection, statement))
-        text = sent.text
-        if marker is not None:
-            if not _MARKER.fullmatch(marker):
-                raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
-            text = f"/* {marker} */ {text}"
-        # kept_on runs Django's health check and connects: once a call.
-        notices = UnconfirmedCommitNotices.kept_on(connection)
-        raw = connection.connection
-        notices.seen.clear()
-        found = _send(connection, raw, text, sent.arguments(statement.name, params), fetch)
-        notices.raise_if_unconfirmed()
-        check_caller_commit(connection)
-        return found
+                found = fetch(cursor)
+        else:
+            sent = positional(render(connection, statement))
+            text = sent.text
+            if marker is not None:
+                if not _MARKER.fullmatch(marker):
+                    raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
+                text = f"/* {marker} */ {text}"
+            # kept_on runs Django's health check and connects: once a call.
+            notices = UnconfirmedCommitNotices.kept_on(connection)
+            raw = connection.connection
+            notices.seen.clear()
+            found = _send(connection, raw, text, sent.arguments(statement.name, params), fetch)
+            notices.raise_if_unconfirmed()
+            check_caller_commit(connection)
     except DatabaseError as exc:
         if raw is not None and raw.closed and type(exc) is OperationalError:
             # Open when sent (health-checked above): lost in flight, the outcome unknown.
@@ -143,6 +150,11 @@ def _execute(
             ) from exc
         errors.raise_mapped(exc, statement.errors, params)
         raise
+    if statement.verdicts and found is not None:
+        # A verdict is the database's answer too: raised here, after the commit was confirmed, as before.
+        for row in found if fetch is _fetch_all else (found,):
+            errors.raise_verdict(row, statement.verdicts, params)
+    return found
 
 
 #: The SQLSTATE classes of a statement the server refused before it could write anything: a bad
@@ -168,15 +180,23 @@ def on_psycopg(
     parts: Parts = None,
     **params: Any,
 ) -> list[T]:
-    """Send ``statement`` with ``params`` on a plain psycopg connection (no Django: the Patroni
-    callback); its rows, decoded (none for a statement that returns nothing). ``schema``: the lease
-    app's, when it names it. The statement's map (``sql.errors``) applies to psycopg's errors here."""
+    """Send ``statement`` with ``params`` on a plain psycopg connection, for the Patroni callback.
+
+    There is no Django here. It answers the rows decoded, or none for a statement that returns
+    nothing. ``schema`` is the lease app's, when the statement names it. The statement's maps in
+    ``sql.errors`` apply here too, to psycopg's errors and to the rows' verdicts.
+    """
     try:
         cursor = conn.execute(statement.compose(schema, **(parts or {})), params)
     except psycopg.Error as exc:
         errors.raise_mapped(exc, statement.errors, params)
         raise
-    return [statement.decode(row, **params) for row in cursor.fetchall()] if cursor.description else []
+    if not cursor.description:
+        return []
+    found = cursor.fetchall()
+    for row in found if statement.verdicts else ():
+        errors.raise_verdict(row, statement.verdicts, params)
+    return [statement.decode(row, **params) for row in found]
 
 
 def _send(
@@ -186,13 +206,14 @@ def _send(
     params: list[Any],
     fetch: Callable[[Any], Any],
 ) -> Any:
-    """Send ``statement`` on ``raw`` (``connection``'s psycopg connection, open and health-checked), the
-    cheapest way Django's connection allows.
+    """Send ``statement`` on ``raw`` the cheapest way Django's connection allows.
 
-    Through Django's cursor whenever anything may see or change what it sends (`_nothing_in_between`);
-    otherwise on a cursor of ``raw``, after the checks Django's cursor makes (thread, broken
-    transaction) and with its error wrapping: the same session, the same cursor class and binding,
-    ~10 µs less Python per call (docs/performance.md).
+    ``raw`` is ``connection``'s psycopg connection, open and health-checked. The statement goes
+    through Django's cursor whenever anything may see or change what it sends
+    (`_nothing_in_between`). Otherwise it goes on a cursor of ``raw``, after the checks Django's cursor
+    makes for thread sharing and a broken transaction, and with its error wrapping. That is the same
+    session, the same cursor class and the same binding, with about 10 µs less Python per call, as
+    docs/performance.md measures.
     """
     if _nothing_in_between(connection) and _loads_in_django_time_zone(connection, raw):
         connection.validate_thread_sharing()
@@ -223,10 +244,17 @@ def _loads_in_django_time_zone(connection: BaseDatabaseWrapper, raw: psycopg.Con
 
 
 def _nothing_in_between(connection: BaseDatabaseWrapper) -> bool:
-    """Whether nothing but Django's own code stands between a call and psycopg: Django's PostgreSQL
-    backend itself (a subclass may set a search_path or instrument its cursors), no execute wrapper
-    (another app's, or `CallerCommitCheck`), no query log (``DEBUG``, ``assertNumQueries``), no patched
-    ``connection.cursor`` (django-debug-toolbar) and an unpatched ``CursorWrapper`` (APM agents)."""
+    """Whether nothing but Django's own code stands between a call and psycopg.
+
+    That holds when all of these do:
+
+    - the connection is Django's PostgreSQL backend itself, since a subclass may set a search_path or
+      instrument its cursors;
+    - there is no execute wrapper, another app's or `CallerCommitCheck`;
+    - there is no query log, as ``DEBUG`` and ``assertNumQueries`` keep;
+    - ``connection.cursor`` is not patched, as django-debug-toolbar does;
+    - ``CursorWrapper`` is not patched, as APM agents do.
+    """
     return (
         (type(connection).__module__, type(connection).__qualname__) == _POSTGRESQL_BACKEND
         and not connection.execute_wrappers
@@ -247,13 +275,14 @@ _verified: set[tuple[str, str]] = set()
 def schema_name(connection: BaseDatabaseWrapper) -> str:
     """The schema of the lease functions in ``connection``'s database, unquoted.
 
-    ``PG_LEASE_SCHEMA`` names it outright (checked once per database alias to hold the lease table);
-    otherwise it is the one schema of the search_path that has the ``pg_lease_django_lease`` table,
+    ``PG_LEASE_SCHEMA`` names it outright, checked once per database alias to hold the lease table.
+    Otherwise it is the one schema of the search_path that has the ``pg_lease_django_lease`` table,
     looked up once per database alias.
 
     Raises:
-        ImproperlyConfigured: no schema of the search_path (or not ``PG_LEASE_SCHEMA``) has the
-            lease table (the app is not migrated), or several do (set ``PG_LEASE_SCHEMA``).
+        ImproperlyConfigured: no schema of the search_path has the lease table, or not the one
+            ``PG_LEASE_SCHEMA`` names, because the app is not migrated. Or several do: then set
+            ``PG_LEASE_SCHEMA``.
     """
     configured = conf.schema()
     if configured is not None:

@@ -1,13 +1,16 @@
-"""Every statement of ``queries.sql`` as a value: its name, its rows' decoder, whether it confirms its commit.
+"""Every statement of ``queries.sql`` as a value: its name, its decoder, its error maps, whether it confirms.
 
-The executors (``sql.run``, ``sql.arun``) take these, and nothing the package sends is spelled
-anywhere else (the admin only shows an example ``pg_lease_inspect`` call as text). A statement's
-parameters are named in its SQL (`Statement.parameters`): a call passes them as keywords, and its
-decoder (``sql.rows``) and its map of SQLSTATEs to the package's errors (``sql.errors``) are given
-them as keywords too. The templates of ``fence_triggers.sql``, the DDL of users' fenced tables, are
-here too: `sql.run.render` composes them and Django's schema editor runs them (``FenceTrigger``).
-Two fragments composed into Django's own statements, ``fence_expression`` and ``fence_presented``,
-keep positional ``%s``: Django's compiler joins their parameters to its own by position.
+The executors, ``sql.run`` and ``sql.arun``, take these. Nothing the package sends is spelled
+anywhere else; the admin only shows an example ``pg_lease_inspect`` call as text.
+
+A statement's parameters are named in its SQL (`Statement.parameters`). A call passes them as
+keywords, and its decoder in ``sql.rows`` and its maps in ``sql.errors`` are given them as keywords
+too. Those maps turn a SQLSTATE or a lease function's verdict into the package's error.
+
+The templates of ``fence_triggers.sql``, the DDL of users' fenced tables, are here too.
+`sql.run.render` composes them and Django's schema editor runs them through ``FenceTrigger``. Two
+fragments composed into Django's own statements, ``fence_expression`` and ``fence_presented``, keep
+positional ``%s``: Django's compiler joins their parameters to its own by position.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ ACQUIRE_OR_REGISTER: Statement[rows.Attempt] = Statement(
 ACQUIRE_WITHIN: Statement[rows.Attempt] = Statement(
     "acquire_within", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS
 )
-RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True)
-RELEASE: Statement[None] = Statement("release", rows.released, confirms=True)
+RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True, verdicts=errors.RENEW_VERDICTS)
+RELEASE: Statement[None] = Statement("release", rows.released, confirms=True, verdicts=errors.RELEASE_VERDICTS)
 INSPECT: Statement[rows.LeaseState] = Statement("inspect", rows.state, confirms=True)
-FORCE_RELEASE: Statement[int] = Statement("force_release", rows.forced, confirms=True)
-REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement("request_handoff", rows.handoff, confirms=True)
+FORCE_RELEASE: Statement[int] = Statement(
+    "force_release", rows.forced, confirms=True, verdicts=errors.FORCE_RELEASE_VERDICTS
+)
+REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement(
+    "request_handoff", rows.handoff, confirms=True, verdicts=errors.HANDOFF_VERDICTS
+)
 PRUNE: Statement[str] = Statement("prune", rows.scalar, confirms=True)
 ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement(
     "advance_epochs", rows.advance, confirms=True, errors=errors.ADVANCE_ERRORS

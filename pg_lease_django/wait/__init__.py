@@ -1,3 +1,6 @@
-"""The blocking acquire and the settling of interrupted calls: ``plan`` (what to do, no I/O), ``settling``
-(calls interrupted in flight), ``sync_driver`` and ``async_driver`` (the plan's two drivers). Kept empty: importing a
-submodule runs this file."""
+"""The blocking acquire and the settling of interrupted calls.
+
+``plan`` says what to do and does no I/O. ``settling`` settles calls interrupted in flight.
+``sync_driver`` and ``async_driver`` are the plan's two drivers. This file is kept empty, because
+importing a submodule runs it.
+"""

@@ -1,14 +1,16 @@
 """The blocking acquire on the event loop: `wait.plan` run by `plans.adrive` on an async psycopg connection.
 
-Nothing here is public API (see docs/async.md). The first try is made as a non-blocking ``aacquire``
-makes it (``first_try``: on the lease pool, or on the caller's connection inside its transaction),
-so a free key costs no more than one. Refused, the wait holds no thread: the waiter opens a
-connection of its own from the alias's database settings (a `sql.arun.Session`), attempts and
-LISTENs there, and closes it when the call returns, raises or is cancelled; its errors are mapped
-to Django's by a connection object of its own, never the caller's (another thread's, which
-``errors_occurred`` would mark). When the caller's connection is in a transaction, the attempts run
-there instead and the waiter polls. An attempt cut short by a cancellation is settled
-(`wait.settling.asettle`) before the cancellation goes on.
+Nothing here is public API; see docs/async.md. The first try is made as a non-blocking
+``aacquire`` makes it, through ``first_try``: on the lease pool, or on the caller's connection
+inside its transaction. So a free key costs no more than one attempt.
+
+Once refused, the wait holds no thread. The waiter opens a connection of its own from the alias's
+database settings, a `sql.arun.Session`. It attempts and LISTENs there, and closes it when the
+call returns, raises or is cancelled. Its errors are mapped to Django's by a connection object of
+its own, never the caller's: that belongs to another thread, which ``errors_occurred`` would mark.
+When the caller's connection is in a transaction, the attempts run there instead and the waiter
+polls. An attempt cut short by a cancellation is settled by `wait.settling.asettle` before the
+cancellation goes on.
 """
 
 from __future__ import annotations
@@ -66,17 +68,18 @@ async def await_and_acquire(
     """`wait_and_acquire` for the event loop: the same plan, and no thread held while waiting.
 
     ``first_try`` makes the first attempt as a non-blocking call does; the wait begins only if it is
-    refused. ``in_transaction``: the caller's connection to ``alias`` is in a transaction, so the
-    attempts run there: ``connection_of`` returns it, and is called in Django's thread for sync code
-    (``sync_to_async``), where that is the connection the caller's other ORM calls use.
+    refused. ``in_transaction`` says the caller's connection to ``alias`` is in a transaction, so the
+    attempts run there. ``connection_of`` returns that connection. For sync code it is called in
+    Django's thread through ``sync_to_async``, where it is the connection the caller's other ORM calls
+    use.
 
     Raises:
         UnconfirmedCommitError: an attempt's grant committed on the primary, but the server could not
-            confirm it reached the synchronous standby (the WARNING of `sql.confirmation`, on any
-            statement of the wait). As `wait_and_acquire` does, the waiter has released that grant
-            (nobody received it) before raising; that release may be unconfirmed too. The outcome is
-            unknown, as for a lost connection: the caller holds nothing it may act on; acquire again
-            (a grant that survives a failover is fenced by the next one).
+            confirm it reached the synchronous standby. That is the WARNING of `sql.confirmation`, on
+            any statement of the wait. As `wait_and_acquire` does, the waiter has released that grant
+            before raising, so nobody received it; that release may be unconfirmed too. The outcome
+            is unknown, as for a lost connection: the caller holds nothing it may act on. Acquire
+            again; a grant that survives a failover is fenced by the next one.
     """
     with metrics.waiting(key):
         started = time.monotonic()

@@ -1,24 +1,28 @@
 """The blocking acquire's wait, written once: what to do next, as a generator that does no I/O.
 
-`wait_plan` decides; a driver does. It is a `pg_lease_django.plans.Plan`: it yields the next step
-(`TryOnce`, `ReadEpoch`, `Pause`, `Reconnect`) and is sent the step's answer, the attempt's row, the
-key's epoch or None. A driver that lost its connection while a step ran throws `Lost` in instead. It
-returns the grant or raises: the timeout (`LeaseTimeoutError`), `OutcomeUnknownError` when a lost
-attempt may have been granted unseen, or the driver's error of a lost connection it gives up on. Two
-drivers run it with `drive` and `adrive`: `sync_driver.wait_and_acquire` on the caller's Django
-connection and `async_driver.await_and_acquire` on a psycopg async connection. What they share lives
-here only and is tested with a fake clock in tests/test_wait_plan.py: the deadline, the pause after a
-refusal, the rejoin after a lost connection and the check of an attempt whose answer was lost. The
-poll interval is an argument, which the drivers read from the settings when the wait starts.
+`wait_plan` decides; a driver does. It is a `pg_lease_django.plans.Plan`. It yields the next step,
+one of `TryOnce`, `ReadEpoch`, `Pause` and `Reconnect`. It is sent the step's answer: the
+attempt's row, the key's epoch or None. A driver that lost its connection while a step ran throws
+`Lost` in instead. The plan returns the grant or raises. It raises `LeaseTimeoutError` on timeout,
+`OutcomeUnknownError` when a lost attempt may have been granted unseen, or the driver's error of a
+lost connection it gives up on.
 
-A waiter outside a transaction that loses its connection (the server crashed, a failover) reconnects
-and goes on waiting: through a multi-host ``HOST`` with ``target_session_attrs=read-write`` that is
-the promoted server. It keeps trying for `REJOIN_WITHIN` seconds of lost connection at most, never
-past its deadline, then raises the connection error. When the connection was lost during an
-attempt, that attempt may have been granted unseen: the plan first reads the key on the new
-connection, goes on only if its epoch is still the one the last refused attempt saw (no grant
-since, its own included), and otherwise raises `OutcomeUnknownError` (an ``OperationalError``):
-outcome unknown, as for any lost call. So a call returns at most one grant, the one it was told of.
+Two drivers run it with `drive` and `adrive`: `sync_driver.wait_and_acquire` on the caller's
+Django connection and `async_driver.await_and_acquire` on a psycopg async connection. What they
+share lives here only and is tested with a fake clock in tests/test_wait_plan.py: the deadline,
+the pause after a refusal, the rejoin after a lost connection and the check of an attempt whose
+answer was lost. The poll interval is an argument, which the drivers read from the settings when
+the wait starts.
+
+A waiter outside a transaction may lose its connection, because the server crashed or failed
+over. It then reconnects and goes on waiting. Through a multi-host ``HOST`` with
+``target_session_attrs=read-write``, that is the promoted server. It keeps trying for
+`REJOIN_WITHIN` seconds of lost connection at most, never past its deadline, then raises the
+connection error. When the connection was lost during an attempt, that attempt may have been
+granted unseen. So the plan first reads the key on the new connection. It goes on only if the
+key's epoch is still the one the last refused attempt saw, meaning no grant since, its own
+included. Otherwise it raises `OutcomeUnknownError`, an ``OperationalError``: the outcome is
+unknown, as for any lost call. So a call returns at most one grant, the one it was told of.
 """
 
 from __future__ import annotations
@@ -55,10 +59,13 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True)
 class TryOnce:
-    """Send one attempt; answer: its `Attempt` row. A driver that LISTENs registers as a waiter
-    until ``register_for`` from now (``pg_lease_acquire_or_register``): the longest it will pause,
-    and the longest its attempt waits for a lock. One that polls waits for a lock ``within`` at most
-    (``pg_lease_acquire_within``): what is left of the deadline (None: no deadline)."""
+    """Send one attempt; the answer is its `Attempt` row.
+
+    A driver that LISTENs registers as a waiter until ``register_for`` from now, through
+    ``pg_lease_acquire_or_register``. That is the longest it will pause, and the longest its attempt
+    waits for a lock. A driver that polls waits for a lock at most ``within``, through
+    ``pg_lease_acquire_within``. That is what is left of the deadline, or None for no deadline.
+    """
 
     register_for: timedelta
     within: timedelta | None = None
@@ -102,16 +109,17 @@ def wait_plan(
     clock: Clock = time.monotonic,
     since: float | None = None,
 ) -> Plan[Step, Grant]:
-    """Attempt until granted, pausing after each refusal; None ``wait``: no deadline.
+    """Attempt until granted, pausing after each refusal. With ``wait`` None there is no deadline.
 
-    ``poll_interval``: the longest pause between two attempts, ``PG_LEASE_POLL_INTERVAL``.
+    ``poll_interval`` is the longest pause between two attempts, ``PG_LEASE_POLL_INTERVAL``.
 
-    ``since``: when the wait began on ``clock`` (the async wait's first try is made before the plan
-    starts, and counts); None: now.
+    ``since`` is when the wait began on ``clock``, or None for now. The async wait's first try is made
+    before the plan starts, and counts.
 
-    ``rejoin``: a lost connection is reconnected (outside a transaction; inside one the transaction
-    is gone, and so is the wait). Only a connection that answered an attempt of this wait is rejoined:
-    one that never could (a server down, wrong settings) fails the call at once, as any other call.
+    ``rejoin`` says a lost connection is reconnected. That is only outside a transaction: inside one
+    the transaction is gone, and so is the wait. Only a connection that answered an attempt of this
+    wait is rejoined. One that never could, with the server down or wrong settings, fails the call at
+    once, as any other call.
     """
     deadline = None if wait is None else (clock() if since is None else since) + wait.total_seconds()
     rejoining = _Rejoin(key, deadline, clock) if rejoin else None
@@ -196,19 +204,22 @@ def pause_after_refusal(
 
 
 def left_of(deadline: float | None, clock: Clock = time.monotonic) -> timedelta | None:
-    """What is left of ``deadline`` (``clock``), none past it; None: no deadline. The longest a polling
-    waiter's attempt may wait for a lock: the server counts it from the attempt's start, so no lock
-    wait outlasts the deadline (and the attempt is refused, changing nothing, when one would)."""
+    """What is left of ``deadline`` on ``clock``, none past it; None for no deadline.
+
+    It is the longest a polling waiter's attempt may wait for a lock. The server counts it from the
+    attempt's start, so no lock wait outlasts the deadline. When one would, the attempt is refused and
+    changes nothing.
+    """
     if deadline is None:
         return None
     return min(timedelta(seconds=max(deadline - clock(), 0.0)), MAX_WAIT)
 
 
 def retry_within(deadline: float | None, poll_interval: float, clock: Clock = time.monotonic) -> timedelta:
-    """The longest a waiter pauses before its next attempt (unless woken): what it registers for.
+    """The longest a waiter pauses before its next attempt unless woken: what it registers for.
 
-    ``poll_interval``, or less when the deadline (``clock``) comes sooner; the holder's expiry, the
-    other bound, the server knows from the attempt itself.
+    It is ``poll_interval``, or less when the deadline on ``clock`` comes sooner. The other bound is
+    the holder's expiry, which the server knows from the attempt itself.
     """
     seconds = poll_interval
     if deadline is not None:

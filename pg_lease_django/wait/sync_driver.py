@@ -1,14 +1,15 @@
-"""The blocking acquire on the caller's Django connection: `wait.plan` driven there (``acquire(blocking=True)``).
+"""The blocking acquire on the caller's Django connection: `wait.plan` driven there for ``acquire(blocking=True)``.
 
-Nothing here is public API: ``acquire(blocking=True)`` and ``hold(blocking=True)`` are (see
-docs/blocking.md). What to do next and when to give up is the plan's, written once; here is only
-how each step is done on a Django connection, with `plans.drive` running the plan. An attempt is
-one statement, ``pg_lease_acquire_within`` or, when the waiter LISTENs for releases,
-``pg_lease_acquire_or_register``, whose lock waits end by the deadline; a pause waits for a
-notification or the time; a lost connection is dropped and opened again. Between attempts no
-transaction or snapshot is held (outside ``atomic()``), and a refused attempt takes no lock. An
-attempt interrupted in flight is settled (`wait.settling.settle`) before the interruption goes on.
-The same plan on the event loop is `wait.async_driver`.
+Nothing here is public API: ``acquire(blocking=True)`` and ``hold(blocking=True)`` are; see
+docs/blocking.md. What to do next and when to give up is the plan's, written once. Here is only
+how each step is done on a Django connection, with `plans.drive` running the plan.
+
+An attempt is one statement whose lock waits end by the deadline: ``pg_lease_acquire_within``, or
+``pg_lease_acquire_or_register`` when the waiter LISTENs for releases. A pause waits for a
+notification or the time. A lost connection is dropped and opened again. Outside ``atomic()``, no
+transaction or snapshot is held between attempts, and a refused attempt takes no lock. An attempt
+interrupted in flight is settled by `wait.settling.settle` before the interruption goes on. The
+same plan on the event loop is `wait.async_driver`.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ def wait_and_acquire(
 ) -> Grant:
     """Retry on ``connection`` until granted: on a release notification, at the holder's expiry, or every poll.
 
-    ``before_attempt`` is called just before each attempt is sent (the heartbeat's trust window
-    starts there); ``interrupted`` says whether another thread interrupted the wait (then an attempt
-    cut off by a shut socket is settled too, not reported as lost). Inside ``atomic()`` LISTEN would
-    only start at commit, so it polls. A waiter that LISTENs registers with each refused attempt
-    (``ACQUIRE_OR_REGISTER``): releases notify only then. Outside a transaction a lost connection is
-    reopened, LISTEN included.
+    ``before_attempt`` is called just before each attempt is sent; the heartbeat's trust window starts
+    there. ``interrupted`` says whether another thread interrupted the wait. If so, an attempt cut off
+    by a shut socket is settled too, not reported as lost. Inside ``atomic()`` LISTEN would only start
+    at commit, so it polls. A waiter that LISTENs registers with each refused attempt, through
+    ``ACQUIRE_OR_REGISTER``, since releases notify only then. Outside a transaction a lost connection
+    is reopened, LISTEN included.
     """
     # LISTEN inside a transaction takes effect only at its commit: inside atomic() (or with
     # autocommit off) a waiter could never hear a release, so it polls. Outside a transaction a
@@ -147,11 +148,11 @@ class _Waiter:
             raise
 
     def _disconnect(self, *, failed: bool) -> bool:
-        """End this connection's stretch of the wait, leaving no LISTEN and, when it ``failed``, no
-        running statement; whether the connection was lost (or never opened).
+        """End this connection's stretch of the wait; answer whether the connection was lost or never opened.
 
-        Cleanup never replaces the exception in flight (the timeout, a database error, or an
-        interrupt such as KeyboardInterrupt, an exception from a signal handler, a cancellation).
+        It leaves no LISTEN and, when it ``failed``, no running statement. Cleanup never replaces the
+        exception in flight: the timeout, a database error, or an interrupt such as KeyboardInterrupt, an
+        exception from a signal handler or a cancellation.
         """
         if not self.connected:
             return False
