@@ -213,7 +213,7 @@ DOCUMENTED_PATHS = [
     "pg_lease_django.metrics.whole_key",
     "pg_lease_django.metrics.database_view.register",
     "pg_lease_django.metrics.push.push",
-    "pg_lease_django.history.sync_scope",
+    "pg_lease_django.provisioning.history.sync_scope",
     "pg_lease_django.managers.EpochAdvance",
     "pg_lease_django.timeline.read_history",
     "pg_lease_django.timeline.render_timeline",

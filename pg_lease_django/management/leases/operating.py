@@ -11,7 +11,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from pg_lease_django import conf, privileges
+from pg_lease_django import conf
+from pg_lease_django.provisioning import privileges
 from pg_lease_django.display import LeaseRow, format_duration, json_text, printable
 from pg_lease_django.exceptions import (
     AlreadyFreeError,

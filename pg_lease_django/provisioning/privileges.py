@@ -21,9 +21,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 from psycopg import sql as pgsql
 
-from . import conf, seats
-from .metrics import database_view
-from .sql import Statement, run, statements
+from pg_lease_django import conf, seats
+from pg_lease_django.metrics import database_view
+from pg_lease_django.sql import Statement, run, statements
 
 
 @dataclass(frozen=True)
@@ -418,7 +418,7 @@ def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwa
     from PUBLIC and granted to nobody; this puts the declared grants back. A problem is reported,
     not raised: the migration itself succeeded, and check W008 keeps saying what is missing.
     """
-    from .models import Lease
+    from pg_lease_django.models import Lease
 
     if not router.allow_migrate_model(using, Lease) or not installed(using):
         return

@@ -14,8 +14,8 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 
-from . import conf, seats
-from .sql import run, statements
+from pg_lease_django import conf, seats
+from pg_lease_django.sql import run, statements
 
 HISTORY_SCOPE_TABLE = "pg_lease_django_history_scope"
 
@@ -68,7 +68,7 @@ def sync_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwar
     When that changes what the database records, ``migrate`` says so (verbosity 1 and up): its own
     "No migrations to apply" would leave a changed ``PG_LEASE_HISTORY`` looking ignored.
     """
-    from .models import Lease
+    from pg_lease_django.models import Lease
 
     if not router.allow_migrate_model(using, Lease) or not _has_scope_table(using):
         return
