@@ -24,7 +24,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from pg_lease_django import Lease
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.provisioning.history import sync_scope
 from pg_lease_django.models import LeaseTenure
 from pg_lease_django.timeline import History, TenureRow, read_history, render_timeline

@@ -222,7 +222,7 @@ DOCUMENTED_PATHS = [
 ]
 DOCUMENTED_MODULES = ["pg_lease_django.pytest_plugin", "pg_lease_django.sql.files"]
 
-# The election's hooks for ``leases run --campaign`` (`pg_lease_django.run.campaign`): not public API, but
+# The election's hooks for ``leases run --campaign`` (`pg_lease_django.management.supervision.campaign`): not public API, but
 # the contract between the two modules that docs/architecture.md names.
 ELECTION_HOOKS = {
     "pg_lease_django.election.start": "(election: 'Election', *, wake: 'Callable[[], None]') -> 'Election'",

@@ -4,7 +4,7 @@
 drivers share (the checked arguments, the callbacks, what was seen); `threaded` performs the plan's
 steps in a thread of its own (`Election`, ``elect()``) and `aio` as a task of the event loop
 (``aelect()``). Users import the public names from `pg_lease_django`; ``start`` and ``fail_term``
-are the hooks of ``leases run --campaign`` (`pg_lease_django.run.campaign`). See
+are the hooks of ``leases run --campaign`` (`pg_lease_django.management.supervision.campaign`). See
 docs/leader-election.md.
 """
 

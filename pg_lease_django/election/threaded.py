@@ -320,7 +320,7 @@ class Election:
                 self._candidate.log_campaign_failure(error)
 
 
-# ---- for pg_lease_django.run.campaign (``leases run --campaign``): hooks, not public API ----------
+# ---- for pg_lease_django.management.supervision.campaign (``leases run --campaign``): hooks, not public API ----------
 
 
 def start(election: Election, *, wake: Callable[[], None]) -> Election:

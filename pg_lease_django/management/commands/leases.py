@@ -9,7 +9,7 @@ tenures of a key, `pg_lease_django.timeline`), ``prune-history [--older-than 30d
 every epoch and the epoch floor by N, fencing current holders), ``grant [--check]`` (the declared
 roles' lease privileges, as ``migrate`` grants them), and ``run KEY --ttl SECONDS -- COMMAND``,
 which runs a command while holding a lease (``flock(1)`` for a whole cluster; see
-`pg_lease_django.run`). Every state shown is computed in SQL from the database server's clock
+`pg_lease_django.management.supervision`). Every state shown is computed in SQL from the database server's clock
 with ``pg_lease_status`` (the rule the lease functions use), in one statement, whatever the number
 of leases (`LeaseQuerySet.listing`).
 
@@ -30,7 +30,7 @@ from django.db import DatabaseError, router
 from pg_lease_django import seats
 from pg_lease_django.display import printable
 from pg_lease_django.exceptions import InvalidInputError
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.management.leases.arguments import declare
 from pg_lease_django.management.leases.common import database
 from pg_lease_django.management.leases.operating import OperatingSubcommands

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from django.core.management.base import CommandError
 from django.db import connections
 
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.validation import MAX_EPOCH
 
 

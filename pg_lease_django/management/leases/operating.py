@@ -20,7 +20,7 @@ from pg_lease_django.exceptions import (
     EpochMovedOnError,
     NeverAcquiredError,
 )
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     duration,
     iso,

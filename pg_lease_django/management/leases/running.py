@@ -10,12 +10,12 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from pg_lease_django.exceptions import InvalidInputError
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     seconds,
 )
-from pg_lease_django.run.campaign import Campaign
-from pg_lease_django.run.supervisor import DEFAULT_GRACE, RunError, Supervisor
+from pg_lease_django.management.supervision.campaign import Campaign
+from pg_lease_django.management.supervision.supervisor import DEFAULT_GRACE, RunError, Supervisor
 from pg_lease_django.sql import run as executor
 from pg_lease_django.validation import MAX_TTL, MAX_WAIT, MIN_TTL, check_name
 

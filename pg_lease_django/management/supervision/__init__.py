@@ -12,5 +12,5 @@ Modules, lowest first (each imports only those before it, and modules of the lay
   one machine of many, a term at a time.
 
 The command's arguments are parsed in `pg_lease_django.management.leases.running`, beside every
-other subcommand's; the exit codes of the whole command are `pg_lease_django.exit_codes`.
+other subcommand's; the exit codes of the whole command are `pg_lease_django.management.exit_codes`.
 """

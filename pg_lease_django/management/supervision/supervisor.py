@@ -6,14 +6,14 @@ leases run`` is its command line; it needs nothing from the command and can be d
 
     status = Supervisor("jobs:reindex", ["./reindex.sh"], ttl=30).run()  # raises RunError for 75-77, 126, 127
 
-`pg_lease_django.run.campaign.Campaign` (``leases run --campaign``), a `Supervisor` too, keeps
+`pg_lease_django.management.supervision.campaign.Campaign` (``leases run --campaign``), a `Supervisor` too, keeps
 COMMAND running on exactly one machine of many.
 
 ``grace`` bounds every SIGTERM, the one sent on a loss and a deploy's (systemd, the kubelet):
 COMMAND's group is SIGKILLed ``grace`` seconds after the first, then the lease is released, before
 the platform's own SIGKILL would end the supervisor too and leave the lease to lapse.
 
-`ExitCode` (`pg_lease_django.exit_codes`) is the exit-code table of the whole ``manage.py leases``
+`ExitCode` (`pg_lease_django.management.exit_codes`) is the exit-code table of the whole ``manage.py leases``
 command; ``run``'s own codes are the supervisor's outcomes, raised as `RunError`.
 """
 
@@ -36,7 +36,7 @@ from django.db import connections, router
 
 from pg_lease_django.display import printable
 from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.holds.holding import hold
 from pg_lease_django.holds.lease import HeldLease
 from pg_lease_django.models import Lease

@@ -1,7 +1,7 @@
 """The exit codes of ``manage.py leases`` (`ExitCode`).
 
 Written here once: the command's help, its docstring and ``run``'s description are generated from
-`ExitCode`; every subcommand and ``leases run`` (`pg_lease_django.run`, whose `RunError` carries
+`ExitCode`; every subcommand and ``leases run`` (`pg_lease_django.management.supervision`, whose `RunError` carries
 one) exit with them, and so does a job skipped by ``@leased(..., on_busy="exit")`` (``BUSY``,
 ``TIMED_OUT``). A leaf: it imports nothing of the package.
 """
