@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import operations
+from . import manager_calls, operations
 from .exceptions import InvalidInputError, LeaseLostError
 from .holds import lease_calls
 from .metrics import hooks as metrics
@@ -31,7 +31,7 @@ from .validation import (
     check_wait,
     to_timedelta,
 )
-from .wait import async_driver, settling, sync_driver
+from .wait import async_driver, sync_driver
 
 if TYPE_CHECKING:
     from .models import Lease  # noqa: F401  (named in the Manager["Lease"] base)
@@ -137,7 +137,7 @@ class LeaseManager(models.Manager["Lease"]):
         """
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         if not blocking:
-            return settling.acquire_once(self._connection(), key, owner, ttl_delta)
+            return manager_calls.acquire_once(self._connection(), key, owner, ttl_delta)
         return sync_driver.wait_and_acquire(self._connection(), key, owner, ttl_delta, wait)
 
     @staticmethod
@@ -199,7 +199,7 @@ class LeaseManager(models.Manager["Lease"]):
 
         def release(connection: BaseDatabaseWrapper) -> None:
             try:
-                settling.release_once(connection, key, owner, epoch)
+                manager_calls.release_once(connection, key, owner, epoch)
             except LeaseLostError as exc:
                 metrics.lost(key, exc.code)
                 raise

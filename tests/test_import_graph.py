@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("one call", {"operations", "display"}),
     ("the blocking wait", {"wait"}),
     ("the package's own connections", {"holds.lease_connection", "holds.lease_pool", "holds.lease_calls"}),
-    ("the manager and the model", {"managers", "querysets", "models"}),
+    ("the manager and the model", {"manager_calls", "managers", "querysets", "models"}),
     ("holding for a job", {"holds"}),
     ("fencing", {"fencing"}),
     ("leader election", {"election"}),

@@ -1,13 +1,12 @@
-"""Calls interrupted in flight (a signal, KeyboardInterrupt, SystemExit, a cancelled task): settled.
+"""Calls interrupted in flight are settled here, whether by a signal, an exit or a cancelled task.
 
-An acquire whose answer never came may have committed a grant nobody received; a release cut
-short may not have committed, leaving the lease held by an owner that is leaving. Outside a
-transaction both are settled here before the interruption goes on: the statement still running is
-cancelled on the server and waited out, a grant found in the owner's name is released, a release is
-sent again (`settle`, `complete_release`, both run `to_the_end` although interrupted again). Inside
-the caller's transaction, that transaction owns them. The one-attempt and one-release calls of
-`Lease.objects` (`acquire_once`, `release_once`) are here, as the blocking wait
-(`wait.sync_driver`, `wait.async_driver`) and the hold's connection (`holds.lease_connection`) use these rules.
+An acquire whose answer never came may have committed a grant nobody received. A release cut
+short may not have committed, and then the lease stays held by an owner that is leaving. Outside
+a transaction both are settled before the interruption goes on: the statement still running is
+cancelled on the server and waited out, a grant found in the owner's name is released, and a
+release is sent again. `settle` and `complete_release` run `to_the_end` even when interrupted
+again. Inside the caller's transaction, that transaction owns them. The manager's one-shot calls in
+`manager_calls`, the blocking wait's drivers and the hold's connection all follow these rules.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import time
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -29,7 +27,6 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from pg_lease_django import conf, operations
 from pg_lease_django.exceptions import LeaseLostError
 from pg_lease_django.metrics import hooks as metrics
-from pg_lease_django.operations import Grant
 from pg_lease_django.plans import Pause, Plan, adrive, drive
 from pg_lease_django.sql import run, statements
 from pg_lease_django.sql.arun import Session
@@ -81,26 +78,6 @@ def commits_on_its_own(connection: BaseDatabaseWrapper) -> bool:
     return connection.get_autocommit() and not connection.in_atomic_block
 
 
-def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
-    """One non-blocking attempt (`Lease.objects.acquire`); interrupted in flight, it is settled.
-
-    A signal, ``SystemExit`` or any other interruption that is not an error of the call leaves a
-    statement that may still run on the server (psycopg cancels only on its own interrupts):
-    outside a transaction it is cancelled and a grant it made is released, as for every attempt
-    (`settle`). Inside one, the caller's transaction owns the attempt.
-    """
-    own = commits_on_its_own(connection)
-    in_flight = attempt_in_flight(connection) if own else None
-    try:
-        return operations.acquire(connection, key, owner, ttl, None if in_flight is None else in_flight.marker)
-    except Exception:
-        raise  # the server answered (a refusal, a bad argument) or the connection is lost: reported
-    except BaseException:
-        if in_flight is not None:
-            settle(connection, key, owner, in_flight)
-        raise
-
-
 #: The longest a cancelled task waits for its settling when cancelled again meanwhile: waiting out
 #: the statement (`SETTLE_WITHIN`), then a row lock for the release (`SETTLE_WITHIN`), and slack.
 SETTLE_BOUND = 3 * SETTLE_WITHIN
@@ -127,24 +104,6 @@ async def settled_anyway(settling: Coroutine[Any, Any, None], what: str) -> None
             return
     if not task.cancelled() and (error := task.exception()) is not None:
         logger.warning("settling %s failed", what, exc_info=error)
-
-
-def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
-    """A release (`Lease.objects.release`); interrupted before it took effect, it is completed.
-
-    An interruption landing before the release commits would leave the lease held, for up to its
-    TTL, by an owner that is leaving. Outside a transaction it is completed (`complete_release`)
-    before the interruption goes on. Inside one, the caller's transaction owns it.
-    """
-    own = commits_on_its_own(connection)
-    try:
-        operations.release(connection, key, owner, epoch)
-    except Exception:
-        raise  # the server answered (a refusal) or the connection is lost: reported
-    except BaseException:
-        if own:
-            complete_release(connection, key, owner, epoch)
-        raise
 
 
 def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
