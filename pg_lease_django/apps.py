@@ -19,8 +19,14 @@ class PgLeaseConfig(AppConfig):
 
         checks.register()
         checks.register_without_database_option()
-        post_migrate.connect(history.sync_after_migrate, sender=self, dispatch_uid="pg_lease_django.provisioning.history")
-        post_migrate.connect(privileges.grant_after_migrate, sender=self, dispatch_uid="pg_lease_django.provisioning.privileges")
+        post_migrate.connect(
+            history.sync_after_migrate, sender=self, dispatch_uid="pg_lease_django.provisioning.history"
+        )
+        post_migrate.connect(
+            privileges.grant_privileges_after_migrate,
+            sender=self,
+            dispatch_uid="pg_lease_django.provisioning.privileges",
+        )
         # Lazily: nothing of prometheus_client is imported unless it is installed and PG_LEASE_METRICS is on.
         # A bad PG_LEASE_METRICS_KEY_LABEL is reported by check pg_lease_django.E005, not here.
         hooks.install_tracing()  # spans where opentelemetry-api is installed

@@ -27,7 +27,7 @@ from pg_lease_django.sql import Statement, run, statements
 
 
 @dataclass(frozen=True)
-class Grant:
+class Privilege:
     """One privilege: ``GRANT privilege ON kind object TO role`` (``WITH GRANT OPTION`` when ``grantable``)."""
 
     role: str
@@ -37,7 +37,7 @@ class Grant:
     grantable: bool = False  # held WITH GRANT OPTION: the role may pass it on
 
     def parts(self) -> dict[str, pgsql.Composable]:
-        """``statements.GRANT``'s parts: the kind, object and privilege as ``pg_lease_privileges()``
+        """``statements.GRANT_PRIVILEGE``'s parts: the kind, object and privilege as ``pg_lease_privileges()``
         spells them (the package's own SQL), the role an identifier."""
         return {
             "privilege": pgsql.SQL(self.privilege),
@@ -48,11 +48,11 @@ class Grant:
 
     def statement(self) -> str:
         """The GRANT, as text (for `leases grant --check` to print)."""
-        return statements.GRANT.compose(None, **self.parts()).as_string(None)
+        return statements.GRANT_PRIVILEGE.compose(None, **self.parts()).as_string(None)
 
     def revoke(self) -> str:
         """The statement that takes it back (only the grant option, when that is what is extra): text to print."""
-        revoke = statements.REVOKE_GRANT_OPTION if self.grantable else statements.REVOKE
+        revoke = statements.REVOKE_GRANT_OPTION if self.grantable else statements.REVOKE_PRIVILEGE
         return revoke.compose(None, **self.parts()).as_string(None)
 
 
@@ -93,7 +93,7 @@ def installed(using: str) -> bool:
     return bool(run.one(connection, statements.FUNCTION_EXISTS, function=function))
 
 
-def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
+def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Privilege]]:
     """The declared roles database ``using``'s cluster lacks, and the grants its catalog lacks.
 
     One round trip. Raises ImproperlyConfigured when a setting is invalid or the lease app is not
@@ -103,13 +103,13 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
     if not roles:
         return [], []
     tiers = [",".join(_tiers(kinds)) for kinds in roles.values()]
-    rows = run.rows(connections[using], statements.MISSING_GRANTS, roles=list(roles), tiers=tiers)
+    rows = run.rows(connections[using], statements.MISSING_PRIVILEGES, roles=list(roles), tiers=tiers)
     absent = sorted({row.role for row in rows if not row.exists})
-    lacking = [Grant(row.role, row.kind, row.object, row.privilege) for row in rows if row.exists and not row.held]
+    lacking = [Privilege(row.role, row.kind, row.object, row.privilege) for row in rows if row.exists and not row.held]
     return absent, lacking
 
 
-def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
+def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Privilege]:
     """Privileges on the package's functions and tables that the declaration does not give.
 
     Every role is looked at (through its memberships too), and PUBLIC, except superusers, the
@@ -131,9 +131,9 @@ def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
         if not row.direct or (row.role != "PUBLIC" and (row.kind, row.object, row.privilege) in through_public):
             continue  # reported once, where it was granted (PUBLIC, a group): a REVOKE there takes it from all
         if not set(row.tiers or ()) & ({"public"} | set(row.allowed or ())):
-            extra.append(Grant(row.role, row.kind, row.object, row.privilege))
+            extra.append(Privilege(row.role, row.kind, row.object, row.privilege))
         elif row.grantable:
-            extra.append(Grant(row.role, row.kind, row.object, row.privilege, grantable=True))
+            extra.append(Privilege(row.role, row.kind, row.object, row.privilege, grantable=True))
     return extra
 
 
@@ -183,7 +183,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     connection = connections[using]
     # Parameter privileges exist from PostgreSQL 15 on (pg_parameter_acl is unknown before).
     modern = connection.pg_version >= 150000  # type: ignore[attr-defined]
-    replica = statements.REPLICA_GRANTS.compose(None) if modern else pgsql.SQL("false")
+    replica = statements.REPLICA_PRIVILEGES.compose(None) if modern else pgsql.SQL("false")
     createrole = pgsql.SQL("r.rolcreaterole" if connection.pg_version < 160000 else "false")  # type: ignore[attr-defined]
     rows = run.rows(connection, statements.BYPASSES, parts={"replica": replica, "createrole": createrole})
     found: list[Bypass] = []
@@ -283,7 +283,7 @@ def unscoped(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     ]
 
 
-def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
+def grant_privileges(using: str = DEFAULT_DB_ALIAS) -> list[Privilege]:
     """Grant the declared roles what they lack in database ``using``; return what was granted.
 
     Idempotent: a role that holds its privileges is granted nothing.
@@ -305,7 +305,7 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     connection = connections[using]
     with transaction.atomic(using=using):
         for needed in lacking:
-            run.run(connection, statements.GRANT, parts=needed.parts())
+            run.run(connection, statements.GRANT_PRIVILEGE, parts=needed.parts())
     if lacking and missing(using)[1]:
         raise ImproperlyConfigured(
             f"the role database {using!r} connects as may not grant the lease privileges (PostgreSQL only "
@@ -411,7 +411,7 @@ def absent_roles(names: list[str], using: str = DEFAULT_DB_ALIAS) -> list[str]:
     return run.rows(connections[using], statements.ABSENT_ROLES, names=names)
 
 
-def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:
+def grant_privileges_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:
     """``post_migrate`` receiver: grant the declared roles in each database the lease app is migrated in.
 
     A migration that recreates a function (migrating back and forth, an upgrade) leaves it revoked

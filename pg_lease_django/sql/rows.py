@@ -254,8 +254,8 @@ class RoleLimit(NamedTuple):
     max_tenures_per_key: int | None
 
 
-class MissingGrant(NamedTuple):
-    """A privilege a declared role's kinds give it, and whether it holds it (``missing_grants``)."""
+class MissingPrivilege(NamedTuple):
+    """A privilege a declared role's kinds give it, and whether it holds it (``missing_privileges``)."""
 
     role: str
     exists: bool

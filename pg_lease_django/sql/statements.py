@@ -108,9 +108,11 @@ ROLE_LIMITS_ADD: Statement[None] = Statement("role_limits_add")
 METRICS_RULE: Statement[rows.MetricsRule] = Statement("metrics_rule", rows.shaped(rows.MetricsRule))
 METRICS_RULE_SET: Statement[None] = Statement("metrics_rule_set")
 ABSENT_ROLES: Statement[str] = Statement("absent_roles", rows.scalar)
-MISSING_GRANTS: Statement[rows.MissingGrant] = Statement("missing_grants", rows.shaped(rows.MissingGrant))
-GRANT: Statement[None] = Statement("grant", parts=("privilege", "kind", "object", "role"))
-REVOKE: Statement[None] = Statement("revoke", parts=("privilege", "kind", "object", "role"))
+MISSING_PRIVILEGES: Statement[rows.MissingPrivilege] = Statement(
+    "missing_privileges", rows.shaped(rows.MissingPrivilege)
+)
+GRANT_PRIVILEGE: Statement[None] = Statement("grant_privilege", parts=("privilege", "kind", "object", "role"))
+REVOKE_PRIVILEGE: Statement[None] = Statement("revoke_privilege", parts=("privilege", "kind", "object", "role"))
 REVOKE_GRANT_OPTION: Statement[None] = Statement("revoke_grant_option", parts=("privilege", "kind", "object", "role"))
 REVOKE_REPLICA_MODE: Statement[None] = Statement("revoke_replica_mode", parts=("role",))
 NO_BYPASS_RLS: Statement[None] = Statement("no_bypass_rls", parts=("role",))
@@ -121,7 +123,7 @@ BYPASSES: Statement[rows.RoleBypasses] = Statement(
     "bypasses", rows.shaped(rows.RoleBypasses), parts=("replica", "createrole")
 )
 #: A fragment of BYPASSES from PostgreSQL 15 on (parameter privileges arrived then).
-REPLICA_GRANTS: Statement[None] = Statement("replica_grants")
+REPLICA_PRIVILEGES: Statement[None] = Statement("replica_privileges")
 UNSCOPED: Statement[str] = Statement("unscoped", rows.scalar)
 ALLOW_TRUNCATE: Statement[None] = Statement("allow_truncate", parts=("database",))
 

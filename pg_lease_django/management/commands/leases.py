@@ -100,7 +100,7 @@ class Command(ReadingSubcommands, OperatingSubcommands, RunSubcommand):
         except InvalidInputError as exc:
             raise CommandError(str(exc), returncode=ExitCode.USAGE) from None
         except ImproperlyConfigured as exc:  # e.g. no lease table: the message names the migrate command
-            # Escaped: it may name roles or schemas as the catalog spells them (`privileges.grant`).
+            # Escaped: it may name roles or schemas as the catalog spells them (`privileges.grant_privileges`).
             raise CommandError(f"database error: {printable(str(exc))}", returncode=ExitCode.DATABASE_ERROR) from None
         except DatabaseError as exc:
             # The server's text may quote a key or an owner (a RAISE of a lease function): other

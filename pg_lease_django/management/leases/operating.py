@@ -192,7 +192,7 @@ class OperatingSubcommands(BaseCommand):
                 )
             self.stdout.write(f"Every declared role holds its lease privileges in {alias!r}.")
             return
-        granted = privileges.grant(alias)
+        granted = privileges.grant_privileges(alias)
         for needed in granted:
             self.stdout.write(printable(needed.statement()))
         roles = ", ".join(f"{printable(role)} ({', '.join(kinds)})" for role, kinds in declared.items()) or (
