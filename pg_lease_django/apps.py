@@ -14,8 +14,8 @@ class PgLeaseConfig(AppConfig):
         from django.db.models.signals import post_migrate
 
         from . import checks, conf
-        from .provisioning import history, privileges
         from .metrics import hooks, push
+        from .provisioning import history, privileges
 
         checks.register()
         checks.register_without_database_option()

@@ -25,8 +25,8 @@ from django.urls import reverse
 
 from pg_lease_django import Lease
 from pg_lease_django.management.exit_codes import ExitCode
-from pg_lease_django.provisioning.history import sync_scope
 from pg_lease_django.models import LeaseTenure
+from pg_lease_django.provisioning.history import sync_scope
 from pg_lease_django.timeline import History, TenureRow, read_history, render_timeline
 from tests.helpers import free, held, lapsed
 from tests.history_story import STORY, recording, tell

@@ -424,7 +424,7 @@ def grant_privileges_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int
         return
     stdout = kwargs.get("stdout") or sys.stdout
     try:
-        granted = grant(using)
+        granted = grant_privileges(using)
     except ImproperlyConfigured as exc:
         stdout.write(f"  pg_lease_django: {exc}\n")
         return

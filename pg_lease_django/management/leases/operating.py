@@ -12,7 +12,6 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from pg_lease_django import conf
-from pg_lease_django.provisioning import privileges
 from pg_lease_django.display import LeaseRow, format_duration, json_text, printable
 from pg_lease_django.exceptions import (
     AlreadyFreeError,
@@ -29,6 +28,7 @@ from pg_lease_django.management.leases.common import (
     positive_int,
 )
 from pg_lease_django.models import Lease, LeaseTenure
+from pg_lease_django.provisioning import privileges
 from pg_lease_django.status import LeaseStatus
 from pg_lease_django.validation import MAX_ADVANCE, check_name
 

@@ -17,8 +17,8 @@ from types import FrameType
 from django.core.management.base import OutputWrapper
 
 from pg_lease_django import election as elections
-from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.management.exit_codes import ExitCode
 
 from .child_process import describe_exit, signal_name
 from .supervisor import DEFAULT_GRACE, RunError, Supervisor, _Interrupted, quoted

@@ -36,9 +36,9 @@ from django.db import connections, router
 
 from pg_lease_django.display import printable
 from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
-from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.holds.holding import hold
 from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.models import Lease
 from pg_lease_django.operations import LeaseState
 
