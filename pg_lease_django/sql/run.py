@@ -1,10 +1,10 @@
 """The sync executor: a `Statement` on a Django connection (and, for the Patroni callback, on a psycopg one).
 
 `one`, `first`, `rows` and `run` send a statement with its parameters as keywords and decode its
-rows (``sql.rows``). A statement that ``confirms`` (a lease operation) goes the hot path: the notice
-handler kept on the connection turns the server's WARNING of an unconfirmed commit into
-`UnconfirmedCommitError` (at once, or out of the caller's ``atomic()``), and it is sent on a cursor
-of the psycopg connection itself when nothing but Django stands in between (`_nothing_in_between`).
+rows (``sql.rows``). A statement on the ``fast_path`` (a lease call) is sent on a cursor of the
+psycopg connection itself when nothing but Django stands in between (`_nothing_in_between`). For
+one that ``confirms`` (a lease write), the notice handler kept on the connection turns the server's
+WARNING of an unconfirmed commit into `UnconfirmedCommitError`, at once or at the caller's commit.
 Every other statement goes through Django's cursor. Errors are Django's (``DatabaseError`` and its
 subclasses), as for any ORM call, except where `_execute`, the one place that reads them, finds the
 statement's map (``sql.errors``) naming the package's error for the server's answer, or a lease
@@ -116,7 +116,7 @@ def _execute(
     database error into the package's."""
     raw: psycopg.Connection[Any] | None = None
     try:
-        if not statement.confirms:
+        if not statement.fast_path:
             sent = positional(render(connection, statement, **(parts or {})))
             with connection.cursor() as cursor:
                 cursor.execute(sent.text, sent.arguments(statement.name, params))
@@ -132,8 +132,9 @@ def _execute(
         raw = connection.connection
         notices.seen.clear()
         found = _send(connection, raw, text, sent.arguments(statement.name, params), fetch)
-        notices.raise_if_unconfirmed()
-        check_caller_commit(connection)
+        if statement.confirms:
+            notices.raise_if_unconfirmed()
+            check_caller_commit(connection)
         return found
     except DatabaseError as exc:
         if raw is not None and raw.closed and type(exc) is OperationalError:

@@ -18,21 +18,25 @@ from . import Statement, errors, rows
 
 # ---- the lease operations (confirmed: a lease write's commit must reach the synchronous standby) ----
 
-ACQUIRE: Statement[rows.Attempt] = Statement("acquire", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS)
+ACQUIRE: Statement[rows.Attempt] = Statement(
+    "acquire", rows.attempt, confirms=True, fast_path=True, errors=errors.ACQUIRE_ERRORS
+)
 ACQUIRE_OR_REGISTER: Statement[rows.Attempt] = Statement(
-    "acquire_or_register", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS
+    "acquire_or_register", rows.attempt, confirms=True, fast_path=True, errors=errors.ACQUIRE_ERRORS
 )
 ACQUIRE_WITHIN: Statement[rows.Attempt] = Statement(
-    "acquire_within", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS
+    "acquire_within", rows.attempt, confirms=True, fast_path=True, errors=errors.ACQUIRE_ERRORS
 )
-RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True)
-RELEASE: Statement[None] = Statement("release", rows.released, confirms=True)
-INSPECT: Statement[rows.LeaseState] = Statement("inspect", rows.state, confirms=True)
-FORCE_RELEASE: Statement[int] = Statement("force_release", rows.forced, confirms=True)
-REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement("request_handoff", rows.handoff, confirms=True)
-PRUNE: Statement[str] = Statement("prune", rows.scalar, confirms=True)
+RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True, fast_path=True)
+RELEASE: Statement[None] = Statement("release", rows.released, confirms=True, fast_path=True)
+INSPECT: Statement[rows.LeaseState] = Statement("inspect", rows.state, fast_path=True)
+FORCE_RELEASE: Statement[int] = Statement("force_release", rows.forced, confirms=True, fast_path=True)
+REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement(
+    "request_handoff", rows.handoff, confirms=True, fast_path=True
+)
+PRUNE: Statement[str] = Statement("prune", rows.scalar, confirms=True, fast_path=True)
 ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement(
-    "advance_epochs", rows.advance, confirms=True, errors=errors.ADVANCE_ERRORS
+    "advance_epochs", rows.advance, confirms=True, fast_path=True, errors=errors.ADVANCE_ERRORS
 )
 
 # ---- fencing ---------------------------------------------------------------------------------------
