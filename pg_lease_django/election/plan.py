@@ -4,9 +4,9 @@
 drivers run it with `pg_lease_django.plans.drive` and `adrive`: `Election`'s thread (``elect()``:
 blocking calls, a `Pause` cut short by ``stop()``) and `AsyncElection`'s task (``aelect()``: awaits,
 a `Pause` cut short by cancellation). The decisions
-are all here: campaign with one attempt at a time; after winning, announce this campaigner, lead,
+are all here: campaign by standing once at a time; after winning, announce this campaigner, lead,
 leave the hold, then call ``on_stopped_leading`` (only if the leader callback ran); how the term
-ended (`term_end`), how long to rest, the watch for a new leader after a hand-off, and which steps
+ended (`term_end`), how long to rest, the look for a new leader after a hand-off, and which steps
 a stopped campaign no longer takes (`ENDED_BY_STOP`). What stays each driver's own is how a step is
 done: a thread's leader callback returns when told (``wait_stop``), a task's is cancelled; a stop
 is an event for one and a cancellation for the other. As in `pg_lease_django.wait.plan`, this is
@@ -54,8 +54,8 @@ def term_end(ended: TermEnd, *, lost: bool, handoff_requested: bool) -> TermEnd:
 
 
 @dataclass(frozen=True)
-class Attempt:
-    """Campaign once: enter a hold of the key without waiting; answer: `Won`, `Refused` or `Failed`."""
+class Stand:
+    """Stand once for leader: enter a hold of the key without waiting; answer: `Won`, `Refused` or `Failed`."""
 
 
 @dataclass(frozen=True)
@@ -91,13 +91,13 @@ class ReadLeader:
     read failed (the driver logs the failure)."""
 
 
-Step = Attempt | Announce | Lead | Leave | StepDown | Pause | ReadLeader
+Step = Stand | Announce | Lead | Leave | StepDown | Pause | ReadLeader
 
 #: The steps a stopped campaign does not take: once stopped, a driver throws its stop into the plan
 #: at the next of them, which ends the plan; a thread then returns and a task raises its CancelledError.
 #: A term in progress still ends as a term does (`Lead` returns, `Leave`, `StepDown`), and an
 #: announcement is still made.
-ENDED_BY_STOP = (Attempt, Pause, ReadLeader)
+ENDED_BY_STOP = (Stand, Pause, ReadLeader)
 
 
 # ---- the answers ----------------------------------------------------------------------------------
@@ -152,12 +152,12 @@ class Campaign:
     def plan(self) -> Plan[Step, None]:
         """Campaign for ever: a driver stops at a step of `ENDED_BY_STOP` once stopped (or cancelled)."""
         while True:
-            attempt = yield Attempt()
-            if isinstance(attempt, Won):
+            stood = yield Stand()
+            if isinstance(stood, Won):
                 yield from self.term()
-            elif isinstance(attempt, Refused):
-                if attempt.holder is not None:
-                    yield Announce(attempt.holder)
+            elif isinstance(stood, Refused):
+                if stood.holder is not None:
+                    yield Announce(stood.holder)
                 yield Pause(self.poll_interval())
             else:
                 yield Pause(self.rest(TermEnd.FAILED))
@@ -175,7 +175,7 @@ class Campaign:
         else:
             ended = TermEnd.FAILED
         if ended == TermEnd.HANDOFF:
-            yield from self.watch(self.rest(ended))
+            yield from self.look_for_leader(self.rest(ended))
         else:
             yield Pause(self.rest(ended))
 
@@ -190,7 +190,7 @@ class Campaign:
             return self.ttl
         return poll if ended == TermEnd.RETURNED else 0.0
 
-    def watch(self, seconds: float) -> Plan[Step, None]:
+    def look_for_leader(self, seconds: float) -> Plan[Step, None]:
         """After a hand-off: rest until another leader is seen (announced) or ``seconds`` pass."""
         deadline = self.clock() + seconds
         while (remaining := deadline - self.clock()) > 0:
