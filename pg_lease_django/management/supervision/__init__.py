@@ -8,7 +8,7 @@ Modules, lowest first (each imports only those before it, and modules of the lay
 - `status_line`: the line ``leases run --wait`` shows on a terminal while it waits for the lease.
 - `supervisor`: `Supervisor`, one run (acquire with ``hold()``, run COMMAND, pass signals on,
   signal COMMAND on a loss, release), and `RunError`, how a run ends with a code of its own.
-- `campaign`: `Campaign`, the `Supervisor` of ``leases run --campaign``: COMMAND kept running on
+- `campaign`: `CampaignSupervisor`, the `Supervisor` of ``leases run --campaign``: COMMAND kept running on
   one machine of many, a term at a time.
 
 The command's arguments are parsed in `pg_lease_django.management.leases.running`, beside every

@@ -1,6 +1,6 @@
-"""``leases run --campaign``: COMMAND kept running on exactly one machine of many (`Campaign`).
+"""``leases run --campaign``: COMMAND kept running on exactly one machine of many (`CampaignSupervisor`).
 
-`Campaign` is a `Supervisor` that campaigns with `pg_lease_django.elect` (through the election's
+`CampaignSupervisor` is a `Supervisor` that campaigns with `pg_lease_django.elect` (through the election's
 hooks for it, `election.start` and `election.fail_term`), runs COMMAND while it leads, and
 campaigns again when COMMAND exits or the lease is lost or handed off, until SIGTERM, SIGINT or
 SIGHUP stops it. Each term's COMMAND is started, watched and signalled as a plain run's is.
@@ -23,14 +23,14 @@ from pg_lease_django.management.exit_codes import ExitCode
 from .child_process import describe_exit, signal_name
 from .supervisor import DEFAULT_GRACE, RunError, Supervisor, _Interrupted, quoted
 
-__all__ = ["STOPPING_SIGNALS", "Campaign"]
+__all__ = ["STOPPING_SIGNALS", "CampaignSupervisor"]
 
 #: Of the signals passed on to COMMAND (`supervisor.FORWARDED_SIGNALS`), the ones that also end a
 #: campaign: COMMAND is not restarted after them.
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-class Campaign(Supervisor):
+class CampaignSupervisor(Supervisor):
     """``leases run --campaign``: campaign, run COMMAND for each term, campaign again; until a signal stops it.
 
     Takes `Supervisor`'s arguments but ``wait``: a campaign waits for the lease as long as it

@@ -6,8 +6,8 @@ leases run`` is its command line; it needs nothing from the command and can be d
 
     status = Supervisor("jobs:reindex", ["./reindex.sh"], ttl=30).run()  # raises RunError for 75-77, 126, 127
 
-`pg_lease_django.management.supervision.campaign.Campaign` (``leases run --campaign``), a `Supervisor` too, keeps
-COMMAND running on exactly one machine of many.
+`CampaignSupervisor` of ``leases run --campaign``, a `Supervisor` too, keeps COMMAND running on
+exactly one machine of many.
 
 ``grace`` bounds every SIGTERM, the one sent on a loss and a deploy's (systemd, the kubelet):
 COMMAND's group is SIGKILLed ``grace`` seconds after the first, then the lease is released, before
@@ -223,7 +223,7 @@ class Supervisor:
                 self._wake_r = self._wake_w = -1
 
     def _main(self) -> int:
-        """The run, its signal handlers in place: hold the lease, run COMMAND once (`Campaign`: per term)."""
+        """The run, its signal handlers in place: hold the lease, run COMMAND once (`CampaignSupervisor`: per term)."""
         return self._hold_and_run()
 
     def _not_run(self, signum: int) -> str:
@@ -375,7 +375,7 @@ class Supervisor:
         return child.popen.returncode
 
     def _why_stop(self, lease: HeldLease) -> str | None:
-        """Why COMMAND must stop now (the lease was lost; `Campaign`: or a hand-off was asked for), or None."""
+        """Why COMMAND must stop now, or None: the lease was lost, or a campaign's hand-off was asked for."""
         error = lease.error
         if error is not None:
             self._terminated_at_loss = True
