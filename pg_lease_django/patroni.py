@@ -161,7 +161,7 @@ def lease_databases(conninfo: str) -> list[str]:
     return found
 
 
-def advance(conninfo: str, dbname: str, by: int) -> tuple[int, int]:
+def advance_epochs(conninfo: str, dbname: str, by: int) -> tuple[int, int]:
     """``pg_lease_advance_epochs(by)`` in ``dbname``, through the gate; (leases advanced, highest epoch)."""
     with _connect(conninfo, through_gate=True, dbname=dbname) as conn:
         schemas = run.on_psycopg(conn, statements.SCHEMA_LOOKUP)
@@ -191,7 +191,7 @@ def on_leader(args: argparse.Namespace) -> int:
                 return 0
             databases = args.dbname or lease_databases(args.conninfo)
             for dbname in databases:
-                leases, highest = advance(args.conninfo, dbname, args.by)
+                leases, highest = advance_epochs(args.conninfo, dbname, args.by)
                 logger.warning(
                     "pg_lease_django: advanced %s lease(s) in %s by %s (highest epoch %s)",
                     leases,

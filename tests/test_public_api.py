@@ -216,7 +216,7 @@ DOCUMENTED_PATHS = [
     "pg_lease_django.provisioning.history.sync_scope",
     "pg_lease_django.managers.EpochAdvance",
     "pg_lease_django.timeline.read_history",
-    "pg_lease_django.timeline.render_timeline",
+    "pg_lease_django.timeline.draw_timeline",
     "pg_lease_django.signals.lease_acquired",
     "pg_lease_django.apps.PgLeaseConfig",
 ]

@@ -174,7 +174,7 @@ def handoff(row: Row, *, key: str, epoch: int | None) -> HandoffRequest:
     errors.operator_refusal(outcome, key, epoch, holder, current_epoch, "nobody holds it to hand it off")
 
 
-def advance(row: Row, *, by: int, dry_run: bool) -> EpochAdvance:
+def epoch_advance(row: Row, *, by: int, dry_run: bool) -> EpochAdvance:
     """An epoch advance's row (``by`` and ``dry_run`` as sent)."""
     leases, held, epoch_floor, max_epoch, server_time = row
     return EpochAdvance(by, leases, held, epoch_floor, max_epoch, server_time, dry_run)

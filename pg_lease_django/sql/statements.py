@@ -36,7 +36,7 @@ REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement(
 )
 PRUNE: Statement[str] = Statement("prune", rows.scalar, confirms=True, fast_path=True)
 ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement(
-    "advance_epochs", rows.advance, confirms=True, fast_path=True, errors=errors.ADVANCE_ERRORS
+    "advance_epochs", rows.epoch_advance, confirms=True, fast_path=True, errors=errors.ADVANCE_ERRORS
 )
 
 # ---- fencing ---------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from pg_lease_django.sql import run, statements
 from pg_lease_django.sql.rows import Transition
 from pg_lease_django.status import LeaseStatus
 
-__all__ = ["Frame", "Transition", "Watcher", "render_plain", "watch"]
+__all__ = ["Frame", "Transition", "Watcher", "draw_plain", "watch"]
 
 # Clear the screen and home the cursor: what the plain view redraws with on a terminal.
 _REDRAW = "\x1b[H\x1b[2J"
@@ -137,7 +137,7 @@ def _transition_cells(t: Transition) -> tuple[str, ...]:
     return (f"{t.at[:19]}Z", printable(t.key), f"#{t.epoch}", printable(t.owner), printable(t.event.replace("_", " ")))
 
 
-def render_plain(frame: Frame, what: str, *, live: bool = False) -> str:
+def draw_plain(frame: Frame, what: str, *, live: bool = False) -> str:
     """The frame as plain text: a lease table, then the recent transitions (``live``: and how to stop)."""
     cells = _cells(frame)
     lines = [_summary(frame, what)]
@@ -154,7 +154,7 @@ def render_plain(frame: Frame, what: str, *, live: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _render_rich(frame: Frame, what: str) -> Any:
+def _draw_rich(frame: Frame, what: str) -> Any:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -208,7 +208,7 @@ def watch(
     try:
         if once:
             frame = watcher.read()
-            out.write((json.dumps(frame.as_json(), indent=2) if as_json else render_plain(frame, what)) + "\n")
+            out.write((json.dumps(frame.as_json(), indent=2) if as_json else draw_plain(frame, what)) + "\n")
             return
         if as_json:
             _loop(watcher, stop, interval, lambda frame: _line(out, json.dumps(frame.as_json())))
@@ -216,7 +216,7 @@ def watch(
             _live(watcher, out, what, interval, stop)
         else:
             prefix = _REDRAW if terminal else ""
-            _loop(watcher, stop, interval, lambda frame: _line(out, prefix + render_plain(frame, what, live=True)))
+            _loop(watcher, stop, interval, lambda frame: _line(out, prefix + draw_plain(frame, what, live=True)))
     except KeyboardInterrupt:
         out.write("\nstopped\n")
         out.flush()
@@ -239,4 +239,4 @@ def _live(watcher: Watcher, out: TextIO, what: str, interval: float, stop: threa
 
     console = Console(file=out, force_terminal=True)
     with Live(console=console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False) as live:
-        _loop(watcher, stop, interval, lambda frame: live.update(_render_rich(frame, what), refresh=True))
+        _loop(watcher, stop, interval, lambda frame: live.update(_draw_rich(frame, what), refresh=True))
