@@ -216,7 +216,7 @@ def main() -> int:
     from demo.models import JobCounter
     from pg_lease_django import Lease
     from pg_lease_django.fencing import unfenced_writes
-    from pg_lease_django.timeline import read_history, draw_timeline
+    from pg_lease_django.timeline import draw_timeline, read_history
 
     call_command("migrate", verbosity=0)
     with unfenced_writes():  # set-up by the demo itself, not by a lease holder

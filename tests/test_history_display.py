@@ -27,7 +27,7 @@ from pg_lease_django import Lease
 from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.models import LeaseTenure
 from pg_lease_django.provisioning.history import sync_scope
-from pg_lease_django.timeline import History, TenureRow, read_history, draw_timeline
+from pg_lease_django.timeline import History, TenureRow, draw_timeline, read_history
 from tests.helpers import free, held, lapsed
 from tests.history_story import STORY, recording, tell
 

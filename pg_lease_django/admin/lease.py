@@ -34,7 +34,7 @@ from pg_lease_django.display import describe_expiry, format_duration, printable
 from pg_lease_django.models import Lease, LeaseTenure
 from pg_lease_django.querysets import LeaseQuerySet
 from pg_lease_django.status import LeaseStatus
-from pg_lease_django.timeline import read_history, draw_timeline
+from pg_lease_django.timeline import draw_timeline, read_history
 
 from .cells import nowrap, utc, wrapping
 from .usage import usage_snippet

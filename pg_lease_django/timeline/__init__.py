@@ -6,4 +6,4 @@ The admin and ``manage.py leases history`` tell the same story from `read_histor
 from .chart import draw_timeline
 from .reading import FORCED, HELD, UNKNOWN, History, TenureRow, read_history
 
-__all__ = ["FORCED", "HELD", "UNKNOWN", "History", "TenureRow", "read_history", "draw_timeline"]
+__all__ = ["FORCED", "HELD", "UNKNOWN", "History", "TenureRow", "draw_timeline", "read_history"]
