@@ -17,12 +17,12 @@ from pg_lease_django.wait import settling
 
 
 def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
-    """One non-blocking attempt (`Lease.objects.acquire`); interrupted in flight, it is settled.
+    """One non-blocking attempt for `Lease.objects.acquire`; interrupted in flight, it is settled.
 
     A signal, ``SystemExit`` or any other interruption that is not an error of the call leaves a
-    statement that may still run on the server (psycopg cancels only on its own interrupts):
-    outside a transaction it is cancelled and a grant it made is released, as for every attempt
-    (`settle`). Inside one, the caller's transaction owns the attempt.
+    statement that may still run on the server, since psycopg cancels only on its own interrupts.
+    Outside a transaction it is cancelled and a grant it made is released, as `settling.settle`
+    does for every attempt. Inside one, the caller's transaction owns the attempt.
     """
     own = settling.commits_on_its_own(connection)
     in_flight = settling.attempt_in_flight(connection) if own else None
@@ -37,10 +37,10 @@ def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: tim
 
 
 def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
-    """A release (`Lease.objects.release`); interrupted before it took effect, it is completed.
+    """A release for `Lease.objects.release`; interrupted before it took effect, it is completed.
 
     An interruption landing before the release commits would leave the lease held, for up to its
-    TTL, by an owner that is leaving. Outside a transaction it is completed (`complete_release`)
+    TTL, by an owner that is leaving. Outside a transaction `settling.complete_release` completes it
     before the interruption goes on. Inside one, the caller's transaction owns it.
     """
     own = settling.commits_on_its_own(connection)
