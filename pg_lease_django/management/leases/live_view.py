@@ -1,15 +1,15 @@
 """``manage.py leases watch``: a live view of the leases matching a prefix or a glob, refreshing in place.
 
-Each refresh is two statements: the leases (`LeaseQuerySet.listing`: state, owner, epoch and time
-left on the server clock) and the recent transitions of the same keys from the history
-(`LeaseTenure`, when ``PG_LEASE_HISTORY`` records them). The database keeps no renewal time, so
-"since renewal" is what the watch saw: the server time of the first refresh at which a grant's
-expiry moved (a renewal) or at which it first appeared (a grant), accurate to the refresh interval;
-``-`` until it has seen one. With rich installed (the ``watch`` extra) and a terminal, the view is
-drawn by ``rich.live``; otherwise a plain table, redrawn with two ANSI escapes on a terminal, or
-appended frame after frame when piped. Ctrl-C ends it with status 0. Keys and owners are shown
-through `printable` in both views (rich gets them as `rich.text.Text`, never as markup); ``--json``
-gives them as they are.
+Each refresh is two statements. The first reads the leases with `LeaseQuerySet.listing`: state,
+owner, epoch and time left on the server clock. The second reads the recent transitions of the same
+keys from the history in `LeaseTenure`, when ``PG_LEASE_HISTORY`` records them. The database keeps
+no renewal time, so "since renewal" is what the watch saw: the server time of the first refresh at
+which a grant's expiry moved or at which the grant first appeared, accurate to the refresh interval,
+and ``-`` until it has seen one. With rich installed from the ``watch`` extra and a terminal, the
+view is drawn by ``rich.live``. Otherwise it is a plain table, redrawn with two ANSI escapes on a
+terminal, or appended frame after frame when piped. Ctrl-C ends it with status 0. Keys and owners
+are shown through `printable` in both views, and rich gets them as `rich.text.Text`, never as
+markup; ``--json`` gives them as they are.
 """
 
 from __future__ import annotations
@@ -198,10 +198,10 @@ def watch(
     plain: bool = False,
     stop: threading.Event | None = None,
 ) -> None:
-    """Show frames on ``out`` every ``interval`` seconds until Ctrl-C (or ``stop``); ``once``: one frame.
+    """Show frames on ``out`` every ``interval`` seconds until Ctrl-C or ``stop``; ``once`` shows one frame.
 
-    ``as_json``: one JSON document per frame (one line each, unless ``once``). A terminal gets rich's
-    live view (unless ``plain`` or rich is missing) or the plain view redrawn in place.
+    ``as_json`` writes one JSON document per frame, on one line each unless ``once``. A terminal gets
+    rich's live view, unless ``plain`` or rich is missing, or else the plain view redrawn in place.
     """
     stop = stop or threading.Event()
     terminal = bool(getattr(out, "isatty", lambda: False)())
