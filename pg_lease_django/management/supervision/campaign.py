@@ -1,8 +1,8 @@
-"""``leases run --campaign``: COMMAND kept running on exactly one machine of many (`CampaignSupervisor`).
+"""``leases run --campaign``: `CampaignSupervisor` keeps COMMAND running on exactly one machine of many.
 
-`CampaignSupervisor` is a `Supervisor` that campaigns with `pg_lease_django.elect` (through the election's
-hooks for it, `election.start` and `election.fail_term`), runs COMMAND while it leads, and
-campaigns again when COMMAND exits or the lease is lost or handed off, until SIGTERM, SIGINT or
+`CampaignSupervisor` is a `Supervisor` that campaigns with `pg_lease_django.elect`, through the
+election's hooks for it, `election.start` and `election.fail_term`. It runs COMMAND while it leads,
+and campaigns again when COMMAND exits or the lease is lost or handed off, until SIGTERM, SIGINT or
 SIGHUP stops it. Each term's COMMAND is started, watched and signalled as a plain run's is.
 """
 
@@ -84,14 +84,14 @@ class CampaignSupervisor(Supervisor):
     def _main(self) -> int:
         """Campaign; run COMMAND for each term; campaign again when it ends. Returns once a signal stops it.
 
-        The election runs in its thread (`pg_lease_django.elect`). Its leader callback hands each
-        term's lease to this (the main) thread, which starts, watches and signals COMMAND as a
-        plain ``run`` does, then lets the callback return: the election releases the lease (unless
-        lost) and campaigns again. A signal that arrives while COMMAND runs is passed on, and
-        SIGTERM, SIGINT or SIGHUP also stop the campaign (COMMAND is not restarted; the status is
-        COMMAND's); one that arrives between terms stops at once (128 + N). COMMAND ending with an
-        error makes the election back off before the next term (doubling up to one TTL); after a
-        hand-off it rests until another campaigner leads (or one TTL).
+        The election of `pg_lease_django.elect` runs in its own thread. Its leader callback hands
+        each term's lease to the main thread, which starts, watches and signals COMMAND as a plain
+        ``run`` does, then lets the callback return. The election then releases the lease, unless it
+        was lost, and campaigns again. A signal that arrives while COMMAND runs is passed on, and
+        SIGTERM, SIGINT or SIGHUP also stop the campaign: COMMAND is not restarted, and the status is
+        COMMAND's. One that arrives between terms stops it at once with 128 + N. COMMAND ending with
+        an error makes the election back off before the next term, doubling up to one TTL. After a
+        hand-off it rests until another campaigner leads, or for one TTL.
         """
         terms: queue.Queue[HeldLease] = queue.Queue()
         term_over = threading.Event()
