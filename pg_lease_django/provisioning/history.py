@@ -1,9 +1,10 @@
 """Which keys the database records the tenures of: ``PG_LEASE_HISTORY``, copied into the database.
 
-The lease table's history triggers (``sql/schema.sql``) record a tenure when its key starts with a prefix listed in
-``pg_lease_django_history_scope``, whoever sends the statement, so the setting lives in the database
-too. ``migrate`` copies it there (a ``post_migrate`` receiver); check ``pg_lease_django.W005``
-(``check --database``) says when a database's copy differs from the setting.
+The lease table's history triggers in ``sql/schema.sql`` record a tenure when its key starts with a
+prefix listed in ``pg_lease_django_history_scope``, whoever sends the statement, so the setting
+lives in the database too. ``migrate`` copies it there through a ``post_migrate`` receiver. Check
+``pg_lease_django.W005``, run by ``check --database``, says when a database's copy differs from the
+setting.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def recorded_prefixes(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...] | None:
 
 
 def sync_scope(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...]:
-    """Make database ``using`` record the keys ``PG_LEASE_HISTORY`` names (from the next transition on).
+    """Make database ``using`` record the keys ``PG_LEASE_HISTORY`` names, from the next transition on.
 
-    ``migrate`` calls it; call it yourself after changing the setting without migrating (tests do).
+    ``migrate`` calls it. Call it yourself after changing the setting without migrating, as tests do.
 
     Raises:
         ImproperlyConfigured: the setting is invalid, or the database has no lease table.

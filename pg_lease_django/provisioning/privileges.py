@@ -1,14 +1,15 @@
 """Who may work with leases: the roles ``PG_LEASE_WORKER_ROLES`` and ``PG_LEASE_OPERATOR_ROLES`` declare.
 
-Every lease function that locks, reveals or changes a lease is revoked from ``PUBLIC``
-(``sql/schema.sql``), and ``pg_lease_privileges()`` lists, in SQL and once, what a worker and an
-operator are granted. ``migrate`` grants it to the declared roles (a ``post_migrate`` receiver,
-so grants survive migrating back and forth and every future migration that adds a function), as
-does ``manage.py leases grant``; check ``pg_lease_django.W008`` says what a database lacks, and
-which grants go beyond the declaration (`undeclared`): those are left alone, revoke them by hand.
+Every lease function that locks, reveals or changes a lease is revoked from ``PUBLIC`` in
+``sql/schema.sql``, and ``pg_lease_privileges()`` lists, in SQL and once, what a worker and an
+operator are granted. ``migrate`` grants it to the declared roles through a ``post_migrate``
+receiver, so grants survive migrating back and forth and every future migration that adds a
+function. ``manage.py leases grant`` does the same. Check ``pg_lease_django.W008`` says what a
+database lacks, and which grants go beyond the declaration, as `undeclared` finds them: those are
+left alone, to be revoked by hand.
 
-``PG_LEASE_KEY_SCOPES`` (role -> key prefixes) is copied into ``pg_lease_django_key_scope`` the
-same way; every lease function refuses a key outside the calling role's prefixes.
+``PG_LEASE_KEY_SCOPES``, a map of role to key prefixes, is copied into ``pg_lease_django_key_scope``
+the same way; every lease function refuses a key outside the calling role's prefixes.
 """
 
 from __future__ import annotations
@@ -112,15 +113,15 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Privilege]]:
 def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Privilege]:
     """Privileges on the package's functions and tables that the declaration does not give.
 
-    Every role is looked at (through its memberships too), and PUBLIC, except superusers, the
-    owner of the lease table and its members, and PostgreSQL's predefined ``pg_*`` roles. A
-    privilege counts as declared when ``pg_lease_privileges()`` gives it to PUBLIC or to a kind of
-    declared role the role is (or is a member of: a login role in a declared group role holds the
-    group's grants). Anything else is reported (an operator's function held by a worker, a table
-    granted by ``GRANT ... ON ALL TABLES``), and so is every privilege held WITH GRANT OPTION (a
-    role that can pass it on), as ``grantable``. Each is reported once, for the role it was granted
-    to (a group role, not each member that inherits it): the REVOKE that removes it is there. One
-    round trip.
+    Every role is looked at through its memberships too, and PUBLIC, except superusers, the owner
+    of the lease table and its members, and PostgreSQL's predefined ``pg_*`` roles. A privilege
+    counts as declared when ``pg_lease_privileges()`` gives it to PUBLIC or to a kind of declared
+    role the role is or is a member of, since a login role in a declared group role holds the
+    group's grants. Anything else is reported, such as an operator's function held by a worker or
+    a table granted by ``GRANT ... ON ALL TABLES``. So is every privilege held WITH GRANT OPTION,
+    which lets the role pass it on, as ``grantable``. Each is reported once, for the role it was
+    granted to, a group role rather than each member that inherits it: the REVOKE that removes it is
+    there. One round trip.
     """
     roles = declared()
     tiers = [",".join(_tiers(kinds, allowed=True)) for kinds in roles.values()]
@@ -144,8 +145,8 @@ class Bypass:
     Attributes:
         role: the role that holds it.
         what: what it lets the role do, in a sentence.
-        remedy: the statement (or step) that takes it away.
-        error: True when it crosses a key scope or opens the fence now (check E006 or W008 says so).
+        remedy: the statement or step that takes it away.
+        error: True when it crosses a key scope or opens the fence now; check E006 or W008 says so.
     """
 
     role: str
@@ -261,9 +262,10 @@ def _printed(statement: Statement[object], role: str, predefined: str | None = N
 def unscoped(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     """Roles that may call a lease function taking a key, while key scopes are configured, with no scope.
 
-    Every call such a role makes is refused (the check fails closed); it is an error of the
-    declaration: give it a scope, make it a member of a scoped group role, or declare it ``"*"``
-    (every key). One round trip; needs SELECT on the key scope table (the owner, operators).
+    Every call such a role makes is refused, since the check fails closed. It is an error of the
+    declaration: give it a scope, make it a member of a scoped group role, or declare it ``"*"`` for
+    every key. One round trip; it needs SELECT on the key scope table, which the owner and the
+    operators have.
     """
     connection = connections[using]
     schema = run.schema(connection)
@@ -289,8 +291,8 @@ def grant_privileges(using: str = DEFAULT_DB_ALIAS) -> list[Privilege]:
     Idempotent: a role that holds its privileges is granted nothing.
 
     Raises:
-        ImproperlyConfigured: a declared role does not exist (create it first), or the connection's
-            role may not grant the privileges (run it as the lease functions' owner, as ``migrate``).
+        ImproperlyConfigured: a declared role does not exist, so create it first; or the connection's
+            role may not grant the privileges: run it as the lease functions' owner, as ``migrate`` is.
     """
     absent, lacking = missing(using)
     sync_key_scopes(using)
@@ -333,8 +335,8 @@ def stored_key_scopes(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[str, ...
 def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
     """Make database ``using`` enforce ``PG_LEASE_KEY_SCOPES``; return whether anything changed.
 
-    Nothing to do before migration 0004 (when the setting is empty); with a non-empty setting there,
-    ImproperlyConfigured (the database could not enforce it).
+    Nothing to do before migration 0004 when the setting is empty. With a non-empty setting there it
+    raises ImproperlyConfigured: the database could not enforce it.
     """
     wanted = conf.key_scopes()
     stored = stored_key_scopes(using)
