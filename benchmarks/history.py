@@ -31,8 +31,8 @@ def run(report: Report, rounds: int, block: float, owner: str) -> dict[str, Any]
     from django.test import override_settings
 
     from pg_lease_django import Lease
-    from pg_lease_django.history import sync_scope
     from pg_lease_django.models import LeaseTenure
+    from pg_lease_django.provisioning.history import sync_scope
 
     section = "history"
     recorded, plain = "bench-history:recorded", "bench-plain"

@@ -216,7 +216,7 @@ def main() -> int:
     from demo.models import JobCounter
     from pg_lease_django import Lease
     from pg_lease_django.fencing import unfenced_writes
-    from pg_lease_django.timeline import read_history, render_timeline
+    from pg_lease_django.timeline import draw_timeline, read_history
 
     call_command("migrate", verbosity=0)
     with unfenced_writes():  # set-up by the demo itself, not by a lease holder
@@ -311,7 +311,7 @@ def main() -> int:
     grants_seen = sum(1 for e in c.history if e["event"] == "acquired")
     recorded = read_history(KEY, limit=grants_seen)
     history_chart = OUTPUT / "history.svg"
-    history_chart.write_text(render_timeline(recorded))
+    history_chart.write_text(draw_timeline(recorded))
     c.say(f"The lease's history, as the database recorded it: manage.py leases history {KEY} --limit {grants_seen}")
     shown = io.StringIO()
     call_command("leases", "history", KEY, "--limit", str(grants_seen), stdout=shown, no_color=True)

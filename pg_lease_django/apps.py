@@ -16,13 +16,20 @@ class PgLeaseConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_migrate
 
-        from . import checks, conf, history, privileges
+        from . import checks, conf
         from .metrics import hooks, push
+        from .provisioning import history, privileges
 
         checks.register()
         checks.register_without_database_option()
-        post_migrate.connect(history.sync_after_migrate, sender=self, dispatch_uid="pg_lease_django.history")
-        post_migrate.connect(privileges.grant_after_migrate, sender=self, dispatch_uid="pg_lease_django.privileges")
+        post_migrate.connect(
+            history.sync_after_migrate, sender=self, dispatch_uid="pg_lease_django.provisioning.history"
+        )
+        post_migrate.connect(
+            privileges.grant_privileges_after_migrate,
+            sender=self,
+            dispatch_uid="pg_lease_django.provisioning.privileges",
+        )
         # Lazily: nothing of prometheus_client is imported unless it is installed and PG_LEASE_METRICS is on.
         # A bad PG_LEASE_METRICS_KEY_LABEL is reported by check pg_lease_django.E005, not here.
         hooks.install_tracing()  # spans where opentelemetry-api is installed

@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from . import operations
+from . import manager_calls, operations
 from .exceptions import InvalidInputError, LeaseLostError
 from .holds import lease_calls
 from .metrics import hooks as metrics
@@ -31,7 +31,7 @@ from .validation import (
     check_wait,
     to_timedelta,
 )
-from .wait import async_driver, settling, sync_driver
+from .wait import async_driver, sync_driver
 
 if TYPE_CHECKING:
     from .models import Lease  # noqa: F401  (named in the Manager["Lease"] base)
@@ -44,14 +44,14 @@ __all__ = ["NOTIFY_CHANNEL", "EpochAdvance", "Grant", "LeaseManager", "LeaseStat
 class LeaseManager(models.Manager["Lease"]):
     """Acquire, renew, release and inspect leases.
 
-    Every method is one SQL statement (one round trip), except a blocking acquire, which repeats
-    its one-statement attempt (with LISTEN/UNLISTEN around the wait outside ``atomic()``). Outside
+    Every method is one SQL statement in one round trip, except a blocking acquire, which repeats
+    its one-statement attempt and LISTENs between attempts outside ``atomic()``. Outside
     ``atomic()`` each statement commits on its own; inside, it rolls back with the caller's
     transaction. ``Lease.objects.db_manager(alias)`` picks another database than the router's.
 
-    Each operation but `prune` and `advance_epochs` has an awaitable twin for async code
-    (`aacquire`, `arenew`, `arelease`, `ainspect`, `aforce_release`, `arequest_handoff`) with the
-    same arguments, rules, results and errors.
+    Each operation but `prune` and `advance_epochs` has an awaitable twin for async code, with the
+    same arguments, rules, results and errors: `aacquire`, `arenew`, `arelease`, `ainspect`,
+    `aforce_release` and `arequest_handoff`.
     """
 
     def _alias(self) -> str:
@@ -64,9 +64,9 @@ class LeaseManager(models.Manager["Lease"]):
         return call(self._connection())
 
     async def _arun(self, call: Callable[[BaseDatabaseWrapper], T]) -> T:
-        """``call`` on the connection an async call uses: the caller's, in Django's thread for sync code
-        (``sync_to_async``), when it is in a transaction (the statement is the transaction's); otherwise
-        one of the lease pool's, in a thread of the package's own (`holds.lease_calls`)."""
+        """``call`` on the connection an async call uses. In a transaction it is the caller's, in
+        Django's thread for sync code, since the statement is the transaction's. Otherwise it is one
+        of the lease pool's, in a thread of the package's own (`holds.lease_calls`)."""
         alias = self._alias()
         if await lease_calls.in_transaction(alias):
             return await sync_to_async(self._on_callers)(call)
@@ -82,9 +82,9 @@ class LeaseManager(models.Manager["Lease"]):
         blocking: bool,
         wait: timedelta | None,
     ) -> Attempt:
-        """One acquire attempt of an async call, where `_arun` says; cancelled in flight outside a
-        transaction, it is settled (`holds.lease_calls.attempt`); inside one it is the transaction's.
-        The first try of a blocking one waits for a lock ``wait`` at most (its whole deadline)."""
+        """One acquire attempt of an async call, where `_arun` says. Cancelled in flight outside a
+        transaction, it is settled by `holds.lease_calls.attempt`; inside one it is the transaction's.
+        The first try of a blocking one waits for a lock ``wait`` at most, its whole deadline."""
         if in_transaction:
             if blocking:
                 return await sync_to_async(self._on_callers)(
@@ -113,31 +113,31 @@ class LeaseManager(models.Manager["Lease"]):
         blocking: bool = False,
         timeout: Seconds | None = None,
     ) -> Grant | None:
-        """Acquire ``key`` for ``owner`` for ``ttl`` (seconds or timedelta).
+        """Acquire ``key`` for ``owner`` for ``ttl``, given in seconds or as a timedelta.
 
-        Granted when the key is free, lapsed, or already held by ``owner`` (a self-takeover: the
-        grant has a new epoch, which fences the owner's earlier incarnation).
+        Granted when the key is free, lapsed, or already held by ``owner``. That last is a
+        self-takeover: the grant has a new epoch, which fences the owner's earlier incarnation.
 
         Args:
-            key: the lease key (1-255 UTF-8 bytes, no NUL).
+            key: the lease key, 1-255 UTF-8 bytes with no NUL.
             owner: the caller's identity, unique among concurrent clients.
             ttl: how long the grant lasts without renewal, on the server clock.
             blocking: wait until the key can be acquired instead of returning None.
-            timeout: with ``blocking=True``, the longest wait (seconds or timedelta).
+            timeout: with ``blocking=True``, the longest wait, in seconds or as a timedelta.
 
         Returns:
-            A `Grant`, or None when another owner holds the key (non-blocking only).
+            A `Grant`, or None when another owner holds the key; None only when not blocking.
 
         Raises:
             InvalidInputError: bad argument; nothing was sent.
             LeaseTimeoutError: ``blocking=True`` and ``timeout`` passed.
-            UnconfirmedCommitError: the grant committed on the primary, but the synchronous standby did not
-                confirm it (a ``django.db.OperationalError``: outcome unknown); with ``blocking=True`` the
-                waiter released it first. Act on no grant: acquire again.
+            UnconfirmedCommitError: the grant committed on the primary, but the synchronous standby did
+                not confirm it, so its outcome is unknown; it is a ``django.db.OperationalError``. With
+                ``blocking=True`` the waiter released it first. Act on no grant: acquire again.
         """
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         if not blocking:
-            return settling.acquire_once(self._connection(), key, owner, ttl_delta)
+            return manager_calls.acquire_once(self._connection(), key, owner, ttl_delta)
         return sync_driver.wait_and_acquire(self._connection(), key, owner, ttl_delta, wait)
 
     @staticmethod
@@ -199,7 +199,7 @@ class LeaseManager(models.Manager["Lease"]):
 
         def release(connection: BaseDatabaseWrapper) -> None:
             try:
-                settling.release_once(connection, key, owner, epoch)
+                manager_calls.release_once(connection, key, owner, epoch)
             except LeaseLostError as exc:
                 metrics.lost(key, exc.code)
                 raise
@@ -219,24 +219,24 @@ class LeaseManager(models.Manager["Lease"]):
         return lambda connection: operations.inspect(connection, key)
 
     def force_release(self, key: str, *, epoch: int | None = None, operator: str | None = None) -> int:
-        """Free ``key`` whoever holds it (the operator override); the epoch goes up, fencing the holder.
+        """Free ``key`` whoever holds it, the operator's override; the epoch goes up, fencing the holder.
 
-        For humans and scripts breaking a stuck lease (``manage.py leases release --force``, the
-        admin's "Force release" action), never for workers: they release with their own
-        ``(owner, epoch)``. Works on held and lapsed leases. Pass the ``epoch`` you looked at so
+        For humans and scripts breaking a stuck lease, such as ``manage.py leases release --force``
+        and the admin's "Force release" action. Never for workers: they release with their own
+        owner and epoch. Works on held and lapsed leases. Pass the ``epoch`` you looked at so
         that a lease which changed hands since is not freed behind your back.
 
         Args:
             key: the lease key.
             epoch: release only if this is still the current epoch; None releases any holder.
-            operator: who forces it, recorded in the lease's history (None: the database role).
+            operator: who forces it, recorded in the lease's history; None records the database role.
 
         Returns:
-            The new epoch (the released one plus one).
+            The new epoch, the released one plus one.
 
         Raises:
-            AlreadyFreeError: nothing to release: the key is free (``current_epoch`` says its epoch).
-            NeverAcquiredError: nothing to release: the key has no row (never acquired, or pruned).
+            AlreadyFreeError: nothing to release: the key is free; ``current_epoch`` says its epoch.
+            NeverAcquiredError: nothing to release: the key has no row, never acquired or pruned.
             EpochMovedOnError: ``epoch`` was given and the lease has moved on; ``holder`` and
                 ``current_epoch`` are the key's now. Look again before releasing.
                 All three are `OperatorRefusalError`: nothing changed, and nothing to stop.
@@ -254,24 +254,24 @@ class LeaseManager(models.Manager["Lease"]):
         return lambda connection: operations.force_release(connection, key, epoch, operator)
 
     def request_handoff(self, key: str, *, epoch: int | None = None) -> HandoffRequest:
-        """Ask the holder of ``key`` to step down at its next safe point (a rolling deploy's hand-over).
+        """Ask the holder of ``key`` to step down at its next safe point, as a rolling deploy's hand-over.
 
-        Advice, never a force: the lease stays granted. A ``hold()`` learns of it at its next renewal
-        (within its renew interval, ``ttl / 3`` by default) and exposes it as
+        Advice, never a force: the lease stays granted. A ``hold()`` learns of it at its next renewal,
+        within its renew interval of ``ttl / 3`` by default, and exposes it as
         ``lease.handoff_requested``; ``elect()`` steps down, releasing the lease to the next campaigner.
         A holder that ignores it keeps its lease; its release is recorded as ``handed_off``. Any new
-        grant clears the request. Asking again is harmless (``requested_at`` stays the first request's).
+        grant clears the request. Asking again is harmless: ``requested_at`` stays the first request's.
 
         Args:
             key: the lease key.
-            epoch: ask only if this is still the current epoch (the holder you looked at).
+            epoch: ask only if this is still the current epoch, the holder you looked at.
 
         Returns:
             The `HandoffRequest`: who was asked, at which epoch, since when.
 
         Raises:
             NeverAcquiredError: the key has no row; AlreadyFreeError: it is free; AlreadyLapsedError:
-                it lapsed: nobody holds it to ask (acquire it instead).
+                it lapsed. Nobody holds it to ask: acquire it instead.
             EpochMovedOnError: ``epoch`` was given and the lease has moved on.
                 All four are `OperatorRefusalError`: nothing changed.
             InvalidInputError: bad argument; nothing was sent.
@@ -321,33 +321,33 @@ class LeaseManager(models.Manager["Lease"]):
 
         The one statement runs on a connection of the lease pool ``hold()`` uses, in a thread of the
         package's own: no call waits behind another. With ``blocking=True`` the first try is made so
-        too; only when it is refused does the wait begin, holding no thread: the waiter opens a
-        connection of its own from the same database settings (named ``pg_lease_django wait
-        <owner>`` in ``pg_stat_activity``), makes each attempt and LISTENs on it (or, with
-        ``PG_LEASE_LISTEN = False``, sleeps with ``asyncio.sleep``), and closes it when the call
-        returns, raises or is cancelled. The grant is committed when the call returns. When the
-        caller's connection is in a transaction (``async_to_sync`` within ``atomic()``, or
-        ``AUTOCOMMIT`` off) the attempts run in that transaction instead (in Django's thread for
-        sync code, ``sync_to_async``), and a waiter polls, as `acquire` does.
+        too; only when it is refused does the wait begin, holding no thread. The waiter opens a
+        connection of its own from the same database settings, named ``pg_lease_django wait
+        <owner>`` in ``pg_stat_activity``. It makes each attempt and LISTENs on it, or sleeps with
+        ``asyncio.sleep`` when ``PG_LEASE_LISTEN = False``, and closes it when the call returns,
+        raises or is cancelled. The grant is committed when the call returns. When the caller's
+        connection is in a transaction, as with ``async_to_sync`` within ``atomic()`` or with
+        ``AUTOCOMMIT`` off, the attempts run in that transaction instead, in Django's thread for
+        sync code, and a waiter polls, as `acquire` does.
 
         Args:
-            key: the lease key (1-255 UTF-8 bytes, no NUL).
+            key: the lease key, 1-255 UTF-8 bytes with no NUL.
             owner: the caller's identity, unique among concurrent clients.
             ttl: how long the grant lasts without renewal, on the server clock.
             blocking: wait until the key can be acquired instead of returning None.
-            timeout: with ``blocking=True``, the longest wait (seconds or timedelta).
+            timeout: with ``blocking=True``, the longest wait, in seconds or as a timedelta.
 
         Returns:
-            A `Grant`, or None when another owner holds the key (non-blocking only).
+            A `Grant`, or None when another owner holds the key; None only when not blocking.
 
         Raises:
             InvalidInputError: bad argument; nothing was sent.
             LeaseTimeoutError: ``blocking=True`` and ``timeout`` passed.
-            UnconfirmedCommitError: the grant committed on the primary, but the synchronous standby did not
-                confirm it (a ``django.db.OperationalError``: outcome unknown); with ``blocking=True`` the
-                waiter released it first. Act on no grant: acquire again.
+            UnconfirmedCommitError: the grant committed on the primary, but the synchronous standby did
+                not confirm it, so its outcome is unknown; it is a ``django.db.OperationalError``. With
+                ``blocking=True`` the waiter released it first. Act on no grant: acquire again.
             asyncio.CancelledError: the task was cancelled while waiting; the attempt in flight is
-                cancelled on the server and the waiter's connection (and its LISTEN) closed.
+                cancelled on the server and the waiter's connection closed, its LISTEN with it.
         """
         ttl_delta, wait = self._check_acquire(key, owner, ttl, blocking, timeout)
         alias = self._alias()
@@ -363,7 +363,7 @@ class LeaseManager(models.Manager["Lease"]):
         """Async `renew`: the same arguments, result and errors (where `aacquire` says).
 
         Returns:
-            The new ``expires_at`` (server clock).
+            The new ``expires_at``, on the server clock.
 
         Raises:
             NotOwnerError: the key is unknown, free, or held by another owner.
@@ -390,18 +390,18 @@ class LeaseManager(models.Manager["Lease"]):
         return await self._arun(self._inspect(key))
 
     async def aforce_release(self, key: str, *, epoch: int | None = None, operator: str | None = None) -> int:
-        """Async `force_release` (the operator override, never for workers): the same arguments, result
-        and errors (where `aacquire` says)."""
+        """Async `force_release`, the operator's override and never for workers: the same arguments,
+        result and errors, run where `aacquire` says."""
         return await self._arun(self._force_release(key, epoch, operator))
 
     def prune(self, *, free_for: Seconds, dry_run: bool = False) -> list[str]:
-        """Delete the rows of leases free (released, or lapsed) for at least ``free_for``.
+        """Delete the rows of leases free for at least ``free_for``, released or lapsed.
 
-        Rows are otherwise kept forever, so per-object keys (``invoice:{id}``) grow the table without
-        bound. A pruned key loses nothing: the database first raises its epoch floor to the highest
-        pruned epoch, and a key without a row starts above the floor (`inspect` reports the floor
-        for it), so every epoch it is granted again is above every epoch it ever had. Rows locked
-        right now are skipped. For operators (``manage.py leases prune``): the SQL function
+        Rows are otherwise kept forever, so per-object keys such as ``invoice:{id}`` grow the table
+        without bound. A pruned key loses nothing: the database first raises its epoch floor to the
+        highest pruned epoch, and a key without a row starts above the floor, which `inspect`
+        reports for it. So every epoch it is granted again is above every epoch it ever had. Rows
+        locked right now are skipped. For operators, as ``manage.py leases prune``: the SQL function
         ``pg_lease_prune`` is revoked from PUBLIC.
 
         Args:
@@ -409,7 +409,7 @@ class LeaseManager(models.Manager["Lease"]):
             dry_run: only list the keys that would go.
 
         Returns:
-            The keys pruned (or that would be), sorted.
+            The keys pruned, or that would be, sorted.
 
         Raises:
             InvalidInputError: bad argument; nothing was sent.
@@ -422,27 +422,27 @@ class LeaseManager(models.Manager["Lease"]):
     def advance_epochs(self, *, by: int, dry_run: bool = False) -> EpochAdvance:
         """Raise the epoch of every lease, and the epoch floor, by ``by``, in one transaction.
 
-        The remedy for a failover to a standby that may have missed acknowledged lease writes
-        (asynchronous replication): run it on the promoted server before the application
-        reconnects, with ``by`` above the number of grants per key the lost primary could have
-        made since the last replicated point (docs/high-availability.md), and every later grant,
-        of any key, pruned ones included, is above every grant the lost primary acknowledged.
+        The remedy for a failover to a standby of asynchronous replication that may have missed
+        acknowledged lease writes. Run it on the promoted server before the application reconnects,
+        with ``by`` above the number of grants per key the lost primary could have made since the
+        last replicated point, as docs/high-availability.md explains. Then every later grant of any
+        key, pruned ones included, is above every grant the lost primary acknowledged.
 
-        Holders keep their lease until its expiry (nobody else gets the key meanwhile), but at an
-        epoch nobody was granted: their renewals, releases and fenced writes are refused
-        (`EpochMismatchError`); they re-acquire to go on. For operators (``manage.py leases
-        advance-epochs``): the SQL function ``pg_lease_advance_epochs`` is revoked from PUBLIC.
+        Holders keep their lease until its expiry, and nobody else gets the key meanwhile, but at an
+        epoch nobody was granted: their renewals, releases and fenced writes are refused with
+        `EpochMismatchError`, and they re-acquire to go on. For operators, as ``manage.py leases
+        advance-epochs``: the SQL function ``pg_lease_advance_epochs`` is revoked from PUBLIC.
 
         Args:
-            by: a whole number from 1 to `MAX_ADVANCE` (2**62).
+            by: a whole number from 1 to `MAX_ADVANCE`, which is 2**62.
             dry_run: only report what it would do.
 
         Returns:
             An `EpochAdvance`: the rows advanced, how many were held, the new floor and highest epoch.
 
         Raises:
-            InvalidInputError: bad argument (nothing was sent), or an epoch or the floor would pass
-                `MAX_ADVANCE` (nothing was changed).
+            InvalidInputError: bad argument, and nothing was sent; or an epoch or the floor would pass
+                `MAX_ADVANCE`, and nothing was changed.
         """
         check_advance(by)
         if not isinstance(dry_run, bool):

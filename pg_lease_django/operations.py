@@ -1,12 +1,12 @@
 """The lease operations as plain functions over a Django connection: one statement each, from `sql.statements`.
 
-`LeaseManager` (on the caller's connection) and the heartbeat of ``hold()`` (on a connection of its
-own) both call these. They check no argument: their callers have done so, once. Each sends its one
-statement through the sync executor (``sql.run``: a commit the server could not confirm on its
-synchronous standby becomes `UnconfirmedCommitError`), whose decoder (``sql.rows``) turns the row into
-the result or the typed error; what happens here besides is the metrics' count. Nothing here is
-public API except `Grant` and `LeaseState`, which `pg_lease_django` and `pg_lease_django.managers`
-re-export, and `EpochAdvance` (re-exported by `pg_lease_django.managers`).
+`LeaseManager` calls these on the caller's connection, and the heartbeat of ``hold()`` on a
+connection of its own. They check no argument: their callers have done so, once. Each sends its one
+statement through the sync executor ``sql.run``, where a commit the server could not confirm on its
+synchronous standby becomes `UnconfirmedCommitError`. The statement's decoder in ``sql.rows`` turns
+the row into the result or the typed error; what happens here besides is the metrics' count. Nothing
+here is public API except `Grant`, `LeaseState` and `EpochAdvance`, which `pg_lease_django` and
+`pg_lease_django.managers` re-export.
 """
 
 from __future__ import annotations
@@ -169,9 +169,9 @@ def inspect(connection: BaseDatabaseWrapper, key: str) -> LeaseState:
 
 
 def force_release(connection: BaseDatabaseWrapper, key: str, epoch: int | None, operator: str | None = None) -> int:
-    """Free ``key`` whoever holds it (at ``epoch``, if given): the new epoch, or why nothing was freed.
+    """Free ``key`` whoever holds it, at ``epoch`` if given: the new epoch, or why nothing was freed.
 
-    ``operator``: who forces it, for the history (None: the database role).
+    ``operator`` is who forces it, for the history; None records the database role.
     """
     return run.one(connection, statements.FORCE_RELEASE, key=key, epoch=epoch, operator=operator)
 
@@ -187,9 +187,9 @@ def prune(connection: BaseDatabaseWrapper, free_for: timedelta, dry_run: bool) -
 
 
 def advance_epochs(connection: BaseDatabaseWrapper, by: int, dry_run: bool) -> EpochAdvance:
-    """Raise every epoch and the epoch floor by ``by`` in one transaction (or, ``dry_run``, say what would be).
+    """Raise every epoch and the epoch floor by ``by`` in one transaction, or say what would be when ``dry_run``.
 
     Raises:
-        InvalidInputError: an epoch or the floor would pass the limit (``MAX_ADVANCE``); nothing changed.
+        InvalidInputError: an epoch or the floor would pass ``MAX_ADVANCE``; nothing changed.
     """
     return run.one(connection, statements.ADVANCE_EPOCHS, by=by, dry_run=dry_run)

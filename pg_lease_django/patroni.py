@@ -1,34 +1,34 @@
 """Patroni's hook for the asynchronous gap: ``python -m pg_lease_django.patroni``.
 
-After a failover that may have lost acknowledged writes (asynchronous replication, or a manual
-failover to a lagging standby), the promoted server would grant again the epochs the lost primary
+A failover may lose acknowledged writes, with asynchronous replication or a manual failover to a
+lagging standby. The promoted server would then grant again the epochs the lost primary
 acknowledged. The remedy is ``leases advance-epochs --by N`` on the promoted server **before any
-client gets in** (docs/high-availability.md). This module runs it from Patroni, in two steps,
-because Patroni runs ``on_role_change`` without waiting for it, after the promotion, when clients
-may already be connecting:
+client gets in**, as docs/high-availability.md explains. This module runs it from Patroni, in two
+steps, because Patroni runs ``on_role_change`` without waiting for it, after the promotion, when
+clients may already be connecting:
 
-1. ``pre_promote`` (Patroni runs it and waits, after taking the leader key, before ``pg_ctl
-   promote``; a non-zero exit cancels the promotion): decides whether the promotion is a clean
-   hand-over. It is when the last WAL record this standby has is the old primary's **shutdown
-   checkpoint**: a primary writes nothing after it, so the standby has everything the old primary
-   acknowledged (a ``patronictl switchover``, or a failover while the old leader was shut down
-   cleanly, is such a hand-over). Anything else (a crash, a stall, a lost network, or a record
-   that cannot be read) may have lost writes: the hook **closes the gate**, ``ALTER SYSTEM SET
-   default_transaction_read_only = on`` and a reload, on the standby, and waits until new sessions
-   see it. The promoted server then refuses every client write: libpq's
-   ``target_session_attrs=read-write`` passes it over, and a client through HAProxy gets "cannot
-   execute ... in a read-only transaction" (nothing is granted). On a clean hand-over it opens a
-   gate left closed by an earlier failover instead.
-2. ``on_role_change`` / ``on_start`` with role ``master`` (or ``primary``): when the gate is closed,
-   advances the epochs by ``--by`` in every database with the lease table (or those named with
-   ``--dbname``), in sessions that turn ``default_transaction_read_only`` off for themselves, then
-   opens the gate (``ALTER SYSTEM RESET``, reload). It retries until it has done so. With the gate
-   open (a clean hand-over), it does nothing.
+1. ``pre_promote`` decides whether the promotion is a clean hand-over. Patroni runs it and waits,
+   after taking the leader key and before ``pg_ctl promote``; a non-zero exit cancels the
+   promotion. The hand-over is clean when the last WAL record this standby has is the old
+   primary's **shutdown checkpoint**: a primary writes nothing after it, so the standby has
+   everything the old primary acknowledged. A ``patronictl switchover`` is such a hand-over, and
+   so is a failover while the old leader was shut down cleanly. Anything else may have lost
+   writes, whether a crash, a stall, a lost network or a record that cannot be read. Then the hook
+   **closes the gate** on the standby with ``ALTER SYSTEM SET default_transaction_read_only = on``
+   and a reload, and waits until new sessions see it. The promoted server then refuses every
+   client write: libpq's ``target_session_attrs=read-write`` passes it over, and a client through
+   HAProxy gets "cannot execute ... in a read-only transaction", so nothing is granted. On a clean
+   hand-over it opens a gate left closed by an earlier failover instead.
+2. ``on_role_change`` or ``on_start`` with the role ``master`` or ``primary``: when the gate is
+   closed, it advances the epochs by ``--by`` in every database with the lease table, or in those
+   named with ``--dbname``. It does so in sessions that turn ``default_transaction_read_only`` off
+   for themselves, then opens the gate with ``ALTER SYSTEM RESET`` and a reload. It retries until
+   it has done so. With the gate open after a clean hand-over, it does nothing.
 
-Patroni's configuration (``postgresql`` section of each node; Patroni appends ``on_role_change
-ROLE SCOPE`` to a callback, and nothing to ``pre_promote``; HOOK stands for
+Patroni's configuration goes in the ``postgresql`` section of each node. Patroni appends
+``on_role_change ROLE SCOPE`` to a callback, and nothing to ``pre_promote``. Below, HOOK stands for
 ``/srv/app/.venv/bin/python -m pg_lease_django.patroni --conninfo 'host=127.0.0.1 port=5432
-user=postgres dbname=postgres' --bindir /usr/lib/postgresql/15/bin --by 1000000``, on one line)::
+user=postgres dbname=postgres' --bindir /usr/lib/postgresql/15/bin --by 1000000``, on one line::
 
     pre_promote: HOOK pre_promote
     callbacks:
@@ -36,8 +36,8 @@ user=postgres dbname=postgres' --bindir /usr/lib/postgresql/15/bin --by 1000000`
       on_start: HOOK
 
 ``--conninfo`` reaches this node's own server as a role that may run ``ALTER SYSTEM`` and
-``pg_lease_advance_epochs`` (Patroni's superuser); ``--bindir`` holds ``pg_waldump``. Needs no
-Django settings: it calls the SQL function the ``leases advance-epochs`` command calls.
+``pg_lease_advance_epochs``, such as Patroni's superuser; ``--bindir`` holds ``pg_waldump``. It
+needs no Django settings: it calls the SQL function the ``leases advance-epochs`` command calls.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def lease_databases(conninfo: str) -> list[str]:
     return found
 
 
-def advance(conninfo: str, dbname: str, by: int) -> tuple[int, int]:
+def advance_epochs(conninfo: str, dbname: str, by: int) -> tuple[int, int]:
     """``pg_lease_advance_epochs(by)`` in ``dbname``, through the gate; (leases advanced, highest epoch)."""
     with _connect(conninfo, through_gate=True, dbname=dbname) as conn:
         schemas = run.on_psycopg(conn, statements.SCHEMA_LOOKUP)
@@ -191,7 +191,7 @@ def on_leader(args: argparse.Namespace) -> int:
                 return 0
             databases = args.dbname or lease_databases(args.conninfo)
             for dbname in databases:
-                leases, highest = advance(args.conninfo, dbname, args.by)
+                leases, highest = advance_epochs(args.conninfo, dbname, args.by)
                 logger.warning(
                     "pg_lease_django: advanced %s lease(s) in %s by %s (highest epoch %s)",
                     leases,

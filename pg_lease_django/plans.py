@@ -1,8 +1,8 @@
 """The one plan protocol: a plan is a generator that does no I/O, yields steps and is sent their answers.
 
-Every algorithm with a sync and an async caller is written once as a `Plan`: the blocking wait
-(`wait.plan`), the settling of an interrupted attempt (`wait.settling`), an election
-(`election.plan`) and a ``@leased`` call (`holds.holding`). `drive` runs a plan with a function
+Every algorithm with a sync and an async caller is written once as a `Plan`: the blocking wait in
+`wait.plan`, the settling of an interrupted attempt in `wait.settling`, an election in
+`election.plan` and a ``@leased`` call in `holds.holding`. `drive` runs a plan with a function
 that performs a step, and `adrive` with a coroutine function. A step's error, an interrupt too, is
 thrown into the plan at that step, so the plan decides whether it is passed by, handled or raised.
 A plan takes its settings as arguments and raises only the package's errors or the ones thrown in.

@@ -21,7 +21,7 @@ from django.core.management import call_command
 from django.test import override_settings
 from psycopg import sql as pgsql
 
-from pg_lease_django import history, privileges
+from pg_lease_django.provisioning import history, privileges
 from tests import tiers
 from tests.helpers import Tenants, conninfo, free, held, lapsed, manage, sessions_left
 

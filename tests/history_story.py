@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from django.test import override_settings
 
 from pg_lease_django import Lease
-from pg_lease_django.history import sync_scope
+from pg_lease_django.provisioning.history import sync_scope
 from tests.helpers import wait_until
 
 #: (owner, how the tenure ended, who ended it) of each tenure `tell` makes, in order; the last one is held.

@@ -51,7 +51,7 @@ def main() -> None:
         os.kill(os.getpid(), signum)
         election = current_election()
         if election is not None:
-            election._stop.wait(HANG_GUARD)  # set by the handler (Campaign._on_signal)
+            election._stop.wait(HANG_GUARD)  # set by the handler (CampaignSupervisor._on_signal)
 
     def wrapper(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
         if threading.current_thread().name.startswith("pg_lease heartbeat"):

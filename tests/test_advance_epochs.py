@@ -21,7 +21,7 @@ from django.db import connection, transaction
 
 from devkit.testapp.models import Invoice
 from pg_lease_django import EpochMismatchError, Grant, InvalidInputError, Lease, hold
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.validation import MAX_ADVANCE
 from tests.helpers import free, held, lapsed, refused, wait_until
 

@@ -34,7 +34,7 @@ from pg_lease_django import (
     querysets,
 )
 from pg_lease_django.display import describe_expiry, format_duration
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.managers import NOTIFY_CHANNEL
 from tests.helpers import conninfo, free, held, lapsed, row_snapshot, url_of_test_database, wait_until
 

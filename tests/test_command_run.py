@@ -27,7 +27,7 @@ from django.core.management import CommandError, call_command
 
 from devkit.dbserver import REPO
 from pg_lease_django import Lease
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from tests.helpers import ProcessEnd, held, session_members, url_of_test_database
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -32,7 +32,7 @@ from django.conf import settings as django_settings
 from django.test import Client, override_settings
 
 from pg_lease_django import Lease
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from tests.helpers import ProcessEnd, held, session_members, url_of_test_database, wait_until
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,7 +16,6 @@ import pytest
 from pg_lease_django.election.plan import (
     ENDED_BY_STOP,
     Announce,
-    Attempt,
     Campaign,
     Failed,
     Lead,
@@ -24,6 +23,7 @@ from pg_lease_django.election.plan import (
     Left,
     ReadLeader,
     Refused,
+    Stand,
     Step,
     StepDown,
     TermEnd,
@@ -55,7 +55,7 @@ def campaign() -> tuple[Campaign, FakeClock, Steps]:
     clock = FakeClock()
     plan = Campaign("me", TTL, poll_interval=lambda: POLL, clock=clock)
     steps = plan.plan()
-    assert next(steps) == Attempt()
+    assert next(steps) == Stand()
     return plan, clock, steps
 
 
@@ -72,7 +72,7 @@ def steps_after(steps: Steps, clock: FakeClock, attempt: Any, answers: Mapping[t
     answers = answers or {}
     taken: list[Step] = []
     step = steps.send(attempt)
-    while step != Attempt():
+    while step != Stand():
         taken.append(step)
         step = answer(steps, clock, step, answers.get(type(step)))
     return taken
@@ -190,7 +190,7 @@ def test_after_a_hand_off_the_watch_ends_when_another_leader_is_seen() -> None:
         assert answer(steps, clock, step) == ReadLeader()
         step = answer(steps, clock, ReadLeader(), holder)
     assert answer(steps, clock, answer(steps, clock, step), "them") == Announce("them")
-    assert answer(steps, clock, Announce("them")) == Attempt()
+    assert answer(steps, clock, Announce("them")) == Stand()
     assert clock.now - started == pytest.approx(4 * POLL)
 
 
@@ -198,11 +198,11 @@ def test_after_a_hand_off_the_watch_gives_up_after_one_ttl() -> None:
     _, clock, steps = campaign()
     started = clock.now
     taken = steps_after(steps, clock, Won(), HANDOFF)
-    watch = taken[len(TERM) :]
+    looking = taken[len(TERM) :]
     assert taken[: len(TERM)] == TERM
-    assert watch.count(ReadLeader()) == TTL / POLL - 1  # none after the last rest: its end is the deadline
+    assert looking.count(ReadLeader()) == TTL / POLL - 1  # none after the last rest: its end is the deadline
     assert clock.now - started == pytest.approx(TTL)
-    assert all(step in (ReadLeader(), Pause(POLL)) for step in watch)
+    assert all(step in (ReadLeader(), Pause(POLL)) for step in looking)
 
 
 def test_a_hand_off_resets_the_back_off() -> None:
@@ -243,7 +243,7 @@ def test_a_stop_ends_the_campaign_at_its_next_attempt_rest_or_read_never_inside_
 
 
 def test_the_steps_a_stop_ends_at() -> None:
-    assert set(ENDED_BY_STOP) == {Attempt, Pause, ReadLeader}
+    assert set(ENDED_BY_STOP) == {Stand, Pause, ReadLeader}
 
 
 # ---- how a term ended -----------------------------------------------------------------------------

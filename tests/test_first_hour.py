@@ -28,8 +28,9 @@ from django.db import connection, transaction
 from django.test import override_settings
 
 from devkit.testapp.models import Invoice
-from pg_lease_django import InvalidInputError, Lease, NotAcquirableError, UnfencedWriteError, history, hold
+from pg_lease_django import InvalidInputError, Lease, NotAcquirableError, UnfencedWriteError, hold
 from pg_lease_django.checks import check_lease_database_without_database_option
+from pg_lease_django.provisioning import history
 from pg_lease_django.sql.errors import truncate_refusal
 from tests.helpers import conninfo, own_findings
 

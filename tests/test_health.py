@@ -25,8 +25,9 @@ from django.http import HttpResponse
 from django.test import RequestFactory, override_settings
 from psycopg import sql as pgsql
 
-from pg_lease_django import hold, privileges
+from pg_lease_django import hold
 from pg_lease_django.holds import scheduler as holds_scheduler
+from pg_lease_django.provisioning import privileges
 from pg_lease_django.views import health, live, ready
 from tests.helpers import conninfo
 

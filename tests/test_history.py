@@ -29,8 +29,8 @@ from pg_lease_django.exceptions import (
     InvalidInputError,
     NeverAcquiredError,
 )
-from pg_lease_django.history import recorded_prefixes, sync_scope
 from pg_lease_django.models import EndReason, LeaseTenure
+from pg_lease_django.provisioning.history import recorded_prefixes, sync_scope
 from pg_lease_django.signals import lease_handoff_requested
 from tests.helpers import Background, held, lapsed, wait_until
 

@@ -1,5 +1,5 @@
 """A lease's history shown to people: `read_history`'s rows, ``leases history / handoff /
-prune-history``, ``release --operator``, the SVG chart of `render_timeline` parsed as XML, and the
+prune-history``, ``release --operator``, the SVG chart of `draw_timeline` parsed as XML, and the
 admin's history section, hand-off button and action (through the test client)."""
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from pg_lease_django import Lease
-from pg_lease_django.exit_codes import ExitCode
-from pg_lease_django.history import sync_scope
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.models import LeaseTenure
-from pg_lease_django.timeline import History, TenureRow, read_history, render_timeline
+from pg_lease_django.provisioning.history import sync_scope
+from pg_lease_django.timeline import History, TenureRow, draw_timeline, read_history
 from tests.helpers import free, held, lapsed
 from tests.history_story import STORY, recording, tell
 
@@ -116,9 +116,7 @@ def test_an_epoch_advance_ends_the_tenure(key: str) -> None:
     Lease.objects.advance_epochs(by=10)  # every lease: rolled back with the test
     (row,) = read_history(key).tenures
     assert (row.epoch, row.outcome, row.forced, row.current) == (epoch, "epochs_advanced", True, False)
-    marks = [
-        m for m in parse(render_timeline(read_history(key))).iter() if "pg-lease-mark-epochs_advanced" in classes(m)
-    ]
+    marks = [m for m in parse(draw_timeline(read_history(key))).iter() if "pg-lease-mark-epochs_advanced" in classes(m)]
     assert len(marks) == 1
 
 
@@ -270,7 +268,7 @@ def test_prune_history(key: str) -> None:
 def test_chart_draws_a_bar_per_tenure_in_lanes_per_owner(key: str) -> None:
     epochs = tell(key)
     history = read_history(key)
-    root = parse(render_timeline(history))
+    root = parse(draw_timeline(history))
     assert root.tag == f"{SVG}svg"
     drawn = bars(root)
     assert [int(g.get("data-epoch", "")) for g in drawn] == epochs
@@ -306,7 +304,7 @@ def test_chart_heading_fits_a_long_key_and_the_tooltip_keeps_it_whole(key: str) 
     long_key = f"{key}/" + "x" * (200 - len(key))
     assert Lease.objects.acquire(long_key, "worker-a", ttl=30) is not None
     for width in (960, 640):
-        root = parse(render_timeline(read_history(long_key), width=width))
+        root = parse(draw_timeline(read_history(long_key), width=width))
         (heading,) = [t.text or "" for t in root.iter(f"{SVG}text") if "pg-lease-heading" in classes(t)]
         assert len(heading) * 9 <= width - 20, (width, heading)
         assert "\N{HORIZONTAL ELLIPSIS}" in heading and heading.endswith(" UTC")
@@ -327,7 +325,7 @@ def test_chart_shades_the_gaps(key: str) -> None:
         3,
         at[4] + timedelta(seconds=5),
     )
-    root = parse(render_timeline(history))
+    root = parse(draw_timeline(history))
     gaps = [e for e in root.iter(f"{SVG}rect") if "pg-lease-gap" in classes(e)]
     assert len(gaps) == 2
     widths = [float(g.get("width", "0")) for g in gaps]
@@ -349,7 +347,7 @@ def test_chart_escapes_user_text(key: str) -> None:
             "FROM pg_lease_django_epoch_floor f",
             [nasty_key, nasty_owner],
         )
-    svg = render_timeline(read_history(nasty_key))
+    svg = draw_timeline(read_history(nasty_key))
     assert "<script" not in svg and "<img" not in svg
     root = parse(svg)  # well-formed XML despite the control character
     assert not [e for e in root.iter() if e.tag in (f"{SVG}script", "script", f"{SVG}img")]
@@ -368,7 +366,7 @@ def test_chart_escapes_a_rewritten_history(key: str) -> None:
     at = datetime(2026, 5, 1, 12, 0, 0).astimezone()
     hostile = '"><script>alert(1)</script><g onload="alert(2)'
     row = TenureRow(1, "w1", at, at + timedelta(seconds=5), hostile, hostile)
-    svg = render_timeline(History(key, [row], 1, at + timedelta(seconds=9)))
+    svg = draw_timeline(History(key, [row], 1, at + timedelta(seconds=9)))
     root = parse(svg)
     assert "<script" not in svg
     assert not [e for e in root.iter() if "onload" in e.attrib]
@@ -377,7 +375,7 @@ def test_chart_escapes_a_rewritten_history(key: str) -> None:
 
 
 def test_chart_of_no_history(key: str) -> None:
-    root = parse(render_timeline(read_history(key)))
+    root = parse(draw_timeline(read_history(key)))
     assert not bars(root)
     assert "No recorded tenures" in "".join(root.itertext())
 

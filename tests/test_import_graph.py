@@ -35,7 +35,7 @@ KNOWN_CYCLES: list[set[str]] = []
 #: an entry covers its submodules (``holds`` is every module of ``holds/``); ``__init__`` is the
 #: package's root module, which re-exports the public API and so sits on top.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"conf", "exceptions", "exit_codes", "status", "owners", "signals", "plans"}),
+    ("leaves", {"conf", "exceptions", "management.exit_codes", "status", "owners", "signals", "plans"}),
     (
         "input rules, statements, SQL files, the process's metrics",
         {"validation", "sql", "migrations", "sigterm", "metrics"},
@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("one call", {"operations", "display"}),
     ("the blocking wait", {"wait"}),
     ("the package's own connections", {"holds.lease_connection", "holds.lease_pool", "holds.lease_calls"}),
-    ("the manager and the model", {"managers", "querysets", "models"}),
+    ("the manager and the model", {"manager_calls", "managers", "querysets", "models"}),
     ("holding for a job", {"holds"}),
     ("fencing", {"fencing"}),
     ("leader election", {"election"}),
@@ -51,13 +51,11 @@ LAYERS: list[tuple[str, set[str]]] = [
         "operators",
         {
             "admin",
-            "history",
+            "provisioning",
             "timeline",
-            "run",
             "management",
             "views",
             "metrics.database_view",
-            "privileges",
             "seats",
             "patroni",
         },
@@ -93,8 +91,8 @@ ELECTION_ORDER = ["plan", "candidate", "threaded", "aio", "__init__"]
 #: the database's view (``database_view``), a layer above the rest, is last.
 METRICS_ORDER = ["__init__", "tracing", "instruments", "hooks", "push", "database_view"]
 
-#: run/ (``leases run``), lowest first; its ``__init__`` imports none of them (a docstring only).
-RUN_ORDER = ["__init__", "child_process", "status_line", "supervisor", "campaign"]
+#: management/supervision/ (``leases run``), lowest first; its ``__init__`` imports none of them (a docstring only).
+SUPERVISION_ORDER = ["__init__", "child_process", "status_line", "supervisor", "campaign"]
 
 #: admin/, lowest first; the package's ``__init__`` registers the two admins and re-exports them.
 ADMIN_ORDER = ["cells", "usage", "writes", "lease", "tenure", "__init__"]
@@ -294,7 +292,7 @@ def test_nothing_low_imports_something_high() -> None:
         ("fencing", FENCING_ORDER),
         ("election", ELECTION_ORDER),
         ("metrics", METRICS_ORDER),
-        ("run", RUN_ORDER),
+        ("management.supervision", SUPERVISION_ORDER),
         ("admin", ADMIN_ORDER),
     ],
 )
@@ -303,7 +301,7 @@ def test_a_subpackage_imports_one_way(package: str, order: list[str]) -> None:
     wait/: plan → settling → sync_driver → async_driver; fencing/: resolution → schema → statements →
     lease_key → queryset → model → the package → its admin; election/: plan → candidate → threaded, aio → the package;
     metrics/: the package (the label rules) → tracing → instruments → hooks → push → database_view;
-    run/: child_process → status_line → supervisor → campaign;
+    management/supervision/: child_process → status_line → supervisor → campaign;
     admin/: cells → usage → writes → lease → tenure → the package."""
     members = {name for name in _modules() if name == package or name.startswith(f"{package}.")}
     position = {(package if short == "__init__" else f"{package}.{short}"): n for n, short in enumerate(order)}

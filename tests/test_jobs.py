@@ -51,9 +51,9 @@ from pg_lease_django import (
     leased,
     unfenced_writes,
 )
-from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.holds import lease_connection, lease_pool, scheduler
 from pg_lease_django.holds.lease import Tenure
+from pg_lease_django.management.exit_codes import ExitCode
 from tests.helpers import needs_session, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -21,8 +21,8 @@ import pytest
 from django.test import override_settings
 
 from pg_lease_django import Lease
-from pg_lease_django.history import sync_scope
 from pg_lease_django.models import LeaseTenure
+from pg_lease_django.provisioning.history import sync_scope
 from tests.helpers import Background, held, lapsed, wait_until_blocked
 
 pytestmark = pytest.mark.django_db(transaction=True)

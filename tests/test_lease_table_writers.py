@@ -14,7 +14,7 @@ import pytest
 from django.test import override_settings
 from psycopg import sql as pgsql
 
-from pg_lease_django.history import sync_scope
+from pg_lease_django.provisioning.history import sync_scope
 from tests.helpers import Background, conninfo, held, lapsed, wait_until, wait_until_blocked
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -48,8 +48,8 @@ from pg_lease_django import (
     metrics,
 )
 from pg_lease_django.checks import check_metrics_settings
-from pg_lease_django.history import sync_scope
 from pg_lease_django.metrics import database_view, hooks, instruments, push
+from pg_lease_django.provisioning.history import sync_scope
 from tests.helpers import Background, held, lapsed, url_of_test_database, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

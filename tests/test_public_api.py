@@ -213,16 +213,16 @@ DOCUMENTED_PATHS = [
     "pg_lease_django.metrics.whole_key",
     "pg_lease_django.metrics.database_view.register",
     "pg_lease_django.metrics.push.push",
-    "pg_lease_django.history.sync_scope",
+    "pg_lease_django.provisioning.history.sync_scope",
     "pg_lease_django.managers.EpochAdvance",
     "pg_lease_django.timeline.read_history",
-    "pg_lease_django.timeline.render_timeline",
+    "pg_lease_django.timeline.draw_timeline",
     "pg_lease_django.signals.lease_acquired",
     "pg_lease_django.apps.PgLeaseConfig",
 ]
 DOCUMENTED_MODULES = ["pg_lease_django.pytest_plugin", "pg_lease_django.sql.files"]
 
-# The election's hooks for ``leases run --campaign`` (`pg_lease_django.run.campaign`): not public API, but
+# The election's hooks for ``leases run --campaign`` (`pg_lease_django.management.supervision.campaign`): not public API, but
 # the contract between the two modules that docs/architecture.md names.
 ELECTION_HOOKS = {
     "pg_lease_django.election.start": "(election: 'Election', *, wake: 'Callable[[], None]') -> 'Election'",

@@ -12,7 +12,7 @@ from django.core.management import CommandError, call_command
 from django.db.models import QuerySet
 
 from pg_lease_django import Lease, LeaseManager, NeverAcquiredError
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.querysets import LeaseQuerySet
 from pg_lease_django.status import LeaseStatus
 

@@ -27,7 +27,8 @@ from django.test import override_settings
 from psycopg import sql as pgsql
 
 from devkit.testapp.models import Invoice
-from pg_lease_django import Grant, Lease, NotOwnerError, history, privileges, unfenced_writes
+from pg_lease_django import Grant, Lease, NotOwnerError, unfenced_writes
+from pg_lease_django.provisioning import history, privileges
 from pg_lease_django.sql import run as lease_sql
 from tests.helpers import conninfo, own_findings, refused, row_snapshot
 

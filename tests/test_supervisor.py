@@ -23,12 +23,12 @@ from django.core.management.base import OutputWrapper
 from django.db import connections
 
 from pg_lease_django import Lease
-from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.management.commands.leases import Command
+from pg_lease_django.management.exit_codes import ExitCode
+from pg_lease_django.management.supervision.child_process import Child
+from pg_lease_django.management.supervision.status_line import StatusLine
+from pg_lease_django.management.supervision.supervisor import RunError, Supervisor
 from pg_lease_django.operations import LeaseState
-from pg_lease_django.run.child_process import Child
-from pg_lease_django.run.status_line import StatusLine
-from pg_lease_django.run.supervisor import RunError, Supervisor
 from pg_lease_django.status import LeaseStatus
 from tests.helpers import wait_until
 

@@ -25,7 +25,8 @@ from django.test import override_settings
 from psycopg import sql as pgsql
 
 from devkit.testapp.models import Invoice
-from pg_lease_django import InvalidInputError, Lease, QuotaExceededError, UnfencedWriteError, conf, history, privileges
+from pg_lease_django import InvalidInputError, Lease, QuotaExceededError, UnfencedWriteError, conf
+from pg_lease_django.provisioning import history, privileges
 from pg_lease_django.wait.plan import WAKE_BURST, WAKE_RATE
 from tests.helpers import (
     PUBLIC_PARAMETER,

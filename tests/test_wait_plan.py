@@ -69,7 +69,7 @@ class Granted:
     grant: Grant
 
 
-def advance(plan: Plan[Step, Grant], answer: Any) -> Step | Granted:
+def step_with(plan: Plan[Step, Grant], answer: Any) -> Step | Granted:
     """Play the driver: send ``answer`` (None to start) or throw it in when it is `Lost`; the next step,
     or `Granted` at the plan's end."""
     try:
@@ -81,7 +81,7 @@ def advance(plan: Plan[Step, Grant], answer: Any) -> Step | Granted:
 def start(clock: FakeClock, wait: float | None = 5.0, *, rejoin: bool = True) -> tuple[Plan[Step, Grant], Step]:
     timeout = None if wait is None else timedelta(seconds=wait)
     plan = wait_plan("k", "me", timeout, rejoin=rejoin, poll_interval=POLL, clock=clock)
-    step = advance(plan, None)
+    step = step_with(plan, None)
     assert not isinstance(step, Granted)
     return plan, step
 
@@ -89,7 +89,7 @@ def start(clock: FakeClock, wait: float | None = 5.0, *, rejoin: bool = True) ->
 def test_a_grant_at_the_first_attempt_ends_the_plan() -> None:
     plan, step = start(FakeClock())
     assert isinstance(step, TryOnce)
-    done = advance(plan, granted())
+    done = step_with(plan, granted())
     assert isinstance(done, Granted)
     assert done.grant.epoch == 8
     assert done.grant.owner == "me"
@@ -98,24 +98,24 @@ def test_a_grant_at_the_first_attempt_ends_the_plan() -> None:
 def test_the_pause_after_a_refusal_is_the_poll_the_expiry_or_the_deadline() -> None:
     clock = FakeClock()
     plan, _ = start(clock, wait=5.0)
-    assert advance(plan, refused(expires_in=10.0)) == Pause(0.5)  # the poll interval comes first
-    assert isinstance(advance(plan, None), TryOnce)
-    assert seconds(advance(plan, refused(expires_in=0.2))) == pytest.approx(0.2)  # the holder's expiry
-    assert isinstance(advance(plan, None), TryOnce)
-    assert advance(plan, refused(expires_in=-3.0)) == Pause(0.0)  # lapsed: try again at once
+    assert step_with(plan, refused(expires_in=10.0)) == Pause(0.5)  # the poll interval comes first
+    assert isinstance(step_with(plan, None), TryOnce)
+    assert seconds(step_with(plan, refused(expires_in=0.2))) == pytest.approx(0.2)  # the holder's expiry
+    assert isinstance(step_with(plan, None), TryOnce)
+    assert step_with(plan, refused(expires_in=-3.0)) == Pause(0.0)  # lapsed: try again at once
     clock.now += 4.9
-    assert isinstance(advance(plan, None), TryOnce)
-    assert seconds(advance(plan, refused())) == pytest.approx(0.1)  # the deadline
+    assert isinstance(step_with(plan, None), TryOnce)
+    assert seconds(step_with(plan, refused())) == pytest.approx(0.1)  # the deadline
 
 
 def test_a_refusal_at_the_deadline_raises_the_timeout() -> None:
     clock = FakeClock()
     plan, _ = start(clock, wait=2.0)
-    advance(plan, refused())
+    step_with(plan, refused())
     clock.now += 2.0
-    advance(plan, None)
+    step_with(plan, None)
     with pytest.raises(LeaseTimeoutError, match="still held by 'holder' after waiting 2 s") as timed_out:
-        advance(plan, refused())
+        step_with(plan, refused())
     # The caller's side, then the key's (the error model of every LeaseError).
     error = timed_out.value
     assert (error.key, error.owner, error.epoch, error.holder, error.current_epoch) == ("k", "me", None, "holder", 7)
@@ -126,17 +126,17 @@ def test_no_deadline_waits_on() -> None:
     plan, _ = start(clock, wait=None)
     for _ in range(3):
         clock.now += 1e6
-        assert advance(plan, refused()) == Pause(0.5)
-        assert isinstance(advance(plan, None), TryOnce)
+        assert step_with(plan, refused()) == Pause(0.5)
+        assert isinstance(step_with(plan, None), TryOnce)
 
 
 def test_a_waiter_registers_for_the_poll_or_what_is_left_of_its_wait() -> None:
     clock = FakeClock()
     plan, first = start(clock, wait=5.0)
     assert first == TryOnce(timedelta(seconds=0.5), timedelta(seconds=5))
-    advance(plan, refused())
+    step_with(plan, refused())
     clock.now += 4.8
-    step = advance(plan, None)
+    step = step_with(plan, None)
     assert isinstance(step, TryOnce)
     assert step.register_for.total_seconds() == pytest.approx(0.2)
     assert retry_within(clock.now - 1.0, POLL, clock) == timedelta(0)  # never negative past the deadline
@@ -149,9 +149,9 @@ def test_each_attempt_may_wait_for_a_lock_what_is_left_of_the_deadline_at_most()
     clock = FakeClock()
     plan, first = start(clock, wait=3.0)
     assert isinstance(first, TryOnce) and first.within == timedelta(seconds=3)
-    advance(plan, refused())
+    step_with(plan, refused())
     clock.now += 2.25
-    step = advance(plan, None)
+    step = step_with(plan, None)
     assert isinstance(step, TryOnce) and step.within is not None
     assert step.within.total_seconds() == pytest.approx(0.75)
     assert left_of(clock.now - 1.0, clock) == timedelta(0)
@@ -171,38 +171,38 @@ def test_a_connection_lost_before_any_answer_fails_the_call_at_once() -> None:
     plan, _ = start(FakeClock())
     error = OperationalError("server closed the connection")
     with pytest.raises(OperationalError) as raised:
-        advance(plan, Lost(error))
+        step_with(plan, Lost(error))
     assert raised.value is error
 
 
 def test_inside_a_transaction_a_lost_connection_is_never_rejoined() -> None:
     plan, _ = start(FakeClock(), rejoin=False)
-    advance(plan, refused())
-    advance(plan, None)
+    step_with(plan, refused())
+    step_with(plan, None)
     error = OperationalError("lost")
     with pytest.raises(OperationalError) as raised:
-        advance(plan, Lost(error))
+        step_with(plan, Lost(error))
     assert raised.value is error
 
 
 def test_a_lost_connection_is_rejoined_backing_off_then_given_up_after_rejoin_within() -> None:
     clock = FakeClock()
     plan, _ = start(clock, wait=None)
-    advance(plan, refused())  # an answer: the connection worked once
+    step_with(plan, refused())  # an answer: the connection worked once
     pauses = []
-    step = advance(plan, Lost(OperationalError("lost"), sent=False))  # lost during the pause
+    step = step_with(plan, Lost(OperationalError("lost"), sent=False))  # lost during the pause
     while isinstance(step, Reconnect):
         pauses.append(step.seconds)
         clock.now += step.seconds
-        step = advance(plan, None)
+        step = step_with(plan, None)
         assert isinstance(step, TryOnce)  # nothing to check: the pause had no statement in flight
         if len(pauses) == 8:
             clock.now += REJOIN_WITHIN  # the server stays away
         if clock.now - 1000.0 >= REJOIN_WITHIN:
             with pytest.raises(OperationalError, match="still down"):
-                advance(plan, Lost(OperationalError("still down"), sent=False))
+                step_with(plan, Lost(OperationalError("still down"), sent=False))
             break
-        step = advance(plan, Lost(OperationalError("still down"), sent=False))
+        step = step_with(plan, Lost(OperationalError("still down"), sent=False))
     else:
         pytest.fail(f"the plan did not give up: {step}")
     assert pauses[: len(REJOIN_PAUSES)] == list(REJOIN_PAUSES)
@@ -213,75 +213,75 @@ def test_a_lost_connection_is_rejoined_backing_off_then_given_up_after_rejoin_wi
 def test_a_rejoin_never_pauses_past_the_deadline() -> None:
     clock = FakeClock()
     plan, _ = start(clock, wait=3.0)
-    advance(plan, refused())
-    advance(plan, None)
+    step_with(plan, refused())
+    step_with(plan, None)
     clock.now += 2.99
-    step = advance(plan, Lost(OperationalError("lost"), sent=False))
+    step = step_with(plan, Lost(OperationalError("lost"), sent=False))
     assert isinstance(step, Reconnect)
     assert step.seconds == pytest.approx(0.0)  # the first pause: at once
-    advance(plan, None)
+    step_with(plan, None)
     clock.now += 0.005
-    step = advance(plan, Lost(OperationalError("lost"), sent=False))
+    step = step_with(plan, Lost(OperationalError("lost"), sent=False))
     assert isinstance(step, Reconnect)
     assert step.seconds == pytest.approx(0.005)  # 0.05 backed off, cut at the deadline
-    advance(plan, None)
+    step_with(plan, None)
     clock.now += 0.01
     with pytest.raises(OperationalError, match="lost"):
-        advance(plan, Lost(OperationalError("lost"), sent=False))
+        step_with(plan, Lost(OperationalError("lost"), sent=False))
 
 
 def test_an_answer_after_rejoining_resets_the_back_off() -> None:
     clock = FakeClock()
     plan, _ = start(clock, wait=None)
-    advance(plan, refused())
+    step_with(plan, refused())
     for _ in range(4):
-        advance(plan, None)
-        advance(plan, Lost(OperationalError("lost"), sent=False))
-    advance(plan, None)
-    advance(plan, refused())  # answered: back
-    step = advance(plan, Lost(OperationalError("lost again"), sent=False))
+        step_with(plan, None)
+        step_with(plan, Lost(OperationalError("lost"), sent=False))
+    step_with(plan, None)
+    step_with(plan, refused())  # answered: back
+    step = step_with(plan, Lost(OperationalError("lost again"), sent=False))
     assert step == Reconnect(REJOIN_PAUSES[0])
 
 
 def test_an_attempt_lost_in_flight_is_checked_and_the_wait_goes_on_when_nothing_was_granted() -> None:
     plan, _ = start(FakeClock())
-    advance(plan, refused(epoch=7))
-    advance(plan, None)
-    assert isinstance(advance(plan, Lost(OperationalError("lost"), sent=True)), Reconnect)
-    assert isinstance(advance(plan, None), ReadEpoch)
-    assert isinstance(advance(plan, 7), TryOnce)  # still the refused attempt's epoch: nothing granted
-    assert isinstance(advance(plan, granted()), Granted)
+    step_with(plan, refused(epoch=7))
+    step_with(plan, None)
+    assert isinstance(step_with(plan, Lost(OperationalError("lost"), sent=True)), Reconnect)
+    assert isinstance(step_with(plan, None), ReadEpoch)
+    assert isinstance(step_with(plan, 7), TryOnce)  # still the refused attempt's epoch: nothing granted
+    assert isinstance(step_with(plan, granted()), Granted)
 
 
 def test_an_attempt_lost_in_flight_when_the_lease_changed_has_an_unknown_outcome() -> None:
     plan, _ = start(FakeClock())
-    advance(plan, refused(epoch=7))
-    advance(plan, None)
-    advance(plan, Lost(OperationalError("lost"), sent=True))
-    advance(plan, None)
+    step_with(plan, refused(epoch=7))
+    step_with(plan, None)
+    step_with(plan, Lost(OperationalError("lost"), sent=True))
+    step_with(plan, None)
     with pytest.raises(OperationalError, match=r"epoch 7 -> 8\): the attempt's outcome is unknown") as raised:
-        advance(plan, 8)
+        step_with(plan, 8)
     assert str(raised.value.__cause__) == "lost"
 
 
 def test_the_check_survives_a_second_loss() -> None:
     plan, _ = start(FakeClock())
-    advance(plan, refused(epoch=7))
-    advance(plan, None)
-    advance(plan, Lost(OperationalError("lost"), sent=True))
-    advance(plan, None)
-    assert isinstance(advance(plan, Lost(OperationalError("lost while reading"))), Reconnect)
-    assert isinstance(advance(plan, None), ReadEpoch)  # still to check before the next attempt
+    step_with(plan, refused(epoch=7))
+    step_with(plan, None)
+    step_with(plan, Lost(OperationalError("lost"), sent=True))
+    step_with(plan, None)
+    assert isinstance(step_with(plan, Lost(OperationalError("lost while reading"))), Reconnect)
+    assert isinstance(step_with(plan, None), ReadEpoch)  # still to check before the next attempt
     with pytest.raises(OperationalError, match="outcome is unknown"):
-        advance(plan, 9)
+        step_with(plan, 9)
 
 
 def test_an_attempt_lost_before_it_was_sent_needs_no_check() -> None:
     plan, _ = start(FakeClock())
-    advance(plan, refused(epoch=7))
-    advance(plan, None)
-    advance(plan, Lost(OperationalError("lost while connecting"), sent=False))
-    assert isinstance(advance(plan, None), TryOnce)
+    step_with(plan, refused(epoch=7))
+    step_with(plan, None)
+    step_with(plan, Lost(OperationalError("lost while connecting"), sent=False))
+    assert isinstance(step_with(plan, None), TryOnce)
 
 
 def test_forged_notifications_cost_a_bounded_number_of_attempts_a_second() -> None:
@@ -296,14 +296,14 @@ def test_forged_notifications_cost_a_bounded_number_of_attempts_a_second() -> No
     while clock.now < woken_at + 10.0:
         assert isinstance(step, TryOnce)
         attempts += 1
-        step = advance(plan, refused(expires_in=30.0))
+        step = step_with(plan, refused(expires_in=30.0))
         assert isinstance(step, Pause) and step.wakeable
         clock.now += 0.001  # a notification arrives at once, every time
-        step = advance(plan, None)
+        step = step_with(plan, None)
         if isinstance(step, Pause):  # over budget: a pause no notification ends
             assert not step.wakeable and 0 < step.seconds <= 1 / WAKE_RATE + 1e-9
             clock.now += step.seconds
-            step = advance(plan, None)
+            step = step_with(plan, None)
     # 10 s of a flood: the first attempt, the burst, then WAKE_RATE a second (1 ms per wake-up aside).
     assert attempts <= 1 + WAKE_BURST + 10.0 * WAKE_RATE + 1
     assert attempts >= 10.0 * WAKE_RATE  # and no fewer: a real release still wakes the waiter promptly
@@ -315,13 +315,13 @@ def test_a_wake_after_a_quiet_pause_is_never_delayed() -> None:
     plan, first = start(clock, wait=60.0)
     step: Step | Granted = first
     for _ in range(20):
-        step = advance(plan, refused(expires_in=30.0))
+        step = step_with(plan, refused(expires_in=30.0))
         assert isinstance(step, Pause)
         clock.now += step.seconds  # the poll interval passed: not woken
-        step = advance(plan, None)
+        step = step_with(plan, None)
         assert isinstance(step, TryOnce)
     for _ in range(WAKE_BURST):  # then a burst of wake-ups: each attempts at once
-        step = advance(plan, refused(expires_in=30.0))
+        step = step_with(plan, refused(expires_in=30.0))
         clock.now += 0.001
-        step = advance(plan, None)
+        step = step_with(plan, None)
         assert isinstance(step, TryOnce)

@@ -19,8 +19,8 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from pg_lease_django import Lease
-from pg_lease_django.history import sync_scope
 from pg_lease_django.management.leases.live_view import Watcher
+from pg_lease_django.provisioning.history import sync_scope
 from tests.helpers import held, lapsed, url_of_test_database
 
 pytestmark = pytest.mark.django_db(transaction=True)

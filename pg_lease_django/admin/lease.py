@@ -34,7 +34,7 @@ from pg_lease_django.display import describe_expiry, format_duration, printable
 from pg_lease_django.models import Lease, LeaseTenure
 from pg_lease_django.querysets import LeaseQuerySet
 from pg_lease_django.status import LeaseStatus
-from pg_lease_django.timeline import read_history, render_timeline
+from pg_lease_django.timeline import draw_timeline, read_history
 
 from .cells import nowrap, utc, wrapping
 from .usage import usage_snippet
@@ -211,8 +211,8 @@ class LeaseAdmin(_LeaseModelAdmin):
         now = history.server_time
         return {
             "history": history,
-            # Safe: render_timeline escapes every text it draws (keys and owners are user data).
-            "history_chart": mark_safe(render_timeline(history)),
+            # Safe: draw_timeline escapes every text it draws (keys and owners are user data).
+            "history_chart": mark_safe(draw_timeline(history)),
             "tenures": [
                 {
                     "row": row,

@@ -123,7 +123,8 @@ def check_history_scope_is_current(
     The database decides what it records (every caller is recorded alike), from its own copy of the
     setting, which ``migrate`` refreshes: a changed setting takes effect at the next migrate.
     """
-    from pg_lease_django import conf, history
+    from pg_lease_django import conf
+    from pg_lease_django.provisioning import history
 
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
@@ -220,7 +221,8 @@ def check_declared_roles_are_granted(
     lease call with "permission denied". ``migrate`` grants them; a role created after it, or a
     grant revoked by hand, needs ``manage.py leases grant``.
     """
-    from pg_lease_django import conf, privileges
+    from pg_lease_django import conf
+    from pg_lease_django.provisioning import privileges
 
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():
@@ -307,7 +309,7 @@ def around_the_rules(alias: str) -> list[checks.CheckMessage]:
     while scopes are configured, E006 too: every call of theirs is refused. Each comes with the
     remedy that removes it.
     """
-    from pg_lease_django import privileges
+    from pg_lease_django.provisioning import privileges
 
     found: list[privileges.Bypass] = []
     try:
@@ -340,7 +342,7 @@ def check_owner_is_not_a_superuser(
     says. A ``migrate`` run as a superuser made every function run as one. A project that declares
     no role is not told: one role does everything there, as in development.
     """
-    from pg_lease_django import privileges
+    from pg_lease_django.provisioning import privileges
 
     warnings: list[checks.CheckMessage] = []
     for alias in databases or ():

@@ -4,8 +4,8 @@
 drivers share: the checked arguments, the callbacks, what was seen. `threaded` performs the plan's
 steps in a thread of its own, with `Election` and ``elect()``. `aio` performs them as a task of the
 event loop, with ``aelect()``. Users import the public names from `pg_lease_django`. ``start`` and
-``fail_term`` are the hooks of ``leases run --campaign``, in `pg_lease_django.run.campaign`. See
-docs/leader-election.md.
+``fail_term`` are the hooks of ``leases run --campaign``, in
+`pg_lease_django.management.supervision.campaign`. See docs/leader-election.md.
 """
 
 from .aio import aelect

@@ -30,13 +30,13 @@ from .candidate import Candidate, Term, leader_in
 from .plan import (
     ENDED_BY_STOP,
     Announce,
-    Attempt,
     Failed,
     Lead,
     Leave,
     Left,
     ReadLeader,
     Refused,
+    Stand,
     Step,
     StepDown,
     TermEnd,
@@ -51,7 +51,7 @@ class AsyncElection:
 
     def __init__(self, candidate: Candidate) -> None:
         self.candidate = candidate
-        self._term: Term | None = None  # entered by the plan's Attempt, left by its Leave
+        self._term: Term | None = None  # entered by the plan's Stand, left by its Leave
         self._handoff = asyncio.Event()  # the term's: set when a hand-off is requested
         self._cancelling = 0  # this task's cancellations pending when the term's hold was entered
         #: The cancellation that cut the current term short: the hold's on a loss, or one from outside.
@@ -78,7 +78,7 @@ class AsyncElection:
         if self._cancelled is not None and isinstance(step, ENDED_BY_STOP):
             raise self._cancelled
         match step:
-            case Attempt():
+            case Stand():
                 return await self._attempt()
             case Announce(identity):
                 await self._announce(identity)

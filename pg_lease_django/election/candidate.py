@@ -30,7 +30,7 @@ logger = logging.getLogger("pg_lease_django.election")
 
 @dataclass(frozen=True)
 class Term:
-    """A term's hold, entered by the plan's `Attempt` and left by its `Leave`, and the lease it holds."""
+    """A term's hold, entered by the plan's `Stand` and left by its `Leave`, and the lease it holds."""
 
     holding: Holding
     lease: HeldLease
@@ -131,5 +131,5 @@ class Candidate:
         logger.warning("election %r (%s): campaigning failed: %r", self.key, self.owner, exc)
 
     def log_read_failure(self, exc: BaseException) -> None:
-        """Reading the leader during the watch after a hand-off failed: the watch goes on."""
+        """Reading the leader while looking for a new one after a hand-off failed: the look goes on."""
         logger.warning("election %r: reading the lease failed: %r", self.key, exc)

@@ -5,10 +5,10 @@ answer. Two drivers run it with `pg_lease_django.plans.drive` and `adrive`. `Ele
 behind ``elect()``, makes blocking calls, and ``stop()`` cuts a `Pause` short. `AsyncElection`'s
 task, behind ``aelect()``, awaits, and a cancellation cuts a `Pause` short.
 
-The decisions are all here. A campaign makes one attempt at a time. After winning, the campaigner
+The decisions are all here. A campaign stands once at a time. After winning, the campaigner
 announces itself, leads, leaves the hold, then calls ``on_stopped_leading``, but only if the leader
 callback ran. `term_end` decides how the term ended. The plan also decides how long to rest and
-the watch for a new leader after a hand-off. `ENDED_BY_STOP` lists the steps a stopped campaign no
+the look for a new leader after a hand-off. `ENDED_BY_STOP` lists the steps a stopped campaign no
 longer takes. What stays each driver's own is how a step is done. A thread's leader callback
 returns when told through ``wait_stop``, while a task's is cancelled. A stop is an event for one
 and a cancellation for the other. As in `pg_lease_django.wait.plan`, this is psycopg's habit:
@@ -56,8 +56,8 @@ def term_end(ended: TermEnd, *, lost: bool, handoff_requested: bool) -> TermEnd:
 
 
 @dataclass(frozen=True)
-class Attempt:
-    """Campaign once: enter a hold of the key without waiting; answer: `Won`, `Refused` or `Failed`."""
+class Stand:
+    """Stand once for leader: enter a hold of the key without waiting; answer: `Won`, `Refused` or `Failed`."""
 
 
 @dataclass(frozen=True)
@@ -96,13 +96,13 @@ class ReadLeader:
     """
 
 
-Step = Attempt | Announce | Lead | Leave | StepDown | Pause | ReadLeader
+Step = Stand | Announce | Lead | Leave | StepDown | Pause | ReadLeader
 
 #: The steps a stopped campaign does not take: once stopped, a driver throws its stop into the plan
 #: at the next of them, which ends the plan; a thread then returns and a task raises its CancelledError.
 #: A term in progress still ends as a term does (`Lead` returns, `Leave`, `StepDown`), and an
 #: announcement is still made.
-ENDED_BY_STOP = (Attempt, Pause, ReadLeader)
+ENDED_BY_STOP = (Stand, Pause, ReadLeader)
 
 
 # ---- the answers ----------------------------------------------------------------------------------
@@ -157,12 +157,12 @@ class Campaign:
     def plan(self) -> Plan[Step, None]:
         """Campaign for ever: a driver stops at a step of `ENDED_BY_STOP` once stopped (or cancelled)."""
         while True:
-            attempt = yield Attempt()
-            if isinstance(attempt, Won):
+            stood = yield Stand()
+            if isinstance(stood, Won):
                 yield from self.term()
-            elif isinstance(attempt, Refused):
-                if attempt.holder is not None:
-                    yield Announce(attempt.holder)
+            elif isinstance(stood, Refused):
+                if stood.holder is not None:
+                    yield Announce(stood.holder)
                 yield Pause(self.poll_interval())
             else:
                 yield Pause(self.rest(TermEnd.FAILED))
@@ -180,7 +180,7 @@ class Campaign:
         else:
             ended = TermEnd.FAILED
         if ended == TermEnd.HANDOFF:
-            yield from self.watch(self.rest(ended))
+            yield from self.look_for_leader(self.rest(ended))
         else:
             yield Pause(self.rest(ended))
 
@@ -195,7 +195,7 @@ class Campaign:
             return self.ttl
         return poll if ended == TermEnd.RETURNED else 0.0
 
-    def watch(self, seconds: float) -> Plan[Step, None]:
+    def look_for_leader(self, seconds: float) -> Plan[Step, None]:
         """After a hand-off: rest until another leader is seen (announced) or ``seconds`` pass."""
         deadline = self.clock() + seconds
         while (remaining := deadline - self.clock()) > 0:

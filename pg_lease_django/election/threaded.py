@@ -40,13 +40,13 @@ from .candidate import Candidate, Term, leader_in, logger
 from .plan import (
     ENDED_BY_STOP,
     Announce,
-    Attempt,
     Failed,
     Lead,
     Leave,
     Left,
     ReadLeader,
     Refused,
+    Stand,
     Step,
     StepDown,
     TermEnd,
@@ -112,7 +112,7 @@ class Election:
         self.owner = self._candidate.owner
         self._stop = threading.Event()
         self._term_ends = threading.Event()  # set when the current term must end: lost, hand-off, stop
-        self._term: Term | None = None  # entered by the plan's Attempt, left by its Leave
+        self._term: Term | None = None  # entered by the plan's Stand, left by its Leave
         self._term_failed = False  # `fail_term`: the term ends as failed (backs off) without raising
         self._thread: threading.Thread | None = None
         self._sigterm = False  # `with` in the main thread counted in sigterm.enter()
@@ -233,7 +233,7 @@ class Election:
             logger.error("election %r (%s) crashed; it no longer campaigns", self.key, self.owner, exc_info=exc)
         finally:
             metrics.campaigning(self.key, -1)
-            connections.close_all()  # this thread's own (callbacks', and the watch after a hand-off)
+            connections.close_all()  # this thread's own (callbacks', and the look for a leader after a hand-off)
             self._done.set()
 
     def _perform(self, step: Step) -> Any:
@@ -243,7 +243,7 @@ class Election:
         if self._stop.is_set() and isinstance(step, ENDED_BY_STOP):
             raise _Stopped
         match step:
-            case Attempt():
+            case Stand():
                 return self._attempt()
             case Announce(identity):
                 candidate.announce(identity)
@@ -321,7 +321,7 @@ class Election:
                 self._candidate.log_campaign_failure(error)
 
 
-# ---- for pg_lease_django.run.campaign (``leases run --campaign``): hooks, not public API ----------
+# ---- for pg_lease_django.management.supervision.campaign (``leases run --campaign``): hooks, not public API ----------
 
 
 def start(election: Election, *, wake: Callable[[], None]) -> Election:

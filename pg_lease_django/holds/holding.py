@@ -24,7 +24,7 @@ from asgiref.sync import iscoroutinefunction
 
 from pg_lease_django import sigterm
 from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.plans import Plan, adrive, drive
 from pg_lease_django.signals import lease_skipped
 from pg_lease_django.validation import Seconds, check_name

@@ -118,8 +118,9 @@ def metrics_rule() -> tuple[str, int]:
 def sync_metrics_rule(using: str) -> bool:
     """Make database ``using`` label the database's view by `metrics_rule`; whether anything changed.
 
-    Called by ``migrate`` and ``manage.py leases grant`` (`pg_lease_django.privileges.grant`), as the
-    owner: ``pg_lease_metrics()`` takes no rule from its caller. Nothing to do before migration 0011.
+    Called by ``migrate`` and ``manage.py leases grant``
+    (`pg_lease_django.provisioning.privileges.grant_privileges`), as the owner: ``pg_lease_metrics()``
+    takes no rule from its caller. Nothing to do before migration 0011.
     """
     connection = connections[using]
     if not run.one(

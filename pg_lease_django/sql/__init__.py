@@ -74,7 +74,11 @@ class Statement(Generic[T]):
             parameters sent. By default it decodes to None, for a statement that answers no row
             worth reading.
         confirms: a lease write whose commit must reach the synchronous standby: the executors turn
-            the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`.
+            the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`. A statement
+            that confirms also takes the fast path.
+        fast_path: a lease call sent on the psycopg connection itself when nothing but Django stands
+            in between. It may carry a marker, and a connection lost in flight leaves its outcome
+            unknown, which the sync executor raises as `OutcomeUnknownError`.
         errors: SQLSTATE -> the package's error for it, given the driver's error and the parameters
             sent as keywords (``sql.errors``), applied by both executors.
         verdicts: a lease function's verdict -> the package's error for it. The statement answers its
@@ -87,10 +91,15 @@ class Statement(Generic[T]):
     name: str
     decode: Callable[..., T] = field(default=_no_row, compare=False)
     confirms: bool = False
+    fast_path: bool = False
     parts: tuple[str, ...] = ()
     errors: Mapping[str, Callable[..., BaseException]] = field(default_factory=dict, compare=False)
     verdicts: Mapping[str, Callable[..., BaseException]] = field(default_factory=dict, compare=False)
     source: str = "queries.sql"
+
+    def __post_init__(self) -> None:
+        if self.confirms and not self.fast_path:
+            raise ValueError(f"{self.name}: a statement that confirms its commit takes the fast path")
 
     @property
     def text(self) -> str:

@@ -285,7 +285,7 @@ ON CONFLICT (id) DO UPDATE SET separator = excluded.separator, max_labels = excl
 SELECT n FROM pg_catalog.unnest(%(names)s::text[]) n
  WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r WHERE r.rolname = n) ORDER BY n
 
--- missing_grants --
+-- missing_privileges --
 -- For each declared role (name, its kinds' tiers as 'worker,operator'), each privilege of
 -- pg_lease_privileges() of those tiers: whether the role exists, and whether it holds it.
 SELECT d.name, r.rolname IS NOT NULL, p.kind, p.object, p.privilege,
@@ -297,12 +297,12 @@ SELECT d.name, r.rolname IS NOT NULL, p.kind, p.object, p.privilege,
   JOIN {schema}.pg_lease_privileges() p ON p.role = ANY (pg_catalog.string_to_array(d.tiers, ','))
  ORDER BY d.name, p.kind, p.object
 
--- grant --
+-- grant_privilege --
 -- One privilege of pg_lease_privileges() (its kind, object and privilege are that function's own
 -- text, composed as SQL; the role an identifier).
 GRANT {privilege} ON {kind} {object} TO {role}
 
--- revoke --
+-- revoke_privilege --
 -- What takes a grant back: printed by `manage.py leases grant --check`, never sent.
 REVOKE {privilege} ON {kind} {object} FROM {role}
 
@@ -390,7 +390,7 @@ SELECT h.name, h.kind, h.object, h.privilege, h.grantable,
 
 -- bypasses --
 -- Roles PostgreSQL lets around the lease rules, beside table and function grants: SET or ALTER
--- SYSTEM on session_replication_role ({replica}: `replica_grants` from PostgreSQL 15 on, when
+-- SYSTEM on session_replication_role ({replica}: `replica_privileges` from PostgreSQL 15 on, when
 -- parameter privileges arrived; else false), membership of pg_read_all_data, pg_write_all_data and
 -- pg_maintain (PostgreSQL 17+), and BYPASSRLS with a way to read the secret. Each reported where it
 -- was granted, not in every member that inherits it: revoking it there removes it from them all;
@@ -418,7 +418,7 @@ SELECT r.name, {replica},
                   WHERE c.relnamespace = s.oid AND c.relname = 'pg_lease_django_secret') secret
  ORDER BY r.name
 
--- replica_grants --
+-- replica_privileges --
 -- Granted SET or ALTER SYSTEM on session_replication_role by name (pg_parameter_acl, PostgreSQL 15+).
 EXISTS (SELECT FROM pg_catalog.pg_parameter_acl p, pg_catalog.aclexplode(p.paracl) a
          WHERE p.parname = 'session_replication_role' AND a.grantee = r.oid)

@@ -165,7 +165,7 @@ def handoff(row: Row, *, key: str, **_: Any) -> HandoffRequest:
     return HandoffRequest(key, holder, current_epoch, expires_at, requested_at, server_time)
 
 
-def advance(row: Row, *, by: int, dry_run: bool) -> EpochAdvance:
+def epoch_advance(row: Row, *, by: int, dry_run: bool) -> EpochAdvance:
     """An epoch advance's row (``by`` and ``dry_run`` as sent)."""
     leases, held, epoch_floor, max_epoch, server_time = row
     return EpochAdvance(by, leases, held, epoch_floor, max_epoch, server_time, dry_run)
@@ -245,8 +245,8 @@ class RoleLimit(NamedTuple):
     max_tenures_per_key: int | None
 
 
-class MissingGrant(NamedTuple):
-    """A privilege a declared role's kinds give it, and whether it holds it (``missing_grants``)."""
+class MissingPrivilege(NamedTuple):
+    """A privilege a declared role's kinds give it, and whether it holds it (``missing_privileges``)."""
 
     role: str
     exists: bool

@@ -1,11 +1,12 @@
 """The sync executor: a `Statement` on a Django connection, and on a psycopg one for the Patroni callback.
 
 `one`, `first`, `rows` and `run` send a statement with its parameters as keywords and decode its
-rows with the decoders of ``sql.rows``. A lease operation's statement ``confirms`` and goes the hot
-path. The notice handler kept on the connection turns the server's WARNING of an unconfirmed commit
-into `UnconfirmedCommitError`, at once or when the caller's ``atomic()`` commits. Such a statement
-is sent on a cursor of the psycopg connection itself when nothing but Django stands in between
-(`_nothing_in_between`). Every other statement goes through Django's cursor.
+rows with the decoders of ``sql.rows``. A statement on the ``fast_path``, a lease call, is sent on a
+cursor of the psycopg connection itself when nothing but Django stands in between
+(`_nothing_in_between`). For one that also ``confirms``, a lease write, the notice handler kept on
+the connection turns the server's WARNING of an unconfirmed commit into `UnconfirmedCommitError`,
+at once or when the caller's ``atomic()`` commits. Every other statement goes through Django's
+cursor.
 
 Errors are Django's ``DatabaseError`` and its subclasses, as for any ORM call. `_execute` is the one
 place that reads them, and it raises the package's error instead in two cases. The first is when
@@ -123,7 +124,7 @@ def _execute(
     """
     raw: psycopg.Connection[Any] | None = None
     try:
-        if not statement.confirms:
+        if not statement.fast_path:
             sent = positional(render(connection, statement, **(parts or {})))
             with connection.cursor() as cursor:
                 cursor.execute(sent.text, sent.arguments(statement.name, params))
@@ -140,8 +141,9 @@ def _execute(
             raw = connection.connection
             notices.seen.clear()
             found = _send(connection, raw, text, sent.arguments(statement.name, params), fetch)
-            notices.raise_if_unconfirmed()
-            check_caller_commit(connection)
+            if statement.confirms:
+                notices.raise_if_unconfirmed()
+                check_caller_commit(connection)
     except DatabaseError as exc:
         if raw is not None and raw.closed and type(exc) is OperationalError:
             # Open when sent (health-checked above): lost in flight, the outcome unknown.

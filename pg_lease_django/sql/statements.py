@@ -21,25 +21,31 @@ from . import Statement, errors, rows
 
 # ---- the lease operations (confirmed: a lease write's commit must reach the synchronous standby) ----
 
-ACQUIRE: Statement[rows.Attempt] = Statement("acquire", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS)
+ACQUIRE: Statement[rows.Attempt] = Statement(
+    "acquire", rows.attempt, confirms=True, fast_path=True, errors=errors.ACQUIRE_ERRORS
+)
 ACQUIRE_OR_REGISTER: Statement[rows.Attempt] = Statement(
-    "acquire_or_register", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS
+    "acquire_or_register", rows.attempt, confirms=True, fast_path=True, errors=errors.ACQUIRE_ERRORS
 )
 ACQUIRE_WITHIN: Statement[rows.Attempt] = Statement(
-    "acquire_within", rows.attempt, confirms=True, errors=errors.ACQUIRE_ERRORS
+    "acquire_within", rows.attempt, confirms=True, fast_path=True, errors=errors.ACQUIRE_ERRORS
 )
-RENEW: Statement[rows.Renewal] = Statement("renew", rows.renewal, confirms=True, verdicts=errors.RENEW_VERDICTS)
-RELEASE: Statement[None] = Statement("release", rows.released, confirms=True, verdicts=errors.RELEASE_VERDICTS)
-INSPECT: Statement[rows.LeaseState] = Statement("inspect", rows.state, confirms=True)
+RENEW: Statement[rows.Renewal] = Statement(
+    "renew", rows.renewal, confirms=True, fast_path=True, verdicts=errors.RENEW_VERDICTS
+)
+RELEASE: Statement[None] = Statement(
+    "release", rows.released, confirms=True, fast_path=True, verdicts=errors.RELEASE_VERDICTS
+)
+INSPECT: Statement[rows.LeaseState] = Statement("inspect", rows.state, fast_path=True)
 FORCE_RELEASE: Statement[int] = Statement(
-    "force_release", rows.forced, confirms=True, verdicts=errors.FORCE_RELEASE_VERDICTS
+    "force_release", rows.forced, confirms=True, fast_path=True, verdicts=errors.FORCE_RELEASE_VERDICTS
 )
 REQUEST_HANDOFF: Statement[rows.HandoffRequest] = Statement(
-    "request_handoff", rows.handoff, confirms=True, verdicts=errors.HANDOFF_VERDICTS
+    "request_handoff", rows.handoff, confirms=True, fast_path=True, verdicts=errors.HANDOFF_VERDICTS
 )
-PRUNE: Statement[str] = Statement("prune", rows.scalar, confirms=True)
+PRUNE: Statement[str] = Statement("prune", rows.scalar, confirms=True, fast_path=True)
 ADVANCE_EPOCHS: Statement[rows.EpochAdvance] = Statement(
-    "advance_epochs", rows.advance, confirms=True, errors=errors.ADVANCE_ERRORS
+    "advance_epochs", rows.epoch_advance, confirms=True, fast_path=True, errors=errors.ADVANCE_ERRORS
 )
 
 # ---- fencing ---------------------------------------------------------------------------------------
@@ -115,9 +121,11 @@ ROLE_LIMITS_ADD: Statement[None] = Statement("role_limits_add")
 METRICS_RULE: Statement[rows.MetricsRule] = Statement("metrics_rule", rows.shaped(rows.MetricsRule))
 METRICS_RULE_SET: Statement[None] = Statement("metrics_rule_set")
 ABSENT_ROLES: Statement[str] = Statement("absent_roles", rows.scalar)
-MISSING_GRANTS: Statement[rows.MissingGrant] = Statement("missing_grants", rows.shaped(rows.MissingGrant))
-GRANT: Statement[None] = Statement("grant", parts=("privilege", "kind", "object", "role"))
-REVOKE: Statement[None] = Statement("revoke", parts=("privilege", "kind", "object", "role"))
+MISSING_PRIVILEGES: Statement[rows.MissingPrivilege] = Statement(
+    "missing_privileges", rows.shaped(rows.MissingPrivilege)
+)
+GRANT_PRIVILEGE: Statement[None] = Statement("grant_privilege", parts=("privilege", "kind", "object", "role"))
+REVOKE_PRIVILEGE: Statement[None] = Statement("revoke_privilege", parts=("privilege", "kind", "object", "role"))
 REVOKE_GRANT_OPTION: Statement[None] = Statement("revoke_grant_option", parts=("privilege", "kind", "object", "role"))
 REVOKE_REPLICA_MODE: Statement[None] = Statement("revoke_replica_mode", parts=("role",))
 NO_BYPASS_RLS: Statement[None] = Statement("no_bypass_rls", parts=("role",))
@@ -128,7 +136,7 @@ BYPASSES: Statement[rows.RoleBypasses] = Statement(
     "bypasses", rows.shaped(rows.RoleBypasses), parts=("replica", "createrole")
 )
 #: A fragment of BYPASSES from PostgreSQL 15 on (parameter privileges arrived then).
-REPLICA_GRANTS: Statement[None] = Statement("replica_grants")
+REPLICA_PRIVILEGES: Statement[None] = Statement("replica_privileges")
 UNSCOPED: Statement[str] = Statement("unscoped", rows.scalar)
 ALLOW_TRUNCATE: Statement[None] = Statement("allow_truncate", parts=("database",))
 

@@ -1,4 +1,4 @@
-"""A lease's history drawn as an SVG timeline chart by `render_timeline`, one lane per owner.
+"""A lease's history drawn as an SVG timeline chart by `draw_timeline`, one lane per owner.
 
 Drawn server-side, as a plain SVG string with no script. Keys and owners are user data, so every
 text is escaped. The owners and operators are shown through `printable`, since a bidi override or
@@ -51,7 +51,7 @@ def _clock(moment: datetime, with_date: bool) -> str:
     return moment.strftime("%m-%d %H:%M" if with_date else "%H:%M:%S")
 
 
-def render_timeline(history: History, *, width: int = 960) -> str:
+def draw_timeline(history: History, *, width: int = 960) -> str:
     """Draw ``history`` as a self-contained SVG document, returned as a string, one lane per owner.
 
     Bars run along the server clock from grant to end; the gaps between tenures are shaded. How a

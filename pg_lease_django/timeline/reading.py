@@ -3,7 +3,7 @@
 `read_history` reads the recorded tenures of one key (`LeaseTenure`) and works out the end of the one still
 open against the lease row, in one statement on the server clock: held until its expiry, or
 lapsed at it. ``manage.py leases history`` prints those rows and the admin draws them with
-`pg_lease_django.timeline.chart.render_timeline`, so both tell the same story.
+`pg_lease_django.timeline.chart.draw_timeline`, so both tell the same story.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""Calls interrupted in flight (a signal, KeyboardInterrupt, SystemExit, a cancelled task): settled.
+"""Calls interrupted in flight are settled here, whether by a signal, an exit or a cancelled task.
 
-An acquire whose answer never came may have committed a grant nobody received; a release cut
-short may not have committed, leaving the lease held by an owner that is leaving. Outside a
-transaction both are settled here before the interruption goes on: the statement still running is
-cancelled on the server and waited out, a grant found in the owner's name is released, a release is
-sent again (`settle`, `complete_release`, both run `to_the_end` although interrupted again). Inside
-the caller's transaction, that transaction owns them. The one-attempt and one-release calls of
-`Lease.objects` (`acquire_once`, `release_once`) are here, as the blocking wait
-(`wait.sync_driver`, `wait.async_driver`) and the hold's connection (`holds.lease_connection`) use these rules.
+An acquire whose answer never came may have committed a grant nobody received. A release cut
+short may not have committed, and then the lease stays held by an owner that is leaving. Outside
+a transaction both are settled before the interruption goes on: the statement still running is
+cancelled on the server and waited out, a grant found in the owner's name is released, and a
+release is sent again. `settle` and `complete_release` run `to_the_end` even when interrupted
+again. Inside the caller's transaction, that transaction owns them. The manager's one-shot calls in
+`manager_calls`, the blocking wait's drivers and the hold's connection all follow these rules.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import time
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -29,7 +27,6 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from pg_lease_django import conf, operations
 from pg_lease_django.exceptions import LeaseLostError
 from pg_lease_django.metrics import hooks as metrics
-from pg_lease_django.operations import Grant
 from pg_lease_django.plans import Pause, Plan, adrive, drive
 from pg_lease_django.sql import run, statements
 from pg_lease_django.sql.arun import Session
@@ -49,12 +46,12 @@ UNSETTLED = "if it is granted, nobody holds the lease and it lapses at its expir
 
 @dataclass(frozen=True)
 class InFlight:
-    """An attempt about to be sent: its server process as the client sees it, and its marker (`sql.run.first`).
+    """An attempt about to be sent: its server process as the client sees it, and its marker for `sql.run.first`.
 
-    ``own_process``: ``backend_pid`` is the server process of the attempt's session (directly
-    connected), which the settling closes first and then waits out until it ends, so that an
-    attempt it had not read yet when the settling first looked cannot grant after. Behind a
-    pooler (``PG_LEASE_LISTEN = False``) the pid is the pooler's and the marker alone finds the attempt.
+    ``own_process`` says that ``backend_pid`` is the server process of the attempt's own session,
+    directly connected. The settling closes that session first and then waits its process out, so
+    that an attempt it had not read yet when the settling first looked cannot grant after. Behind a
+    pooler, with ``PG_LEASE_LISTEN = False``, the pid is the pooler's and the marker alone finds the attempt.
     """
 
     backend_pid: int
@@ -81,38 +78,19 @@ def commits_on_its_own(connection: BaseDatabaseWrapper) -> bool:
     return connection.get_autocommit() and not connection.in_atomic_block
 
 
-def acquire_once(connection: BaseDatabaseWrapper, key: str, owner: str, ttl: timedelta) -> Grant | None:
-    """One non-blocking attempt (`Lease.objects.acquire`); interrupted in flight, it is settled.
-
-    A signal, ``SystemExit`` or any other interruption that is not an error of the call leaves a
-    statement that may still run on the server (psycopg cancels only on its own interrupts):
-    outside a transaction it is cancelled and a grant it made is released, as for every attempt
-    (`settle`). Inside one, the caller's transaction owns the attempt.
-    """
-    own = commits_on_its_own(connection)
-    in_flight = attempt_in_flight(connection) if own else None
-    try:
-        return operations.acquire(connection, key, owner, ttl, None if in_flight is None else in_flight.marker)
-    except Exception:
-        raise  # the server answered (a refusal, a bad argument) or the connection is lost: reported
-    except BaseException:
-        if in_flight is not None:
-            settle(connection, key, owner, in_flight)
-        raise
-
-
 #: The longest a cancelled task waits for its settling when cancelled again meanwhile: waiting out
 #: the statement (`SETTLE_WITHIN`), then a row lock for the release (`SETTLE_WITHIN`), and slack.
 SETTLE_BOUND = 3 * SETTLE_WITHIN
 
 
 async def settled_anyway(settling: Coroutine[Any, Any, None], what: str) -> None:
-    """Await ``settling`` to its end although the task is cancelled again meanwhile (a second
-    ``task.cancel()``, an ``asyncio.timeout`` expiring): a second cancellation must not leave a
-    grant nobody received to lapse at its TTL. At most `SETTLE_BOUND` s: past it ``settling`` is
-    cancelled and what it settles is left to lapse, logged at ERROR. Its Exceptions are logged (the
-    cancellation that brought the caller here goes on); a cancellation received meanwhile has been
-    delivered, and the caller raises its own."""
+    """Await ``settling`` to its end although the task is cancelled again meanwhile.
+
+    A second ``task.cancel()`` or an ``asyncio.timeout`` expiring must not leave a grant nobody
+    received to lapse at its TTL. It waits `SETTLE_BOUND` s at most: past it ``settling`` is
+    cancelled and what it settles is left to lapse, logged at ERROR. Its Exceptions are logged, and
+    the cancellation that brought the caller here goes on. A cancellation received meanwhile has
+    been delivered, and the caller raises its own."""
     task = asyncio.ensure_future(settling)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SETTLE_BOUND
@@ -129,35 +107,18 @@ async def settled_anyway(settling: Coroutine[Any, Any, None], what: str) -> None
         logger.warning("settling %s failed", what, exc_info=error)
 
 
-def release_once(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
-    """A release (`Lease.objects.release`); interrupted before it took effect, it is completed.
-
-    An interruption landing before the release commits would leave the lease held, for up to its
-    TTL, by an owner that is leaving. Outside a transaction it is completed (`complete_release`)
-    before the interruption goes on. Inside one, the caller's transaction owns it.
-    """
-    own = commits_on_its_own(connection)
-    try:
-        operations.release(connection, key, owner, epoch)
-    except Exception:
-        raise  # the server answered (a refusal) or the connection is lost: reported
-    except BaseException:
-        if own:
-            complete_release(connection, key, owner, epoch)
-        raise
-
-
 def complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> None:
-    """After a release of ``(owner, epoch)`` was interrupted (a signal, KeyboardInterrupt, SystemExit):
-    send it again on a fresh session of ``connection``, before the interruption goes on.
+    """Send an interrupted release of ``owner`` at ``epoch`` again, on a fresh session of ``connection``.
 
-    The rule for every interrupted release (`Lease.objects.release`, the exit of ``hold()``): the
-    owner is leaving, its lease must not wait for its TTL. A statement still running is cancelled
-    and the connection closed; the release is sent on a new session (Django reconnects) in a
-    transaction of its own that waits `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``).
-    A release that had committed answers not_owner, which is fine. ``connection`` is left closed
-    or in autocommit, outside a transaction. Never raises an Exception: a failure is logged (the
-    lease then lapses at its TTL). A second interruption starts it over (`to_the_end`).
+    A signal, KeyboardInterrupt or SystemExit interrupted the release, and this runs before the
+    interruption goes on. It is the rule for every interrupted release, whether by
+    `Lease.objects.release` or at the exit of ``hold()``: the owner is leaving, and its lease must
+    not wait for its TTL. A statement still running is cancelled and the connection closed. Django
+    reconnects, and the release is sent in a transaction of its own whose ``lock_timeout`` waits
+    `SETTLE_WITHIN` s at most for a row lock. A release that had committed answers not_owner, which
+    is fine. ``connection`` is left closed or in autocommit, outside a transaction. It never raises
+    an Exception: a failure is logged, and the lease then lapses at its TTL. A second interruption
+    starts it over through `to_the_end`.
     """
     to_the_end(
         functools.partial(_complete_release, connection, key, owner, epoch),
@@ -179,10 +140,11 @@ def _complete_release(connection: BaseDatabaseWrapper, key: str, owner: str, epo
 
 
 def _release_within(connection: BaseDatabaseWrapper, key: str, owner: str, epoch: int) -> bool:
-    """Release ``(owner, epoch)`` in a transaction of its own on ``connection`` that waits
-    `SETTLE_WITHIN` s at most for a row lock (``lock_timeout``); False for a lease no longer held.
-    A transaction on this very connection (not `transaction.atomic`, which takes the alias's
-    connection of this thread: for a lease connection of hold() that is another one)."""
+    """Release ``owner`` at ``epoch`` in a transaction of its own on ``connection``; False for a lease no longer held.
+
+    Its ``lock_timeout`` waits `SETTLE_WITHIN` s at most for a row lock. The transaction is on this
+    very connection, not `transaction.atomic`, which takes the alias's connection of this thread:
+    for a lease connection of hold() that is another one."""
     connection.set_autocommit(False)
     run.run(connection, statements.LOCK_TIMEOUT_LOCAL, timeout=f"{SETTLE_WITHIN}s")
     released = True
@@ -203,15 +165,15 @@ def _drop(connection: BaseDatabaseWrapper) -> None:
 def settle(connection: BaseDatabaseWrapper, key: str, owner: str, in_flight: InFlight | None) -> None:
     """After an attempt of ``owner`` was interrupted in flight: make sure it granted nothing that stays.
 
-    The one rule for every interruption (a signal, KeyboardInterrupt, SystemExit, a cancelled task,
-    ``Election.stop``): the attempt's statement is cancelled on the server and waited out (up to
-    `SETTLE_WITHIN` s), then, if it committed a grant nobody received, that grant is released. (A
-    lost connection is not settled: a waiter reports it, see `_nothing_granted`.)
-    ``in_flight``: the attempt's identity (`attempt_in_flight`); None: nothing to wait out.
-    ``connection`` must be in autocommit; it is closed first, so the settling runs in a fresh
-    session (Django reconnects). Never raises an Exception: a failure is logged (the grant, if
-    any, then lapses after its TTL), and the interruption goes on. A second interruption starts it
-    over (`to_the_end`).
+    The one rule for every interruption, whether a signal, KeyboardInterrupt, SystemExit, a
+    cancelled task or ``Election.stop``. The attempt's statement is cancelled on the server and
+    waited out for `SETTLE_WITHIN` s at most. Then, if it committed a grant nobody received, that
+    grant is released. A lost connection is not settled: a waiter reports it, as `_nothing_granted`
+    says. ``in_flight`` is the attempt's identity from `attempt_in_flight`; None means nothing to
+    wait out. ``connection`` must be in autocommit; it is closed first, so the settling runs in a
+    fresh session that Django reconnects. It never raises an Exception: a failure is logged, a grant
+    then lapses after its TTL, and the interruption goes on. A second interruption starts it over
+    through `to_the_end`.
     """
     to_the_end(
         functools.partial(_settle_on_fresh_session, connection, key, owner, in_flight),
@@ -224,15 +186,16 @@ SETTLE_RESTARTS = 3
 
 
 def to_the_end(settling: Callable[[], None], what: str) -> None:
-    """Run ``settling`` (`settle`, `complete_release`: each starts by abandoning what runs, so it can
-    start over) to its end although interrupted again: a second signal whose handler raises, a
-    second KeyboardInterrupt (psycopg cancels the statement it cuts short).
+    """Run ``settling`` to its end although interrupted again.
 
-    Each interruption of the settling starts it over, up to `SETTLE_RESTARTS` times; the last one is
-    raised once the settling has ended (its context is the first interruption, which the caller
-    would have raised), or at once after `SETTLE_RESTARTS` restarts: ``what`` was settling is then
-    left to lapse at its TTL, logged at ERROR. Each run is bounded (`SETTLE_WITHIN` s for the
-    statement to end, as long for a row lock), so interruptions end it within their number times that.
+    ``settling`` is `settle` or `complete_release`, each of which starts by abandoning what runs, so
+    it can start over. The interruption may be a second signal whose handler raises, or a second
+    KeyboardInterrupt, whose statement psycopg cancels. Each interruption of the settling starts it
+    over, up to `SETTLE_RESTARTS` times. The last one is raised once the settling has ended, with the
+    first interruption, which the caller would have raised, as its context. After `SETTLE_RESTARTS`
+    restarts it is raised at once: ``what`` was settling is then left to lapse at its TTL, logged at
+    ERROR. Each run is bounded by `SETTLE_WITHIN` s for the statement to end and as long for a row
+    lock, so interruptions end it within their number times that.
     """
     again: BaseException | None = None
     for restart in range(SETTLE_RESTARTS + 1):
@@ -314,8 +277,10 @@ async def _arelease_within(session: Session, key: str, owner: str, epoch: int) -
 
 @dataclass(frozen=True)
 class CancelAttempt:
-    """Cancel the attempt ``in_flight`` still running, found by its marker; answered: whether one still
-    runs, or (directly connected) the attempt's own server process still lives (`InFlight.own_process`)."""
+    """Cancel the attempt ``in_flight`` still running, found by its marker.
+
+    Answered: whether one still runs or, directly connected, whether the attempt's own server process
+    still lives, as `InFlight.own_process` says."""
 
     in_flight: InFlight
 
@@ -352,11 +317,13 @@ SettlingStep = CancelAttempt | Pause | Inspect | ReleaseWithin
 def settling_plan(
     key: str, owner: str, in_flight: InFlight | None, clock: Callable[[], float] = time.monotonic
 ) -> Plan[SettlingStep, None]:
-    """What settling an interrupted attempt of ``owner`` does, for both drivers (`_settle` on Django's
-    connection, `asettle` on an async `Session`): cancel the attempt still running (found by its
-    marker) and wait it out (`SETTLE_WITHIN` s at most), then release a grant found in the owner's
-    name. ``in_flight`` None: its statement has ended. An attempt still running past `SETTLE_WITHIN`
-    is reported once, with what becomes of a grant it may still make."""
+    """What settling an interrupted attempt of ``owner`` does, for both drivers.
+
+    `_settle` drives it on Django's connection and `asettle` on an async `Session`. It cancels the
+    attempt still running, found by its marker, and waits it out for `SETTLE_WITHIN` s at most, then
+    releases a grant found in the owner's name. ``in_flight`` is None when its statement has ended.
+    An attempt still running past `SETTLE_WITHIN` is reported once, with what becomes of a grant it
+    may still make."""
     if in_flight is not None:
         deadline = clock() + SETTLE_WITHIN
         running, failed = True, None

@@ -1,12 +1,12 @@
 """``manage.py flush``: Django's, with the lease app's refusal of TRUNCATE explained.
 
-Lease rows and fenced rows are never deleted wholesale outside a test database (a TRUNCATE would
-restart every epoch and un-fence every stale holder), so the database refuses the TRUNCATE that
-``flush`` sends, and ``TransactionTestCase`` / ``LiveServerTestCase`` tests send after each test.
-Django's own command then says only "couldn't be flushed. Possible reasons: ..."; this one names
-the refusal and the cure (the test runner or the pytest plugin). Overriding a core command from an
-app is Django's own mechanism (``django.contrib.staticfiles`` does it for ``runserver``); every
-argument and behaviour is Django's.
+Lease rows and fenced rows are never deleted wholesale outside a test database: a TRUNCATE would
+restart every epoch and un-fence every stale holder. So the database refuses the TRUNCATE that
+``flush`` sends, and that ``TransactionTestCase`` and ``LiveServerTestCase`` tests send after each
+test. Django's own command then says only "couldn't be flushed. Possible reasons: ..."; this one
+names the refusal and the cure, which is the test runner or the pytest plugin. Overriding a core
+command from an app is Django's own mechanism, which ``django.contrib.staticfiles`` uses for
+``runserver``; every argument and behaviour is Django's.
 """
 
 from __future__ import annotations

@@ -1,22 +1,27 @@
 """``manage.py leases``: see who holds what, and break a stuck lease safely.
 
-Subcommands: ``list`` (the default), ``show KEY``, ``watch`` (a live view, `management.leases.live_view`),
-``release KEY --force [--operator NAME]``,
-``handoff KEY`` (ask the holder to step down at its next renewal), ``history KEY`` (the recorded
-tenures of a key, `pg_lease_django.timeline`), ``prune-history [--older-than 30d]``,
-``prune --free-for 30d`` (delete rows of leases free that long; epochs never go back),
-``advance-epochs --by N`` (after a failover to a standby that may have missed lease writes: raise
-every epoch and the epoch floor by N, fencing current holders), ``grant [--check]`` (the declared
-roles' lease privileges, as ``migrate`` grants them), and ``run KEY --ttl SECONDS -- COMMAND``,
-which runs a command while holding a lease (``flock(1)`` for a whole cluster; see
-`pg_lease_django.run`). Every state shown is computed in SQL from the database server's clock
-with ``pg_lease_status`` (the rule the lease functions use), in one statement, whatever the number
-of leases (`LeaseQuerySet.listing`).
+Subcommands:
 
-This module dispatches: the arguments are declared in `pg_lease_django.management.leases.arguments`,
-and each group of subcommands is a module there (`reading`, `operating`, `running`); reading is
-`LeaseQuerySet`'s, watching ``run``'s COMMAND is `Supervisor`'s. The exit-code tables below (also in
-docs/operations.md) are generated from `ExitCode`, like the help texts.
+- ``list``, the default, and ``show KEY``.
+- ``watch``: a live view, from `management.leases.live_view`.
+- ``release KEY --force [--operator NAME]``.
+- ``handoff KEY``: ask the holder to step down at its next renewal.
+- ``history KEY``: the recorded tenures of a key, from `pg_lease_django.timeline`.
+- ``prune-history [--older-than 30d]``.
+- ``prune --free-for 30d``: delete rows of leases free that long; epochs never go back.
+- ``advance-epochs --by N``: after a failover to a standby that may have missed lease writes, raise
+  every epoch and the epoch floor by N, fencing current holders.
+- ``grant [--check]``: the declared roles' lease privileges, as ``migrate`` grants them.
+- ``run KEY --ttl SECONDS -- COMMAND``: run a command while holding a lease, the way ``flock``
+  does on one machine, for a whole cluster; see `pg_lease_django.management.supervision`.
+
+Every state shown is computed in SQL from the database server's clock with ``pg_lease_status``, the
+rule the lease functions use, in one statement whatever the number of leases: `LeaseQuerySet.listing`.
+
+This module dispatches. The arguments are declared in `pg_lease_django.management.leases.arguments`,
+and each group of subcommands is a module there: `reading`, `operating` and `running`. Reading is
+`LeaseQuerySet`'s, and watching ``run``'s COMMAND is `Supervisor`'s. The exit-code tables below are
+generated from `ExitCode`, like the help texts, and docs/operations.md repeats them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from django.db import DatabaseError, router
 from pg_lease_django import seats
 from pg_lease_django.display import printable
 from pg_lease_django.exceptions import InvalidInputError
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.management.leases.arguments import declare
 from pg_lease_django.management.leases.common import database
 from pg_lease_django.management.leases.operating import OperatingSubcommands
@@ -100,7 +105,7 @@ class Command(ReadingSubcommands, OperatingSubcommands, RunSubcommand):
         except InvalidInputError as exc:
             raise CommandError(str(exc), returncode=ExitCode.USAGE) from None
         except ImproperlyConfigured as exc:  # e.g. no lease table: the message names the migrate command
-            # Escaped: it may name roles or schemas as the catalog spells them (`privileges.grant`).
+            # Escaped: it may name roles or schemas as the catalog spells them (`privileges.grant_privileges`).
             raise CommandError(f"database error: {printable(str(exc))}", returncode=ExitCode.DATABASE_ERROR) from None
         except DatabaseError as exc:
             # The server's text may quote a key or an owner (a RAISE of a lease function): other

@@ -1,10 +1,10 @@
 """``manage.py migrate``: Django's, with a refusal from the wrong seat named as such.
 
-Migrating is the owner's seat (docs/security.md): run as a worker, an operator or the monitor,
-Django's own command ends in a traceback over the first table the role may not read or write
-(``django_migrations``, ``django_content_type``). This one ends in one line naming the role that
-owns the tables. Overriding a core command from an app is Django's own mechanism (as ``flush``
-here, and ``django.contrib.staticfiles`` for ``runserver``); every argument and behaviour is Django's.
+Migrating is the owner's seat, as docs/security.md explains. Run as a worker, an operator or the
+monitor, Django's own command ends in a traceback over the first table the role may not read or
+write, such as ``django_migrations``. This one ends in one line naming the role that owns the
+tables. Overriding a core command from an app is Django's own mechanism, used by ``flush`` here
+and by ``django.contrib.staticfiles`` for ``runserver``; every argument and behaviour is Django's.
 """
 
 from __future__ import annotations

@@ -1,3 +1,3 @@
-"""``manage.py leases`` in rooms: its arguments (`arguments`), what they share (`common`), and a module per
-group of subcommands (`reading`, `operating`, `running`); `pg_lease_django.management.commands.leases`
-puts them together and dispatches."""
+"""``manage.py leases`` in rooms: its arguments in `arguments`, what they share in `common`, and a
+module per group of subcommands: `reading`, `operating` and `running`.
+`pg_lease_django.management.commands.leases` puts them together and dispatches."""

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from django.core.management.base import CommandParser
 
-from pg_lease_django.exit_codes import ExitCode
-from pg_lease_django.run.supervisor import DEFAULT_GRACE
+from pg_lease_django.management.exit_codes import ExitCode
+from pg_lease_django.management.supervision.supervisor import DEFAULT_GRACE
 from pg_lease_django.status import LeaseStatus
 
 

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from django.core.management.base import CommandError
 from django.db import connections
 
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.validation import MAX_EPOCH
 
 
@@ -74,8 +74,8 @@ def os_operator() -> str:
 
 
 def seconds(name: str, text: str, minimum: timedelta, maximum: timedelta) -> float:
-    """Parse a command-line duration within ``[minimum, maximum]``: seconds (``30``, ``0.5``), or with a
-    unit as ``--free-for`` takes them (``30s``, ``1.5m``, ``2h``, ``1d``)."""
+    """Parse a command-line duration within ``[minimum, maximum]``: seconds such as ``30`` or ``0.5``,
+    or with a unit as ``--free-for`` takes them, such as ``30s``, ``1.5m``, ``2h`` or ``1d``."""
     match = _DURATION.fullmatch(text.strip())
     try:
         value = float(match["number"]) * _UNIT_SECONDS[match["unit"]] if match is not None else float(text)

@@ -1,15 +1,15 @@
 """``manage.py leases watch``: a live view of the leases matching a prefix or a glob, refreshing in place.
 
-Each refresh is two statements: the leases (`LeaseQuerySet.listing`: state, owner, epoch and time
-left on the server clock) and the recent transitions of the same keys from the history
-(`LeaseTenure`, when ``PG_LEASE_HISTORY`` records them). The database keeps no renewal time, so
-"since renewal" is what the watch saw: the server time of the first refresh at which a grant's
-expiry moved (a renewal) or at which it first appeared (a grant), accurate to the refresh interval;
-``-`` until it has seen one. With rich installed (the ``watch`` extra) and a terminal, the view is
-drawn by ``rich.live``; otherwise a plain table, redrawn with two ANSI escapes on a terminal, or
-appended frame after frame when piped. Ctrl-C ends it with status 0. Keys and owners are shown
-through `printable` in both views (rich gets them as `rich.text.Text`, never as markup); ``--json``
-gives them as they are.
+Each refresh is two statements. The first reads the leases with `LeaseQuerySet.listing`: state,
+owner, epoch and time left on the server clock. The second reads the recent transitions of the same
+keys from the history in `LeaseTenure`, when ``PG_LEASE_HISTORY`` records them. The database keeps
+no renewal time, so "since renewal" is what the watch saw: the server time of the first refresh at
+which a grant's expiry moved or at which the grant first appeared, accurate to the refresh interval,
+and ``-`` until it has seen one. With rich installed from the ``watch`` extra and a terminal, the
+view is drawn by ``rich.live``. Otherwise it is a plain table, redrawn with two ANSI escapes on a
+terminal, or appended frame after frame when piped. Ctrl-C ends it with status 0. Keys and owners
+are shown through `printable` in both views, and rich gets them as `rich.text.Text`, never as
+markup; ``--json`` gives them as they are.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pg_lease_django.sql import run, statements
 from pg_lease_django.sql.rows import Transition
 from pg_lease_django.status import LeaseStatus
 
-__all__ = ["Frame", "Transition", "Watcher", "render_plain", "watch"]
+__all__ = ["Frame", "Transition", "Watcher", "draw_plain", "watch"]
 
 # Clear the screen and home the cursor: what the plain view redraws with on a terminal.
 _REDRAW = "\x1b[H\x1b[2J"
@@ -137,7 +137,7 @@ def _transition_cells(t: Transition) -> tuple[str, ...]:
     return (f"{t.at[:19]}Z", printable(t.key), f"#{t.epoch}", printable(t.owner), printable(t.event.replace("_", " ")))
 
 
-def render_plain(frame: Frame, what: str, *, live: bool = False) -> str:
+def draw_plain(frame: Frame, what: str, *, live: bool = False) -> str:
     """The frame as plain text: a lease table, then the recent transitions (``live``: and how to stop)."""
     cells = _cells(frame)
     lines = [_summary(frame, what)]
@@ -154,7 +154,7 @@ def render_plain(frame: Frame, what: str, *, live: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _render_rich(frame: Frame, what: str) -> Any:
+def _draw_rich(frame: Frame, what: str) -> Any:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -198,17 +198,17 @@ def watch(
     plain: bool = False,
     stop: threading.Event | None = None,
 ) -> None:
-    """Show frames on ``out`` every ``interval`` seconds until Ctrl-C (or ``stop``); ``once``: one frame.
+    """Show frames on ``out`` every ``interval`` seconds until Ctrl-C or ``stop``; ``once`` shows one frame.
 
-    ``as_json``: one JSON document per frame (one line each, unless ``once``). A terminal gets rich's
-    live view (unless ``plain`` or rich is missing) or the plain view redrawn in place.
+    ``as_json`` writes one JSON document per frame, on one line each unless ``once``. A terminal gets
+    rich's live view, unless ``plain`` or rich is missing, or else the plain view redrawn in place.
     """
     stop = stop or threading.Event()
     terminal = bool(getattr(out, "isatty", lambda: False)())
     try:
         if once:
             frame = watcher.read()
-            out.write((json.dumps(frame.as_json(), indent=2) if as_json else render_plain(frame, what)) + "\n")
+            out.write((json.dumps(frame.as_json(), indent=2) if as_json else draw_plain(frame, what)) + "\n")
             return
         if as_json:
             _loop(watcher, stop, interval, lambda frame: _line(out, json.dumps(frame.as_json())))
@@ -216,7 +216,7 @@ def watch(
             _live(watcher, out, what, interval, stop)
         else:
             prefix = _REDRAW if terminal else ""
-            _loop(watcher, stop, interval, lambda frame: _line(out, prefix + render_plain(frame, what, live=True)))
+            _loop(watcher, stop, interval, lambda frame: _line(out, prefix + draw_plain(frame, what, live=True)))
     except KeyboardInterrupt:
         out.write("\nstopped\n")
         out.flush()
@@ -239,4 +239,4 @@ def _live(watcher: Watcher, out: TextIO, what: str, interval: float, stop: threa
 
     console = Console(file=out, force_terminal=True)
     with Live(console=console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False) as live:
-        _loop(watcher, stop, interval, lambda frame: live.update(_render_rich(frame, what), refresh=True))
+        _loop(watcher, stop, interval, lambda frame: live.update(_draw_rich(frame, what), refresh=True))

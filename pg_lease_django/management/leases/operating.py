@@ -11,7 +11,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from pg_lease_django import conf, privileges
+from pg_lease_django import conf
 from pg_lease_django.display import LeaseRow, format_duration, json_text, printable
 from pg_lease_django.exceptions import (
     AlreadyFreeError,
@@ -19,7 +19,7 @@ from pg_lease_django.exceptions import (
     EpochMovedOnError,
     NeverAcquiredError,
 )
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     duration,
     iso,
@@ -28,6 +28,7 @@ from pg_lease_django.management.leases.common import (
     positive_int,
 )
 from pg_lease_django.models import Lease, LeaseTenure
+from pg_lease_django.provisioning import privileges
 from pg_lease_django.status import LeaseStatus
 from pg_lease_django.validation import MAX_ADVANCE, check_name
 
@@ -191,7 +192,7 @@ class OperatingSubcommands(BaseCommand):
                 )
             self.stdout.write(f"Every declared role holds its lease privileges in {alias!r}.")
             return
-        granted = privileges.grant(alias)
+        granted = privileges.grant_privileges(alias)
         for needed in granted:
             self.stdout.write(printable(needed.statement()))
         roles = ", ".join(f"{printable(role)} ({', '.join(kinds)})" for role, kinds in declared.items()) or (

@@ -13,7 +13,7 @@ from typing import Any, TextIO, cast
 from django.core.management.base import BaseCommand, CommandError
 
 from pg_lease_django.display import LeaseRow, format_duration, json_text, printable
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     iso,
     not_found,

@@ -1,4 +1,7 @@
-"""``manage.py leases run``: parse its arguments and hand COMMAND to `Supervisor` (`Campaign` with ``--campaign``)."""
+"""``manage.py leases run``: parse its arguments and hand COMMAND to a `Supervisor`.
+
+With ``--campaign`` the supervisor is a `CampaignSupervisor`.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +13,12 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from pg_lease_django.exceptions import InvalidInputError
-from pg_lease_django.exit_codes import ExitCode
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.management.leases.common import (
     seconds,
 )
-from pg_lease_django.run.campaign import Campaign
-from pg_lease_django.run.supervisor import DEFAULT_GRACE, RunError, Supervisor
+from pg_lease_django.management.supervision.campaign import CampaignSupervisor
+from pg_lease_django.management.supervision.supervisor import DEFAULT_GRACE, RunError, Supervisor
 from pg_lease_django.sql import run as executor
 from pg_lease_django.validation import MAX_TTL, MAX_WAIT, MIN_TTL, check_name
 
@@ -68,7 +71,7 @@ class RunSubcommand(BaseCommand):
         if options.get("campaign"):
             if wait:
                 raise InvalidInputError("--campaign waits for the lease as long as it takes: leave out --wait")
-            supervisor = Campaign(key, command, **common)
+            supervisor = CampaignSupervisor(key, command, **common)
         else:
             supervisor = Supervisor(key, command, wait=wait or None, **common)
         try:

@@ -1,8 +1,8 @@
-"""``leases run --campaign``: COMMAND kept running on exactly one machine of many (`Campaign`).
+"""``leases run --campaign``: `CampaignSupervisor` keeps COMMAND running on exactly one machine of many.
 
-`Campaign` is a `Supervisor` that campaigns with `pg_lease_django.elect` (through the election's
-hooks for it, `election.start` and `election.fail_term`), runs COMMAND while it leads, and
-campaigns again when COMMAND exits or the lease is lost or handed off, until SIGTERM, SIGINT or
+`CampaignSupervisor` is a `Supervisor` that campaigns with `pg_lease_django.elect`, through the
+election's hooks for it, `election.start` and `election.fail_term`. It runs COMMAND while it leads,
+and campaigns again when COMMAND exits or the lease is lost or handed off, until SIGTERM, SIGINT or
 SIGHUP stops it. Each term's COMMAND is started, watched and signalled as a plain run's is.
 """
 
@@ -17,20 +17,20 @@ from types import FrameType
 from django.core.management.base import OutputWrapper
 
 from pg_lease_django import election as elections
-from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.management.exit_codes import ExitCode
 
 from .child_process import describe_exit, signal_name
 from .supervisor import DEFAULT_GRACE, RunError, Supervisor, _Interrupted, quoted
 
-__all__ = ["STOPPING_SIGNALS", "Campaign"]
+__all__ = ["STOPPING_SIGNALS", "CampaignSupervisor"]
 
 #: Of the signals passed on to COMMAND (`supervisor.FORWARDED_SIGNALS`), the ones that also end a
 #: campaign: COMMAND is not restarted after them.
 STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-class Campaign(Supervisor):
+class CampaignSupervisor(Supervisor):
     """``leases run --campaign``: campaign, run COMMAND for each term, campaign again; until a signal stops it.
 
     Takes `Supervisor`'s arguments but ``wait``: a campaign waits for the lease as long as it
@@ -84,14 +84,14 @@ class Campaign(Supervisor):
     def _main(self) -> int:
         """Campaign; run COMMAND for each term; campaign again when it ends. Returns once a signal stops it.
 
-        The election runs in its thread (`pg_lease_django.elect`). Its leader callback hands each
-        term's lease to this (the main) thread, which starts, watches and signals COMMAND as a
-        plain ``run`` does, then lets the callback return: the election releases the lease (unless
-        lost) and campaigns again. A signal that arrives while COMMAND runs is passed on, and
-        SIGTERM, SIGINT or SIGHUP also stop the campaign (COMMAND is not restarted; the status is
-        COMMAND's); one that arrives between terms stops at once (128 + N). COMMAND ending with an
-        error makes the election back off before the next term (doubling up to one TTL); after a
-        hand-off it rests until another campaigner leads (or one TTL).
+        The election of `pg_lease_django.elect` runs in its own thread. Its leader callback hands
+        each term's lease to the main thread, which starts, watches and signals COMMAND as a plain
+        ``run`` does, then lets the callback return. The election then releases the lease, unless it
+        was lost, and campaigns again. A signal that arrives while COMMAND runs is passed on, and
+        SIGTERM, SIGINT or SIGHUP also stop the campaign: COMMAND is not restarted, and the status is
+        COMMAND's. One that arrives between terms stops it at once with 128 + N. COMMAND ending with
+        an error makes the election back off before the next term, doubling up to one TTL. After a
+        hand-off it rests until another campaigner leads, or for one TTL.
         """
         terms: queue.Queue[HeldLease] = queue.Queue()
         term_over = threading.Event()

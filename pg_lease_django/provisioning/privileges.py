@@ -1,14 +1,15 @@
 """Who may work with leases: the roles ``PG_LEASE_WORKER_ROLES`` and ``PG_LEASE_OPERATOR_ROLES`` declare.
 
-Every lease function that locks, reveals or changes a lease is revoked from ``PUBLIC``
-(``sql/schema.sql``), and ``pg_lease_privileges()`` lists, in SQL and once, what a worker and an
-operator are granted. ``migrate`` grants it to the declared roles (a ``post_migrate`` receiver,
-so grants survive migrating back and forth and every future migration that adds a function), as
-does ``manage.py leases grant``; check ``pg_lease_django.W008`` says what a database lacks, and
-which grants go beyond the declaration (`undeclared`): those are left alone, revoke them by hand.
+Every lease function that locks, reveals or changes a lease is revoked from ``PUBLIC`` in
+``sql/schema.sql``, and ``pg_lease_privileges()`` lists, in SQL and once, what a worker and an
+operator are granted. ``migrate`` grants it to the declared roles through a ``post_migrate``
+receiver, so grants survive migrating back and forth and every future migration that adds a
+function. ``manage.py leases grant`` does the same. Check ``pg_lease_django.W008`` says what a
+database lacks, and which grants go beyond the declaration, as `undeclared` finds them: those are
+left alone, to be revoked by hand.
 
-``PG_LEASE_KEY_SCOPES`` (role -> key prefixes) is copied into ``pg_lease_django_key_scope`` the
-same way; every lease function refuses a key outside the calling role's prefixes.
+``PG_LEASE_KEY_SCOPES``, a map of role to key prefixes, is copied into ``pg_lease_django_key_scope``
+the same way; every lease function refuses a key outside the calling role's prefixes.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 from psycopg import sql as pgsql
 
-from . import conf, seats
-from .metrics import database_view
-from .sql import Statement, run, statements
+from pg_lease_django import conf, seats
+from pg_lease_django.metrics import database_view
+from pg_lease_django.sql import Statement, run, statements
 
 
 @dataclass(frozen=True)
-class Grant:
+class Privilege:
     """One privilege: ``GRANT privilege ON kind object TO role`` (``WITH GRANT OPTION`` when ``grantable``)."""
 
     role: str
@@ -37,7 +38,7 @@ class Grant:
     grantable: bool = False  # held WITH GRANT OPTION: the role may pass it on
 
     def parts(self) -> dict[str, pgsql.Composable]:
-        """``statements.GRANT``'s parts: the kind, object and privilege as ``pg_lease_privileges()``
+        """``statements.GRANT_PRIVILEGE``'s parts: the kind, object and privilege as ``pg_lease_privileges()``
         spells them (the package's own SQL), the role an identifier."""
         return {
             "privilege": pgsql.SQL(self.privilege),
@@ -48,11 +49,11 @@ class Grant:
 
     def statement(self) -> str:
         """The GRANT, as text (for `leases grant --check` to print)."""
-        return statements.GRANT.compose(None, **self.parts()).as_string(None)
+        return statements.GRANT_PRIVILEGE.compose(None, **self.parts()).as_string(None)
 
     def revoke(self) -> str:
         """The statement that takes it back (only the grant option, when that is what is extra): text to print."""
-        revoke = statements.REVOKE_GRANT_OPTION if self.grantable else statements.REVOKE
+        revoke = statements.REVOKE_GRANT_OPTION if self.grantable else statements.REVOKE_PRIVILEGE
         return revoke.compose(None, **self.parts()).as_string(None)
 
 
@@ -93,7 +94,7 @@ def installed(using: str) -> bool:
     return bool(run.one(connection, statements.FUNCTION_EXISTS, function=function))
 
 
-def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
+def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Privilege]]:
     """The declared roles database ``using``'s cluster lacks, and the grants its catalog lacks.
 
     One round trip. Raises ImproperlyConfigured when a setting is invalid or the lease app is not
@@ -103,24 +104,24 @@ def missing(using: str = DEFAULT_DB_ALIAS) -> tuple[list[str], list[Grant]]:
     if not roles:
         return [], []
     tiers = [",".join(_tiers(kinds)) for kinds in roles.values()]
-    rows = run.rows(connections[using], statements.MISSING_GRANTS, roles=list(roles), tiers=tiers)
+    rows = run.rows(connections[using], statements.MISSING_PRIVILEGES, roles=list(roles), tiers=tiers)
     absent = sorted({row.role for row in rows if not row.exists})
-    lacking = [Grant(row.role, row.kind, row.object, row.privilege) for row in rows if row.exists and not row.held]
+    lacking = [Privilege(row.role, row.kind, row.object, row.privilege) for row in rows if row.exists and not row.held]
     return absent, lacking
 
 
-def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
+def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Privilege]:
     """Privileges on the package's functions and tables that the declaration does not give.
 
-    Every role is looked at (through its memberships too), and PUBLIC, except superusers, the
-    owner of the lease table and its members, and PostgreSQL's predefined ``pg_*`` roles. A
-    privilege counts as declared when ``pg_lease_privileges()`` gives it to PUBLIC or to a kind of
-    declared role the role is (or is a member of: a login role in a declared group role holds the
-    group's grants). Anything else is reported (an operator's function held by a worker, a table
-    granted by ``GRANT ... ON ALL TABLES``), and so is every privilege held WITH GRANT OPTION (a
-    role that can pass it on), as ``grantable``. Each is reported once, for the role it was granted
-    to (a group role, not each member that inherits it): the REVOKE that removes it is there. One
-    round trip.
+    Every role is looked at through its memberships too, and PUBLIC, except superusers, the owner
+    of the lease table and its members, and PostgreSQL's predefined ``pg_*`` roles. A privilege
+    counts as declared when ``pg_lease_privileges()`` gives it to PUBLIC or to a kind of declared
+    role the role is or is a member of, since a login role in a declared group role holds the
+    group's grants. Anything else is reported, such as an operator's function held by a worker or
+    a table granted by ``GRANT ... ON ALL TABLES``. So is every privilege held WITH GRANT OPTION,
+    which lets the role pass it on, as ``grantable``. Each is reported once, for the role it was
+    granted to, a group role rather than each member that inherits it: the REVOKE that removes it is
+    there. One round trip.
     """
     roles = declared()
     tiers = [",".join(_tiers(kinds, allowed=True)) for kinds in roles.values()]
@@ -131,9 +132,9 @@ def undeclared(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
         if not row.direct or (row.role != "PUBLIC" and (row.kind, row.object, row.privilege) in through_public):
             continue  # reported once, where it was granted (PUBLIC, a group): a REVOKE there takes it from all
         if not set(row.tiers or ()) & ({"public"} | set(row.allowed or ())):
-            extra.append(Grant(row.role, row.kind, row.object, row.privilege))
+            extra.append(Privilege(row.role, row.kind, row.object, row.privilege))
         elif row.grantable:
-            extra.append(Grant(row.role, row.kind, row.object, row.privilege, grantable=True))
+            extra.append(Privilege(row.role, row.kind, row.object, row.privilege, grantable=True))
     return extra
 
 
@@ -144,8 +145,8 @@ class Bypass:
     Attributes:
         role: the role that holds it.
         what: what it lets the role do, in a sentence.
-        remedy: the statement (or step) that takes it away.
-        error: True when it crosses a key scope or opens the fence now (check E006 or W008 says so).
+        remedy: the statement or step that takes it away.
+        error: True when it crosses a key scope or opens the fence now; check E006 or W008 says so.
     """
 
     role: str
@@ -183,7 +184,7 @@ def bypasses(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     connection = connections[using]
     # Parameter privileges exist from PostgreSQL 15 on (pg_parameter_acl is unknown before).
     modern = connection.pg_version >= 150000  # type: ignore[attr-defined]
-    replica = statements.REPLICA_GRANTS.compose(None) if modern else pgsql.SQL("false")
+    replica = statements.REPLICA_PRIVILEGES.compose(None) if modern else pgsql.SQL("false")
     createrole = pgsql.SQL("r.rolcreaterole" if connection.pg_version < 160000 else "false")  # type: ignore[attr-defined]
     rows = run.rows(connection, statements.BYPASSES, parts={"replica": replica, "createrole": createrole})
     found: list[Bypass] = []
@@ -261,9 +262,10 @@ def _printed(statement: Statement[object], role: str, predefined: str | None = N
 def unscoped(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     """Roles that may call a lease function taking a key, while key scopes are configured, with no scope.
 
-    Every call such a role makes is refused (the check fails closed); it is an error of the
-    declaration: give it a scope, make it a member of a scoped group role, or declare it ``"*"``
-    (every key). One round trip; needs SELECT on the key scope table (the owner, operators).
+    Every call such a role makes is refused, since the check fails closed. It is an error of the
+    declaration: give it a scope, make it a member of a scoped group role, or declare it ``"*"`` for
+    every key. One round trip; it needs SELECT on the key scope table, which the owner and the
+    operators have.
     """
     connection = connections[using]
     schema = run.schema(connection)
@@ -283,14 +285,14 @@ def unscoped(using: str = DEFAULT_DB_ALIAS) -> list[Bypass]:
     ]
 
 
-def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
+def grant_privileges(using: str = DEFAULT_DB_ALIAS) -> list[Privilege]:
     """Grant the declared roles what they lack in database ``using``; return what was granted.
 
     Idempotent: a role that holds its privileges is granted nothing.
 
     Raises:
-        ImproperlyConfigured: a declared role does not exist (create it first), or the connection's
-            role may not grant the privileges (run it as the lease functions' owner, as ``migrate``).
+        ImproperlyConfigured: a declared role does not exist, so create it first; or the connection's
+            role may not grant the privileges: run it as the lease functions' owner, as ``migrate`` is.
     """
     absent, lacking = missing(using)
     sync_key_scopes(using)
@@ -305,7 +307,7 @@ def grant(using: str = DEFAULT_DB_ALIAS) -> list[Grant]:
     connection = connections[using]
     with transaction.atomic(using=using):
         for needed in lacking:
-            run.run(connection, statements.GRANT, parts=needed.parts())
+            run.run(connection, statements.GRANT_PRIVILEGE, parts=needed.parts())
     if lacking and missing(using)[1]:
         raise ImproperlyConfigured(
             f"the role database {using!r} connects as may not grant the lease privileges (PostgreSQL only "
@@ -333,8 +335,8 @@ def stored_key_scopes(using: str = DEFAULT_DB_ALIAS) -> dict[str, tuple[str, ...
 def sync_key_scopes(using: str = DEFAULT_DB_ALIAS) -> bool:
     """Make database ``using`` enforce ``PG_LEASE_KEY_SCOPES``; return whether anything changed.
 
-    Nothing to do before migration 0004 (when the setting is empty); with a non-empty setting there,
-    ImproperlyConfigured (the database could not enforce it).
+    Nothing to do before migration 0004 when the setting is empty. With a non-empty setting there it
+    raises ImproperlyConfigured: the database could not enforce it.
     """
     wanted = conf.key_scopes()
     stored = stored_key_scopes(using)
@@ -411,20 +413,20 @@ def absent_roles(names: list[str], using: str = DEFAULT_DB_ALIAS) -> list[str]:
     return run.rows(connections[using], statements.ABSENT_ROLES, names=names)
 
 
-def grant_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:
+def grant_privileges_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwargs: Any) -> None:
     """``post_migrate`` receiver: grant the declared roles in each database the lease app is migrated in.
 
     A migration that recreates a function (migrating back and forth, an upgrade) leaves it revoked
     from PUBLIC and granted to nobody; this puts the declared grants back. A problem is reported,
     not raised: the migration itself succeeded, and check W008 keeps saying what is missing.
     """
-    from .models import Lease
+    from pg_lease_django.models import Lease
 
     if not router.allow_migrate_model(using, Lease) or not installed(using):
         return
     stdout = kwargs.get("stdout") or sys.stdout
     try:
-        granted = grant(using)
+        granted = grant_privileges(using)
     except ImproperlyConfigured as exc:
         stdout.write(f"  pg_lease_django: {exc}\n")
         return

@@ -1,4 +1,4 @@
-"""``leases run``: run a command while holding a lease (``flock(1)`` for a whole cluster).
+"""``leases run``: run a command while holding a lease, as ``flock`` does on one machine, for a whole cluster.
 
 `Supervisor` acquires the lease with `hold()`, runs COMMAND with the lease in its environment,
 signals COMMAND if the lease is lost, passes signals on, and releases at the end. ``manage.py
@@ -6,15 +6,15 @@ leases run`` is its command line; it needs nothing from the command and can be d
 
     status = Supervisor("jobs:reindex", ["./reindex.sh"], ttl=30).run()  # raises RunError for 75-77, 126, 127
 
-`pg_lease_django.run.campaign.Campaign` (``leases run --campaign``), a `Supervisor` too, keeps
-COMMAND running on exactly one machine of many.
+`CampaignSupervisor` of ``leases run --campaign``, a `Supervisor` too, keeps COMMAND running on
+exactly one machine of many.
 
-``grace`` bounds every SIGTERM, the one sent on a loss and a deploy's (systemd, the kubelet):
+``grace`` bounds every SIGTERM, the one sent on a loss and a deploy's from systemd or the kubelet:
 COMMAND's group is SIGKILLed ``grace`` seconds after the first, then the lease is released, before
 the platform's own SIGKILL would end the supervisor too and leave the lease to lapse.
 
-`ExitCode` (`pg_lease_django.exit_codes`) is the exit-code table of the whole ``manage.py leases``
-command; ``run``'s own codes are the supervisor's outcomes, raised as `RunError`.
+`ExitCode` in `pg_lease_django.management.exit_codes` is the exit-code table of the whole
+``manage.py leases`` command; ``run``'s own codes are the supervisor's outcomes, raised as `RunError`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from django.db import connections, router
 
 from pg_lease_django.display import printable
 from pg_lease_django.exceptions import LeaseTimeoutError, NotAcquirableError
-from pg_lease_django.exit_codes import ExitCode
 from pg_lease_django.holds.holding import hold
 from pg_lease_django.holds.lease import HeldLease
+from pg_lease_django.management.exit_codes import ExitCode
 from pg_lease_django.models import Lease
 from pg_lease_django.operations import LeaseState
 
@@ -85,25 +85,25 @@ class _Interrupted(BaseException):
 class Supervisor:
     """One run: acquire with ``hold()``, run COMMAND, supervise it, release.
 
-    The lease is held with `pg_lease_django.hold` (the process's heartbeat renews it on a
-    connection of the lease's own); this class only watches ``HeldLease.lost`` and the child. The main
-    thread sleeps in one ``select()`` on the child's pidfd (it becomes readable when the child
-    exits) and a pipe the hold's ``on_lost`` writes to, with a timeout at the end of the trust
-    window and of the grace period. Signals are handled in the main thread: before COMMAND starts
-    they interrupt the wait; afterwards they are passed on to COMMAND. So `run` must be called
-    from the main thread, once per Supervisor.
+    The lease is held with `pg_lease_django.hold`, whose heartbeat renews it on a connection of the
+    lease's own; this class only watches ``HeldLease.lost`` and the child. The main thread sleeps in
+    one ``select()`` on the child's pidfd, which becomes readable when the child exits, and on a pipe
+    the hold's ``on_lost`` writes to. Its timeout is the end of the trust window or of the grace
+    period. Signals are handled in the main thread: before COMMAND starts they interrupt the wait;
+    afterwards they are passed on to COMMAND. So `run` must be called from the main thread, once
+    per Supervisor.
 
     Args:
         key: the lease key.
         argv: COMMAND and its arguments.
         ttl: seconds each grant and renewal lasts.
-        wait: wait up to this many seconds for the lease; None: don't wait (busy is `ExitCode.BUSY`).
-        grace: seconds COMMAND gets after a SIGTERM before SIGKILL: one sent because the lease
-            was lost (or, campaigning, handed off), or the first one this process received.
+        wait: wait up to this many seconds for the lease; None does not wait, and busy is `ExitCode.BUSY`.
+        grace: seconds COMMAND gets after a SIGTERM before SIGKILL. The SIGTERM is one sent because the
+            lease was lost or, campaigning, handed off, or the first one this process received.
         owner: the owner identity; default ``host:pid:random``, new for every run.
         using: the database alias; default where the router sends writes of leases.
         verbosity: 0 says nothing, 1 reports signals and losses, 2 the grant and the release too.
-        stdout, stderr: where the messages go (stderr) and what to flush before COMMAND starts.
+        stdout, stderr: stderr gets the messages; both are flushed before COMMAND starts.
     """
 
     def __init__(
@@ -192,10 +192,10 @@ class Supervisor:
     # -- the run -------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Acquire, run COMMAND, release; return the exit status (COMMAND's, or 128 + N for a signal).
+        """Acquire, run COMMAND, release; return the exit status: COMMAND's, or 128 + N for a signal.
 
         Raises:
-            RunError: busy, timed out, lease lost, or COMMAND could not be run (``exit_code`` says which).
+            RunError: busy, timed out, lease lost, or COMMAND could not be run; ``exit_code`` says which.
             NotAcquirableError and LeaseTimeoutError never escape; database errors do.
         """
         previous: dict[int, Any] = {}
@@ -223,7 +223,7 @@ class Supervisor:
                 self._wake_r = self._wake_w = -1
 
     def _main(self) -> int:
-        """The run, its signal handlers in place: hold the lease, run COMMAND once (`Campaign`: per term)."""
+        """The run, its signal handlers in place: hold the lease, run COMMAND once (`CampaignSupervisor`: per term)."""
         return self._hold_and_run()
 
     def _not_run(self, signum: int) -> str:
@@ -375,7 +375,7 @@ class Supervisor:
         return child.popen.returncode
 
     def _why_stop(self, lease: HeldLease) -> str | None:
-        """Why COMMAND must stop now (the lease was lost; `Campaign`: or a hand-off was asked for), or None."""
+        """Why COMMAND must stop now, or None: the lease was lost, or a campaign's hand-off was asked for."""
         error = lease.error
         if error is not None:
             self._terminated_at_loss = True

@@ -1,9 +1,10 @@
-"""The exit codes of ``manage.py leases`` (`ExitCode`).
+"""The exit codes of ``manage.py leases``: `ExitCode`.
 
 Written here once: the command's help, its docstring and ``run``'s description are generated from
-`ExitCode`; every subcommand and ``leases run`` (`pg_lease_django.run`, whose `RunError` carries
-one) exit with them, and so does a job skipped by ``@leased(..., on_busy="exit")`` (``BUSY``,
-``TIMED_OUT``). A leaf: it imports nothing of the package.
+`ExitCode`. Every subcommand exits with them, and so does ``leases run``, whose `RunError` in
+`pg_lease_django.management.supervision` carries one. A job skipped by
+``@leased(..., on_busy="exit")`` exits with ``BUSY`` or ``TIMED_OUT``. A leaf: it imports nothing of
+the package.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ __all__ = ["ExitCode"]
 
 
 class ExitCode(IntEnum):
-    """The exit codes of ``manage.py leases``, each with a label (for ``--help``) and a meaning (for docs).
+    """The exit codes of ``manage.py leases``, each with a label for ``--help`` and a meaning for the docs.
 
-    ``run`` otherwise exits with COMMAND's status (128 + N when signal N killed it, as a shell
-    reports it). Its own codes are kept clear of 0-6 and of the shell's 126, 127 and 128 + N; 75
-    is sysexits' EX_TEMPFAIL ("try again later", what a caller should do when busy), 76 and 77
-    the next two. 126 and 127 mean what they mean in a shell.
+    ``run`` otherwise exits with COMMAND's status, 128 + N when signal N killed it, as a shell
+    reports it. Its own codes are kept clear of 0-6 and of the shell's 126, 127 and 128 + N. 75 is
+    sysexits' EX_TEMPFAIL, "try again later", which is what a caller should do when busy; 76 and 77
+    are the next two. 126 and 127 mean what they mean in a shell.
     """
 
     label: str

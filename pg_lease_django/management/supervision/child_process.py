@@ -74,13 +74,14 @@ class Child:
     """COMMAND's process, signalled with its process group, and SIGKILLed once its grace has run out.
 
     COMMAND gets a process group of its own unless this process runs in the foreground of a
-    terminal: then a signal (passed on, or sent on a loss) reaches the processes COMMAND started as
-    well. In the foreground COMMAND must share our group to read the terminal (as with ``timeout
-    --foreground``); there only COMMAND itself is signalled and waited for. Its grace runs from the
-    first SIGTERM it got, whoever sent it (`terminated`); the caller asks `until_kill`, then `kill`.
+    terminal. Then a signal, passed on or sent on a loss, reaches the processes COMMAND started as
+    well. In the foreground COMMAND must share our group to read the terminal, as with ``timeout
+    --foreground``; there only COMMAND itself is signalled and waited for. Its grace runs from the
+    first SIGTERM it got, whoever sent it, as `terminated` records; the caller asks `until_kill`,
+    then `kill`.
 
     Raises:
-        OSError: COMMAND could not be started (``FileNotFoundError`` when it does not exist).
+        OSError: COMMAND could not be started; ``FileNotFoundError`` when it does not exist.
     """
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], grace: float) -> None:

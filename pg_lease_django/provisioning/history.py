@@ -1,9 +1,10 @@
 """Which keys the database records the tenures of: ``PG_LEASE_HISTORY``, copied into the database.
 
-The lease table's history triggers (``sql/schema.sql``) record a tenure when its key starts with a prefix listed in
-``pg_lease_django_history_scope``, whoever sends the statement, so the setting lives in the database
-too. ``migrate`` copies it there (a ``post_migrate`` receiver); check ``pg_lease_django.W005``
-(``check --database``) says when a database's copy differs from the setting.
+The lease table's history triggers in ``sql/schema.sql`` record a tenure when its key starts with a
+prefix listed in ``pg_lease_django_history_scope``, whoever sends the statement, so the setting
+lives in the database too. ``migrate`` copies it there through a ``post_migrate`` receiver. Check
+``pg_lease_django.W005``, run by ``check --database``, says when a database's copy differs from the
+setting.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, router, transaction
 
-from . import conf, seats
-from .sql import run, statements
+from pg_lease_django import conf, seats
+from pg_lease_django.sql import run, statements
 
 HISTORY_SCOPE_TABLE = "pg_lease_django_history_scope"
 
@@ -38,9 +39,9 @@ def recorded_prefixes(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...] | None:
 
 
 def sync_scope(using: str = DEFAULT_DB_ALIAS) -> tuple[str, ...]:
-    """Make database ``using`` record the keys ``PG_LEASE_HISTORY`` names (from the next transition on).
+    """Make database ``using`` record the keys ``PG_LEASE_HISTORY`` names, from the next transition on.
 
-    ``migrate`` calls it; call it yourself after changing the setting without migrating (tests do).
+    ``migrate`` calls it. Call it yourself after changing the setting without migrating, as tests do.
 
     Raises:
         ImproperlyConfigured: the setting is invalid, or the database has no lease table.
@@ -68,7 +69,7 @@ def sync_after_migrate(using: str = DEFAULT_DB_ALIAS, verbosity: int = 1, **kwar
     When that changes what the database records, ``migrate`` says so (verbosity 1 and up): its own
     "No migrations to apply" would leave a changed ``PG_LEASE_HISTORY`` looking ignored.
     """
-    from .models import Lease
+    from pg_lease_django.models import Lease
 
     if not router.allow_migrate_model(using, Lease) or not _has_scope_table(using):
         return

@@ -33,9 +33,9 @@ def expiry_of(state: LeaseState) -> str:
 class StatusLine(threading.Thread):
     """On a terminal: one line on stderr, rewritten in place, while ``--wait`` waits for the lease.
 
-    Reads the lease through ``pg_lease_inspect`` (what a worker may read of its keys), on a
-    connection of this thread's own (the waiting acquire has its own too), and never blocks the
-    wait: any failure only ends the status line.
+    Reads the lease through ``pg_lease_inspect``, which is what a worker may read of its keys, on a
+    connection of this thread's own; the waiting acquire has its own too. It never blocks the wait:
+    any failure only ends the status line.
     The key and the holder are others' text: shown through `printable`, never obeyed by the terminal.
     """
 
