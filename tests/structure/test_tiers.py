@@ -113,3 +113,26 @@ def test_a_module_named_out_of_the_matrix_keeps_its_tests_that_see_the_major(col
         "test_the_checks_see_the_mistakes_each_with_its_remedy",
     }
     assert len(rows) > len(on_every_major)
+
+
+#: The folders (tests/README.md) a test of each costly tier may sit in.
+FOLDERS_OF_TIER = {
+    "acceptance": {"acceptance"},
+    "chaos": {"chaos"},
+    "soak": {"chaos", "cluster"},
+    "cluster": {"cluster"},
+    "browser": {"cluster"},
+}
+
+
+def test_a_folder_holds_the_tests_of_its_cost(collected: list[dict[str, Any]]) -> None:
+    """A costly tier's tests sit in its folder, and the cheap folders' tests never talk to the server."""
+    misplaced = []
+    for row in collected:
+        folder, markers = row["id"].split("/")[1], set(row["markers"])
+        misplaced += [
+            (row["id"], tier) for tier, folders in FOLDERS_OF_TIER.items() if tier in markers and folder not in folders
+        ]
+        if folder in ("structure", "unit") and (row["server"] or markers & set(tiers.ONCE)):
+            misplaced.append((row["id"], "talks to the server"))
+    assert misplaced == [], f"{len(misplaced)} tests in a folder that is not of their cost: {misplaced[:20]}"
