@@ -84,7 +84,7 @@ sql-change: venv
 	@test -n "$(NAME)" || { echo 'make sql-change NAME=what_the_change_does (the migration name: lower case, digits, underscores)'; exit 2; }
 	$(BIN)/python -m devkit.sqlchange $(NAME) $(SQL_CHANGE_ARGS)
 
-## make tox: tox.ini's environments, from a virtualenv of its own (.venvs/tox); e.g. TOX_ARGS='-e type' or TOX_ARGS='-- tests/test_manager.py'.
+## make tox: tox.ini's environments, from a virtualenv of its own (.venvs/tox); e.g. TOX_ARGS='-e type' or TOX_ARGS='-- tests/db/test_manager.py'.
 # The Django 6 environments need python3.12 and python3.13 on PATH. With pyenv, its shims answer for
 # several versions at once when PYENV_VERSION lists them: the current one first, then every 3.12 / 3.13.
 TOX_VENV ?= .venvs/tox
@@ -143,7 +143,7 @@ stress-patroni: venv patroni-packages
 stress-switchover: venv patroni-packages
 	$(BIN)/python -m stress patroni --switchovers 5 --ttls 30,5 $(STRESS_SWITCHOVER_ARGS)
 
-## make model: the Quint model of the protocol (spec/pg_lease.qnt): the simulator, 20,000 runs of 30 steps on every invariant, each mutation caught, then the code held to the model on PostgreSQL (tests/test_model_conformance.py, 300 runs); Quint from npm (spec/package.json, pinned) in .venvs/quint.
+## make model: the Quint model of the protocol (spec/pg_lease.qnt): the simulator, 20,000 runs of 30 steps on every invariant, each mutation caught, then the code held to the model on PostgreSQL (tests/cluster/test_model_conformance.py, 300 runs); Quint from npm (spec/package.json, pinned) in .venvs/quint.
 # make model-check: the same, shorter (CI): 500 runs, each mutation at most 2,000 runs, 40 conformance runs.
 QUINT_DIR ?= .venvs/quint
 MODEL_ARGS ?=
@@ -157,10 +157,10 @@ $(QUINT_DIR)/.installed: spec/package.json spec/package-lock.json
 
 model: venv $(QUINT_DIR)/.installed
 	$(BIN)/python -m devkit.quint_model --samples 20000 --mutation-samples 5000 --random-too $(MODEL_ARGS)
-	PG_LEASE_MODEL_EXAMPLES=300 $(BIN)/python -m pytest tests/test_model_conformance.py
+	PG_LEASE_MODEL_EXAMPLES=300 $(BIN)/python -m pytest tests/cluster/test_model_conformance.py
 
 model-check: model-check-quint
-	$(BIN)/python -m pytest tests/test_model_conformance.py
+	$(BIN)/python -m pytest tests/cluster/test_model_conformance.py
 
 ## make model-check-quint: model-check's Quint half alone, no database (CI: the conformance test is in the suite's cluster tier, which runs on 15 and 18).
 .PHONY: model-check-quint

@@ -7,5 +7,5 @@ cluster (``failover_child``), the test app (``testapp``: fenced models, label ``
 development settings (``settings_common``; ``settings`` on a real server) and ``sqlchange``, which
 writes the next migration from an edit of ``schema.sql`` (``make sql-change NAME=...``). It imports only
 ``pg_lease_django`` and third-party code; ``tests``, ``stress``, ``benchmarks`` and ``demo`` import it,
-never the other way round (tests/test_layers.py).
+never the other way round (tests/structure/test_layers.py).
 """

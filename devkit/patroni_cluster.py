@@ -12,7 +12,7 @@ PostgreSQL binaries, every process in a throwaway directory of its own, on free 
   ``GET /primary`` (health check every second).
 
 :func:`patroni_config` and :func:`haproxy_config` render the configurations; docs/high-availability.md
-quotes them verbatim (``tests/test_patroni.py`` checks that it does). With ``callback=True`` each
+quotes them verbatim (``tests/cluster/test_patroni.py`` checks that it does). With ``callback=True`` each
 node runs the package's hook (:mod:`pg_lease_django.patroni`) as ``pre_promote`` and
 ``on_role_change``/``on_start``.
 

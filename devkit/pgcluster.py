@@ -1,4 +1,4 @@
-"""A primary and a streaming standby on this machine, for the failover tests (tests/test_failover.py).
+"""A primary and a streaming standby on this machine, for the failover tests (tests/cluster/test_failover.py).
 
 Built with PostgreSQL's own tools: ``initdb`` for the primary, ``pg_basebackup -R`` for the
 standby (it writes ``standby.signal`` and ``primary_conninfo``), ``pg_ctl promote`` for a

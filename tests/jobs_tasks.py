@@ -1,4 +1,4 @@
-"""A Django 6 task under a lease, for tests/test_jobs.py (imported only where django.tasks exists)."""
+"""A Django 6 task under a lease, for tests/db/test_jobs.py (imported only where django.tasks exists)."""
 
 from __future__ import annotations
 

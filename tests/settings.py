@@ -13,7 +13,7 @@ DATABASES = databases(database_settings())
 
 # Every test labels its keys with a prefix of its own, and a pytest-xdist worker runs hundreds of
 # tests in one process: the cap on the metrics' labels (16 by default) would fold all but the first
-# ones into "(other)". tests/test_metrics.py tests the cap with a setting of its own.
+# ones into "(other)". tests/db/test_metrics.py tests the cap with a setting of its own.
 PG_LEASE_METRICS_MAX_LABELS = 1_000_000
-# A child process of tests/test_metrics.py pushes its metrics to the test's receiver at exit.
+# A child process of tests/db/test_metrics.py pushes its metrics to the test's receiver at exit.
 PG_LEASE_METRICS_PUSHGATEWAY = os.environ.get("PG_LEASE_TEST_PUSHGATEWAY") or None

@@ -6,7 +6,7 @@ the embedded 18. Each module that talks to the server is named below once per le
 get the leg's marker, ``pooler`` or ``server_version``) or out of it, with the reason its behaviour
 does not depend on what the leg varies. A module named out may still put single tests in the leg by
 marking them (``@pytest.mark.server_version``): its costly tests run once per CI run, the few whose
-behaviour does depend on the leg on every major too. tests/test_tiers.py fails on a module that talks
+behaviour does depend on the leg on every major too. tests/structure/test_tiers.py fails on a module that talks
 to the server and is named in neither: a new test cannot silently fall out of a leg.
 """
 
@@ -152,7 +152,7 @@ class LeftOut:
 
 class Dump:
     """Writes each collected test's module, markers and whether it talks to the server, as JSON lines
-    (``PG_LEASE_TIERS_DUMP``: a path; tests/test_tiers.py collects the suite with it)."""
+    (``PG_LEASE_TIERS_DUMP``: a path; tests/structure/test_tiers.py collects the suite with it)."""
 
     def __init__(self, path: str) -> None:
         self.path = path

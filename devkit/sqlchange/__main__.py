@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO = sys.stdout) -> int:
         print(f"Note: {note}", file=stdout)
     print(
         "Next: say why in the migration's docstring (the .sql files are pinned: to redo them, delete the three "
-        "files and run this again), then `make test` (tests/test_sql_source.py compares the catalogs).",
+        "files and run this again), then `make test` (tests/db/test_sql_source.py compares the catalogs).",
         file=stdout,
     )
     return 0

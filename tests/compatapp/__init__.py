@@ -1,1 +1,1 @@
-"""Fenced models living beside django-pghistory and django-pgtrigger (tests/test_compat.py)."""
+"""Fenced models living beside django-pghistory and django-pgtrigger (tests/db/test_compat.py)."""

@@ -2,7 +2,7 @@
 
 What a short-lived process started by cron looks like: it holds KEY while it works, releases it and
 exits. With ``--until-signalled`` it says ``holding`` and works until a signal ends it (SIGTERM
-unwinds the hold, releasing the lease, then ends the process by SIGTERM). tests/test_metrics.py runs
+unwinds the hold, releasing the lease, then ends the process by SIGTERM). tests/db/test_metrics.py runs
 it to see its metrics leave with it (the Pushgateway, the multiprocess directory).
 """
 

@@ -1,0 +1,1 @@
+"""A newcomer's path: a generated project, every docs page's samples."""

@@ -1,0 +1,1 @@
+"""Tests that talk to the suite's test database on the one test server."""

@@ -1,0 +1,1 @@
+"""Tests of pure logic (plans, bounds) with fake clocks: no server, no database."""
