@@ -1,7 +1,7 @@
 """The admin: leases and their history, read-only, two guarded writes, and `FencedModelAdmin` for fenced models.
 
 Django's autodiscover imports this module. The modules, lowest first; each imports only those
-before it, and tests/test_import_graph.py checks it:
+before it, and tests/structure/test_import_graph.py checks it:
 
 - `cells`: how a cell shows others' text and server times. Text is escaped through `printable`,
   since a bidi override or a control character survives HTML escaping. Times are UTC, to the

@@ -13,7 +13,7 @@ longer takes. What stays each driver's own is how a step is done. A thread's lea
 returns when told through ``wait_stop``, while a task's is cancelled. A stop is an event for one
 and a cancellation for the other. As in `pg_lease_django.wait.plan`, this is psycopg's habit:
 generators that yield what to wait for, run by a blocking and an async waiter. It lets every
-decision be tested with a fake clock, in tests/test_election_plan.py.
+decision be tested with a fake clock, in tests/unit/test_election_plan.py.
 
 Resting before the next campaign keeps a leader from taking its lease straight back. After a
 hand-off it rests until another leader is seen or one TTL has passed. After the callback raised,

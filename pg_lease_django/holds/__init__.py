@@ -1,7 +1,7 @@
 """The lease a job holds: ``hold()``, ``@leased`` and what runs them. Nothing here is imported eagerly.
 
 The modules are listed lowest first. Each imports only those before it and the package's root
-modules below ``holds/``; tests/test_import_graph.py checks it.
+modules below ``holds/``; tests/structure/test_import_graph.py checks it.
 
 - `context`: the holds active in this thread or task, and ``current_lease()``. It is a leaf.
 - `lease`: `HeldLease`, the job's read-only view, and `Tenure`, the state its heartbeat and its

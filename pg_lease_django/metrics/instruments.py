@@ -29,7 +29,7 @@ __all__ = ["METRICS", "Instruments"]
 logger = logging.getLogger(__name__)
 
 #: Every metric this module exports: name (as exposed, counters with ``_total``), type, labels.
-#: docs/observability.md and the Grafana dashboard are checked against it (tests/test_metrics.py).
+#: docs/observability.md and the Grafana dashboard are checked against it (tests/db/test_metrics.py).
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pg_lease_grants_total": ("counter", ("prefix",)),
     "pg_lease_refusals_total": ("counter", ("prefix", "reason")),

@@ -2,7 +2,7 @@
 
 It replaces the ten migrations of the 0.1/0.2 development versions, 0001_initial to
 0010_one_statement, which built the same schema step by step. A database that had applied all ten
-applies nothing here and keeps what it has; tests/test_sql_source.py builds one each way and
+applies nothing here and keeps what it has; tests/db/test_sql_source.py builds one each way and
 compares the catalogs. The tables are the models', as Django's state below says. PostgreSQL gets
 them from the SQL file, with the functions and triggers that guard them.
 

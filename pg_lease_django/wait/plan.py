@@ -9,7 +9,7 @@ lost connection it gives up on.
 
 Two drivers run it with `drive` and `adrive`: `sync_driver.wait_and_acquire` on the caller's
 Django connection and `async_driver.await_and_acquire` on a psycopg async connection. What they
-share lives here only and is tested with a fake clock in tests/test_wait_plan.py: the deadline,
+share lives here only and is tested with a fake clock in tests/unit/test_wait_plan.py: the deadline,
 the pause after a refusal, the rejoin after a lost connection and the check of an attempt whose
 answer was lost. The poll interval is an argument, which the drivers read from the settings when
 the wait starts.

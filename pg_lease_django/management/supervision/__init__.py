@@ -1,7 +1,7 @@
 """``manage.py leases run``: COMMAND run while a lease is held. Nothing here is imported eagerly.
 
 Modules, lowest first. Each imports only those before it, the command's exit codes and the
-layers below the operators'; tests/test_import_graph.py checks it.
+layers below the operators'; tests/structure/test_import_graph.py checks it.
 
 - `child_process`: what ``leases run`` asks the operating system about COMMAND, and `Child`,
   COMMAND's process with its group and its grace. No database, no lease.
