@@ -142,6 +142,19 @@ class LocalServer:
         if self.is_running():
             self.run_program("pg_ctl", "-D", str(self.datadir), "-w", "-m", mode, "stop")
 
+    def cpu_seconds(self) -> float | None:
+        """The server's CPU so far: the postmaster's own and that of the backends it has reaped.
+
+        A server started with ``pg_ctl`` detaches, so the command that started it never counts its
+        CPU; CI's steps print this beside their own (issue 56). None when it is not running.
+        """
+        try:
+            pid = (self.datadir / "postmaster.pid").read_text().split()[0]
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return sum(int(tick) for tick in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime .. cstime
+
     def destroy(self) -> None:
         """Stop at once and delete the data directory."""
         self.stop("immediate")
@@ -171,6 +184,14 @@ def throwaway_datadir(name: str) -> Path:
     return path
 
 
+def _stop_embedded(server: LocalServer) -> None:
+    """Stop the embedded server this process started; in CI, say first what CPU it used."""
+    cpu = server.cpu_seconds() if os.environ.get("PG_LEASE_CI_RUN") else None
+    if cpu is not None:
+        print(f"== the embedded server's CPU: {cpu:.0f} s", flush=True)
+    server.stop()
+
+
 def database_url() -> str:
     """``DATABASE_URL``, or the embedded default server's URL (starting it if needed)."""
     url = os.environ.get("DATABASE_URL")
@@ -179,7 +200,7 @@ def database_url() -> str:
     server = LocalServer(REPO / ".pgdata" / "embedded")
     if not server.is_running():
         server.start()
-        atexit.register(server.stop)
+        atexit.register(_stop_embedded, server)
     os.environ["DATABASE_URL"] = url = server.url()
     return url
 
@@ -236,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return subprocess.run(command, env={**os.environ, "DATABASE_URL": server.url()}).returncode
     finally:
+        cpu = server.cpu_seconds()
+        if cpu is not None:
+            print(f"== the throwaway server's CPU: {cpu:.0f} s", flush=True)
         server.destroy()
 
 
