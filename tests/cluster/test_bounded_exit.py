@@ -173,8 +173,8 @@ def test_a_grant_whose_callers_commit_is_not_confirmed_raises_out_of_atomic(clus
 
 @pytest.mark.django_db(transaction=True)
 def test_one_commit_check_per_transaction_and_none_left_after_a_rollback(key: str) -> None:
-    """The watch costs one on_commit hook per transaction, and its notice handler goes with the
-    transaction, committed or rolled back."""
+    """The watch costs one on_commit hook per transaction that writes a lease, and its notice handler
+    goes with the transaction, committed or rolled back. A read arms none."""
     from django.db import connection, transaction
 
     from pg_lease_django import Lease
@@ -190,10 +190,12 @@ def test_one_commit_check_per_transaction_and_none_left_after_a_rollback(key: st
         assert len(connection.run_on_commit) == 1
     assert len(raw._notice_handlers) == handlers
     with pytest.raises(RuntimeError), transaction.atomic():
-        Lease.objects.inspect(key)
+        Lease.objects.renew(key, "w1", grant.epoch, ttl=30)
         raise RuntimeError("roll back")
     with transaction.atomic():
-        Lease.objects.inspect(key)
+        Lease.objects.inspect(key)  # a read: nothing of the package's to confirm at COMMIT
+        assert len(connection.run_on_commit) == 0
+        Lease.objects.renew(key, "w1", grant.epoch, ttl=30)
         assert len(connection.run_on_commit) == 1
         assert len(raw._notice_handlers) == handlers + 1  # the rolled-back transaction's handler is gone
         assert len(connection.execute_wrappers) == wrappers + 1
