@@ -77,9 +77,10 @@ def first(
 ) -> T | None:
     """Send ``statement`` with ``params``; its first row decoded, or None when it answers none.
 
-    ``marker`` is for a lease statement: a comment put at the start of its text. It is the identity an
-    interrupted attempt is found by in ``pg_stat_activity`` (`wait.settling`). It may hold only ASCII
-    letters, digits, underscores and spaces, so it can never end the comment. ``parts`` are the
+    ``marker`` is for a lease statement: a comment put at the start of its text (its parameter,
+    bound client-side: `_marked`). It is the identity an interrupted attempt is found by in
+    ``pg_stat_activity`` (`wait.settling`). It may hold only ASCII letters, digits, underscores and
+    spaces, so it can never end the comment, nor its quotes when bound. ``parts`` are the
     identifiers and fragments the statement is composed with, as `Statement.parts` names them.
     """
     found = _execute(connection, statement, params, parts, marker, _fetch_one)
