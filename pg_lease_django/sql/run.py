@@ -77,10 +77,10 @@ def first(
 ) -> T | None:
     """Send ``statement`` with ``params``; its first row decoded, or None when it answers none.
 
-    ``marker`` is for a lease statement: a comment put at the start of its text (its parameter,
-    bound client-side: `_marked`). It is the identity an interrupted attempt is found by in
-    ``pg_stat_activity`` (`wait.settling`). It may hold only ASCII letters, digits, underscores and
-    spaces, so it can never end the comment, nor its quotes when bound. ``parts`` are the
+    ``marker`` is for a lease statement: a comment put at the start of its text, as `_marked`
+    spells it. It is the identity an interrupted attempt is found by in ``pg_stat_activity``
+    (`wait.settling`). It may hold only ASCII letters, digits, underscores and spaces, so it can
+    never end the comment, nor its quotes when bound. ``parts`` are the
     identifiers and fragments the statement is composed with, as `Statement.parts` names them.
     """
     found = _execute(connection, statement, params, parts, marker, _fetch_one)
@@ -163,11 +163,11 @@ def _execute(
 def _marked(raw: psycopg.Connection[Any], text: str, arguments: list[Any], marker: str) -> tuple[str, list[Any]]:
     """``text`` and its ``arguments`` with ``marker`` in a comment at the start of the text.
 
-    Sent through a cursor that binds client-side (psycopg's ``ClientCursor``, Django's default), the
-    marker is a parameter inside the comment: the text stays the same from call to call, so psycopg
-    converts it from its cache (a unique text costs a parse, ~6.5 µs), and the text the server runs
+    Sent through a cursor that binds client-side, psycopg's ``ClientCursor`` and Django's default,
+    the marker is a parameter inside the comment. The text then stays the same from call to call, so
+    psycopg converts it from its cache; a unique text costs a parse, ~6.5 µs. The text the server runs
     carries the marker quoted, ``/* 'pg_lease_django attempt …' */``, where ``strpos`` finds it all
-    the same. A cursor that binds server-side (``OPTIONS={"server_side_binding": True}``) would send
+    the same. A cursor that binds server-side, ``OPTIONS={"server_side_binding": True}``, would send
     ``$1`` there: the marker is written into the text. ``raw``'s cursor class decides, which is the
     class of both ways `_send` sends on.
     """
