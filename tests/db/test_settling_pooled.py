@@ -16,7 +16,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection, connections
+from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.utils import load_backend
 
 from pg_lease_django import Lease, operations
 from pg_lease_django.sql import statements
@@ -30,15 +32,17 @@ Connect = Callable[..., psycopg.Connection[Any]]
 
 
 def _attempt_in_a_thread(
-    key: str, owner: str, *, register: bool = False
+    key: str, owner: str, *, register: bool = False, server_side_binding: bool = False
 ) -> tuple[threading.Thread, list[BaseException], settling.InFlight]:
     """An attempt (as ``Lease.objects.acquire`` sends it) on a Django connection of another thread (as
-    the interrupted caller's), carrying its marker; the thread, what it raised, and its identity."""
+    the interrupted caller's), carrying its marker; the thread, what it raised, and its identity.
+    With ``server_side_binding`` the connection is one of its own whose cursors bind server-side."""
     raised: list[BaseException] = []
     identity: list[settling.InFlight] = []
     ready = threading.Event()
 
     def attempt() -> None:
+        connection = _bound_server_side() if server_side_binding else connections[DEFAULT_DB_ALIAS]
         try:
             identity.append(settling.attempt_in_flight(connection))
             ready.set()
@@ -51,12 +55,21 @@ def _attempt_in_a_thread(
             raised.append(exc)
         finally:
             ready.set()
+            connection.close()
             connections.close_all()
 
     thread = threading.Thread(target=attempt, daemon=True)
     thread.start()
     ready.wait(HANG_GUARD)
     return thread, raised, identity[0]
+
+
+def _bound_server_side() -> BaseDatabaseWrapper:
+    """A Django connection of its own to the test database with ``server_side_binding``."""
+    source = connections[DEFAULT_DB_ALIAS].settings_dict
+    settings = {**source, "OPTIONS": {**(source.get("OPTIONS") or {}), "server_side_binding": True}}
+    wrapper: BaseDatabaseWrapper = load_backend(settings["ENGINE"]).DatabaseWrapper(settings, DEFAULT_DB_ALIAS)
+    return wrapper
 
 
 @pytest.mark.parametrize("pid", ["an idle session's", "none running"])
@@ -84,18 +97,52 @@ def test_settling_finds_an_attempt_by_its_key_and_owner_without_its_pid(
     assert (state.status, state.epoch) == ("free", epoch)
 
 
+@pytest.mark.parametrize("server_side_binding", [False, True], ids=["client-side binding", "server-side binding"])
 @pytest.mark.parametrize("register", [False, True], ids=["acquire", "acquire_or_register"])
-def test_every_attempt_starts_with_its_marker(key: str, raw_connect: Connect, register: bool) -> None:
+def test_every_attempt_starts_with_its_marker(
+    key: str, raw_connect: Connect, register: bool, server_side_binding: bool
+) -> None:
     """The settling finds a blocking wait's attempt (``acquire_or_register``) by its marker too: the
-    start of the text the server shows, whatever it shows of the values."""
+    start of the text the server shows, whatever it shows of the values. Bound client-side (Django's
+    default) the marker is a parameter inside the comment, which the server shows quoted; bound
+    server-side, where a parameter would show as $1, it is written into the text."""
     free(key)
     watch = raw_connect()
     with row_locked(raw_connect, key) as locker:
-        thread, _, sent = _attempt_in_a_thread(key, "w-marked", register=register)
+        thread, _, sent = _attempt_in_a_thread(
+            key, "w-marked", register=register, server_side_binding=server_side_binding
+        )
         attempt = blocked_behind(watch, locker)
         shown = watch.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", [attempt]).fetchone()
-        assert shown is not None and shown[0].startswith(f"/* {sent.marker} */ SELECT")
+        comment = f"/* {sent.marker} */" if server_side_binding else f"/* '{sent.marker}' */"
+        assert shown is not None and shown[0].startswith(f"{comment} SELECT"), shown
+        assert ("$1" in shown[0]) is server_side_binding  # the binding the test means
+        found = watch.execute(
+            "SELECT pid FROM pg_stat_activity WHERE strpos(query, %s) > 0 AND pid <> pg_backend_pid()", [sent.marker]
+        ).fetchall()
+        assert found == [(attempt,)]  # the settling's search (cancel_attempt) finds it, and only it
     thread.join(HANG_GUARD)
+
+
+@pytest.mark.parametrize("server_side_binding", [False, True], ids=["client-side binding", "server-side binding"])
+def test_settling_cancels_an_attempt_found_by_its_marker_under_either_binding(
+    key: str, raw_connect: Connect, server_side_binding: bool
+) -> None:
+    """An attempt sent by the package, bound either way, is found by its marker alone (no pid) and
+    cancelled while the row is still locked: nothing is granted once the lock goes."""
+    epoch = free(key)
+    watch = raw_connect()
+    owner = "w-bound"
+    with row_locked(raw_connect, key) as locker:
+        thread, raised, sent = _attempt_in_a_thread(key, owner, server_side_binding=server_side_binding)
+        attempt = blocked_behind(watch, locker)
+        settling.settle(connection, key, owner, settling.InFlight(2**31 - 1, sent.marker))
+        not_running(watch, attempt)
+        thread.join(HANG_GUARD)
+        assert not thread.is_alive()
+    assert [type(exc).__name__ for exc in raised] == ["OperationalError"], raised  # QueryCanceled, wrapped
+    state = Lease.objects.inspect(key)
+    assert (state.status, state.epoch) == ("free", epoch)
 
 
 def test_settling_leaves_another_owners_attempt_alone(key: str, raw_connect: Connect) -> None:
