@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
 from asgiref.sync import sync_to_async
-from django.db import connections, models, router
+from django.db import DEFAULT_DB_ALIAS, connections, models, router
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from . import manager_calls, operations
@@ -55,7 +55,8 @@ class LeaseManager(models.Manager["Lease"]):
     """
 
     def _alias(self) -> str:
-        return self._db or router.db_for_write(self.model)
+        """``db_manager``'s alias, else the router's; without routers, what the router answers then."""
+        return self._db or (router.db_for_write(self.model) if router.routers else DEFAULT_DB_ALIAS)
 
     def _connection(self) -> BaseDatabaseWrapper:
         return operations.require_postgresql(connections[self._alias()])

@@ -13,6 +13,7 @@ MAX_NAME_BYTES = 255
 MIN_TTL = timedelta(milliseconds=1)
 #: Longest TTL accepted. A lease is meant to be renewed; a longer bound is a bug, not a lease.
 MAX_TTL = timedelta(days=365)
+_MIN_TTL_SECONDS, _MAX_TTL_SECONDS = MIN_TTL.total_seconds(), MAX_TTL.total_seconds()
 #: Largest epoch PostgreSQL's bigint can hold.
 MAX_EPOCH = 2**63 - 1
 #: Longest wait accepted by a blocking acquire (the SQL function's own bound is only "not negative").
@@ -79,7 +80,13 @@ def describe_seconds(delta: timedelta) -> str:
 
 
 def check_ttl(value: object) -> timedelta:
-    """Return the TTL as a timedelta, or raise InvalidInputError."""
+    """Return the TTL as a timedelta, or raise InvalidInputError.
+
+    Seconds in range, what nearly every call passes, are converted at once: a lease call checks its
+    TTL every time. Anything else, a NaN included (it fails the comparison), takes `to_timedelta`.
+    """
+    if (type(value) is int or type(value) is float) and _MIN_TTL_SECONDS <= value <= _MAX_TTL_SECONDS:
+        return timedelta(seconds=value)
     return to_timedelta("ttl", value, minimum=MIN_TTL, maximum=MAX_TTL)
 
 

@@ -52,6 +52,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _SLACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+#: How many (metric, key, labels) the counting keeps the child of, before it starts over: the recent keys.
+_COUNTED_KEYS = 4096
 
 
 class Instruments:
@@ -129,6 +131,9 @@ class Instruments:
         self._held_lock = threading.Lock()
         # Children by (metric, label values): as many as label combinations, which the labels keep few.
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        # The child each (metric, key, labels) counts in, kept for the keys counted most recently: a
+        # lease call counts once or twice, and a key's label, once given, does not change.
+        self._counted: dict[tuple[Any, str, tuple[str, ...]], Any] = {}
         # The key labels this process exports (at most PG_LEASE_METRICS_MAX_LABELS), in order of arrival.
         self._labels: set[str] = set()
         self._labels_lock = threading.Lock()
@@ -189,7 +194,12 @@ class Instruments:
         which can fail.
         """
         try:
-            self.child(metric, self.prefix(key), *labels).inc()
+            found = self._counted.get((metric, key, labels))
+            if found is None:
+                if len(self._counted) >= _COUNTED_KEYS:
+                    self._counted.clear()
+                found = self._counted[metric, key, labels] = self.child(metric, self.prefix(key), *labels)
+            found.inc()
         except Exception:
             logger.exception("counting a lease call in the metrics failed")
 

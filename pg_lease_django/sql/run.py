@@ -37,7 +37,7 @@ from psycopg import sql as pgsql
 from pg_lease_django import conf
 from pg_lease_django.exceptions import MissingRowError, OutcomeUnknownError
 
-from . import Statement, errors, positional, statements
+from . import Positional, Statement, errors, positional, statements
 from .confirmation import UnconfirmedCommitNotices, check_caller_commit
 
 T = TypeVar("T")
@@ -126,12 +126,12 @@ def _execute(
     raw: psycopg.Connection[Any] | None = None
     try:
         if not statement.fast_path:
-            sent = positional(render(connection, statement, **(parts or {})))
+            sent = _sent(connection, statement, parts)
             with connection.cursor() as cursor:
                 cursor.execute(sent.text, sent.arguments(statement.name, params))
                 found = fetch(cursor)
         else:
-            sent = positional(render(connection, statement))
+            sent = _sent(connection, statement, None)
             if marker is not None and not _MARKER.fullmatch(marker):
                 raise ValueError(f"a statement marker is ASCII letters, digits, underscores and spaces: {marker!r}")
             # kept_on runs Django's health check and connects: once a call.
@@ -232,14 +232,22 @@ def _send(
     (`_nothing_in_between`). Otherwise it goes on a cursor of ``raw``, after the checks Django's cursor
     makes for thread sharing and a broken transaction, and with its error wrapping. That is the same
     session, the same cursor class and the same binding, with about 10 µs less Python per call, as
-    docs/performance.md measures.
+    docs/performance.md measures. That cursor is kept on ``connection`` for the next call while
+    ``raw`` is its psycopg connection: one made and closed per call cost ~1.6 µs more.
     """
     if _nothing_in_between(connection) and _loads_in_django_time_zone(connection, raw):
         connection.validate_thread_sharing()
         connection.validate_no_broken_transaction()
-        with connection.wrap_database_errors, raw.cursor() as cursor:
+        # The kept cursor is taken out while it is used, so that a call in between (a signal
+        # handler's, another thread's on a shared connection) makes a cursor of its own.
+        cursor = connection.__dict__.pop("_pg_lease_cursor", None)
+        if cursor is None or cursor.connection is not raw:
+            cursor = raw.cursor()
+        with connection.wrap_database_errors:
             cursor.execute(statement, params)
-            return fetch(cursor)
+            found = fetch(cursor)
+        connection._pg_lease_cursor = cursor  # type: ignore[attr-defined]  # noqa: SLF001 (our own attribute)
+        return found
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
         return fetch(cursor)
@@ -354,6 +362,8 @@ def schema(connection: BaseDatabaseWrapper) -> str:
 
 # Rendered statements per (alias, file, name): a call renders nothing after its first.
 _rendered: dict[tuple[str, str, str], str] = {}
+# The same, made positional as the executor sends them: one lookup a call.
+_sendable: dict[tuple[str, str, str], Positional] = {}
 
 
 @receiver(setting_changed)
@@ -361,6 +371,7 @@ def _forget_rendered(*, setting: str, **kwargs: Any) -> None:
     """``PG_LEASE_SCHEMA`` changed (``override_settings``): render again."""
     if setting == "PG_LEASE_SCHEMA":
         _rendered.clear()
+        _sendable.clear()
 
 
 def render(connection: BaseDatabaseWrapper, statement: Statement[object], **parts: pgsql.Composable) -> str:
@@ -372,6 +383,16 @@ def render(connection: BaseDatabaseWrapper, statement: Statement[object], **part
         found = _rendered[connection.alias, statement.source, statement.name] = statement.compose(
             _schema_if_named(connection, statement)
         ).as_string(None)
+    return found
+
+
+def _sent(connection: BaseDatabaseWrapper, statement: Statement[object], parts: Parts) -> Positional:
+    """``statement`` as the executor sends it on ``connection`` (`render`, made positional)."""
+    if parts:
+        return positional(render(connection, statement, **parts))
+    found = _sendable.get((connection.alias, statement.source, statement.name))
+    if found is None:
+        found = _sendable[connection.alias, statement.source, statement.name] = positional(render(connection, statement))
     return found
 
 

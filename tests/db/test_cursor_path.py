@@ -165,3 +165,33 @@ def test_a_call_passes_exactly_the_parameters_its_statement_names(key: str) -> N
     with pytest.raises(TypeError, match="takes"):
         executor.one(connection, statements.INSPECT, key=key, owner="w1")
     assert executor.one(connection, statements.INSPECT, key=key).key == key
+
+
+def test_a_call_made_between_a_statement_and_its_fetch_reads_its_own_row(key: str) -> None:
+    """The direct path keeps one psycopg cursor per connection and lends it to one call at a time. A
+    lease call made after a statement was sent and before its row is read (a signal handler's, or
+    another thread's on a shared connection) takes a cursor of its own: each reads its own row."""
+    Lease.objects.inspect(key)  # the connection's cursor is kept from here on
+    kept = connection.__dict__["_pg_lease_cursor"]
+    inner: list[Any] = []
+
+    def fetch_after_another_call(cursor: Any) -> Any:
+        inner.append(Lease.objects.inspect(f"{key}:other"))
+        return cursor.fetchone()
+
+    row = executor._execute(connection, statements.INSPECT, {"key": key}, None, None, fetch_after_another_call)
+    assert row[0] == key
+    assert inner[0].key == f"{key}:other"
+    assert connection.__dict__["_pg_lease_cursor"] is kept, "the outer call sent on the kept cursor"
+
+
+def test_the_kept_cursor_follows_the_connection(key: str) -> None:
+    """A call after Django reconnected sends on a cursor of the new psycopg connection, never on one
+    of the closed connection."""
+    Lease.objects.inspect(key)
+    before = connection.__dict__["_pg_lease_cursor"]
+    assert before.connection is connection.connection
+    connection.close()
+    assert Lease.objects.inspect(key).key == key
+    after = connection.__dict__["_pg_lease_cursor"]
+    assert after is not before and after.connection is connection.connection

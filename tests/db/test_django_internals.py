@@ -415,7 +415,11 @@ def test_the_psycopg_connection_loads_timestamps_in_the_connections_time_zone() 
 @pytest.mark.parametrize(
     ("owner", "make", "names"),
     [
-        ("DatabaseWrapper", fresh_wrapper, ("_pg_lease_notices", "_pg_lease_caller_commit", "_pg_lease_zone")),
+        (
+            "DatabaseWrapper",
+            fresh_wrapper,
+            ("_pg_lease_notices", "_pg_lease_caller_commit", "_pg_lease_zone", "_pg_lease_cursor"),
+        ),
         ("Model", lambda: CommitTicket(value=1), ("_pg_lease_token", "_pg_lease_presenting")),
         ("QuerySet", lambda: models.QuerySet(CommitTicket), ("_pg_lease_token", "_pg_lease_unfenced")),
     ],
