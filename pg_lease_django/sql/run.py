@@ -390,9 +390,10 @@ def _sent(connection: BaseDatabaseWrapper, statement: Statement[object], parts: 
     """``statement`` as the executor sends it on ``connection`` (`render`, made positional)."""
     if parts:
         return positional(render(connection, statement, **parts))
-    found = _sendable.get((connection.alias, statement.source, statement.name))
+    name = (connection.alias, statement.source, statement.name)
+    found = _sendable.get(name)
     if found is None:
-        found = _sendable[connection.alias, statement.source, statement.name] = positional(render(connection, statement))
+        found = _sendable[name] = positional(render(connection, statement))
     return found
 
 
