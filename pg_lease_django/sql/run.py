@@ -33,6 +33,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.dispatch import receiver
 from psycopg import sql as pgsql
+from psycopg.types.datetime import TimestamptzLoader
 
 from pg_lease_django import conf
 from pg_lease_django.exceptions import MissingRowError, OutcomeUnknownError
@@ -242,7 +243,7 @@ def _send(
         # handler's, another thread's on a shared connection) makes a cursor of its own.
         cursor = connection.__dict__.pop("_pg_lease_cursor", None)
         if cursor is None or cursor.connection is not raw:
-            cursor = raw.cursor()
+            cursor = _direct_cursor(connection, raw)
         with connection.wrap_database_errors:
             cursor.execute(statement, params)
             found = fetch(cursor)
@@ -254,6 +255,21 @@ def _send(
 
 
 _TIMESTAMPTZ = psycopg.adapters.types["timestamptz"].oid
+
+
+def _direct_cursor(connection: BaseDatabaseWrapper, raw: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
+    """A cursor of ``raw`` for the direct path, which loads each value as Django's cursor would.
+
+    Django's timestamptz loader parses in Python and then sets Django's zone on the result: ~2-5 µs
+    a timestamp, and an acquire answers two. Where the session's zone, which Django set when it
+    connected, is the very zone Django would set (``timezone.utc`` by default), psycopg's own loader,
+    in C where psycopg has it, gives the same value with the same ``tzinfo`` in ~0.2 µs.
+    `_send` takes the direct path only while ``raw``'s loader is in Django's zone.
+    """
+    cursor = raw.cursor()
+    if raw.info.timezone == connection.timezone:
+        cursor.adapters.register_loader(_TIMESTAMPTZ, TimestamptzLoader)
+    return cursor
 
 
 def _loads_in_django_time_zone(connection: BaseDatabaseWrapper, raw: psycopg.Connection[Any]) -> bool:

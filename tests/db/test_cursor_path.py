@@ -195,3 +195,30 @@ def test_the_kept_cursor_follows_the_connection(key: str) -> None:
     assert Lease.objects.inspect(key).key == key
     after = connection.__dict__["_pg_lease_cursor"]
     assert after is not before and after.connection is connection.connection
+
+
+@pytest.mark.parametrize("database_zone", [None, "Asia/Tokyo", "UTC"])
+def test_the_direct_path_loads_timestamps_as_djangos_cursor_does(database_zone: str | None, key: str) -> None:
+    """The direct path loads timestamptz with psycopg's own loader where the session's zone is the one
+    Django sets on each value: the same instants with the same ``tzinfo`` object as Django's cursor
+    gives, by default (``timezone.utc``) and with DATABASES' TIME_ZONE set before connecting: with
+    "UTC" Django sets ``ZoneInfo("UTC")``, which psycopg's loader would not, and Django's loader stays."""
+    original = connection.settings_dict["TIME_ZONE"]
+    connection.close()
+    connection.settings_dict["TIME_ZONE"] = database_zone
+    del connection.timezone
+    try:
+        grant = Lease.objects.acquire(key, "w1", 30)
+        assert grant is not None
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT expires_at FROM pg_lease_django_lease WHERE key = %s", [key])
+            (django_expires_at,) = cursor.fetchone()
+        assert grant.expires_at == django_expires_at
+        assert grant.expires_at.tzinfo is django_expires_at.tzinfo is connection.timezone
+        assert grant.server_time.tzinfo is connection.timezone
+        state = Lease.objects.inspect(key)
+        assert (state.expires_at, state.expires_at.tzinfo) == (django_expires_at, connection.timezone)
+    finally:
+        connection.close()
+        connection.settings_dict["TIME_ZONE"] = original
+        del connection.timezone
