@@ -55,7 +55,6 @@ class LeaseManager(models.Manager["Lease"]):
     """
 
     def _alias(self) -> str:
-        """``db_manager``'s alias, else the router's; without routers, what the router answers then."""
         return self._db or (router.db_for_write(self.model) if router.routers else DEFAULT_DB_ALIAS)
 
     def _connection(self) -> BaseDatabaseWrapper:
