@@ -36,6 +36,11 @@ class PresentFence(Expression):
         super().__init__()
         self.token = token
 
+    def resolve_expression(self, *args: Any, **kwargs: Any) -> PresentFence:
+        """Itself, where Django's would copy it: it holds no expression to resolve and serves one
+        statement, and the copy cost a save more than the rest of the fence's Python."""
+        return self
+
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> tuple[str, tuple[Any, ...]]:
         return run.render(connection, self.statement), (self.token.key, self.token.owner, self.token.epoch)
 
