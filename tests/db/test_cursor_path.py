@@ -217,6 +217,7 @@ def test_the_direct_path_loads_timestamps_as_djangos_cursor_does(database_zone: 
         assert grant.expires_at.tzinfo is django_expires_at.tzinfo is connection.timezone
         assert grant.server_time.tzinfo is connection.timezone
         state = Lease.objects.inspect(key)
+        assert state.expires_at is not None
         assert (state.expires_at, state.expires_at.tzinfo) == (django_expires_at, connection.timezone)
     finally:
         connection.close()
