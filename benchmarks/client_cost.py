@@ -10,7 +10,9 @@ Measured in child processes, one per tree and round, the trees alternating (A B,
 * the wall-clock ratio of each (hand-written time / manager time: 1.0 is as fast), the median of
   per-block ratios of interleaved blocks.
 
-Spread is the range over the rounds. DATABASE_URL, else the embedded server.
+Each tree runs on a database of its own, built by its own migrations (the name of DATABASE_URL's, or
+the bench database's, with ``_before`` or ``_after``, made afresh by every run): the SQL functions are
+part of what is compared. Spread is the range over the rounds. DATABASE_URL, else the embedded server.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
 from typing import Any
+
+import psycopg
+import psycopg.sql
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -62,8 +67,9 @@ def _summary(blocks: dict[str, list[tuple[float, float]]], manager: str, floor: 
     }
 
 
-def child(source: str) -> dict[str, Any]:
-    """The measurements of the package in ``source`` (put first on sys.path, before the repository common adds)."""
+def child(source: str, name: str) -> dict[str, Any]:
+    """The measurements of the package in ``source`` (put first on sys.path, before the repository
+    common adds), on its own database ``name``, migrated here by that package's migrations."""
     sys.path.insert(1, str(HERE))
     from common import bench_database, plain_lease_table, setup_django
 
@@ -71,7 +77,11 @@ def child(source: str) -> dict[str, Any]:
     from floor import FLOOR_ACQUIRE, FLOOR_INSPECT, FLOOR_RELEASE, FLOOR_RENEW, through_django
 
     database, _ = bench_database()
+    database["NAME"] = name
     setup_django(database, ["pg_lease_django"])
+    from django.core.management import call_command
+
+    call_command("migrate", "pg_lease_django", verbosity=0)
     from pg_lease_django import Lease
 
     tag = f"{os.getpid()}"
@@ -131,27 +141,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], epilog=__doc__)
     parser.add_argument("before", nargs="?", default="HEAD", help="git ref of the tree to compare with (HEAD)")
     parser.add_argument("--rounds", type=int, default=3, help="child processes per tree (3)")
-    parser.add_argument("--child", metavar="SOURCE", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, metavar=("SOURCE", "DATABASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child)))
+        print(json.dumps(child(*args.child)))
         return
     sys.path.insert(0, str(HERE))
-    from common import bench_database, setup_django
+    from common import bench_database, conninfo
 
     database, where = bench_database()
-    setup_django(database, ["pg_lease_django"])
-    from django.core.management import call_command
-
-    call_command("migrate", "pg_lease_django", verbosity=0)
-    print(f"database: {where}; before = {args.before}, after = the working tree")
+    names = {tree: f"{database['NAME']}_{tree}" for tree in ("before", "after")}
+    with psycopg.connect(conninfo(database, "postgres"), autocommit=True) as conn:
+        for name in names.values():
+            conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {}").format(psycopg.sql.Identifier(name)))
+            conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+    print(f"database: {where}, _before and _after; before = {args.before}, after = the working tree")
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"before": tree_of(args.before, Path(tmp)), "after": REPO}
         runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
         for round_ in range(args.rounds):
             for name in ("before", "after") if round_ % 2 == 0 else ("after", "before"):
                 done = subprocess.run(
-                    [sys.executable, __file__, "--child", str(trees[name])], capture_output=True, text=True, check=True
+                    [sys.executable, __file__, "--child", str(trees[name]), names[name]],
+                    capture_output=True,
+                    text=True,
+                    check=True,
                 )
                 found = json.loads(done.stdout.strip().splitlines()[-1])
                 assert found["package"] == str(trees[name] / "pg_lease_django"), found["package"]
