@@ -1,4 +1,4 @@
-"""Fenced writes vs plain writes, side by side on one connection (issue targets: <= 1.15x, <= 1.3x).
+"""Fenced writes vs plain writes, side by side on one connection (targets: <= 1.25x, <= 1.3x).
 
 Two comparisons, each in interleaved blocks (load drifts hit both sides alike):
 
@@ -54,6 +54,9 @@ CREATE TABLE IF NOT EXISTS {PLAIN_TABLE} (
     lease_key text
 )"""
 UPDATE_ROWS = 1_000
+#: The fenced save's target, in time against a plain save (issue 55; 1.15 before it), and the
+#: 1,000-row update's against a plain update.
+SAVE_TARGET, UPDATE_TARGET = 1.25, 1.3
 
 _plain_model: list[Any] = []
 
@@ -192,8 +195,8 @@ def update_cycles(owner: str, rows: int = UPDATE_ROWS) -> tuple[dict[str, Cycle]
 def run(report: Report, rounds: int, block: float, owner: str) -> None:
     """Fenced writes against the same writes to a plain model of identical shape, as rows of bench.py's table.
 
-    A save of one existing row (target <= 1.15x the plain save's time) and a queryset update of
-    1,000 rows under one lease key (target <= 1.3x); each pair in its own interleaved blocks.
+    A save of one existing row (target `SAVE_TARGET` the plain save's time) and a queryset update
+    of 1,000 rows under one lease key (`UPDATE_TARGET`); each pair in its own interleaved blocks.
     """
     saves, statements = fenced_and_plain_cycles(owner)
     series = interleave(saves, rounds, block)
@@ -208,8 +211,8 @@ def run(report: Report, rounds: int, block: float, owner: str) -> None:
             *op_p(fenced),
             cost,
             "plain save (time)",
-            "<= 1.15x",
-            cost <= 1.15,
+            f"<= {SAVE_TARGET}x",
+            cost <= SAVE_TARGET,
             f"{statements['fenced']} vs {statements['plain']} statements; p50 ratio "
             f"{fenced.p('op', 0.5) / plain.p('op', 0.5):.2f}x",
         )
@@ -239,8 +242,8 @@ def run(report: Report, rounds: int, block: float, owner: str) -> None:
             *op_p(fenced_update),
             update_cost,
             "plain update (time)",
-            "<= 1.3x",
-            update_cost <= 1.3,
+            f"<= {UPDATE_TARGET}x",
+            update_cost <= UPDATE_TARGET,
             f"{update_statements['fenced']} vs {update_statements['plain']} statements; one lease key; p50 ratio "
             f"{fenced_update.p('op', 0.5) / plain_update.p('op', 0.5):.2f}x",
         )
@@ -270,13 +273,13 @@ def main() -> None:
     print(f"plain save     {1e3 / p.rate:.3f} ms/save  ({p.rate:.0f}/s), {statements['plain']} statement(s)")
     print(f"fenced save    {1e3 / f.rate:.3f} ms/save  ({f.rate:.0f}/s), {statements['fenced']} statement(s)")
     print(f"unfenced save  {1e3 / u.rate:.3f} ms/save  ({u.rate:.0f}/s), {statements['unfenced']} statement(s)")
-    print(f"fenced / plain = {1 / ratio(f, p):.2f}x time per save (target <= 1.15x)")
+    print(f"fenced / plain = {1 / ratio(f, p):.2f}x time per save (target <= {SAVE_TARGET}x)")
     updates, statements, compact = update_cycles(OWNER)
     series = interleave(updates, rounds, 0.4, before_round=compact)
     p, f = series["plain"], series["fenced"]
     print(f"plain update   {1e3 / p.rate:.3f} ms/update of {UPDATE_ROWS} rows, {statements['plain']} statement(s)")
     print(f"fenced update  {1e3 / f.rate:.3f} ms/update of {UPDATE_ROWS} rows, {statements['fenced']} statement(s)")
-    print(f"fenced / plain = {1 / ratio(f, p):.2f}x time per update (target <= 1.3x)")
+    print(f"fenced / plain = {1 / ratio(f, p):.2f}x time per update (target <= {UPDATE_TARGET}x)")
 
 
 if __name__ == "__main__":
