@@ -80,12 +80,16 @@ def _check_count(call: str, sent: list[str]) -> None:
     assert len(sent) == POINTS[call], (call, len(sent), sent)
 
 
-def _settled(watch: psycopg.Connection[Any], target: str, owner: str) -> None:
-    """Nothing of ``target`` granted to ``owner`` (gone), and no session left idle in a transaction."""
+def _settled(watch: psycopg.Connection[Any], target: str, owner: str, said: str = "") -> None:
+    """Nothing of ``target`` granted to ``owner`` (gone), and no session left idle in a transaction.
+
+    ``said``: what the interrupted process wrote to stderr, shown when a grant is found left, since
+    the settling logs there why it could not release one.
+    """
     row = watch.execute(
         "SELECT owner, expires_at > clock_timestamp() FROM pg_lease_django_lease WHERE key = %s", [target]
     ).fetchone()
-    assert row is None or row[0] != owner or not row[1], row
+    assert row is None or row[0] != owner or not row[1], (row, said)
     idle = watch.execute(
         "SELECT pid, application_name, left(query, 120) FROM pg_stat_activity"
         " WHERE datname = current_database() AND state LIKE 'idle in transaction%%'"
@@ -443,4 +447,4 @@ def test_leases_run_signalled_at_a_statement_leaves_nothing_granted(
         assert code == 128 + signum, (code, run.stderr)
         assert "not run" in run.stderr or "stopped campaigning" in run.stderr, run.stderr
     no_session_left(watch, "pg_lease_django%")
-    _settled(watch, target, "w-run")
+    _settled(watch, target, "w-run", run.stderr)
