@@ -98,6 +98,15 @@ def give_back(node: Node, key: str, epoch: int, owner: str = "holder") -> None:
     ) == [("ok",)]
 
 
+def polls_on(node: Node, key: str) -> bool:
+    """Whether a session on ``node`` last sent a polling waiter's attempt for ``key``: a poller that
+    lost its connection is back only once it has read the key's epoch there and attempted again."""
+    return any(
+        f"'{key}'" in query
+        for (query,) in node.query("SELECT query FROM pg_stat_activity WHERE query LIKE '%%pg_lease_acquire_within%%'")
+    )
+
+
 def row(node: Node, key: str) -> tuple[str, int]:
     """The lease row's owner and epoch on ``node``."""
     ((owner, epoch),) = node.query("SELECT owner, epoch FROM pg_lease_django_lease WHERE key = %s", (key,))
@@ -168,9 +177,13 @@ def test_blocking_waiters_follow_the_promoted_primary_and_are_woken_by_its_relea
 
     def back() -> bool:
         failed.extend(gave_up())
-        return bool(failed) or waiting_sessions(cluster.standby, registering) == expected
+        return bool(failed) or (
+            waiting_sessions(cluster.standby, registering) == expected and polls_on(cluster.standby, polled)
+        )
 
-    poll(back, timeout=30, what="every LISTENing waiter to wait on the promoted server")
+    # The poller too: released before it has read the key's epoch again, it could not tell whether
+    # its lost attempt was granted, and rightly raises OutcomeUnknownError (wait/plan.py).
+    poll(back, timeout=30, what="every waiter to wait on the promoted server")
     assert not failed, f"waiters gave up at the failover: {failed}"
     back_after = time.monotonic() - killed_at
     # The polling waiter carries on too: its attempts reach the promoted server and are refused.
