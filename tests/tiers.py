@@ -53,7 +53,6 @@ NOT_POOLER = {
     "test_history": _SERVER_RULES,
     "test_lease_table_triggers": _SERVER_RULES,
     "test_lease_table_writers": _SERVER_RULES,
-    "test_rules_off_the_hot_path": _SERVER_RULES,
     "test_fence_trigger_version": _SERVER_RULES,
     "test_schema": _SERVER_RULES,
     "test_advance_epochs": _SERVER_RULES,
@@ -73,7 +72,7 @@ SERVER_VERSION = {
     "test_manager", "test_concurrency", "test_schema", "test_validation", "test_fencing", "test_security",
     "test_sql_source", "test_lease_table_triggers", "test_lease_table_writers", "test_fence_trigger_version",
     "test_tenants", "test_health", "test_compat", "test_advance_epochs", "test_prune",
-    "test_durability", "test_tenants_off_path", "test_fence_isolation", "test_rules_off_the_hot_path",
+    "test_durability", "test_tenants_off_path", "test_fence_isolation",
 }  # fmt: skip
 
 _SAME_SQL = "Python paths over the operations the matrix runs on every major: the same statements"

@@ -499,13 +499,12 @@ DECLARE
   first_epoch bigint;
   result @extschema@.pg_lease_attempt;
 BEGIN
-  -- The owner's and the TTL's rules (pg_lease_check_name, pg_lease_ttl) and the key scope, as one
-  -- condition; they raise when it fails. Input first, then the key scope: a bad key is invalid_input
-  -- whoever sends it. A key or an owner is any non-empty text (PostgreSQL's text holds no NUL): what a
-  -- person reads of it is escaped where it is shown (pg_lease_django.display), not refused here. The
-  -- key's own rules are tested only where no row has it (the table's constraints hold every row to
-  -- them): each test here would be compiled for every call (~2,000 instructions a function).
-  IF p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
+  -- The rules of pg_lease_check_name and pg_lease_ttl, and the key scope, as one condition;
+  -- they raise when it fails. Input first, then the key scope: a bad key is invalid_input whoever
+  -- sends it. A key or an owner is any non-empty text (PostgreSQL's text holds no NUL): what a
+  -- person reads of it is escaped where it is shown (pg_lease_django.display), not refused here.
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
      OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
      OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400
      OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
@@ -519,9 +518,6 @@ BEGIN
     -- Look without locking first: refusing a held key takes no row lock and writes no WAL.
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
     IF NOT FOUND THEN
-      IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255 THEN  -- no row has it: is it a key?
-        PERFORM @extschema@.pg_lease_check_name('key', p_key);
-      END IF;
       IF current_setting('synchronous_commit') <> 'on' THEN
         PERFORM set_config('synchronous_commit', 'on', true);
       END IF;
@@ -546,12 +542,11 @@ BEGIN
       EXCEPTION WHEN SQLSTATE 'PLR03' THEN
         NULL;  -- a concurrent acquire inserted the key first: decide on its row below
       END;
-    ELSIF cur.owner <> p_owner THEN  -- (nested: a free row never compiles the status)
-      IF @extschema@.pg_lease_status(cur.owner, cur.expires_at, clock_timestamp()) = 'held' THEN
-        result := ROW(false, p_key, cur.owner, cur.epoch, cur.expires_at, clock_timestamp());
-        RETURN NEXT result;
-        RETURN;
-      END IF;
+    ELSIF @extschema@.pg_lease_status(cur.owner, cur.expires_at, clock_timestamp()) = 'held'
+          AND cur.owner <> p_owner THEN
+      result := ROW(false, p_key, cur.owner, cur.epoch, cur.expires_at, clock_timestamp());
+      RETURN NEXT result;
+      RETURN;
     END IF;
 
     -- Acquirable at the look: one UPDATE in a subtransaction, rolled back when it finds the row taken
@@ -790,12 +785,12 @@ DECLARE
   result @extschema@.pg_lease_renewal;
   cur record;
 BEGIN
-  -- The TTL's rules (pg_lease_ttl) and the key scope, as one condition; the checks raise when it
-  -- fails, inputs first. A key, owner or epoch that breaks an input rule matches no row (the table's
-  -- constraints hold every row to them, and epochs start at 1), so they are checked on the way to a
-  -- refusal, before the verdict: each test here would be compiled for every call (~2,000
-  -- instructions a function). The TTL is written into the row, so it is tested before the UPDATE.
-  IF p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
+  -- The rules of pg_lease_check_name, pg_lease_check_epoch and pg_lease_ttl, and the key scope, as
+  -- one condition.
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
+     OR p_epoch IS NULL OR p_epoch < 1
+     OR p_ttl IS NULL OR extract(month FROM p_ttl) <> 0 OR extract(year FROM p_ttl) <> 0
      OR NOT extract(epoch FROM p_ttl) BETWEEN 0.001 AND 365 * 86400
      OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
     PERFORM @extschema@.pg_lease_check_name('key', p_key);
@@ -817,13 +812,6 @@ BEGIN
       END IF;
       RETURN NEXT result;
       RETURN;
-    END IF;
-    IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
-       OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
-       OR p_epoch IS NULL OR p_epoch < 1 THEN  -- matched no row: the inputs' rules first
-      PERFORM @extschema@.pg_lease_check_name('key', p_key);
-      PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
-      PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
     END IF;
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
     result := ROW(@extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()),
@@ -865,11 +853,10 @@ DECLARE
   cur record;
   last_until timestamptz;
 BEGIN
-  -- Only the key scope before the UPDATE: a key, owner or epoch that breaks an input rule matches no
-  -- row (the table's constraints hold every row to them, and epochs start at 1), so they are checked
-  -- on the way to a refusal, before the verdict, in the same order. Each input test here would be
-  -- compiled for every call (~2,000 instructions a function).
-  IF NOT @extschema@.pg_lease_key_allowed(p_key) THEN
+  IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
+     OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
+     OR p_epoch IS NULL OR p_epoch < 1
+     OR NOT @extschema@.pg_lease_key_allowed(p_key) THEN
     PERFORM @extschema@.pg_lease_check_name('key', p_key);
     PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
     PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
@@ -889,23 +876,14 @@ BEGIN
       -- pg_lease_wake_waiters, inline.
       IF pg_try_advisory_xact_lock(@extschema@.pg_lease_waiter_lock(p_key)) THEN
         DELETE FROM @extschema@."pg_lease_django_waiter" w WHERE w.key = p_key RETURNING w.until INTO last_until;
-        IF FOUND THEN  -- (nested: with nobody waiting, the comparison is never compiled)
-          IF last_until > clock_timestamp() THEN
-            PERFORM pg_notify('pg_lease_django', p_key);
-          END IF;
+        IF last_until > clock_timestamp() THEN
+          PERFORM pg_notify('pg_lease_django', p_key);
         END IF;
       ELSE
         PERFORM pg_notify('pg_lease_django', p_key);
       END IF;
       RETURN NEXT result;
       RETURN;
-    END IF;
-    IF p_key IS NULL OR p_key = '' OR octet_length(p_key) > 255
-       OR p_owner IS NULL OR p_owner = '' OR octet_length(p_owner) > 255
-       OR p_epoch IS NULL OR p_epoch < 1 THEN  -- matched no row: the inputs' rules first
-      PERFORM @extschema@.pg_lease_check_name('key', p_key);
-      PERFORM @extschema@.pg_lease_check_name('owner', p_owner);
-      PERFORM @extschema@.pg_lease_check_epoch(p_epoch);
     END IF;
     SELECT l.owner, l.epoch, l.expires_at INTO cur FROM @extschema@."pg_lease_django_lease" l WHERE l.key = p_key;
     result := ROW(@extschema@.pg_lease_verdict(cur.owner, cur.epoch, cur.expires_at, p_owner, p_epoch, clock_timestamp()),
@@ -1781,11 +1759,17 @@ AS $$
 DECLARE
   now_at pg_catalog.timestamptz;
 BEGIN
-  -- The expressions a statement reaches are compiled for it, each function in them looked up and
-  -- its EXECUTE privilege checked (~2,000 instructions a function): the common cases, a grant and a
-  -- release (a new epoch, the same key), reach the fewest, and a key nobody records one test of
-  -- its flags.
-  IF NEW.epoch OPERATOR(pg_catalog.>) OLD.epoch AND NEW.key OPERATOR(pg_catalog.=) OLD.key THEN
+  IF NEW.key OPERATOR(pg_catalog.<>) OLD.key OR NEW.epoch OPERATOR(pg_catalog.<) OLD.epoch
+     OR (NEW.epoch OPERATOR(pg_catalog.=) OLD.epoch
+         AND ((NEW.owner IS NULL) OPERATOR(pg_catalog.<>) (OLD.owner IS NULL)
+              OR NEW.owner OPERATOR(pg_catalog.<>) OLD.owner)) THEN
+    RAISE EXCEPTION 'lease rows keep their key, and their epoch only grows, with each new owner '
+                    '(lease %: epoch % -> %, owner % -> %)', OLD.key, OLD.epoch, NEW.epoch, OLD.owner, NEW.owner
+      USING ERRCODE = '23514',
+            HINT = 'Use the lease functions (pg_lease_acquire, pg_lease_release, pg_lease_force_release).';
+  END IF;
+
+  IF NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch THEN
     NEW.handoff_requested_at := NULL;
     IF NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
       -- a grant by pg_lease_acquire: expiry = this clock read + the TTL it handed over in released_at
@@ -1795,18 +1779,10 @@ BEGIN
       NEW.acquired_at := now_at;
       NEW.released_at := NULL;
     END IF;
-  ELSIF NEW.key OPERATOR(pg_catalog.<>) OLD.key OR NEW.epoch OPERATOR(pg_catalog.<) OLD.epoch
-        OR (NEW.owner IS NULL) OPERATOR(pg_catalog.<>) (OLD.owner IS NULL) OR NEW.owner OPERATOR(pg_catalog.<>) OLD.owner THEN
-    -- (the epoch did not rise here: a change of owner is a rewrite)
-    RAISE EXCEPTION 'lease rows keep their key, and their epoch only grows, with each new owner '
-                    '(lease %: epoch % -> %, owner % -> %)', OLD.key, OLD.epoch, NEW.epoch, OLD.owner, NEW.owner
-      USING ERRCODE = '23514',
-            HINT = 'Use the lease functions (pg_lease_acquire, pg_lease_release, pg_lease_force_release).';
   END IF;
 
-  -- A marker left (a release's, or either on the same epoch): -infinity is the least timestamptz, so
-  -- LEAST (which skips NULLs and compares with the type's own order, no operator looked up) finds it.
-  IF LEAST(NEW.released_at, NEW.acquired_at) OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
+  IF NEW.released_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz
+     OR NEW.acquired_at OPERATOR(pg_catalog.=) '-infinity'::pg_catalog.timestamptz THEN
     now_at := pg_catalog.clock_timestamp();
     IF OLD.expires_at OPERATOR(pg_catalog.<=) now_at THEN
       RETURN NULL;  -- it lapsed before the row lock was granted: refused, nothing written
@@ -1820,15 +1796,14 @@ BEGIN
     END IF;
   END IF;
 
-  IF NEW.recorded OR OLD.recorded THEN  -- rules 4 and 5 concern recorded rows only
-    IF NEW.recorded AND NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch THEN
-      PERFORM @extschema@.pg_lease_record_tenure('UPDATE'::pg_catalog.text, OLD, NEW);
-    END IF;
-    IF NEW.recorded OPERATOR(pg_catalog.<>) OLD.recorded THEN
-      IF NEW.recorded OPERATOR(pg_catalog.<>) @extschema@.pg_lease_in_history_scope(NEW.key) THEN
-        RAISE EXCEPTION 'lease %: recorded follows the history scope (pg_lease_django_history_scope)', NEW.key
-          USING ERRCODE = '23514', HINT = 'Change the scope (PG_LEASE_HISTORY, then migrate), not the flag.';
-      END IF;
+  IF NEW.epoch OPERATOR(pg_catalog.<>) OLD.epoch AND NEW.recorded THEN
+    PERFORM @extschema@.pg_lease_record_tenure('UPDATE'::pg_catalog.text, OLD, NEW);
+  END IF;
+
+  IF NEW.recorded OPERATOR(pg_catalog.<>) OLD.recorded THEN
+    IF NEW.recorded OPERATOR(pg_catalog.<>) @extschema@.pg_lease_in_history_scope(NEW.key) THEN
+      RAISE EXCEPTION 'lease %: recorded follows the history scope (pg_lease_django_history_scope)', NEW.key
+        USING ERRCODE = '23514', HINT = 'Change the scope (PG_LEASE_HISTORY, then migrate), not the flag.';
     END IF;
   END IF;
   RETURN NEW;
